@@ -1,0 +1,84 @@
+"""Errors a user can cause, each saying what went wrong, where, and how to fix it.
+
+``PipelineError`` carries an optional location (rank, stage, step, micro-batch,
+instruction) that the kernel fills in as the error travels up; ``str()`` puts
+the location first so a log line from any rank is self-explaining.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
+    "TransportError", "TransportTimeout", "UnknownNameError",
+]
+
+_WHERE_FIELDS = ("rank", "stage", "step", "micro_batch", "instruction")
+
+
+class PipelineError(RuntimeError):
+    """Base class. ``hint`` says how to fix the problem."""
+
+    def __init__(self, message: str, *, hint: str | None = None, rank: int | None = None,
+                 stage: int | None = None, step: int | None = None,
+                 micro_batch: int | None = None, instruction: object = None) -> None:
+        self.message = message
+        self.hint = hint
+        self.rank, self.stage, self.step = rank, stage, step
+        self.micro_batch, self.instruction = micro_batch, instruction
+        super().__init__(message)
+
+    def locate(self, **where: object) -> PipelineError:
+        """Fill in location fields that are still unknown; returns ``self``."""
+        for key, value in where.items():
+            if getattr(self, key) is None and value is not None:
+                setattr(self, key, value)
+        return self
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{key.replace('_', '-')} {getattr(self, key)}"
+                          for key in _WHERE_FIELDS if getattr(self, key) is not None)
+        text = f"[{where}] {self.message}" if where else self.message
+        return f"{text}\n  how to fix: {self.hint}" if self.hint else text
+
+    def __reduce__(self):  # keep the location when pickled across processes
+        return (_rebuild, (type(self), self.message, self.hint,
+                           {k: getattr(self, k) for k in _WHERE_FIELDS}))
+
+
+def _rebuild(cls, message, hint, where):
+    err = cls.__new__(cls)
+    PipelineError.__init__(err, message, hint=hint, **where)
+    return err
+
+
+class ConfigError(PipelineError, ValueError):
+    """Invalid configuration: sizes, names, layer lists, partitions."""
+
+
+class UnknownNameError(ConfigError, KeyError):
+    """A transport, schedule, precision or partition name that no plugin provides."""
+
+    __str__ = PipelineError.__str__  # KeyError would quote the message
+
+
+class ScheduleError(PipelineError):
+    """A schedule that deadlocks, mismatches sends and receives, or misuses buffers."""
+
+
+class InstructionError(PipelineError):
+    """An instruction had no handler or its handler failed."""
+
+
+class DataError(PipelineError, ValueError):
+    """The data iterator ran out or yielded something of the wrong structure."""
+
+
+class TransportError(PipelineError):
+    """A transfer or collective failed."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A wait on a peer did not finish within the timeout; ``peer`` names it."""
+
+    def __init__(self, message: str, *, peer: int | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.peer = peer
