@@ -1,0 +1,28 @@
+"""pipekernel: a pipeline-parallel training kernel for PyTorch.
+
+A tiny core runs a pipeline instruction stream; transports, precision,
+partitioning, monitoring and extra schedules are pluggy plugins.
+"""
+from importlib.metadata import PackageNotFoundError, version
+
+from pipekernel.engine import PipelineEngine
+from pipekernel.errors import (ConfigError, DataError, InstructionError, PipelineError,
+                               ScheduleError, TransportError, TransportTimeout, UnknownNameError)
+from pipekernel.hookspecs import hookimpl, hookspec
+from pipekernel.kernel import Kernel
+from pipekernel.launch import RankError, launch
+from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
+from pipekernel.plugin_manager import make_plugin_manager
+from pipekernel.topology import Topology
+
+try:
+    __version__ = version("pipekernel")
+except PackageNotFoundError:  # running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "PipelineEngine", "PipelineModule", "LayerSpec", "TiedLayerSpec", "StageModule", "Kernel",
+    "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
+    "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
+    "TransportTimeout", "UnknownNameError", "RankError", "__version__",
+]

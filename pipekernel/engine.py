@@ -1,0 +1,267 @@
+"""The engine (layer 3): composes module, topology, transport, precision,
+optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.kernel import Kernel
+from pipekernel.module import PipelineModule
+from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
+                                       resolve_schedule)
+from pipekernel.runtime import StageRuntime
+from pipekernel.topology import Topology
+
+__all__ = ["PipelineEngine"]
+
+
+class PipelineEngine:
+    """Train and evaluate a :class:`PipelineModule` with pipeline × data parallelism.
+
+    Every rank of the world constructs the engine with the same arguments.
+
+    :param module: the model as a layer list.
+    :param optimizer: ``factory(params) -> Optimizer`` (preferred: the engine
+        builds it over this stage's parameters) or an optimizer built over
+        ``engine.module.parameters()``; ``None`` for inference only.
+    :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
+    :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
+    :param transport: transport name (entry point of ``pipekernel.transports``).
+    :param precision: precision policy name (``"fp32"``, ...).
+    :param data_parallel_size: replicas; default ``world_size // num_stages``.
+    :param plugins: plugin objects/modules for this engine only.
+    :param timeout: seconds any wait on a peer may take before an error.
+    :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points.
+    :param disable_plugins: entry-point names of plugins not to load.
+    :param transport_options: extra keyword options for the transport.
+    :param precision_options: keyword options for the precision policy.
+    """
+
+    def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
+                 schedule: str = "1f1b", transport: str = "gloo", precision: str = "fp32",
+                 data_parallel_size: int | None = None, plugins: Iterable[Any] = (),
+                 timeout: float = 300.0, autoload_plugins: bool | None = None,
+                 disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
+                 precision_options: dict | None = None, eval_schedule: str = "inference") -> None:
+        if not isinstance(module, PipelineModule):
+            raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
+                              hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        self.pipeline_module, self.micro_batches = module, micro_batches
+        self.pm = make_plugin_manager(plugins, autoload=autoload_plugins, disabled=disable_plugins)
+        self.transport = make_transport(self.pm, transport,
+                                        {"timeout": timeout, **(transport_options or {})})
+        world, rank = self.transport.world_size, self.transport.rank
+        num_stages = module.num_stages or world // (data_parallel_size or 1)
+        self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
+        self.schedule_cls = resolve_schedule(self.pm, schedule)
+        self.eval_schedule_cls = resolve_schedule(self.pm, eval_schedule)
+        self.bounds = module.partition(num_stages, self.pm)
+        self.module = module.build_stage(self.stage, self.bounds).to(self.transport.device)
+        self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
+        self.precision.prepare(self.module)
+        self._make_groups()
+        self._sync_parameters()
+        self.optimizer = self._make_optimizer(optimizer)
+        self.runtime = StageRuntime(self.module, self.topology, self.transport, module.loss_fn,
+                                    self.precision, reduce_tied=self.reduce_tied_grads,
+                                    reduce_grads=self.reduce_grads,
+                                    optimizer_step=self._optimizer_step)
+        handlers = self.runtime.handlers()
+        for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
+            handlers.update(extra or {})
+        self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        self._last_step_taken = True
+        self._steps_cache: dict[Any, tuple[list, int]] = {}
+
+    # -- where this process sits ---------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.topology.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.topology.pipe_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.topology.data_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topology.data_size
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    def is_first_stage(self) -> bool:
+        return self.topology.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        return self.topology.is_last_stage
+
+    # -- set-up ---------------------------------------------------------------
+    def _make_groups(self) -> None:
+        """Create every group on every rank, in the same order (a transport requirement)."""
+        topo, transport = self.topology, self.transport
+        self.data_group = None
+        for ranks in topo.data_groups():
+            group = transport.new_group(ranks) if len(ranks) > 1 else None
+            if topo.rank in ranks:
+                self.data_group, self.data_ranks = group, ranks
+        self.tied_groups: dict[str, tuple[Any, list[int]]] = {}
+        for key, stages in sorted(self.pipeline_module.tied_stages(self.bounds).items()):
+            if len(stages) < 2:
+                continue
+            for ranks in topo.stage_groups(stages):
+                group = transport.new_group(ranks)
+                if topo.rank in ranks:
+                    self.tied_groups[key] = (group, ranks)
+
+    def _sync_parameters(self) -> None:
+        """Make tied copies and replicas start identical (matters when no seed is given)."""
+        with torch.no_grad():
+            for key, (group, ranks) in self.tied_groups.items():
+                for p in self.module.tied_modules[key].parameters():
+                    self.transport.broadcast(p.data, ranks[0], group)
+            if self.topology.data_size > 1:
+                for p in self.module.parameters():
+                    self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
+
+    def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer
+        if callable(optimizer):
+            return optimizer(list(self.module.parameters()))
+        raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",
+                          hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)")
+
+    # -- reductions and the step ------------------------------------------------
+    def reduce_tied_grads(self) -> None:
+        """Sum each tied weight's gradient over the stages that hold it."""
+        for key, (group, _) in self.tied_groups.items():
+            grads = [p.grad for p in self.module.tied_modules[key].parameters()
+                     if p.grad is not None]
+            _reduce_flat(self.transport, grads, group)
+
+    def reduce_grads(self) -> None:
+        """Average gradients over data-parallel replicas (one flat all-reduce)."""
+        if self.topology.data_size == 1:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        _reduce_flat(self.transport, grads, self.data_group, scale=1.0 / self.topology.data_size)
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is None:
+            raise ConfigError("train_batch needs an optimizer",
+                              hint="pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1)")
+        self._last_step_taken = bool(self.precision.step(self.optimizer, self.runtime))
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- the public loop ------------------------------------------------------------
+    def _steps(self, cls: Any) -> tuple[list, int]:
+        if cls not in self._steps_cache:
+            schedule = cls(self.num_stages, self.stage, self.micro_batches)
+            steps = schedule.steps()
+            self._steps_cache[cls] = (steps, schedule.num_buffers())
+        return self._steps_cache[cls]
+
+    def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
+             keep_outputs: bool) -> torch.Tensor | None:
+        steps, num_buffers = self._steps(cls)
+        if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
+            data_iter = iter(data_iter)
+        self.runtime.begin(data_iter, self.micro_batches, num_buffers,
+                           compute_loss=compute_loss, keep_outputs=keep_outputs)
+        self.kernel.run(steps)
+        self.runtime.flush()
+        return self._mean_loss() if compute_loss else None
+
+    def _check_loss_fn(self, what: str) -> None:
+        if self.pipeline_module.loss_fn is None:
+            raise ConfigError(f"{what} needs a loss function on the last stage, and "
+                              "PipelineModule has loss_fn=None",
+                              hint="pass PipelineModule(..., loss_fn=torch.nn.CrossEntropyLoss())",
+                              rank=self.rank, stage=self.stage)
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """Train on ``micro_batches`` micro-batches from ``data_iter`` and step once.
+
+        :returns: the mean loss over micro-batches and replicas, a 0-dim tensor with
+            the same value on every rank.
+        """
+        self._check_loss_fn("train_batch")
+        if not self.schedule_cls.trains:
+            raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
+                              hint="use schedule='1f1b' or 'gpipe'")
+        start = time.perf_counter()
+        self.module.train()
+        loss = self._run(self.schedule_cls, data_iter, True, False)
+        self.global_steps += 1
+        self.skipped_steps += not self._last_step_taken
+        metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
+                   "skipped": not self._last_step_taken}
+        self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
+        return loss  # type: ignore[return-value]
+
+    def eval_batch(self, data_iter: Iterator | None = None, compute_loss: bool = True,
+                   return_outputs: bool = False) -> Any:
+        """Run forward only over ``micro_batches`` micro-batches.
+
+        :returns: the mean loss (same 0-dim tensor on every rank) if
+            ``compute_loss``; with ``return_outputs`` a pair ``(loss, outputs)``
+            where ``outputs`` is the list of last-stage outputs per micro-batch on
+            the last stage and ``None`` elsewhere.
+        """
+        if compute_loss:
+            self._check_loss_fn("eval_batch(compute_loss=True)")
+        self.module.eval()
+        with torch.no_grad():
+            loss = self._run(self.eval_schedule_cls, data_iter, compute_loss, return_outputs)
+        self.module.train()
+        if not return_outputs:
+            return loss
+        outputs = list(self.runtime.outputs) if self.is_last_stage() else None
+        return loss, outputs
+
+    def _mean_loss(self) -> torch.Tensor:
+        losses = self.runtime.losses
+        total = torch.stack(losses).sum() if losses else torch.zeros(())
+        total = total.detach().to(torch.float32).reshape(1).to(self.transport.device)
+        self.transport.all_reduce(total)  # only last stages contribute
+        return (total / (self.micro_batches * self.topology.data_size)).reshape(()).cpu()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "
+                            "forward and backward passes across stages",
+                            hint="call engine.train_batch(data_iter) or engine.eval_batch(data_iter)")
+
+    backward = step = forward
+
+    def close(self) -> None:
+        """Wait for in-flight sends and release the transport."""
+        self.runtime.flush()
+        self.transport.close()
+
+
+def _reduce_flat(transport: Any, grads: list[torch.Tensor], group: Any,
+                 scale: float | None = None) -> None:
+    """All-reduce many tensors as one flat buffer (one message, not one per tensor)."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    transport.all_reduce(flat, "sum", group)
+    if scale is not None:
+        flat.mul_(scale)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

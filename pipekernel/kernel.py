@@ -1,0 +1,89 @@
+"""The instruction loop (layer 1): dispatch each instruction to its handler.
+
+The kernel knows nothing of models, tensors or transports. It owns a dispatch
+table ``{instruction type: handler}`` filled once at construction, calls the
+``pipekernel_before_instruction`` / ``pipekernel_after_instruction`` hooks
+around each handler when a plugin implements them, and turns any failure into
+an error that names the rank, stage, step and instruction.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from pipekernel.errors import InstructionError, PipelineError
+from pipekernel.instructions import Instruction
+
+Handler = Callable[[Instruction], Any]
+
+__all__ = ["Kernel", "Handler"]
+
+
+class Kernel:
+    """Run steps of instructions through a fixed dispatch table.
+
+    :param handlers: ``{instruction class: callable(instruction)}``. Lookup is by
+        exact type first, then along the MRO, so a handler for a base class
+        serves its subclasses.
+    :param hook: a pluggy ``HookRelay`` (``pm.hook``) or ``None``. Only
+        ``pipekernel_before_instruction`` and ``pipekernel_after_instruction``
+        are used, and only if some plugin implements them.
+    :param rank: global rank, for error messages.
+    :param stage: pipeline stage, for error messages and hooks.
+    """
+
+    def __init__(self, handlers: Mapping[type, Handler], *, hook: Any = None,
+                 rank: int | None = None, stage: int | None = None) -> None:
+        self.handlers: Mapping[type, Handler] = MappingProxyType(dict(handlers))
+        self.hook, self.rank, self.stage = hook, rank, stage
+        self.position: tuple[int, Instruction] | None = None  # where the loop is now
+
+    def _handler(self, instruction: Instruction) -> Handler:
+        for cls in type(instruction).__mro__:
+            handler = self.handlers.get(cls)
+            if handler is not None:
+                return handler
+        known = ", ".join(sorted(c.__name__ for c in self.handlers))
+        raise InstructionError(
+            f"no handler for instruction {type(instruction).__name__} ({instruction})",
+            hint=f"register a handler through the pipekernel_register_instructions hook; "
+                 f"handled types: {known}")
+
+    def _hooks(self) -> tuple[Any, Any]:
+        if self.hook is None:
+            return None, None
+        before = self.hook.pipekernel_before_instruction
+        after = self.hook.pipekernel_after_instruction
+        return (before if before.get_hookimpls() else None,
+                after if after.get_hookimpls() else None)
+
+    def run(self, steps: Iterable[Sequence[Instruction]]) -> None:
+        """Execute every instruction of every step, in order."""
+        before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
+        stage = self.stage
+        for step_id, step in enumerate(steps):
+            for instruction in step:
+                self.position = (step_id, instruction)
+                try:
+                    handler = self._handler(instruction)
+                    if before is not None:
+                        before(instruction=instruction, stage=stage)
+                    start = time.perf_counter()
+                    handler(instruction)
+                    if after is not None:
+                        after(instruction=instruction, stage=stage,
+                              seconds=time.perf_counter() - start)
+                except PipelineError as err:
+                    raise err.locate(rank=self.rank, stage=stage, step=step_id,
+                                     micro_batch=getattr(instruction, "micro_batch", None),
+                                     instruction=instruction)
+                except Exception as err:
+                    raise InstructionError(
+                        f"{type(err).__name__} in the handler of {instruction}: {err}",
+                        hint="see the chained traceback above for the failing line",
+                        rank=self.rank, stage=stage, step=step_id,
+                        micro_batch=getattr(instruction, "micro_batch", None),
+                        instruction=instruction) from err
+        self.position = None

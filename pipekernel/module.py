@@ -1,0 +1,201 @@
+"""Describing a model as a list of layers, and building one stage of it.
+
+``LayerSpec`` delays construction so that a stage builds only its own layers;
+``PipelineModule`` holds the list, the loss and the partitioning policy, and
+``build_stage`` makes the :class:`StageModule` one rank trains.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipekernel.errors import ConfigError
+
+__all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
+
+
+class LayerSpec:
+    """A layer to construct later: ``typename(*args, **kwargs)``.
+
+    :param typename: an ``nn.Module`` subclass (or any callable returning a module).
+    """
+
+    def __init__(self, typename: Callable[..., nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not callable(typename):
+            raise ConfigError(f"LayerSpec needs a class or factory, got {typename!r}",
+                              hint="pass the class itself: LayerSpec(nn.Linear, 4, 4)")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        args = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"{type(self).__name__}({getattr(self.typename, '__name__', self.typename)}, " \
+               f"{', '.join(args)})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose parameters are shared by every ``TiedLayerSpec`` with the same ``key``.
+
+    On one stage all occurrences use one module; on different stages each holds
+    a copy, built identically, and their gradients are summed before the step
+    so the copies stay equal (e.g. an embedding reused as the output head).
+
+    :param key: the name that ties occurrences together.
+    :param forward_fn: ``forward_fn(module, x)`` used instead of ``module(x)``
+        at this occurrence (e.g. ``lambda emb, h: h @ emb.weight.T``).
+    """
+
+    def __init__(self, key: str, typename: Callable[..., nn.Module], *args: Any,
+                 forward_fn: Callable[[nn.Module, Any], Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(typename, *args, **kwargs)
+        self.key, self.forward_fn = key, forward_fn
+
+
+class StageModule(nn.Module):
+    """The layers of one stage, chained like ``nn.Sequential``.
+
+    Modules are registered under their *global* layer index, so
+    ``state_dict()`` keys are ``f"{global_index}.{name}"`` whatever the
+    partitioning. A tied module appears under every index where it occurs.
+    """
+
+    def __init__(self, layers: Sequence[tuple[int, Any, Callable | None]],
+                 tied: dict[str, nn.Module], stage: int = 0) -> None:
+        super().__init__()
+        self.stage = stage
+        self._calls: list[tuple[Any, Callable | None]] = []
+        for index, layer, forward_fn in layers:
+            if isinstance(layer, nn.Module):
+                self.add_module(str(index), layer)
+            self._calls.append((layer, forward_fn))
+        self.tied_modules = dict(tied)  # key -> module (not registered twice)
+        self.first_index = layers[0][0] if layers else 0
+
+    def forward(self, x: Any) -> Any:
+        for layer, forward_fn in self._calls:
+            x = layer(x) if forward_fn is None else forward_fn(layer, x)
+        return x
+
+
+class PipelineModule:
+    """A model as a list of layers, split into pipeline stages.
+
+    :param layers: ``LayerSpec``/``TiedLayerSpec``, ``nn.Module`` objects or plain callables.
+    :param loss_fn: ``loss_fn(outputs, labels)`` on the last stage; needed to train.
+    :param num_stages: number of stages; ``None`` lets the engine use the world size
+        divided by the data-parallel size.
+    :param partition: a partition method name (``"parameters"``, ``"uniform"``,
+        ``"type:<regex>"``), explicit boundaries ``[0, b1, ..., len(layers)]``, or
+        anything a partition plugin accepts.
+    :param seed: if set, layer ``i`` is built right after ``torch.manual_seed(seed + i)``
+        (a tied layer with the seed of its first occurrence), so weights do not
+        depend on the partitioning.
+    """
+
+    def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
+                 num_stages: int | None = None, partition: Any = "parameters",
+                 seed: int | None = None) -> None:
+        self.layers = list(layers)
+        if not self.layers:
+            raise ConfigError("PipelineModule got an empty layer list",
+                              hint="pass at least one layer per stage")
+        for i, layer in enumerate(self.layers):
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise ConfigError(f"layer {i} is {layer!r}, which is not a LayerSpec, "
+                                  "nn.Module or callable",
+                                  hint="wrap the layer in LayerSpec(cls, *args)")
+        if num_stages is not None:
+            self._check_stages(num_stages)
+        self.loss_fn, self.num_stages = loss_fn, num_stages
+        self.partition_method, self.seed = partition, seed
+        self._first_tied = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, TiedLayerSpec):
+                self._first_tied.setdefault(layer.key, i)
+
+    def _check_stages(self, num_stages: int) -> None:
+        if num_stages < 1 or num_stages > len(self.layers):
+            raise ConfigError(
+                f"cannot split {len(self.layers)} layers into {num_stages} stages",
+                hint="every stage needs at least one layer: use fewer stages or more layers")
+
+    def _seed_for(self, index: int) -> int | None:
+        if self.seed is None:
+            return None
+        layer = self.layers[index]
+        if isinstance(layer, TiedLayerSpec):
+            index = self._first_tied[layer.key]
+        return self.seed + index
+
+    def build_layer(self, index: int) -> Any:
+        """Construct layer ``index`` (applying the seeding rule)."""
+        layer = self.layers[index]
+        if not isinstance(layer, LayerSpec):
+            return layer
+        seed = self._seed_for(index)
+        if seed is not None:
+            torch.manual_seed(seed)
+        return layer.build()
+
+    def parameter_counts(self) -> list[int]:
+        """Parameters per layer, counted on the meta device (nothing is allocated)."""
+        counts = []
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            for i, layer in enumerate(self.layers):
+                module = layer.build() if isinstance(layer, LayerSpec) else layer
+                counts.append(sum(p.numel() for p in module.parameters())
+                              if isinstance(module, nn.Module) else 0)
+        return counts
+
+    def partition(self, num_stages: int, pm: Any = None) -> list[int]:
+        """Stage boundaries ``[0, ..., len(layers)]`` for ``num_stages`` stages."""
+        self._check_stages(num_stages)
+        if pm is None:
+            from pipekernel.plugin_manager import make_plugin_manager
+            pm = make_plugin_manager()
+        bounds = pm.hook.pipekernel_partition(method=self.partition_method, layers=self.layers,
+                                              num_stages=num_stages)
+        if bounds is None:
+            raise ConfigError(f"no partition plugin understands partition={self.partition_method!r}",
+                              hint="use 'parameters', 'uniform', 'type:<regex>' or explicit "
+                                   "boundaries [0, ..., len(layers)]")
+        bounds = list(bounds)
+        ok = (len(bounds) == num_stages + 1 and bounds[0] == 0 and bounds[-1] == len(self.layers)
+              and all(a < b for a, b in zip(bounds, bounds[1:])))
+        if not ok:
+            raise ConfigError(
+                f"partition {self.partition_method!r} gave boundaries {bounds} for "
+                f"{len(self.layers)} layers and {num_stages} stages",
+                hint=f"boundaries must strictly increase from 0 to {len(self.layers)} "
+                     f"with {num_stages + 1} entries")
+        return bounds
+
+    def build_stage(self, stage: int, bounds: Sequence[int]) -> StageModule:
+        """Construct only the layers of ``stage``."""
+        tied: dict[str, nn.Module] = {}
+        built = []
+        with torch.random.fork_rng(devices=[], enabled=self.seed is not None):
+            for index in range(bounds[stage], bounds[stage + 1]):
+                spec = self.layers[index]
+                if isinstance(spec, TiedLayerSpec):
+                    if spec.key not in tied:
+                        tied[spec.key] = self.build_layer(index)
+                    built.append((index, tied[spec.key], spec.forward_fn))
+                else:
+                    built.append((index, self.build_layer(index), None))
+        return StageModule(built, tied, stage)
+
+    def tied_stages(self, bounds: Sequence[int]) -> dict[str, list[int]]:
+        """``{key: stages holding it}`` for every tied key."""
+        stages: dict[str, list[int]] = {}
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer, TiedLayerSpec):
+                stage = next(s for s in range(len(bounds) - 1) if index < bounds[s + 1])
+                if stage not in stages.setdefault(layer.key, []):
+                    stages[layer.key].append(stage)
+        return stages

@@ -1,0 +1,90 @@
+"""Helpers for testing pipekernel and code built on it.
+
+* :func:`run_ranks` — the one way tests start processes: gloo, free port,
+  per-rank results, a failing rank re-raised with its rank and traceback,
+  everything killed after a timeout.
+* :func:`reference_train` — the parity oracle: the same layers on one process
+  with gradient accumulation.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from pipekernel.launch import launch
+from pipekernel.module import PipelineModule
+
+__all__ = ["run_ranks", "reference_train", "reference_eval", "assert_parity"]
+
+
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 180.0,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` gloo processes (one thread each); results by rank."""
+    return launch(fn, nprocs, args, timeout=timeout, threads=1, env=env)
+
+
+def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any]) -> torch.Tensor:
+    inputs, labels = item
+    return loss_fn(stage(inputs), labels)
+
+
+def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.optim.Optimizer],
+                    batches: Sequence[Sequence[Sequence[Any]]], micro_batches: int,
+                    hook: Callable[[torch.nn.Module], None] | None = None
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train all layers on one process: ``batches[step][replica]`` is a list of
+    ``micro_batches`` items ``(inputs, labels)``; each step accumulates
+    ``loss / (micro_batches * replicas)`` over every replica's micro-batches.
+
+    :param hook: called with the model after backward, before the step (e.g. clipping).
+    :returns: per-step mean losses and the final ``state_dict``.
+    """
+    model = module.build_stage(0, [0, len(module.layers)])
+    opt = optimizer(list(model.parameters()))
+    losses = []
+    for replicas in batches:
+        total = 0.0
+        scale = 1.0 / (micro_batches * len(replicas))
+        for items in replicas:
+            for item in list(items)[:micro_batches]:
+                loss = _forward_loss(model, module.loss_fn, item)
+                (loss * scale).backward()
+                total += loss.item() * scale
+        if hook is not None:
+            hook(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_eval(module: PipelineModule, state: dict[str, torch.Tensor],
+                   items: Sequence[Sequence[Any]]) -> tuple[float, list[Any]]:
+    """Mean loss and outputs of the full model (weights ``state``) over ``items``."""
+    model = module.build_stage(0, [0, len(module.layers)])
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        outputs = [model(inputs) for inputs, _ in items]
+        losses = [module.loss_fn(out, labels).item() for out, (_, labels) in zip(outputs, items)]
+    return sum(losses) / len(losses), outputs
+
+
+def assert_parity(losses: Sequence[float], reference_losses: Sequence[float],
+                  params: dict[str, torch.Tensor], reference_params: dict[str, torch.Tensor],
+                  rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    """Losses equal step by step and every parameter a stage holds equals the reference."""
+    if len(losses) != len(reference_losses):
+        raise AssertionError(f"{len(losses)} losses vs {len(reference_losses)} in the reference")
+    for step, (a, b) in enumerate(zip(losses, reference_losses)):
+        if abs(a - b) > atol + rtol * abs(b):
+            raise AssertionError(f"step {step}: loss {a!r} != reference {b!r}")
+    if not params:
+        raise AssertionError("no parameters to compare")
+    for key, value in params.items():
+        if key not in reference_params:
+            raise AssertionError(f"parameter {key} is not in the reference model")
+        torch.testing.assert_close(value, reference_params[key], rtol=rtol, atol=atol,
+                                   msg=lambda m, key=key: f"parameter {key}: {m}")

@@ -1,0 +1,85 @@
+"""The ``Transport`` protocol: how the stage runtime talks to its peers.
+
+The core never calls ``torch.distributed`` directly; it talks to an object with
+this shape. Transports are selected by name through the
+``pipekernel.transports`` entry-point group and the
+``pipekernel_make_transport`` hook.
+
+Contract for implementers
+-------------------------
+* **Ranks** are global ranks of the world the transport spans; ``rank`` and
+  ``world_size`` describe this process.
+* **Point-to-point** (``isend``/``irecv``) is asynchronous: both return a
+  :class:`Handle` at once. The caller owns the tensor and will not touch it
+  until ``handle.wait()`` returned. Messages between the same pair of ranks
+  arrive in the order they were posted (FIFO per direction).
+* **Dtypes**: every dtype torch has (float, bfloat16, float16, int, bool) must
+  round-trip bit-exactly. A backend that cannot carry a dtype natively converts
+  inside the transport (e.g. a byte view), never in the core.
+* **Collectives** (``all_reduce``, ``broadcast``, ``barrier``) are blocking,
+  in place, and called by every member of ``group`` in the same order.
+  ``group=None`` means the whole world.
+* **Groups** come from ``new_group(ranks)``, which every rank of the world
+  calls with the same arguments in the same order (even ranks outside
+  ``ranks``); it returns an opaque object (``None`` for non-members is fine).
+* **Timeouts**: every wait is bounded by ``timeout`` seconds; a wait that runs
+  out raises :class:`~pipekernel.errors.TransportTimeout` naming the peer
+  (point-to-point) or the group (collectives). A peer that died raises a
+  :class:`~pipekernel.errors.TransportError` no later than the timeout.
+* ``close()`` releases what the transport created (not a process group it
+  found already initialised).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Transport", "Handle"]
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An in-flight point-to-point transfer."""
+
+    def wait(self) -> None:
+        """Block until the transfer finished; raise ``TransportTimeout`` naming the
+        peer if it does not finish within the transport's timeout."""
+
+    def is_completed(self) -> bool:
+        """``True`` once the transfer finished (never blocks)."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """What the stage runtime needs from a communication backend."""
+
+    #: This process's global rank.
+    rank: int
+    #: Number of processes in the world.
+    world_size: int
+    #: Seconds any single wait may take before ``TransportTimeout``.
+    timeout: float
+    #: ``torch.device`` that tensors must live on for this transport.
+    device: Any
+
+    def isend(self, tensor: Any, dst: int) -> Handle:
+        """Start sending ``tensor`` to global rank ``dst``."""
+
+    def irecv(self, tensor: Any, src: int) -> Handle:
+        """Start receiving from global rank ``src`` into ``tensor`` (same shape and dtype
+        as what the peer sends)."""
+
+    def all_reduce(self, tensor: Any, op: str = "sum", group: Any = None) -> None:
+        """Reduce ``tensor`` in place over ``group``; ``op`` is ``"sum"``, ``"max"`` or ``"min"``."""
+
+    def broadcast(self, tensor: Any, src: int, group: Any = None) -> None:
+        """Copy ``tensor`` from global rank ``src`` to every member of ``group``."""
+
+    def barrier(self, group: Any = None) -> None:
+        """Wait until every member of ``group`` reached the barrier."""
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        """Create a group of global ``ranks``; called by every rank in the same order."""
+
+    def close(self) -> None:
+        """Release resources created by this transport."""

@@ -1,0 +1,1 @@
+"""Built-in plugins, published under the ``pipekernel.plugins`` entry-point group."""

@@ -1,0 +1,104 @@
+"""Small models and deterministic data shared by the multi-process tests."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pipekernel as pk
+
+
+def mlp(num_stages=None, partition="parameters", loss=True, depth=8, width=16):
+    layers = [pk.LayerSpec(nn.Linear, 8, width)]
+    for _ in range(depth - 2):
+        layers += [pk.LayerSpec(nn.Linear, width, width), torch.tanh]
+    layers.append(pk.LayerSpec(nn.Linear, width, 4))
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss() if loss else None,
+                             num_stages=num_stages, partition=partition, seed=1234)
+
+
+def mlp_data(step, replica, micro_batches, batch=4):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * replica)
+    return [(torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g))
+            for _ in range(micro_batches)]
+
+
+class MakeMasked(nn.Module):
+    """float -> (float hidden, bool mask, int64 ids): mixed dtypes across the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h, h > 0, (h.detach() * 3).round().long()
+
+
+class UseMasked(nn.Module):
+    """(float, bool, int64) -> same structure; uses the mask and the ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, inputs):
+        h, mask, ids = inputs
+        h = torch.tanh(self.lin(h)) * mask + 0.01 * ids.float()
+        return h, mask, ids
+
+
+def masked(num_stages=None):
+    layers = [pk.LayerSpec(MakeMasked), *[pk.LayerSpec(UseMasked) for _ in range(3)],
+              lambda t: t[0], pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="uniform", seed=7)
+
+
+VOCAB, DIM = 13, 8
+
+
+class Block(nn.Module):
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        return h + torch.tanh(self.lin(h))
+
+
+def _head(embedding, h):
+    return h @ embedding.weight.t()
+
+
+def _token_loss(logits, labels):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def tied_lm(num_stages=None, depth=4):
+    layers = [pk.TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
+              *[pk.LayerSpec(Block) for _ in range(depth)],
+              pk.TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=_head)]
+    return pk.PipelineModule(layers, loss_fn=_token_loss, num_stages=num_stages,
+                             partition="uniform", seed=99)
+
+
+def token_data(step, replica, micro_batches, batch=3, vary=False):
+    g = torch.Generator().manual_seed(7_000 * step + 10 * replica)
+    items = []
+    for m in range(micro_batches):
+        length = 5 + (step + m) % 4 if vary else 6
+        ids = torch.randint(0, VOCAB, (batch, length + 1), generator=g)
+        items.append((ids[:, :-1], ids[:, 1:]))
+    return items
+
+
+MODELS = {"mlp": (mlp, mlp_data), "masked": (masked, mlp_data), "tied": (tied_lm, token_data),
+          "varlen": (tied_lm, lambda s, r, m: token_data(s, r, m, vary=True))}
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.AdamW(params, lr=1e-2)

@@ -1,0 +1,1 @@
+"""Built-in transports, published under the ``pipekernel.transports`` entry-point group."""

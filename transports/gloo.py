@@ -1,0 +1,139 @@
+"""The gloo transport: CPU tensors over ``torch.distributed`` with the gloo backend.
+
+Point-to-point transfers carry a byte view of the tensor, so every dtype
+(bool, bfloat16, complex, ...) round-trips bit-exactly whatever gloo supports
+natively. Waits use ``Work.wait(timeout)`` and become ``TransportTimeout``
+naming the peer.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipekernel.errors import ConfigError, TransportError, TransportTimeout
+
+__all__ = ["TorchDistributedTransport", "GlooTransport"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class _Handle:
+    __slots__ = ("_work", "_transport", "_peer", "_what", "_done")
+
+    def __init__(self, work: Any, transport: TorchDistributedTransport, peer: int, what: str):
+        self._work, self._transport, self._peer, self._what = work, transport, peer, what
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        timeout = self._transport.timeout
+        try:
+            self._work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as err:
+            rank = self._transport.rank
+            if "imed out" in str(err) or "timeout" in str(err).lower():
+                raise TransportTimeout(
+                    f"rank {rank} waited {timeout:g}s to {self._what} rank {self._peer} "
+                    f"and gave up", peer=self._peer, rank=rank,
+                    hint=f"check that rank {self._peer} is alive and runs the same schedule; "
+                         f"raise timeout= if it is just slow") from err
+            raise TransportError(f"rank {rank} failed to {self._what} rank {self._peer}: {err}",
+                                 rank=rank, hint=f"look at rank {self._peer}'s log: it "
+                                                 "probably failed first") from err
+        self._done = True
+
+
+class TorchDistributedTransport:
+    """A ``Transport`` on ``torch.distributed`` (see :mod:`pipekernel.transport`).
+
+    Uses the default process group if one exists; otherwise initialises it from
+    the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and destroys it on ``close()``.
+
+    :param timeout: seconds for every wait (point-to-point and collectives).
+    """
+
+    backend = "gloo"
+
+    def __init__(self, timeout: float = 300.0, **options: Any) -> None:
+        if options:
+            raise ConfigError(f"unknown {self.backend} transport options: {sorted(options)}",
+                              hint="supported options: timeout")
+        self.timeout = float(timeout)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            missing = [name for name in _ENV if name not in os.environ]
+            if missing:
+                raise ConfigError(
+                    f"no process group exists and the environment lacks {', '.join(missing)}",
+                    hint="start the processes with torchrun or pipekernel.launch(), or call "
+                         "torch.distributed.init_process_group() before creating the engine")
+            dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=timeout),
+                                    **self._init_options())
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = self._device()
+
+    def _init_options(self) -> dict[str, Any]:
+        return {}
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @staticmethod
+    def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise TransportError("point-to-point tensors must be contiguous",
+                                 hint="call .contiguous() before sending")
+        return tensor.reshape(-1).view(torch.uint8) if tensor.dim() else \
+            tensor.reshape(1).view(torch.uint8)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> _Handle:
+        return _Handle(dist.isend(self._bytes(tensor), dst), self, dst, "send to")
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> _Handle:
+        return _Handle(dist.irecv(self._bytes(tensor), src), self, src, "receive from")
+
+    def _collective(self, what: str, group: Any, fn, *args, **kwargs) -> None:
+        try:
+            fn(*args, group=group, **kwargs)
+        except RuntimeError as err:
+            ranks = dist.get_process_group_ranks(group) if group is not None else "all ranks"
+            raise TransportError(f"{what} over {ranks} failed on rank {self.rank}: {err}",
+                                 rank=self.rank, hint="a peer in the group probably failed or "
+                                 "timed out first; look at its log") from err
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
+        self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
+        self._collective("broadcast", group, dist.broadcast, tensor, src)
+
+    def barrier(self, group: Any = None) -> None:
+        self._collective("barrier", group, dist.barrier)
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        ranks = sorted(ranks)
+        if len(ranks) == self.world_size:
+            return None  # the world itself
+        return dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout))
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+class GlooTransport(TorchDistributedTransport):
+    """CPU transport over gloo: the embedded default."""
+
+    backend = "gloo"
