@@ -474,7 +474,8 @@ class Monitor:
     def dump_positions(self, file: Any = None, filename: str | None = None) -> str:
         """Format every rank's position, print it to ``file`` (stderr by default) and
         write it to ``out_dir/positions-rank{R}.txt`` (or ``filename``); returns the text."""
-        text = format_positions(self.positions(), seen_from=self.rank)
+        text = format_positions(self.positions(), seen_from=self.rank,
+                                world_size=self.world_size)
         print(text, file=file or sys.stderr, flush=True)
         path = os.path.join(self.out_dir, filename or f"positions-rank{self.rank}.txt")
         try:
@@ -490,7 +491,8 @@ class Monitor:
         if not isinstance(error, TransportError):
             return
         self._publish()
-        text = format_positions(self.positions(), seen_from=self.rank)
+        text = format_positions(self.positions(), seen_from=self.rank,
+                                world_size=self.world_size)
         error.add_detail(text)
         try:
             with open(os.path.join(self.out_dir, f"hang-rank{self.rank}.txt"), "w") as f:
@@ -618,7 +620,8 @@ def format_positions(positions: Mapping[int, Mapping[str, Any]], seen_from: int 
     if world_size is not None:
         missing = sorted(set(range(world_size)) - set(positions))
         if missing:
-            lines.append(f"  ranks {missing}: no position published (not started or no monitor)")
+            lines.append(f"  ranks {missing}: no position available (the store went away with "
+                         "a failed rank, or that rank has no monitor)")
     return "\n".join(lines)
 
 
