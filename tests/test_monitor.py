@@ -206,8 +206,11 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     _, _, paths = _single(tmp_path, ("wandb",))
-    runs = [d for d in os.listdir(paths["wandb"] + "/wandb") if d.startswith("offline-run")]
-    assert runs, "wandb wrote no offline run"
+    root = os.path.join(paths["wandb"], "wandb")
+    runs = [d for d in os.listdir(root) if d.startswith("offline-run")]
+    assert len(runs) == 1, "wandb wrote no offline run"
+    logs = [f for f in os.listdir(os.path.join(root, runs[0])) if f.endswith(".wandb")]
+    assert logs and os.path.getsize(os.path.join(root, runs[0], logs[0])) > 0
 
 
 def test_sink_names_and_entry_points():
@@ -378,3 +381,42 @@ def test_format_positions_reports_missing_and_stale_ranks():
                                  "updated": now - 3}}, seen_from=0, world_size=2)
     assert "train step 4, schedule step 2, RECV_B1 (RecvGrad) waiting for 12.0s" in text
     assert "as of 3.0s ago" in text and "ranks [1]: no position available" in text
+
+
+class SkipEvenSteps:
+    """A precision policy plugin that skips every second optimizer step (like fp16 overflow)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    @pk.hookimpl
+    def pipekernel_make_precision(self, name):
+        return self if name == "skip-even" else None
+
+    def prepare(self, module):
+        pass
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self, optimizer, runtime):
+        self.calls += 1
+        if self.calls % 2:
+            optimizer.step()
+        return bool(self.calls % 2)
+
+
+def skipped_worker(out_dir):
+    mon = Monitor(out_dir=out_dir, sinks=("jsonl",), heartbeat=0, warmup_steps=0)
+    engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=sgd, micro_batches=2,
+                               precision="skip-even", plugins=[SkipEvenSteps(), mon])
+    for step in range(4):
+        engine.train_batch(iter(mlp_data(step, 0, 2)))
+    engine.close()
+    with open(mon.paths["jsonl"]) as f:
+        return [json.loads(line)["skipped"] for line in f], mon.stage_summary()["skipped_steps"]
+
+
+def test_skipped_steps_are_reported(tmp_path):
+    skipped, count = run_ranks(skipped_worker, 1, str(tmp_path))[0]
+    assert skipped == [False, True, False, True] and count == 2
