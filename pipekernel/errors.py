@@ -39,14 +39,14 @@ class PipelineError(RuntimeError):
         text = f"[{where}] {self.message}" if where else self.message
         return f"{text}\n  how to fix: {self.hint}" if self.hint else text
 
-    def __reduce__(self):  # keep the location when pickled across processes
-        return (_rebuild, (type(self), self.message, self.hint,
-                           {k: getattr(self, k) for k in _WHERE_FIELDS}))
+    def __reduce__(self):  # keep location and extra fields when pickled across processes
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
 
-def _rebuild(cls, message, hint, where):
-    err = cls.__new__(cls)
-    PipelineError.__init__(err, message, hint=hint, **where)
+def _rebuild(cls, message, state):
+    err = cls.__new__(cls, message)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
     return err
 
 
@@ -76,7 +76,7 @@ class TransportError(PipelineError):
     """A transfer or collective failed."""
 
 
-class TransportTimeout(TransportError, TimeoutError):
+class TransportTimeout(TransportError):
     """A wait on a peer did not finish within the timeout; ``peer`` names it."""
 
     def __init__(self, message: str, *, peer: int | None = None, **kwargs) -> None:
