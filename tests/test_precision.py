@@ -1,10 +1,12 @@
 """Precision policies: bf16/fp16 with fp32 masters, fp16 loss scaling agreed by every
 rank, global gradient clipping, amp-bf16, a third-party policy, bytes on the wire.
 
-Tolerances (stated once, used below): after 20 steps of the 8-layer MLP with SGD,
-``bf16`` stays within 3e-2 (loss, relative) and 3e-2 (parameters, absolute) of the
-fp32 single-process reference, ``fp16`` within 3e-3 — bf16 keeps 8 mantissa bits,
-fp16 keeps 11, and both accumulate gradients and step in fp32.
+Tolerances (stated once in ``TOLERANCE``: loss relative, parameters absolute): after
+20 steps of the 8-layer MLP with SGD, ``bf16`` stays within 5e-3 of the fp32
+single-process reference and ``fp16`` within 5e-4 (about 10x what was measured:
+6e-4 and 5e-5) — bf16 keeps 8 mantissa bits, fp16 11, and both accumulate
+gradients and step in fp32. ``amp-bf16``: 5e-3 (measured 3e-4 after 10 steps);
+the LayerNorm-in-fp32 example: 1e-2 (measured 2e-3).
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from pipekernel.plugins.precision import FP16, LossScaler, LowPrecision
 from pipekernel.precision import Precision
 from pipekernel.testing import reference_train, run_ranks
 
-TOLERANCE = {"bf16": (3e-2, 3e-2), "fp16": (3e-3, 3e-3), "amp-bf16": (3e-2, 3e-2),
-             "bf16-ln32": (3e-2, 3e-2), "fp32": (1e-5, 1e-5)}
+TOLERANCE = {"bf16": (5e-3, 5e-3), "fp16": (5e-4, 5e-4), "amp-bf16": (5e-3, 5e-3),
+             "bf16-ln32": (1e-2, 1e-2), "fp32": (1e-5, 1e-5)}
 
 
 # -- test plugins ------------------------------------------------------------------
