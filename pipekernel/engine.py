@@ -159,8 +159,9 @@ class PipelineEngine:
             given = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not given <= {id(p) for p in params}:
                 raise ConfigError(
-                    f"the optimizer was built over tensors that precision "
-                    f"{self.precision.name!r} does not step (it keeps fp32 master weights)",
+                    f"the optimizer was built over tensors that stage {self.stage} does not "
+                    f"train with precision {self.precision.name!r} (low-precision policies "
+                    f"step fp32 master copies, made when the engine starts)",
                     hint="pass a factory: optimizer=lambda params: torch.optim.AdamW(params, ...)",
                     rank=self.rank, stage=self.stage)
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
@@ -221,12 +222,10 @@ class PipelineEngine:
             return 0.0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
-        total = torch.zeros((), dtype=torch.float64)
-        for p in self.module.parameters():
-            grad = self.precision.master(p).grad
-            if grad is not None and id(p) not in not_owner:
-                total += grad.detach().double().pow(2).sum().cpu()
-        return float(total)
+        squares = [grad.detach().double().pow(2).sum() for p in self.module.parameters()
+                   if (grad := self.precision.master(p).grad) is not None
+                   and id(p) not in not_owner]
+        return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
 
     def _clip(self, params: list[torch.Tensor], norm: float) -> None:
         coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_

@@ -188,12 +188,14 @@ class FP16(LowPrecision):
 
     def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
         grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return False
         inv = 1.0 / self.scaler.scale
-        found = False
+        bad = []
         for g in grads:
             g.mul_(inv)
-            found = found or not bool(torch.isfinite(g).all())
-        return found
+            bad.append(~torch.isfinite(g).all())
+        return bool(torch.stack(bad).any())  # one device sync, not one per tensor
 
     def update(self, skipped: bool) -> None:
         self.scaler.update(skipped)

@@ -195,6 +195,11 @@ def test_low_precision_parity_masters_and_wire_bytes(precision, dtype):
 
 # -- fp16: one overflow anywhere skips the step everywhere --------------------------------
 def overflow_worker(k, bad_rank, steps):
+    layers = [nn.Linear(8, 4), nn.Linear(4, 4)]  # modules, so the stages use these objects
+    module = pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=2)
+    with pytest.raises(ConfigError, match="fp32 master copies"):
+        pk.PipelineEngine(module, optimizer=torch.optim.SGD(layers[0].parameters(), lr=0.1),
+                          precision="bf16", timeout=60)
     metrics, inject = Metrics(), InjectInf(k, bad_rank)
     engine = _engine("mlp", 2, 2, 2, "fp16", transport="gloo", plugins=[metrics, inject],
                      options={"init_scale": 2.0 ** 10, "growth_interval": 3},
