@@ -54,9 +54,17 @@ def pipekernel_make_precision(name: str, options: Mapping[str, Any]) -> Any | No
     :param name: the precision the user selected.
     :param options: keyword options for the policy.
     :returns: a precision policy (see :class:`pipekernel.precision.Precision`)
-        or ``None`` if this plugin does not provide ``name``.
+        or ``None`` if this plugin does not provide ``name``. The engine checks
+        that it has every method of the protocol.
 
     Stops at the first non-``None`` result.
+
+    Use in plugins
+    ==============
+    Subclass :class:`pipekernel.precision.Precision` (or a built-in policy from
+    ``pipekernel.plugins.precision``) and return an instance for your name. The
+    built-in implementation (``trylast``) provides ``fp32``, ``bf16``, ``fp16``
+    and ``amp-bf16``, so a plugin may also override one of those names.
     """
 
 
