@@ -34,7 +34,8 @@ What it measures, per training step and per rank (hooks
   ``samples_per_s``/``tokens_per_s``;
 * ``peak_memory_mb``: CUDA max allocated during the step on a GPU, the process's
   peak RSS on CPU;
-* the loss and whether the optimizer step was ``skipped`` (fp16 overflow).
+* the loss and whether the optimizer step was ``skipped`` (fp16 overflow), and
+  the other numbers the engine reports for the step (e.g. ``loss_scale``; rank 0's).
 
 Hang diagnostics: every rank publishes its position in the schedule (train
 step, schedule step, instruction, running or waiting and for how long) to the
@@ -234,6 +235,10 @@ class Monitor:
         mine = self._step_numbers(events, end, step)
         mine["loss"] = float(loss) if loss is not None else float("nan")
         mine["skipped"] = bool(metrics.get("skipped", False))
+        # other numbers the engine reports for the step (e.g. the precision's loss_scale)
+        mine["extra"] = {k: v for k, v in metrics.items()
+                         if k not in ("step", "seconds", "skipped")
+                         and isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.history.append(mine)
         self._keep_trace(events, step)
         if self.sinks:  # every rank knows the same sink list, so all join or none do
@@ -307,6 +312,7 @@ class Monitor:
             "bubble_fraction": sum(r["bubble_fraction"] for r in ranks) / len(ranks),
             "wait_fraction": sum(r["wait_fraction"] for r in ranks) / len(ranks),
             "peak_memory_mb": max(memory) if memory else None,
+            **mine["extra"],
             "ranks": ranks,
         }
 

@@ -383,40 +383,25 @@ def test_format_positions_reports_missing_and_stale_ranks():
     assert "as of 3.0s ago" in text and "ranks [1]: no position available" in text
 
 
-class SkipEvenSteps:
-    """A precision policy plugin that skips every second optimizer step (like fp16 overflow)."""
-
-    def __init__(self):
-        self.calls = 0
-
-    @pk.hookimpl
-    def pipekernel_make_precision(self, name):
-        return self if name == "skip-even" else None
-
-    def prepare(self, module):
-        pass
-
-    def scale_loss(self, loss):
-        return loss
-
-    def step(self, optimizer, runtime):
-        self.calls += 1
-        if self.calls % 2:
-            optimizer.step()
-        return bool(self.calls % 2)
-
-
 def skipped_worker(out_dir):
+    # fp16 with a loss scale far too large: the first steps overflow and are skipped
+    # while the scale backs off, then steps are taken
     mon = Monitor(out_dir=out_dir, sinks=("jsonl",), heartbeat=0, warmup_steps=0)
     engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=sgd, micro_batches=2,
-                               precision="skip-even", plugins=[SkipEvenSteps(), mon])
-    for step in range(4):
+                               precision="fp16", precision_options={"init_scale": 2.0 ** 20},
+                               plugins=[mon])
+    for step in range(8):
         engine.train_batch(iter(mlp_data(step, 0, 2)))
     engine.close()
     with open(mon.paths["jsonl"]) as f:
-        return [json.loads(line)["skipped"] for line in f], mon.stage_summary()["skipped_steps"]
+        records = [json.loads(line) for line in f]
+    return records, mon.stage_summary()["skipped_steps"], engine.skipped_steps
 
 
-def test_skipped_steps_are_reported(tmp_path):
-    skipped, count = run_ranks(skipped_worker, 1, str(tmp_path))[0]
-    assert skipped == [False, True, False, True] and count == 2
+def test_skipped_steps_and_precision_metrics_are_reported(tmp_path):
+    records, count, engine_count = run_ranks(skipped_worker, 1, str(tmp_path))[0]
+    skipped = [r["skipped"] for r in records]
+    assert skipped[0] and not all(skipped), skipped
+    assert sum(skipped) == count == engine_count
+    scales = [r["loss_scale"] for r in records]  # extra metrics of the step are kept
+    assert scales[1] < scales[0]
