@@ -13,6 +13,8 @@ rank::
     table = mon.gather()            # every rank's summary, on rank 0 (collective)
     mon.close()                     # collective: flush sinks, merge the trace on rank 0
     print(mon.paths)                # {"csv": ..., "jsonl": ..., "trace": ..., "summary": ...}
+    mon.summaries, mon.trace_events # after close(), on rank 0: every rank's summary, the
+                                    # merged Chrome trace events (with a "trace" sink)
 
 What it measures, per training step and per rank (hooks
 ``pipekernel_before/after_instruction`` around each instruction,
@@ -130,6 +132,7 @@ class Monitor:
         self.records: list[dict[str, Any]] = []  # rank 0: merged per-step records
         self.engine: Any = None
         self.summaries: list[dict[str, Any]] | None = None  # set by close() (rank 0)
+        self.trace_events: list[dict[str, Any]] | None = None  # merged trace, after close()
         self.rank, self.world_size, self.stage = 0, 1, 0
         self._closed = False
         # hot-path state
@@ -429,6 +432,7 @@ class Monitor:
         if self.rank != 0:
             return
         trace = self._trace_events(parts) if parts is not None else None
+        self.trace_events = trace
         for sink in self.sinks:
             sink.close(self, trace)
             if getattr(sink, "path", None):

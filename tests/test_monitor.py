@@ -58,6 +58,7 @@ def sinks_worker(out_dir):
              for step in OneFOneB(2, engine.stage, MICRO).steps()]
     return dict(losses=losses, summary=summary, gathered=gathered, paths=dict(mon.paths),
                 console=console.getvalue(), records=custom.records, closed=custom.closed,
+                trace_events=mon.trace_events,
                 schedule=[name for step in steps for name in step], stage=engine.stage)
 
 
@@ -130,6 +131,7 @@ def test_sinks_write_what_they_promise(tmp_path):
     assert r1["gathered"] is None
     assert [s["stage"] for s in r0["gathered"]] == [0, 1]
     assert r0["gathered"][1] == r1["summary"]
+    assert r0["trace_events"] == events and r1["trace_events"] is None
     for key in ("forward_s", "backward_s", "wait_s", "send_s", "other_s", "step_s",
                 "bubble_fraction", "drain_s", "samples_per_s", "tokens_per_s", "peak_memory_mb"):
         assert key in r0["summary"]
@@ -325,6 +327,9 @@ def hang_worker(out_dir, num_stages, stall_s, timeout):
     try:
         engine.train_batch(iter(data))
     except PipelineError as err:
+        # pk.launch hosts the key-value store in rank 0: keep it up until the other
+        # timed-out rank has read the positions (torchrun's agent hosts it instead)
+        time.sleep(1.0 if engine.rank == 0 else 0)
         return dict(text=str(err), type=type(err).__name__, peer=getattr(err, "peer", None),
                     instruction=str(err.instruction), stage=engine.stage)
     return dict(text="", type=None, stage=engine.stage)
