@@ -59,6 +59,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -105,13 +106,16 @@ class Monitor:
     :param dump_signal: signal that dumps every rank's position (``SIGUSR1``
         by default; ``None`` for none). Installed only from the main thread.
     :param sink_options: ``{sink name: {option: value}}`` for sinks given by name.
+    :param keep_steps: how many steps ``history``/``records`` keep in memory (the
+        summaries are running totals over every step).
     """
 
     def __init__(self, out_dir: str = "pipekernel-out", sinks: Iterable[Any] = ("console",),
                  every: int = 10, *, tokens_per_sample: int | Callable[[Any], int] | None = None,
                  warmup_steps: int = 1, trace_max_events: int = 200_000, heartbeat: float = 1.0,
                  dump_signal: int | None = getattr(signal, "SIGUSR1", None),
-                 sink_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 sink_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 keep_steps: int = 10_000) -> None:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"Monitor(every=...) must be an int >= 1, got {every!r}")
         if not (tokens_per_sample is None or callable(tokens_per_sample)
@@ -128,8 +132,12 @@ class Monitor:
                       for s in self.sink_specs]
         self.needs_trace = any(getattr(s, "needs_trace", False) for s in self.sinks)
         self.paths: dict[str, str] = {}
-        self.history: list[dict[str, Any]] = []  # this rank's per-step numbers
-        self.records: list[dict[str, Any]] = []  # rank 0: merged per-step records
+        self.keep_steps = keep_steps
+        #: this rank's numbers of the last ``keep_steps`` steps
+        self.history: deque[dict[str, Any]] = deque(maxlen=keep_steps)
+        #: rank 0: the merged records of the last ``keep_steps`` steps (when sinks are on)
+        self.records: deque[dict[str, Any]] = deque(maxlen=keep_steps)
+        self._all, self._measured = _Totals(), _Totals()
         self.engine: Any = None
         self.summaries: list[dict[str, Any]] | None = None  # set by close() (rank 0)
         self.trace_events: list[dict[str, Any]] | None = None  # merged trace, after close()
@@ -232,7 +240,10 @@ class Monitor:
     @hookimpl
     def pipekernel_after_train_batch(self, engine: Any, loss: Any, metrics: Mapping) -> None:
         end = time.perf_counter()
-        step = int(metrics.get("step", len(self.history) + 1))
+        if self._closed:  # sinks are closed; a new Monitor sees later steps
+            self._events = []
+            return
+        step = int(metrics.get("step", self._all.steps + 1))
         events, self._events = self._events, []
         self._in_train = False
         mine = self._step_numbers(events, end, step)
@@ -243,6 +254,9 @@ class Monitor:
                          if k not in ("step", "seconds", "skipped")
                          and isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.history.append(mine)
+        self._all.add(mine)
+        if self._all.steps > self.warmup_steps:
+            self._measured.add(mine)
         self._keep_trace(events, step)
         if self.sinks:  # every rank knows the same sink list, so all join or none do
             rows = self._gather_step(mine)
@@ -330,23 +344,14 @@ class Monitor:
         ``wait_fraction``, ``samples``, ``tokens``, ``samples_per_s`` and
         ``tokens_per_s`` (this rank's inputs: zero except on first stages),
         ``peak_memory_mb``, ``skipped_steps``, ``instructions`` (seconds per
-        instruction class) and ``losses``.
+        instruction class) and ``losses`` (of the last ``keep_steps`` steps).
+        Totals are running sums: memory does not grow with the number of steps.
         """
-        steps = self.history
-        if len(steps) > self.warmup_steps:
-            steps = steps[self.warmup_steps:]
-        numbers = dict.fromkeys(_VECTOR, 0.0)
-        classes = dict.fromkeys(getattr(self, "_classes", ()), 0.0)
-        for h in steps:
-            for key in _VECTOR:
-                numbers[key] += h[key]
-            for cls, seconds in h["instructions"].items():
-                classes[cls] += seconds
-        numbers["peak_memory_mb"] = max((h["peak_memory_mb"] for h in steps), default=0.0)
+        totals = self._measured if self._measured.steps else self._all
         data, stage = (self.topology.data_rank, self.stage) if self.engine else (0, 0)
-        summary = _derive(self.rank, stage, data, numbers, classes)
-        summary.update(steps=len(steps), skipped_steps=sum(h["skipped"] for h in steps),
-                       losses=[h["loss"] for h in steps])
+        summary = _derive(self.rank, stage, data, totals.numbers, totals.classes)
+        summary.update(steps=totals.steps, skipped_steps=totals.skipped,
+                       losses=[h["loss"] for h in self.history])
         return summary
 
     def gather(self) -> list[dict[str, Any]] | None:
@@ -588,6 +593,26 @@ class Monitor:
             finally:
                 os.close(self._wake_r), os.close(self._wake_w)
                 self._wake_r = self._wake_w = None
+
+
+class _Totals:
+    """Running sums of a rank's per-step numbers."""
+
+    def __init__(self) -> None:
+        self.numbers = dict.fromkeys(_VECTOR, 0.0)
+        self.classes: dict[str, float] = {}
+        self.steps = self.skipped = 0
+
+    def add(self, step: Mapping[str, Any]) -> None:
+        for key in _VECTOR:
+            if key == "peak_memory_mb":
+                self.numbers[key] = max(self.numbers[key], step[key])
+            else:
+                self.numbers[key] += step[key]
+        for cls, seconds in step["instructions"].items():
+            self.classes[cls] = self.classes.get(cls, 0.0) + seconds
+        self.steps += 1
+        self.skipped += bool(step["skipped"])
 
 
 def _derive(rank: int, stage: int, data: int, numbers: Mapping[str, float],
