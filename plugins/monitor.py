@@ -50,6 +50,7 @@ while it is blocked in a receive.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -175,23 +176,34 @@ class Monitor:
         self._class_index = {name: i for i, name in enumerate(self._classes)}
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
         os.makedirs(self.out_dir, exist_ok=True)
-        if self.world_size > 1:
-            # one id for this monitor's keys, and aligned clocks: every rank leaves the
-            # barrier at about the same time, so traces from all ranks line up
-            import torch
-            run = torch.zeros(1, dtype=torch.int64, device=engine.transport.device)
-            if self.rank == 0:
-                run += int.from_bytes(os.urandom(6), "little")
-            engine.transport.broadcast(run, 0)
-            self._key = f"pipekernel/monitor/{int(run.item())}"
-            engine.transport.barrier()
         self._epoch = time.perf_counter()
-        self._wall_epoch = time.time()
+        if self.world_size > 1:
+            self._align(engine.transport)
         if self.rank == 0:
             for sink in self.sinks:
                 sink.open(self)
         if self.heartbeat and self.heartbeat > 0:
             self._start_positions()
+
+    def _align(self, transport: Any) -> None:
+        """Agree on a key prefix and a common time zero for the trace.
+
+        Every rank leaves a barrier, then rank 0 broadcasts its wall clock and host.
+        Ranks on rank 0's host share its clock exactly, so they convert through it;
+        ranks on other hosts use the barrier exit as time zero (good to the barrier's
+        skew, whatever their clocks say).
+        """
+        import torch
+
+        transport.barrier()
+        perf, wall = time.perf_counter(), time.time()
+        host = int(hashlib.sha1(socket.gethostname().encode()).hexdigest()[:12], 16)
+        info = torch.tensor([int.from_bytes(os.urandom(6), "little"), wall, host],
+                            dtype=torch.float64, device=transport.device)
+        transport.broadcast(info, 0)
+        key, wall0, host0 = info.tolist()
+        self._key = f"pipekernel/monitor/{int(key)}"
+        self._epoch = perf - (wall - wall0) if host0 == host else perf
 
     # ---------------------------------------------------------------- hot path
     @hookimpl
