@@ -175,11 +175,11 @@ class Monitor:
         self._classes = sorted({cls.__name__ for cls in engine.kernel.handlers})
         self._class_index = {name: i for i, name in enumerate(self._classes)}
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
-        os.makedirs(self.out_dir, exist_ok=True)
         self._epoch = time.perf_counter()
         if self.world_size > 1:
             self._align(engine.transport)
-        if self.rank == 0:
+        if self.rank == 0 and self.sinks:
+            os.makedirs(self.out_dir, exist_ok=True)  # only where files are written
             for sink in self.sinks:
                 sink.open(self)
         if self.heartbeat and self.heartbeat > 0:
@@ -426,7 +426,8 @@ class Monitor:
         self.close()
 
     def close(self) -> None:
-        """Flush the sinks; on rank 0 merge the trace and write ``summary.json``.
+        """Flush the sinks; on rank 0 merge the trace and (with any sink) write
+        ``summary.json``: every rank's summary and the partition.
 
         A collective when the world has more than one rank: call it on every
         rank (``engine.close()`` does). Idempotent.
@@ -454,6 +455,8 @@ class Monitor:
             sink.close(self, trace)
             if getattr(sink, "path", None):
                 self.paths[getattr(sink, "name", type(sink).__name__)] = sink.path
+        if not self.sinks:  # no sinks, no files
+            return
         path = os.path.join(self.out_dir, "summary.json")
         with open(path, "w") as f:
             json.dump({"ranks": summaries, "world_size": self.world_size,
@@ -511,6 +514,7 @@ class Monitor:
         print(text, file=file or sys.stderr, flush=True)
         path = os.path.join(self.out_dir, filename or f"positions-rank{self.rank}.txt")
         try:
+            os.makedirs(self.out_dir, exist_ok=True)
             with open(path, "w") as f:
                 f.write(text + "\n")
             self.paths[f"positions-rank{self.rank}"] = path
@@ -527,6 +531,7 @@ class Monitor:
                                 world_size=self.world_size)
         error.add_detail(text)
         try:
+            os.makedirs(self.out_dir, exist_ok=True)
             with open(os.path.join(self.out_dir, f"hang-rank{self.rank}.txt"), "w") as f:
                 f.write(str(error) + "\n")
         except OSError:
