@@ -9,7 +9,8 @@ Order of registration (pluggy calls the last registered first):
 4. the ``plugins=[...]`` passed to the engine.
 
 So a user plugin overrides an installed one, which overrides a default.
-Any of 2.–4. can be disabled by name (``disabled=`` or the comma-separated
+An entry point names a module or a class; a class is instantiated once per
+manager, so its state belongs to one engine. Any of 2.–4. can be disabled by name (``disabled=`` or the comma-separated
 ``PIPEKERNEL_DISABLE_PLUGINS``); a disabled plugin is never imported.
 """
 from __future__ import annotations
@@ -143,7 +144,10 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
               ([ep for ep in eps if not _is_builtin(ep)] if autoload else [])
     for ep in ordered:
         if not pm.is_blocked(ep.name) and not pm.has_plugin(ep.name):
-            _register(pm, ep.load(), ep.name, distribution_of(ep))
+            plugin = ep.load()
+            if isinstance(plugin, type):  # a class: one instance per manager, so per engine
+                plugin = plugin()
+            _register(pm, plugin, ep.name, distribution_of(ep))
     for plugin in plugins:
         _register(pm, plugin, plugin_name(pm, plugin), ("", ""))
     try:
