@@ -90,3 +90,42 @@ def test_pipekernel_plugins_text_and_disable():
     assert "transports:\n  gloo" in text
     assert "[disabled]" in text.split("plugins:")[1].split("schedules:")[0]
     assert "precisions: none" in text
+
+
+def subgroup_tied_worker():
+    import torch.distributed as dist
+    from models import adam, tied_lm, token_data
+
+    from pipekernel.errors import ConfigError
+
+    dist.init_process_group("gloo")
+    group = dist.new_group([1, 2, 3])
+    if dist.get_rank() == 0:
+        try:
+            GlooTransport(group=group)
+        except ConfigError as err:
+            return str(err)
+        return "no error"
+    engine = pk.PipelineEngine(tied_lm(num_stages=3), optimizer=adam, micro_batches=3,
+                               transport_options={"group": group}, timeout=60)
+    losses = [engine.train_batch(iter(token_data(s, 0, 3))).item() for s in range(3)]
+    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    out = (losses, state, engine.stage, engine.transport.describe(engine.rank),
+           sorted(engine.tied_groups))
+    engine.close()
+    return out
+
+
+def test_gloo_on_a_subgroup_trains_tied_layers_with_parity():
+    from models import adam, tied_lm, token_data
+
+    from pipekernel.testing import assert_parity, reference_train, run_ranks
+
+    outside, *ranks = run_ranks(subgroup_tied_worker, 4)
+    assert "global rank 0 is not a member of the group [1, 2, 3]" in outside
+    ref_losses, ref_state = reference_train(tied_lm(), adam,
+                                            [[token_data(s, 0, 3)] for s in range(3)], 3)
+    for losses, state, stage, where, tied in ranks:
+        assert_parity(losses, ref_losses, state, ref_state)
+        assert where == f"rank {stage} (global rank {stage + 1})"
+        assert tied == (["embed"] if stage in (0, 2) else [])  # a group inside the subgroup
