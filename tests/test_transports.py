@@ -100,12 +100,15 @@ def subgroup_tied_worker():
 
     dist.init_process_group("gloo")
     group = dist.new_group([1, 2, 3])
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # outside the pipeline; it hosts the store, so it waits
         try:
             GlooTransport(group=group)
         except ConfigError as err:
-            return str(err)
-        return "no error"
+            out = str(err)
+        else:
+            out = "no error"
+        dist.barrier()
+        return out
     engine = pk.PipelineEngine(tied_lm(num_stages=3), optimizer=adam, micro_batches=3,
                                transport_options={"group": group}, timeout=60)
     losses = [engine.train_batch(iter(token_data(s, 0, 3))).item() for s in range(3)]
@@ -113,6 +116,7 @@ def subgroup_tied_worker():
     out = (losses, state, engine.stage, engine.transport.describe(engine.rank),
            sorted(engine.tied_groups))
     engine.close()
+    dist.barrier()
     return out
 
 
