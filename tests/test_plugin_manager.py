@@ -137,3 +137,9 @@ def test_auto_transport_follows_cuda(monkeypatch):
 def test_nccl_without_cuda_says_so():
     with pytest.raises(ConfigError, match="needs CUDA"):
         make_transport(make_plugin_manager(), "nccl", {"timeout": 1})
+
+
+def test_the_same_plugin_object_twice_is_a_config_error():
+    recorder = Recorder("twice")
+    with pytest.raises(ConfigError, match="registered twice"):
+        make_plugin_manager([recorder, recorder], autoload=False)
