@@ -143,3 +143,24 @@ def test_the_same_plugin_object_twice_is_a_config_error():
     recorder = Recorder("twice")
     with pytest.raises(ConfigError, match="registered twice"):
         make_plugin_manager([recorder, recorder], autoload=False)
+
+
+def test_a_plugin_that_fails_to_import_is_named_and_listing_goes_on(monkeypatch):
+    import importlib.metadata
+
+    from pipekernel.inventory import inventory
+
+    broken = importlib.metadata.EntryPoint(name="broken", value="no_such_module_xyz:Plugin",
+                                           group=pmod.PLUGINS_GROUP)
+    real = pmod.entry_points
+    monkeypatch.setattr(pmod, "entry_points", lambda group: real(group) + (
+        [broken] if group == pmod.PLUGINS_GROUP else []))
+    with pytest.raises(pmod.PluginLoadError) as err:
+        make_plugin_manager()
+    assert err.value.plugin == "broken" and "no_such_module_xyz" in str(err.value)
+    assert "PIPEKERNEL_DISABLE_PLUGINS=broken" in err.value.hint
+    assert make_plugin_manager(disabled=["broken"]).get_plugin("precision") is not None
+    monkeypatch.setattr("pipekernel.inventory.entry_points", pmod.entry_points)
+    status = {e.name: e.status for e in inventory()["plugins"]}
+    assert status["broken"].startswith("failed to load: ModuleNotFoundError")
+    assert status["precision"] == ""
