@@ -164,3 +164,20 @@ def test_a_plugin_that_fails_to_import_is_named_and_listing_goes_on(monkeypatch)
     status = {e.name: e.status for e in inventory()["plugins"]}
     assert status["broken"].startswith("failed to load: ModuleNotFoundError")
     assert status["precision"] == ""
+
+
+def test_installed_plugins_load_after_the_defaults_and_override_them(monkeypatch):
+    import importlib.metadata
+
+    # sorts before "partition"/"precision" by name, yet must be registered after them
+    installed = importlib.metadata.EntryPoint(
+        name="aaa_override", value="plugins_for_tests:FP32Override", group=pmod.PLUGINS_GROUP)
+    real = pmod.entry_points
+    monkeypatch.setattr(pmod, "entry_points", lambda group: sorted(
+        real(group) + ([installed] if group == pmod.PLUGINS_GROUP else []),
+        key=lambda ep: ep.name))
+    pm = make_plugin_manager()
+    order = [name for name, _ in pm.list_name_plugin()]  # registration order
+    assert order.index("aaa_override") > order.index("precision")
+    assert make_precision(pm, "fp32", {}) == "overridden fp32"
+    assert type(make_precision(make_plugin_manager(autoload=False), "fp32", {})).__name__ == "FP32"
