@@ -181,3 +181,18 @@ def test_installed_plugins_load_after_the_defaults_and_override_them(monkeypatch
     assert order.index("aaa_override") > order.index("precision")
     assert make_precision(pm, "fp32", {}) == "overridden fp32"
     assert type(make_precision(make_plugin_manager(autoload=False), "fp32", {})).__name__ == "FP32"
+
+
+def test_the_core_never_imports_plugins_or_transports_by_name():
+    import ast
+    from pathlib import Path
+
+    core = Path(pk.__file__).parent
+    offenders = []
+    for path in core.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.startswith(("pipekernel.plugins", "pipekernel.transports"))]
+    assert offenders == []
