@@ -82,3 +82,9 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) ->
                                   sorted({_layer_name(l) for l in layers})))
         return balance(weights, num_stages)
     return None
+
+
+@hookimpl(trylast=True)
+def pipekernel_list_names(kind: str) -> list[str]:
+    # explicit boundaries ([0, ..., len(layers)]) are accepted too but have no name
+    return ["uniform", "parameters", "type:<regex>"] if kind == "partition" else []
