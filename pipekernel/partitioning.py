@@ -169,7 +169,9 @@ class PartitionReport:
         return _ratio([s.memory_bytes for s in self.stages])
 
     @classmethod
-    def build(cls, module: Any, bounds: Sequence[int], context: PartitionContext) -> PartitionReport:
+    def build(cls, module: Any, bounds: Sequence[int],
+              context: PartitionContext) -> PartitionReport:
+        """The report of ``bounds``, from the estimates a plugin left on ``context``."""
         counts = module.parameter_counts()
         costs, unit = context.layer_costs, context.cost_unit
         if costs is None:  # the plugin gave no cost: parameters are the best generic proxy
@@ -180,8 +182,9 @@ class PartitionReport:
             lo, hi = bounds[s], bounds[s + 1]
             mem = None
             if static is not None:
-                mem = sum(static[lo:hi]) + (context.in_flight[s] * sum(act[lo:hi])  # type: ignore[index]
-                                            if act is not None else 0.0)
+                mem = sum(static[lo:hi])
+                if act is not None:
+                    mem += context.in_flight[s] * sum(act[lo:hi])  # type: ignore[index]
             stages.append(StageReport(s, lo, hi - 1, sum(counts[lo:hi]), sum(costs[lo:hi]), mem))
         return cls(_describe(module.partition_method), list(bounds), stages, unit,
                    list(context.notes))

@@ -33,7 +33,7 @@ from pipekernel.hookspecs import hookimpl
 from pipekernel.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.partitioning import Balance, Memory, PartitionContext, Profile
 
-__all__ = ["balance", "stage_costs", "measure_layers"]
+__all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers"]
 
 #: optimizer-state bytes per trainable parameter byte when nothing better is known (Adam)
 DEFAULT_OPTIMIZER_STATES = 2.0
@@ -327,7 +327,8 @@ def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
         raise error
     buf = buf.cpu()
     if buf[0] != 1.0:
-        raise ConfigError(f"rank 0 failed to compute the partition {context.module.partition_method!r}",
+        method = context.module.partition_method
+        raise ConfigError(f"rank 0 failed to compute the partition {method!r}",
                           hint="look at rank 0's error: it says what went wrong",
                           rank=context.rank)
     base = 4 + stages
@@ -469,7 +470,8 @@ def stage_layer_costs(static: list[float], act: list[float] | None, bounds: Sequ
     return out
 
 
-def _cheap(context: PartitionContext, weights: list[float], unit: str, num_stages: int) -> list[int]:
+def _cheap(context: PartitionContext, weights: list[float], unit: str,
+           num_stages: int) -> list[int]:
     """Balance costs every rank computes identically (no measuring, no broadcast)."""
     context.layer_costs, context.cost_unit = weights, unit
     context.layer_static_bytes = _meta_static_bytes(context.module)
