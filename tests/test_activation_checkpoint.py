@@ -81,6 +81,20 @@ def test_no_checkpointing_without_grad():
     assert out.shape == (4, 4) and not out.requires_grad
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checkpointed_equals_plain_on_cuda_with_dropout():
+    def run(interval):
+        torch.manual_seed(0)
+        stage = model(interval).build_stage(0, [0, 9]).cuda()
+        x = torch.randn(16, 8, device="cuda")
+        stage(x).pow(2).mean().backward()
+        return {k: p.grad.detach().clone() for k, p in stage.named_parameters()}
+
+    plain, checkpointed = run(0), run(2)
+    for key, grad in plain.items():
+        torch.testing.assert_close(checkpointed[key], grad, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
 def test_invalid_interval(bad):
     with pytest.raises(pk.ConfigError, match="activation_checkpoint_interval"):

@@ -3,6 +3,7 @@ profile agrees across ranks, the report, and clear errors."""
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import math
 import random
@@ -149,6 +150,31 @@ def test_memory_gives_early_stages_fewer_layers_under_1f1b():
     assert module.partition(3, context=context) == [0, 4, 8, 12]
 
 
+def test_measured_methods_handle_tied_layers_and_integer_inputs():
+    from models import tied_lm
+
+    ids = torch.randint(0, 13, (3, 6))
+    for method in (pk.memory(ids), pk.profile(ids, repeats=2)):
+        module = tied_lm()
+        module.partition_method = method
+        context = pk.PartitionContext(module=module, num_stages=3)
+        bounds = module.partition(3, context=context)
+        assert len(bounds) == 4 and all(a < b for a, b in zip(bounds, bounds[1:]))
+        assert len(context.layer_costs) == len(module.layers)
+        assert context.layer_activation_bytes[-1] > 0  # the head saves the hidden state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_profile_and_memory_measure_on_cuda():
+    sample = SAMPLE.cuda()
+    seconds, static, act = measure_layers(unequal("uniform"), sample, "cuda", repeats=3)
+    assert all(t > 0 for t in seconds) and seconds[0] > seconds[-1]
+    assert act[0] > 0 and static[0] > static[-1]
+    module = unequal(pk.profile(sample, repeats=3))
+    context = pk.PartitionContext(module=module, num_stages=2, device=torch.device("cuda"))
+    assert module.partition(2, context=context) == [0, 1, 8]
+
+
 def test_measure_layers_counts_activations_once_and_optimizer_state():
     module = unequal("uniform", [pk.LayerSpec(Small), pk.LayerSpec(Small)])
     x = torch.randn(10, 16)
@@ -265,8 +291,19 @@ def profile_worker(stages, fail):
     sample = torch.randn(3, 5) if fail else torch.randn(32, 16)
     module = pk.PipelineModule(layers, loss_fn=nn.MSELoss(), seed=1,
                                partition=pk.profile(sample, repeats=3))
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("pipekernel.partition")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                                micro_batches=2, timeout=60)
+    logger.removeHandler(handler)
+    if logged:  # only rank 0 logs the report
+        assert len(logged) == 1 and "seconds" in logged[0] and int(os.environ["RANK"]) == 0
+    else:
+        assert int(os.environ["RANK"]) != 0, "rank 0 must log the partition report"
     data = [(torch.randn(4, 16), torch.randn(4, 16)) for _ in range(2)]
     loss = engine.train_batch(iter(data)).item()
     report = engine.partition_report.as_dict()
