@@ -478,3 +478,10 @@ def _cheap(context: PartitionContext, weights: list[float], unit: str,
     context.notes.append("memory estimate: params + grads + Adam-like state (2x) + buffers; "
                          "activations not measured (use pk.memory(sample) for them)")
     return balance(weights, num_stages)
+
+
+@hookimpl(trylast=True)
+def pipekernel_list_names(kind: str) -> list[str]:
+    # explicit boundaries, pk.profile(sample), pk.memory(sample), pk.balance(costs) and
+    # cost functions are accepted too but are objects, not names
+    return ["uniform", "parameters", "type:<regex>", "memory"] if kind == "partition" else []

@@ -34,3 +34,8 @@ class FP32:
 @hookimpl(trylast=True)
 def pipekernel_make_precision(name: str, options: dict[str, Any]) -> Any:
     return FP32(**options) if name == "fp32" else None
+
+
+@hookimpl(trylast=True)
+def pipekernel_list_names(kind: str) -> list[str]:
+    return ["fp32"] if kind == "precision" else []
