@@ -34,14 +34,18 @@ class PipelineEngine:
         ``engine.module.parameters()``; ``None`` for inference only.
     :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
-    :param transport: transport name (entry point of ``pipekernel.transports``).
+    :param transport: transport name (entry point of ``pipekernel.transports``);
+        ``"auto"`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.
     :param precision: precision policy name (``"fp32"``, ...).
     :param data_parallel_size: replicas; default ``world_size // num_stages``.
     :param plugins: plugin objects/modules for this engine only.
     :param timeout: seconds any wait on a peer may take before an error.
-    :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points.
-    :param disable_plugins: entry-point names of plugins not to load.
-    :param transport_options: extra keyword options for the transport.
+    :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points
+        (default: yes, unless ``PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    :param disable_plugins: names of plugins not to load or register (also
+        ``PIPEKERNEL_DISABLE_PLUGINS=a,b``).
+    :param transport_options: extra keyword options for the transport, e.g.
+        ``{"group": process_group}`` to run on a subgroup of the job.
     :param precision_options: keyword options for the precision policy.
     """
 

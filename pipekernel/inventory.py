@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pipekernel.plugin_manager import (DISABLE_ENV, PLUGINS_GROUP, TRANSPORTS_GROUP,
-                                       distribution_of, entry_points, make_plugin_manager,
+                                       PluginLoadError, distribution_of, entry_points, make_plugin_manager,
                                        provided_names)
 
 __all__ = ["Entry", "inventory", "format_inventory", "KINDS"]
@@ -64,8 +64,16 @@ def inventory(*, autoload: bool | None = None, disabled: Iterable[str] = (),
               plugins: Iterable[Any] = ()) -> dict[str, list[Entry]]:
     """Everything installed, by kind (see :data:`KINDS`); arguments as for
     :func:`~pipekernel.plugin_manager.make_plugin_manager`."""
-    pm = make_plugin_manager(plugins, autoload=autoload, disabled=disabled)
-    return {
+    broken: dict[str, str] = {}
+    while True:  # list what works; show what does not load instead of failing
+        try:
+            pm = make_plugin_manager(plugins, autoload=autoload, disabled=[*disabled, *broken])
+            break
+        except PluginLoadError as err:
+            if err.plugin in broken:
+                raise
+            broken[err.plugin] = err.message.split(": ", 1)[-1]
+    found = {
         "transports": [Entry(ep.name, *distribution_of(ep), ep.value)
                        for ep in entry_points(TRANSPORTS_GROUP)],
         "plugins": _plugins(pm),
@@ -73,6 +81,9 @@ def inventory(*, autoload: bool | None = None, disabled: Iterable[str] = (),
         "precisions": _named(pm, "precision"),
         "partitions": _named(pm, "partition"),
     }
+    found["plugins"] = [replace(e, status=f"failed to load: {broken[e.name]}")
+                        if e.name in broken else e for e in found["plugins"]]
+    return found
 
 
 def format_inventory(found: dict[str, list[Entry]], as_json: bool = False) -> str:

@@ -26,7 +26,7 @@ import pluggy
 from pipekernel import builtin, hookspecs
 from pipekernel.errors import ConfigError, UnknownNameError
 
-__all__ = ["make_plugin_manager", "PluginManager", "PLUGINS_GROUP", "TRANSPORTS_GROUP",
+__all__ = ["make_plugin_manager", "PluginManager", "PluginLoadError", "PLUGINS_GROUP", "TRANSPORTS_GROUP",
            "DISABLE_ENV", "NO_AUTOLOAD_ENV", "entry_points", "plugin_name", "resolve_schedule",
            "make_transport", "make_precision", "provided_names"]
 
@@ -43,6 +43,14 @@ _PUBLISH_HINT = ("publish one from your package's pyproject.toml:\n"
                  '    [project.entry-points."{group}"]\n'
                  '    {name} = "your_package.module:{obj}"\n'
                  "  then `pip install` the package (see docs/writing-a-plugin.md)")
+
+
+class PluginLoadError(ConfigError):
+    """An installed plugin's entry point failed to import; ``plugin`` is its name."""
+
+    def __init__(self, message: str, *, plugin: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.plugin = plugin
 
 
 class PluginManager(pluggy.PluginManager):
@@ -100,6 +108,19 @@ def plugin_name(pm: pluggy.PluginManager, plugin: Any) -> str:
     return name
 
 
+def _load(ep: importlib.metadata.EntryPoint) -> Any:
+    try:
+        return ep.load()
+    except Exception as err:  # any import-time failure of third-party code
+        dist, version = distribution_of(ep)
+        origin = f" (from {dist} {version})" if dist else ""
+        raise PluginLoadError(
+            f"plugin {ep.name!r}{origin} failed to load {ep.value!r}: "
+            f"{type(err).__name__}: {err}", plugin=ep.name,
+            hint=f"fix or uninstall it, or disable it: {DISABLE_ENV}={ep.name} or "
+                 f"PipelineEngine(disable_plugins=[{ep.name!r}])") from err
+
+
 def _register(pm: PluginManager, plugin: Any, name: str, source: tuple[str, str]) -> None:
     try:
         if pm.register(plugin, name=name) is not None:
@@ -144,7 +165,7 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
               ([ep for ep in eps if not _is_builtin(ep)] if autoload else [])
     for ep in ordered:
         if not pm.is_blocked(ep.name) and not pm.has_plugin(ep.name):
-            plugin = ep.load()
+            plugin = _load(ep)
             if isinstance(plugin, type):  # a class: one instance per manager, so per engine
                 plugin = plugin()
             _register(pm, plugin, ep.name, distribution_of(ep))

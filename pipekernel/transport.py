@@ -76,7 +76,8 @@ class Transport(Protocol):
     rank: int
     #: Number of processes in the world.
     world_size: int
-    #: Seconds any single wait may take before ``TransportTimeout``.
+    #: Seconds any single wait may take before ``TransportTimeout``; may be changed
+    #: between waits (the next wait uses the new value).
     timeout: float
     #: ``torch.device`` that tensors must live on for this transport.
     device: Any

@@ -75,3 +75,11 @@ class ScaledGradsPlugin:
 
 def flat(steps) -> list[str]:
     return [str(i) for step in steps for i in step]
+
+
+class FP32Override:
+    """Stands in for an installed plugin that replaces the built-in ``fp32`` policy."""
+
+    @pk.hookimpl
+    def pipekernel_make_precision(self, name, options):
+        return "overridden fp32" if name == "fp32" else None

@@ -72,7 +72,7 @@ def _plugins(*args: str) -> str:
                           check=True, capture_output=True, text=True).stdout
 
 
-def test_pipekernel_plugins_lists_both_with_distribution_and_version(installed):
+def test_pipekernel_plugins_lists_both_with_distribution_and_version(installed, capsys):
     found = json.loads(_plugins("--json"))
     transport = next(e for e in found["transports"] if e["name"] == "counting")
     assert (transport["distribution"], transport["version"]) == ("pk-oot-demo", "0.3.1")
@@ -82,9 +82,14 @@ def test_pipekernel_plugins_lists_both_with_distribution_and_version(installed):
         ("pk-oot-demo", "0.3.1", "")
     text = _plugins()
     assert "counting" in text and "pk-oot-demo 0.3.1" in text
-    no_autoload = _plugins("--no-autoload").split("schedules:")[0]
+    from pipekernel.cli import main  # in this process too: the package is visible at once
+
+    assert main(["plugins", "--no-autoload"]) == 0
+    no_autoload = capsys.readouterr().out.split("schedules:")[0]
     assert "oot_monitor" in no_autoload and "[not loaded (autoload off)]" in no_autoload
-    assert "[disabled]" in _plugins("--disable", "oot_monitor")
+    assert main(["plugins", "--disable", "oot_monitor"]) == 0
+    assert "oot_monitor  pk-oot-demo 0.3.1  pk_oot_demo.monitor:InstructionMonitor  [disabled]" \
+        in capsys.readouterr().out
 
 
 def test_autoload_off_keeps_third_party_plugins_out(installed):

@@ -138,3 +138,62 @@ def test_auto_transport_follows_cuda(monkeypatch):
 def test_nccl_without_cuda_says_so():
     with pytest.raises(ConfigError, match="needs CUDA"):
         make_transport(make_plugin_manager(), "nccl", {"timeout": 1})
+
+
+def test_the_same_plugin_object_twice_is_a_config_error():
+    recorder = Recorder("twice")
+    with pytest.raises(ConfigError, match="registered twice"):
+        make_plugin_manager([recorder, recorder], autoload=False)
+
+
+def test_a_plugin_that_fails_to_import_is_named_and_listing_goes_on(monkeypatch):
+    import importlib.metadata
+
+    from pipekernel.inventory import inventory
+
+    broken = importlib.metadata.EntryPoint(name="broken", value="no_such_module_xyz:Plugin",
+                                           group=pmod.PLUGINS_GROUP)
+    real = pmod.entry_points
+    monkeypatch.setattr(pmod, "entry_points", lambda group: real(group) + (
+        [broken] if group == pmod.PLUGINS_GROUP else []))
+    with pytest.raises(pmod.PluginLoadError) as err:
+        make_plugin_manager()
+    assert err.value.plugin == "broken" and "no_such_module_xyz" in str(err.value)
+    assert "PIPEKERNEL_DISABLE_PLUGINS=broken" in err.value.hint
+    assert make_plugin_manager(disabled=["broken"]).get_plugin("precision") is not None
+    monkeypatch.setattr("pipekernel.inventory.entry_points", pmod.entry_points)
+    status = {e.name: e.status for e in inventory()["plugins"]}
+    assert status["broken"].startswith("failed to load: ModuleNotFoundError")
+    assert status["precision"] == ""
+
+
+def test_installed_plugins_load_after_the_defaults_and_override_them(monkeypatch):
+    import importlib.metadata
+
+    # sorts before "partition"/"precision" by name, yet must be registered after them
+    installed = importlib.metadata.EntryPoint(
+        name="aaa_override", value="plugins_for_tests:FP32Override", group=pmod.PLUGINS_GROUP)
+    real = pmod.entry_points
+    monkeypatch.setattr(pmod, "entry_points", lambda group: sorted(
+        real(group) + ([installed] if group == pmod.PLUGINS_GROUP else []),
+        key=lambda ep: ep.name))
+    pm = make_plugin_manager()
+    order = [name for name, _ in pm.list_name_plugin()]  # registration order
+    assert order.index("aaa_override") > order.index("precision")
+    assert make_precision(pm, "fp32", {}) == "overridden fp32"
+    assert type(make_precision(make_plugin_manager(autoload=False), "fp32", {})).__name__ == "FP32"
+
+
+def test_the_core_never_imports_plugins_or_transports_by_name():
+    import ast
+    from pathlib import Path
+
+    core = Path(pk.__file__).parent
+    offenders = []
+    for path in core.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names
+                          if n.startswith(("pipekernel.plugins", "pipekernel.transports"))]
+    assert offenders == []

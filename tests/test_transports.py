@@ -100,15 +100,15 @@ def subgroup_tied_worker():
 
     dist.init_process_group("gloo")
     group = dist.new_group([1, 2, 3])
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0:  # outside the pipeline; it hosts the store, so it waits
         try:
             GlooTransport(group=group)
         except ConfigError as err:
-            result = str(err)
+            out = str(err)
         else:
-            result = "no error"
-        dist.barrier()  # rank 0 hosts the store: stay until the others are done with it
-        return result
+            out = "no error"
+        dist.barrier()
+        return out
     engine = pk.PipelineEngine(tied_lm(num_stages=3), optimizer=adam, micro_batches=3,
                                transport_options={"group": group}, timeout=60)
     losses = [engine.train_batch(iter(token_data(s, 0, 3))).item() for s in range(3)]
