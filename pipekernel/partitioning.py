@@ -58,7 +58,8 @@ class Memory:
         activations out (parameter state only).
     :param optimizer_states: optimizer-state bytes per parameter byte; ``None``
         measures it with the engine's optimizer factory (one step on a throwaway
-        copy of each layer), or assumes 2 (Adam) when there is none.
+        copy of each layer) when ``sample`` is given, and assumes 2 (Adam)
+        otherwise.
     """
 
     sample: Any = None
