@@ -2,6 +2,7 @@
 optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -11,12 +12,15 @@ import torch
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.kernel import Kernel
 from pipekernel.module import PipelineModule
+from pipekernel.partitioning import PartitionContext, PartitionReport
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.runtime import StageRuntime
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
+
+_partition_log = logging.getLogger("pipekernel.partition")
 
 
 class PipelineEngine:
@@ -73,7 +77,20 @@ class PipelineEngine:
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
         self.schedule_cls = resolve_schedule(self.pm, schedule)
         self.eval_schedule_cls = resolve_schedule(self.pm, eval_schedule)
-        self.bounds = module.partition(num_stages, self.pm)
+        # every rank partitions here, before any group exists: plugins may broadcast
+        context = PartitionContext(
+            module=module, num_stages=num_stages, transport=self.transport,
+            device=self.transport.device, rank=rank, micro_batches=micro_batches,
+            in_flight=[self.schedule_cls(num_stages, s, micro_batches).num_buffers()
+                       for s in range(num_stages)],
+            optimizer=optimizer if callable(optimizer)
+            and not isinstance(optimizer, torch.optim.Optimizer) else None)
+        self.bounds = module.partition(num_stages, self.pm, context)
+        #: :class:`~pipekernel.partitioning.PartitionReport`: layers, parameters,
+        #: cost and memory per stage, and the imbalance (same on every rank).
+        self.partition_report = PartitionReport.build(module, self.bounds, context)
+        if rank == 0:
+            _partition_log.info("%s", self.partition_report.format())
         self.module = module.build_stage(self.stage, self.bounds).to(self.transport.device)
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))

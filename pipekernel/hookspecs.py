@@ -67,17 +67,23 @@ def pipekernel_make_precision(name: str, options: Mapping[str, Any]) -> Any | No
 
 
 @hookspec(firstresult=True)
-def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) -> list[int] | None:
+def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
+                         context: Any) -> list[int] | None:
     """Split ``layers`` into ``num_stages`` contiguous parts.
 
-    Called once per :class:`~pipekernel.PipelineModule` (on every rank, with the
-    same arguments, so every rank must return the same answer).
+    Called once per :class:`~pipekernel.PipelineModule` partitioning: by the
+    engine on every rank of the world, at the same point of its construction
+    (before any group is created), so every rank must return the same answer.
 
     :param method: the ``partition=`` argument: a name (``"uniform"``,
-        ``"parameters"``, ``"type:<regex>"``), a list of boundaries, or an object
-        a plugin understands.
+        ``"parameters"``, ``"type:<regex>"``, ``"memory"``), a list of
+        boundaries, a request object (``pk.profile(sample)``, ``pk.memory(sample)``,
+        ``pk.balance(costs)``), a cost function, or an object a plugin understands.
     :param layers: the layer list (``LayerSpec``, modules or callables).
     :param num_stages: the number of stages.
+    :param context: a :class:`pipekernel.partitioning.PartitionContext`: the
+        module, transport (``None`` outside an engine), device, rank, micro-batches,
+        micro-batches in flight per stage and optimizer factory.
     :returns: ``num_stages + 1`` increasing boundaries from ``0`` to
         ``len(layers)`` (stage ``s`` holds ``layers[b[s]:b[s+1]]``), or ``None``
         if this plugin does not handle ``method``.
@@ -88,7 +94,12 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) ->
     ==============
     Return ``None`` for methods you do not understand so the built-in methods
     still work; list your method names through :func:`pipekernel_list_names`
-    with ``kind == "partition"``.
+    with ``kind == "partition"``. A method that measures (time, memory) should
+    measure once and agree: compute on global rank 0 and
+    ``context.transport.broadcast`` the result, since every rank calls this hook
+    at the same point. Set ``context.layer_costs`` / ``cost_unit`` /
+    ``layer_static_bytes`` / ``layer_activation_bytes`` to what was balanced:
+    the engine's ``partition_report`` shows them.
     """
 
 

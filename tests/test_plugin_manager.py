@@ -80,7 +80,8 @@ def test_an_installed_plugin_overrides_a_trylast_default_and_lists_its_names():
                                                "half": "half"}
     assert provided_names(pm, "partition") == {"uniform": "partition",
                                                "parameters": "partition",
-                                               "type:<regex>": "partition"}
+                                               "type:<regex>": "partition",
+                                               "memory": "partition"}
 
 
 def test_disabled_by_argument_and_environment(monkeypatch):
