@@ -12,6 +12,7 @@ from pipekernel.hookspecs import hookimpl, hookspec
 from pipekernel.kernel import Kernel
 from pipekernel.launch import RankError, launch
 from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
+from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.plugin_manager import make_plugin_manager
 from pipekernel.topology import Topology
 
@@ -25,4 +26,5 @@ __all__ = [
     "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "__version__",
+    "balance", "profile", "memory", "PartitionContext", "PartitionReport",
 ]

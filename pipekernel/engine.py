@@ -2,6 +2,7 @@
 optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -11,12 +12,15 @@ import torch
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.kernel import Kernel
 from pipekernel.module import PipelineModule
+from pipekernel.partitioning import PartitionContext, PartitionReport
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.runtime import StageRuntime
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
+
+_partition_log = logging.getLogger("pipekernel.partition")
 
 
 class PipelineEngine:
@@ -30,15 +34,19 @@ class PipelineEngine:
         ``engine.module.parameters()``; ``None`` for inference only.
     :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
-    :param transport: transport name (entry point of ``pipekernel.transports``).
+    :param transport: transport name (entry point of ``pipekernel.transports``);
+        ``"auto"`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.
     :param precision: precision policy name: ``"fp32"``, ``"bf16"``, ``"fp16"``,
         ``"amp-bf16"`` or one a plugin provides (see ``docs/precision.md``).
     :param data_parallel_size: replicas; default ``world_size // num_stages``.
     :param plugins: plugin objects/modules for this engine only.
     :param timeout: seconds any wait on a peer may take before an error.
-    :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points.
-    :param disable_plugins: entry-point names of plugins not to load.
-    :param transport_options: extra keyword options for the transport.
+    :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points
+        (default: yes, unless ``PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    :param disable_plugins: names of plugins not to load or register (also
+        ``PIPEKERNEL_DISABLE_PLUGINS=a,b``).
+    :param transport_options: extra keyword options for the transport, e.g.
+        ``{"group": process_group}`` to run on a subgroup of the job.
     :param precision_options: keyword options for the precision policy (e.g. the
         fp16 loss-scaling settings).
     :param max_grad_norm: clip gradients to this global norm (over every stage
@@ -69,7 +77,20 @@ class PipelineEngine:
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
         self.schedule_cls = resolve_schedule(self.pm, schedule)
         self.eval_schedule_cls = resolve_schedule(self.pm, eval_schedule)
-        self.bounds = module.partition(num_stages, self.pm)
+        # every rank partitions here, before any group exists: plugins may broadcast
+        context = PartitionContext(
+            module=module, num_stages=num_stages, transport=self.transport,
+            device=self.transport.device, rank=rank, micro_batches=micro_batches,
+            in_flight=[self.schedule_cls(num_stages, s, micro_batches).num_buffers()
+                       for s in range(num_stages)],
+            optimizer=optimizer if callable(optimizer)
+            and not isinstance(optimizer, torch.optim.Optimizer) else None)
+        self.bounds = module.partition(num_stages, self.pm, context)
+        #: :class:`~pipekernel.partitioning.PartitionReport`: layers, parameters,
+        #: cost and memory per stage, and the imbalance (same on every rank).
+        self.partition_report = PartitionReport.build(module, self.bounds, context)
+        if rank == 0:
+            _partition_log.info("%s", self.partition_report.format())
         self.module = module.build_stage(self.stage, self.bounds).to(self.transport.device)
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))

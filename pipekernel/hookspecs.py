@@ -28,20 +28,23 @@ hookimpl = pluggy.HookimplMarker("pipekernel")
 def pipekernel_make_transport(name: str, options: Mapping[str, Any]) -> Transport | None:
     """Create the transport called ``name``.
 
-    Called once per engine, before any communication.
+    Called once per engine, before any communication (``transport="auto"`` is
+    resolved to ``"nccl"`` or ``"gloo"`` before the call).
 
     :param name: the transport the user selected, e.g. ``"gloo"``.
-    :param options: keyword options for the transport (``timeout`` at least).
+    :param options: keyword options for the transport: ``timeout`` always,
+        plus the engine's ``transport_options`` (e.g. ``group``).
     :returns: an object satisfying :class:`pipekernel.transport.Transport`, or
         ``None`` if this plugin does not provide ``name``.
 
-    Stops at the first non-``None`` result.
+    Stops at the first non-``None`` result (firstresult).
 
     Use in plugins
     ==============
     The built-in implementation (``trylast``) loads the entry point ``name`` of
-    the ``pipekernel.transports`` group and calls it with ``**options``;
-    implement this hook only to build transports some other way.
+    the ``pipekernel.transports`` group and calls it with ``**options``, so a
+    transport package normally only publishes that entry point. Implement this
+    hook only to build transports some other way (e.g. wrap another transport).
     """
 
 
@@ -57,34 +60,46 @@ def pipekernel_make_precision(name: str, options: Mapping[str, Any]) -> Any | No
         or ``None`` if this plugin does not provide ``name``. The engine checks
         that it has every method of the protocol.
 
-    Stops at the first non-``None`` result.
+    Stops at the first non-``None`` result (firstresult).
 
     Use in plugins
-    ==============
-    Subclass :class:`pipekernel.precision.Precision` (or a built-in policy from
-    ``pipekernel.plugins.precision``) and return an instance for your name. The
-    built-in implementation (``trylast``) provides ``fp32``, ``bf16``, ``fp16``
-    and ``amp-bf16``, so a plugin may also override one of those names.
-    """
+    =======    """
 
 
 @hookspec(firstresult=True)
-def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) -> list[int] | None:
+def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
+                         context: Any) -> list[int] | None:
     """Split ``layers`` into ``num_stages`` contiguous parts.
 
-    Called once per :class:`~pipekernel.PipelineModule` (on every rank, with the
-    same arguments, so every rank must return the same answer).
+    Called once per :class:`~pipekernel.PipelineModule` partitioning: by the
+    engine on every rank of the world, at the same point of its construction
+    (before any group is created), so every rank must return the same answer.
 
     :param method: the ``partition=`` argument: a name (``"uniform"``,
-        ``"parameters"``, ``"type:<regex>"``), a list of boundaries, or an object
-        a plugin understands.
+        ``"parameters"``, ``"type:<regex>"``, ``"memory"``), a list of
+        boundaries, a request object (``pk.profile(sample)``, ``pk.memory(sample)``,
+        ``pk.balance(costs)``), a cost function, or an object a plugin understands.
     :param layers: the layer list (``LayerSpec``, modules or callables).
     :param num_stages: the number of stages.
+    :param context: a :class:`pipekernel.partitioning.PartitionContext`: the
+        module, transport (``None`` outside an engine), device, rank, micro-batches,
+        micro-batches in flight per stage and optimizer factory.
     :returns: ``num_stages + 1`` increasing boundaries from ``0`` to
         ``len(layers)`` (stage ``s`` holds ``layers[b[s]:b[s+1]]``), or ``None``
         if this plugin does not handle ``method``.
 
-    Stops at the first non-``None`` result.
+    Stops at the first non-``None`` result (firstresult).
+
+    Use in plugins
+    ==============
+    Return ``None`` for methods you do not understand so the built-in methods
+    still work; list your method names through :func:`pipekernel_list_names`
+    with ``kind == "partition"``. A method that measures (time, memory) should
+    measure once and agree: compute on global rank 0 and
+    ``context.transport.broadcast`` the result, since every rank calls this hook
+    at the same point. Set ``context.layer_costs`` / ``cost_unit`` /
+    ``layer_static_bytes`` / ``layer_activation_bytes`` to what was balanced:
+    the engine's ``partition_report`` shows them.
     """
 
 
@@ -97,12 +112,20 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) ->
 def pipekernel_register_schedules() -> Mapping[str, Callable[..., Any]]:
     """Contribute named schedules.
 
-    Called once per engine (and by ``pipekernel plugins``).
+    Called once per engine (and by ``pipekernel plugins``); every
+    implementation is called.
 
     :returns: ``{name: schedule class}``; a class takes ``(num_stages, stage,
         micro_batches, chunks)`` and has ``steps()`` (see
-        :class:`pipekernel.schedules.Schedule`). Later registrations override
-        earlier ones of the same name.
+        :class:`pipekernel.schedules.Schedule`). A later-registered plugin
+        overrides an earlier one's schedule of the same name.
+
+    Use in plugins
+    ==============
+    Subclass :class:`pipekernel.schedules.Schedule` and check it with
+    :func:`pipekernel.schedules.simulate` in your tests. A schedule may emit
+    instruction types of your own if a plugin also handles them through
+    :func:`pipekernel_register_instructions`.
     """
 
 
@@ -110,11 +133,43 @@ def pipekernel_register_schedules() -> Mapping[str, Callable[..., Any]]:
 def pipekernel_register_instructions(runtime: Any) -> Mapping[type, Callable[[Instruction], Any]]:
     """Contribute instruction types and their handlers.
 
-    Called once per engine, when the kernel's dispatch table is filled.
+    Called once per engine, when the kernel's dispatch table is filled; every
+    implementation is called, and a later-registered plugin's handler replaces
+    an earlier one for the same class (so a plugin may also override a core
+    handler).
 
     :param runtime: the :class:`pipekernel.runtime.StageRuntime` of this rank:
         buffers, module, transport, topology. Handlers usually close over it.
-    :returns: ``{instruction class: handler(instruction)}``.
+    :returns: ``{instruction class: handler(instruction)}``; the handler's
+        return value is ignored.
+
+    Use in plugins
+    ==============
+    Define the instruction as a frozen dataclass subclassing
+    :class:`pipekernel.instructions.Instruction` (or ``MicroBatchInstruction``
+    to carry a micro-batch and buffer), set ``short`` for ``str()``, and emit it
+    from a schedule registered with :func:`pipekernel_register_schedules`.
+    """
+
+
+@hookspec
+def pipekernel_list_names(kind: str) -> Sequence[str]:
+    """List the names this plugin provides for ``kind``.
+
+    Called by ``pipekernel plugins`` and when an unknown name needs an error
+    message that lists the available ones; every implementation is called.
+
+    :param kind: what is asked for: ``"precision"`` or ``"partition"`` (for
+        methods given by name); other kinds may be asked for later.
+    :returns: the names (e.g. ``["fp32"]``), or an empty sequence or ``None`` for
+        kinds this plugin does not provide.
+
+    Use in plugins
+    ==============
+    Implement it next to the firstresult hook that builds the thing by name
+    (:func:`pipekernel_make_precision`, :func:`pipekernel_partition`) and return
+    exactly the names that hook accepts. Transports need not implement it: they
+    are listed from the ``pipekernel.transports`` entry points.
     """
 
 
@@ -127,8 +182,9 @@ def pipekernel_register_instructions(runtime: Any) -> Mapping[type, Callable[[In
 def pipekernel_before_instruction(instruction: Instruction, stage: int) -> None:
     """Called right before an instruction's handler runs.
 
-    Only called when at least one plugin implements it: the kernel skips the
-    call entirely otherwise.
+    Called once per instruction of every step, on every rank; every
+    implementation is called. Only called when at least one plugin implements
+    it: the kernel skips the call entirely otherwise.
 
     :param instruction: the instruction about to run.
     :param stage: this rank's pipeline stage.
@@ -137,8 +193,14 @@ def pipekernel_before_instruction(instruction: Instruction, stage: int) -> None:
     This runs twice per instruction, so the kernel resolves the implementations
     once per ``run`` and calls plain ones directly (pluggy's order and argument
     subsets; ``wrapper=True`` implementations still go through pluggy). A plugin
-    registered during a batch is seen from the next batch on. Keep
-    implementations cheap: the monitor's costs about 1.4 us per instruction.
+    registered during a batch is seen from the next batch on.
+
+    Use in plugins
+    ==============
+    Tracing and monitoring. Keep it cheap: it runs dozens of times per batch
+    (the monitor's pair of hooks costs about 1.4 us per instruction).
+    An exception raised here stops the batch with an error naming the
+    instruction.
     """
 
 
@@ -146,11 +208,19 @@ def pipekernel_before_instruction(instruction: Instruction, stage: int) -> None:
 def pipekernel_after_instruction(instruction: Instruction, stage: int, seconds: float) -> None:
     """Called right after an instruction's handler returned.
 
+    Called once per instruction whose handler returned without an error;
+    every implementation is called, and only when one exists.
+
     :param instruction: the instruction that ran.
     :param stage: this rank's pipeline stage.
-    :param seconds: wall time of the handler (``time.perf_counter`` difference,
-        not counting the hooks).
+    :param seconds: wall time of the handler, not counting the hooks (for
+        communication: the time to post it, or to wait for it for a receive).
     :returns: ignored.
+
+    Use in plugins
+    ==============
+    Timers and per-instruction metrics; pair it with
+    :func:`pipekernel_before_instruction`.
     """
 
 
@@ -158,9 +228,18 @@ def pipekernel_after_instruction(instruction: Instruction, stage: int, seconds: 
 def pipekernel_after_train_batch(engine: Any, loss: Any, metrics: Mapping[str, Any]) -> None:
     """Called on every rank after ``train_batch`` finished.
 
+    Called once per ``train_batch``, after the optimizer step; every
+    implementation is called.
+
     :param engine: the :class:`pipekernel.PipelineEngine`.
     :param loss: the 0-dim loss tensor (same value on every rank).
-    :param metrics: ``{"step": int, "seconds": float, "skipped": bool, ...}``.
+    :param metrics: ``{"step": int, "seconds": float, "skipped": bool, ...}``;
+        plugins may read it, other plugins may have added keys.
+
+    Use in plugins
+    ==============
+    Logging sinks (TensorBoard, files, stdout). Write from one rank (e.g.
+    ``engine.rank == 0``) to avoid duplicate lines.
     """
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from pipekernel.errors import ConfigError
@@ -65,9 +66,11 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, layers: Sequence[tuple[int, Any, Callable | None]],
-                 tied: dict[str, nn.Module], stage: int = 0) -> None:
+                 tied: dict[str, nn.Module], stage: int = 0,
+                 activation_checkpoint_interval: int = 0) -> None:
         super().__init__()
         self.stage = stage
+        self.activation_checkpoint_interval = activation_checkpoint_interval
         self._calls: list[tuple[Any, Callable | None]] = []
         for index, layer, forward_fn in layers:
             if isinstance(layer, nn.Module):
@@ -77,9 +80,21 @@ class StageModule(nn.Module):
         self.first_index = layers[0][0] if layers else 0
 
     def forward(self, x: Any) -> Any:
-        for layer, forward_fn in self._calls:
-            x = layer(x) if forward_fn is None else forward_fn(layer, x)
+        k = self.activation_checkpoint_interval
+        if not k or not torch.is_grad_enabled():
+            return _run_calls(self._calls, x)
+        # Non-reentrant checkpointing keeps only each chunk's input and recomputes
+        # the chunk in backward; the saved RNG state makes dropout draw the same mask.
+        for start in range(0, len(self._calls), k):
+            x = torch.utils.checkpoint.checkpoint(_run_calls, self._calls[start:start + k], x,
+                                                  use_reentrant=False, preserve_rng_state=True)
         return x
+
+
+def _run_calls(calls: Sequence[tuple[Any, Callable | None]], x: Any) -> Any:
+    for layer, forward_fn in calls:
+        x = layer(x) if forward_fn is None else forward_fn(layer, x)
+    return x
 
 
 class PipelineModule:
@@ -95,11 +110,16 @@ class PipelineModule:
     :param seed: if set, layer ``i`` is built right after ``torch.manual_seed(seed + i)``
         (a tied layer with the seed of its first occurrence), so weights do not
         depend on the partitioning.
+    :param activation_checkpoint_interval: ``k > 0`` keeps only the input of every
+        run of ``k`` consecutive layers of a stage during a forward with grad
+        enabled and recomputes the run in backward (non-reentrant
+        ``torch.utils.checkpoint``, RNG state preserved so dropout matches);
+        ``0`` (default) stores every activation.
     """
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
                  num_stages: int | None = None, partition: Any = "parameters",
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, activation_checkpoint_interval: int = 0) -> None:
         self.layers = list(layers)
         if not self.layers:
             raise ConfigError("PipelineModule got an empty layer list",
@@ -111,6 +131,14 @@ class PipelineModule:
                                   hint="wrap the layer in LayerSpec(cls, *args)")
         if num_stages is not None:
             self._check_stages(num_stages)
+        if not (isinstance(activation_checkpoint_interval, int)
+                and not isinstance(activation_checkpoint_interval, bool)
+                and activation_checkpoint_interval >= 0):
+            raise ConfigError(f"activation_checkpoint_interval must be an int >= 0, got "
+                              f"{activation_checkpoint_interval!r}",
+                              hint="use 0 to store all activations or k > 0 to recompute "
+                                   "every k layers")
+        self.activation_checkpoint_interval = activation_checkpoint_interval
         self.loss_fn, self.num_stages = loss_fn, num_stages
         self.partition_method, self.seed = partition, seed
         self._first_tied = {}
@@ -152,18 +180,28 @@ class PipelineModule:
                               if isinstance(module, nn.Module) else 0)
         return counts
 
-    def partition(self, num_stages: int, pm: Any = None) -> list[int]:
-        """Stage boundaries ``[0, ..., len(layers)]`` for ``num_stages`` stages."""
+    def partition(self, num_stages: int, pm: Any = None, context: Any = None) -> list[int]:
+        """Stage boundaries ``[0, ..., len(layers)]`` for ``num_stages`` stages.
+
+        :param pm: the plugin manager (default: a fresh one).
+        :param context: a :class:`~pipekernel.partitioning.PartitionContext`
+            (default: one for a single CPU process); plugins leave their per-layer
+            estimates on it for the partition report.
+        """
         self._check_stages(num_stages)
         if pm is None:
             from pipekernel.plugin_manager import make_plugin_manager
             pm = make_plugin_manager()
+        if context is None:
+            from pipekernel.partitioning import PartitionContext
+            context = PartitionContext(module=self, num_stages=num_stages)
         bounds = pm.hook.pipekernel_partition(method=self.partition_method, layers=self.layers,
-                                              num_stages=num_stages)
+                                              num_stages=num_stages, context=context)
         if bounds is None:
             raise ConfigError(f"no partition plugin understands partition={self.partition_method!r}",
-                              hint="use 'parameters', 'uniform', 'type:<regex>' or explicit "
-                                   "boundaries [0, ..., len(layers)]")
+                              hint="use 'parameters', 'uniform', 'type:<regex>', 'memory', "
+                                   "pk.profile(sample), pk.memory(sample), pk.balance(costs), "
+                                   "a cost function or explicit boundaries [0, ..., len(layers)]")
         bounds = list(bounds)
         ok = (len(bounds) == num_stages + 1 and bounds[0] == 0 and bounds[-1] == len(self.layers)
               and all(a < b for a, b in zip(bounds, bounds[1:])))
@@ -188,7 +226,7 @@ class PipelineModule:
                     built.append((index, tied[spec.key], spec.forward_fn))
                 else:
                     built.append((index, self.build_layer(index), None))
-        return StageModule(built, tied, stage)
+        return StageModule(built, tied, stage, self.activation_checkpoint_interval)
 
     def tied_stages(self, bounds: Sequence[int]) -> dict[str, list[int]]:
         """``{key: stages holding it}`` for every tied key."""

@@ -16,7 +16,7 @@ import torch
 from pipekernel.launch import launch
 from pipekernel.module import PipelineModule
 
-__all__ = ["run_ranks", "reference_train", "reference_eval", "assert_parity"]
+__all__ = ["run_ranks", "reference_train", "reference_eval", "assert_parity", "TensorBytes"]
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 180.0,
@@ -88,3 +88,65 @@ def assert_parity(losses: Sequence[float], reference_losses: Sequence[float],
             raise AssertionError(f"parameter {key} is not in the reference model")
         torch.testing.assert_close(value, reference_params[key], rtol=rtol, atol=atol,
                                    msg=lambda m, key=key: f"parameter {key}: {m}")
+
+
+class TensorBytes:
+    """Count the bytes of tensors that operators create while active: live now and peak.
+
+    A ``TorchDispatchMode``: every operator output's storage is counted once while
+    any tensor using it is alive, including tensors autograd saves for backward and
+    activations that checkpointing recomputes. Tensors made before entering (inputs,
+    parameters) and their views are not counted. Works on any device; slow, for tests and benchmarks.
+
+    >>> with TensorBytes() as counter:
+    ...     loss = model(x).sum(); loss.backward()
+    >>> counter.peak
+    """
+
+    def __init__(self) -> None:
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, list[int]] = {}
+
+        def release(key: int) -> None:
+            entry = counter._refs[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del counter._refs[key]
+                counter.live -= entry[0]
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                # a view of a tensor made before entering (a parameter's .t()) is not new memory
+                inputs = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs))
+                          if isinstance(x, torch.Tensor) and x.device.type != "meta"}
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                        continue
+                    storage = t.untyped_storage()
+                    key = storage.data_ptr()
+                    if key == 0 or (key in inputs and key not in counter._refs):
+                        continue
+                    entry = counter._refs.setdefault(key, [storage.nbytes(), 0])
+                    if entry[1] == 0:
+                        counter.live += entry[0]
+                        counter.peak = max(counter.peak, counter.live)
+                    entry[1] += 1
+                    weakref.finalize(t, release, key)
+                return out
+
+        self._mode = _Mode()
+
+    def __enter__(self) -> TensorBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)

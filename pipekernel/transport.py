@@ -7,8 +7,18 @@ this shape. Transports are selected by name through the
 
 Contract for implementers
 -------------------------
-* **Ranks** are global ranks of the world the transport spans; ``rank`` and
-  ``world_size`` describe this process.
+* **Construction**: the transport is built by a callable published in the
+  ``pipekernel.transports`` entry-point group (entry name = transport name),
+  called with keyword options: ``timeout`` always, plus the user's
+  ``transport_options``; an unknown option raises
+  :class:`~pipekernel.errors.ConfigError`. It follows the torchrun contract
+  (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``)
+  when it must set up communication itself, and reuses what the host set up
+  otherwise. It must not communicate in ``__init__`` beyond that set-up.
+* **Ranks** are ranks of the world the transport spans, ``0 .. world_size-1``;
+  ``rank`` and ``world_size`` describe this process. That world may be a
+  subset of a larger job (the torch transports take ``group=``): the
+  transport maps its ranks to the job's, the core never sees the difference.
 * **Point-to-point** (``isend``/``irecv``) is asynchronous: both return a
   :class:`Handle` at once. The caller owns the tensor and will not touch it
   until ``handle.wait()`` returned. Messages between the same pair of ranks
@@ -16,9 +26,13 @@ Contract for implementers
 * **Dtypes**: every dtype torch has (float, bfloat16, float16, int, bool) must
   round-trip bit-exactly. A backend that cannot carry a dtype natively converts
   inside the transport (e.g. a byte view), never in the core.
+* **Shapes**: 0-dim and empty tensors are legal messages; the receiver
+  always posts a tensor of the sender's shape and dtype (the wire protocol
+  guarantees it), on ``device``.
 * **Collectives** (``all_reduce``, ``broadcast``, ``barrier``) are blocking,
   in place, and called by every member of ``group`` in the same order.
-  ``group=None`` means the whole world.
+  ``group=None`` means the transport's whole world. ``all_reduce`` must
+  support float32/float64/int32/int64 with ``"sum"``, ``"max"``, ``"min"``.
 * **Groups** come from ``new_group(ranks)``, which every rank of the world
   calls with the same arguments in the same order (even ranks outside
   ``ranks``); it returns an opaque object (``None`` for non-members is fine).
@@ -28,6 +42,11 @@ Contract for implementers
   :class:`~pipekernel.errors.TransportError` no later than the timeout.
 * ``close()`` releases what the transport created (not a process group it
   found already initialised).
+
+Proving it: :mod:`pipekernel.conformance` is a suite any transport runs
+against itself (``check_transport("my_transport")``); pipekernel runs it for
+gloo in its tests and for nccl on GPU machines. See
+``docs/writing-a-plugin.md`` for publishing a transport.
 """
 from __future__ import annotations
 
@@ -57,7 +76,8 @@ class Transport(Protocol):
     rank: int
     #: Number of processes in the world.
     world_size: int
-    #: Seconds any single wait may take before ``TransportTimeout``.
+    #: Seconds any single wait may take before ``TransportTimeout``; may be changed
+    #: between waits (the next wait uses the new value).
     timeout: float
     #: ``torch.device`` that tensors must live on for this transport.
     device: Any

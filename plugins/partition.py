@@ -1,74 +1,450 @@
-"""Built-in partition methods: ``uniform``, ``parameters``, ``type:<regex>``, explicit boundaries.
+"""Built-in partition methods.
 
-Weighted methods minimise the largest stage weight over contiguous splits
-(binary search on the answer with a greedy check), so the result is optimal,
-not a heuristic.
+``partition=`` accepts:
+
+* ``"uniform"`` (layer count), ``"parameters"`` (parameter count),
+  ``"type:<regex>"`` (count of layers whose class name matches, case-insensitive);
+* explicit boundaries ``[0, b1, ..., len(layers)]``;
+* ``pk.balance(costs)`` or a callable ``cost(layer) -> float``: user costs;
+* ``pk.profile(sample)``: measured forward + backward seconds per layer;
+* ``pk.memory(sample)`` / ``"memory"``: estimated bytes, with activations
+  multiplied by the micro-batches the schedule keeps in flight on each stage.
+
+Every weighted method calls :func:`balance`, which is exact: it minimises the
+largest stage cost over all contiguous splits with no empty stage.
+Measuring methods run on global rank 0 only and broadcast the result, so every
+rank builds the same partition even though timings differ between processes.
 """
 from __future__ import annotations
 
+import copy
+import math
 import re
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
+from torch import nn
 
 from pipekernel.errors import ConfigError
 from pipekernel.hookspecs import hookimpl
-from pipekernel.module import LayerSpec, PipelineModule
+from pipekernel.module import LayerSpec, PipelineModule, TiedLayerSpec
+from pipekernel.partitioning import Balance, Memory, PartitionContext, Profile
+
+__all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers"]
+
+#: optimizer-state bytes per trainable parameter byte when nothing better is known (Adam)
+DEFAULT_OPTIMIZER_STATES = 2.0
 
 
-def _fits(weights: Sequence[float], num_stages: int, limit: float) -> list[int] | None:
-    """Greedy split with every stage non-empty and at most ``limit``; None if impossible."""
-    bounds, total, n = [0], 0.0, len(weights)
-    for i, w in enumerate(weights):
-        must_cut = n - i == num_stages - len(bounds)  # one layer left per unopened stage
-        if i > bounds[-1] and (total + w > limit or must_cut):
-            if len(bounds) == num_stages:
-                return None
-            bounds.append(i)
-            total = 0.0
-        total += w
-        if w > limit:
-            return None
-    bounds.append(n)
-    return bounds if len(bounds) == num_stages + 1 else None
+# ---------------------------------------------------------------------------
+# the exact balancer
+# ---------------------------------------------------------------------------
+
+def _check_costs(values: Sequence[float], what: str) -> list[float]:
+    out = []
+    for i, v in enumerate(values):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{what} of layer {i} is {v!r}, not a number",
+                              hint="give one non-negative number per layer") from None
+        if not math.isfinite(f) or f < 0:
+            raise ConfigError(f"{what} of layer {i} is {f}; costs must be finite and >= 0",
+                              hint="give one non-negative number per layer")
+        out.append(f)
+    return out
 
 
-def balance(weights: Sequence[float], num_stages: int) -> list[int]:
-    """Boundaries minimising the maximum stage weight, every stage non-empty."""
-    if num_stages > len(weights):
-        raise ConfigError(f"cannot split {len(weights)} layers into {num_stages} stages",
-                          hint="use fewer stages or more layers")
-    # candidate answers are contiguous sums; search them exactly
-    prefix = [0.0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    candidates = sorted({prefix[j] - prefix[i] for i in range(len(weights))
-                         for j in range(i + 1, len(weights) + 1)})
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _fits(weights, num_stages, candidates[mid]) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return _fits(weights, num_stages, candidates[lo])  # type: ignore[return-value]
+def stage_costs(bounds: Sequence[int], weights: Sequence[float],
+                activations: Sequence[float] | None = None,
+                in_flight: Sequence[float] | None = None) -> list[float]:
+    """Cost of each stage: ``Σ weights + in_flight[s] × Σ activations`` over its layers."""
+    out = []
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        cost = sum(weights[lo:hi])
+        if activations is not None:
+            cost += (in_flight[s] if in_flight is not None else 1) * sum(activations[lo:hi])
+        out.append(cost)
+    return out
 
+
+def balance(weights: Sequence[float], num_stages: int,
+            activations: Sequence[float] | None = None,
+            in_flight: Sequence[float] | None = None) -> list[int]:
+    """Boundaries minimising the largest stage cost, every stage non-empty.
+
+    The cost of stage ``s`` holding layers ``[i, j)`` is
+    ``Σ weights[i:j] + in_flight[s] × Σ activations[i:j]`` (just ``Σ weights``
+    without ``activations``). Exact dynamic program over stages: the best cost of
+    the first ``s`` stages grows with the layers they cover while the next stage's
+    cost shrinks, so each cut is found by binary search — O(stages × layers × log layers).
+
+    :raises ConfigError: more stages than layers, or a negative / non-finite cost.
+    """
+    n = len(weights)
+    if not isinstance(num_stages, int) or num_stages < 1 or num_stages > n:
+        raise ConfigError(f"cannot split {n} layers into {num_stages} stages",
+                          hint="every stage needs at least one layer: use fewer stages or "
+                               "more layers")
+    w = _check_costs(weights, "cost")
+    a = _check_costs(activations, "activation cost") if activations is not None else [0.0] * n
+    if len(a) != n:
+        raise ConfigError(f"{len(a)} activation costs for {n} layers",
+                          hint="give one activation cost per layer")
+    k = list(in_flight) if in_flight is not None else [1.0] * num_stages
+    if len(k) != num_stages:
+        raise ConfigError(f"{len(k)} in-flight counts for {num_stages} stages",
+                          hint="give one in-flight count per stage")
+    pw, pa = [0.0], [0.0]
+    for x, y in zip(w, a):
+        pw.append(pw[-1] + x)
+        pa.append(pa[-1] + y)
+
+    def cost(s: int, i: int, j: int) -> float:
+        return (pw[j] - pw[i]) + k[s] * (pa[j] - pa[i])
+
+    inf = math.inf
+    best = [inf] + [cost(0, 0, j) for j in range(1, n + 1)]
+    choices: list[list[int]] = []
+    for s in range(1, num_stages):
+        new, arg = [inf] * (n + 1), [0] * (n + 1)
+        for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+            lo, hi = s, j - 1  # stage s holds [i, j); the stages before it need i >= s layers
+            left, right = lo, hi + 1
+            while left < right:  # first i where the earlier stages dominate
+                mid = (left + right) // 2
+                if best[mid] >= cost(s, mid, j):
+                    right = mid
+                else:
+                    left = mid + 1
+            for i in (left - 1, left):
+                if lo <= i <= hi:
+                    value = max(best[i], cost(s, i, j))
+                    if value < new[j]:
+                        new[j], arg[j] = value, i
+        best = new
+        choices.append(arg)
+    bounds, j = [n], n
+    for arg in reversed(choices):
+        j = arg[j]
+        bounds.append(j)
+    bounds.append(0)
+    return bounds[::-1]
+
+
+# ---------------------------------------------------------------------------
+# measuring layers
+# ---------------------------------------------------------------------------
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, device) for o in obj)
+    return obj
+
+
+def _leaf(obj: Any) -> Any:
+    """Detached copy of ``obj`` whose float tensors require grad (like a received activation)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_leaf(o) for o in obj)
+    return obj
+
+
+def _grad_outputs(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _grad_outputs(o)]
+    return []
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _static_bytes(layer: Any, index: int, optimizer: Callable | None,
+                  optimizer_states: float | None) -> float:
+    """Parameters + gradients + optimizer state + buffers of one built layer."""
+    if not isinstance(layer, nn.Module):
+        return 0.0
+    params = list(layer.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+    if optimizer_states is not None or optimizer is None or not trainable:
+        factor = DEFAULT_OPTIMIZER_STATES if optimizer_states is None else optimizer_states
+        state_bytes = factor * grad_bytes
+    else:  # one step of the real optimizer on this throwaway layer
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        try:
+            opt = optimizer(trainable)
+            opt.step()
+        except Exception as err:
+            raise ConfigError(f"the optimizer factory failed on layer {index} while measuring "
+                              f"optimizer state: {type(err).__name__}: {err}",
+                              hint="pass pk.memory(sample, optimizer_states=2.0) to assume "
+                                   "a size instead") from err
+        state_bytes = sum(t.numel() * t.element_size() for state in opt.state.values()
+                          for t in state.values() if isinstance(t, torch.Tensor))
+        for p in trainable:
+            p.grad = None
+    return float(param_bytes + grad_bytes + state_bytes + buffer_bytes)
+
+
+def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
+                   time_it: bool = True, repeats: int = 5, warmup: int = 1,
+                   optimizer: Callable | None = None,
+                   optimizer_states: float | None = None
+                   ) -> tuple[list[float] | None, list[float], list[float]]:
+    """Run ``sample`` through the layers one at a time on ``device``.
+
+    Only one layer's parameters exist at a time; the activations of one
+    micro-batch are kept until the end so storage is never counted twice.
+
+    :returns: ``(seconds, static_bytes, activation_bytes)`` per layer: the median
+        forward + backward time (``None`` unless ``time_it``); parameter +
+        gradient + optimizer-state + buffer bytes; bytes of the non-parameter
+        tensors autograd saves for backward, each storage counted at the first
+        layer that saves it.
+    """
+    if sample is None:
+        raise ConfigError("measuring layers needs a sample micro-batch",
+                          hint="pass partition=pk.profile(sample_inputs) or "
+                               "pk.memory(sample_inputs) with one micro-batch of inputs")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
+                          hint="use pk.profile(sample, repeats=5, warmup=1)")
+    device = torch.device(device)
+    x = _to(sample, device)
+    seconds: list[float] = []
+    static: list[float] = []
+    act: list[float] = []
+    seen: set[int] = set()
+    keep: list[torch.Tensor] = []  # keeps saved storages alive so addresses stay unique
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # layer seeding and dropout leave no trace
+        for index, spec in enumerate(module.layers):
+            layer = module.build_layer(index)
+            if isinstance(layer, nn.Module):
+                if not isinstance(spec, LayerSpec):
+                    layer = copy.deepcopy(layer)  # never step or move the user's own module
+                layer = layer.to(device)
+            forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
+
+            def call(inp: Any, layer: Any = layer, forward_fn: Any = forward_fn) -> Any:
+                return layer(inp) if forward_fn is None else forward_fn(layer, inp)
+
+            params = ({p.untyped_storage().data_ptr() for p in layer.parameters()}
+                      if isinstance(layer, nn.Module) else set())
+            inp = _leaf(x)
+            saved: list[torch.Tensor] = []
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(
+                        lambda t: saved.append(t) or t, lambda t: t):
+                    out = call(inp)
+            except Exception as err:
+                raise ConfigError(f"layer {index} ({_layer_name(spec)}) failed on the sample: "
+                                  f"{type(err).__name__}: {err}",
+                                  hint="the sample must be one micro-batch of the first "
+                                       "layer's inputs") from err
+            nbytes = 0
+            for t in saved:
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key == 0 or key in params or key in seen:
+                    continue
+                seen.add(key)
+                keep.append(t)
+                nbytes += storage.nbytes()
+            act.append(float(nbytes))
+            if time_it:
+                samples = []
+                for _ in range(warmup + repeats):
+                    _sync(device)
+                    start = time.perf_counter()
+                    grads = _grad_outputs(call(inp))
+                    if grads:
+                        torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
+                    _sync(device)
+                    samples.append(time.perf_counter() - start)
+                seconds.append(statistics.median(samples[warmup:]))
+                if isinstance(layer, nn.Module):
+                    layer.zero_grad(set_to_none=True)
+            static.append(_static_bytes(layer, index, optimizer, optimizer_states))
+            x = _leaf(out)
+            del out, layer
+    return (seconds if time_it else None), static, act
+
+
+def _meta_static_bytes(module: PipelineModule,
+                       optimizer_states: float = DEFAULT_OPTIMIZER_STATES) -> list[float]:
+    """Parameter + gradient + optimizer-state + buffer bytes, built on the meta device."""
+    out = []
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for layer in module.layers:
+            built = layer.build() if isinstance(layer, LayerSpec) else layer
+            out.append(_static_bytes(built, 0, None, optimizer_states))
+    return out
+
+
+def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
+    """Run ``compute`` on global rank 0 only and broadcast ``(bounds, costs, static, act)``.
+
+    ``costs`` and ``act`` may be ``None``. A failure on rank 0 is reported on every rank.
+    """
+    transport = context.transport
+    if transport is None or transport.world_size == 1:
+        return compute()
+    n, stages = len(context.module.layers), context.num_stages
+    buf = torch.zeros(3 + (stages + 1) + 3 * n, dtype=torch.float64)
+    error = None
+    if transport.rank == 0:
+        try:
+            bounds, costs, static, act = compute()
+            buf[0] = 1.0
+            buf[1], buf[2] = costs is not None, act is not None
+            buf[3:4 + stages] = torch.tensor(bounds, dtype=torch.float64)
+            base = 4 + stages
+            buf[base:base + n] = torch.tensor(costs or [0.0] * n, dtype=torch.float64)
+            buf[base + n:base + 2 * n] = torch.tensor(static, dtype=torch.float64)
+            buf[base + 2 * n:] = torch.tensor(act or [0.0] * n, dtype=torch.float64)
+        except Exception as err:  # tell the others before raising, so nobody waits
+            error = err
+    buf = buf.to(transport.device)
+    transport.broadcast(buf, 0)
+    if error is not None:
+        raise error
+    buf = buf.cpu()
+    if buf[0] != 1.0:
+        method = context.module.partition_method
+        raise ConfigError(f"rank 0 failed to compute the partition {method!r}",
+                          hint="look at rank 0's error: it says what went wrong",
+                          rank=context.rank)
+    base = 4 + stages
+    bounds = [int(v) for v in buf[3:base].tolist()]
+    costs = buf[base:base + n].tolist() if buf[1] else None
+    static = buf[base + n:base + 2 * n].tolist()
+    act = buf[base + 2 * n:].tolist() if buf[2] else None
+    return bounds, costs, static, act
+
+
+# ---------------------------------------------------------------------------
+# the hook
+# ---------------------------------------------------------------------------
 
 def _layer_name(layer: Any) -> str:
     target = layer.typename if isinstance(layer, LayerSpec) else type(layer)
     return getattr(target, "__name__", str(target))
 
 
+def _explicit(bounds: Sequence[Any], n: int, num_stages: int) -> list[int]:
+    out = list(bounds)
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in out):
+        raise ConfigError(f"partition boundaries {out} must be integers",
+                          hint=f"write e.g. [0, {n // 2}, {n}]")
+    if len(out) != num_stages + 1:
+        raise ConfigError(f"partition boundaries {out} describe {len(out) - 1} stages, "
+                          f"the pipeline has {num_stages}",
+                          hint=f"give {num_stages + 1} boundaries from 0 to {n}")
+    if out[0] != 0 or out[-1] != n:
+        raise ConfigError(f"partition boundaries {out} do not cover all {n} layers",
+                          hint=f"start at 0 and end at {n} (the number of layers)")
+    for s, (a, b) in enumerate(zip(out, out[1:])):
+        if b <= a:
+            raise ConfigError(f"partition boundaries {out} are not increasing: stage {s} "
+                              f"would hold layers [{a}, {b})",
+                              hint="boundaries must strictly increase so no stage is empty")
+    return out
+
+
+def _user_costs(costs: Any, layers: Sequence[Any]) -> list[float]:
+    if callable(costs):
+        values = []
+        for i, layer in enumerate(layers):
+            try:
+                values.append(costs(layer))
+            except Exception as err:
+                raise ConfigError(f"the cost function failed on layer {i} ({_layer_name(layer)}): "
+                                  f"{type(err).__name__}: {err}",
+                                  hint="a cost function takes one layer (as given to "
+                                       "PipelineModule) and returns a number") from err
+    else:
+        values = list(costs)
+    if len(values) != len(layers):
+        raise ConfigError(f"{len(values)} costs for {len(layers)} layers",
+                          hint="pk.balance(costs) needs one cost per layer")
+    return _check_costs(values, "cost")
+
+
 @hookimpl(trylast=True)
-def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) -> list[int] | None:
+def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
+                         context: PartitionContext | None) -> list[int] | None:
+    if context is None:  # called by hand, outside PipelineModule.partition
+        context = PartitionContext(module=PipelineModule(layers), num_stages=num_stages)
+    module, n = context.module, len(layers)
     if isinstance(method, (list, tuple)):
-        return list(method)
+        return _explicit(method, n, num_stages)
+    if method == "profile":
+        raise ConfigError("partition='profile' needs a sample micro-batch to time",
+                          hint="pass partition=pk.profile(sample_inputs)")
+    if method == "memory":
+        method = Memory()
+    if isinstance(method, Profile):
+        def compute() -> tuple:
+            seconds, static, act = measure_layers(
+                module, method.sample, context.device, repeats=method.repeats,
+                warmup=method.warmup, optimizer=context.optimizer)
+            return balance(seconds, num_stages), seconds, static, act
+        bounds, costs, static, act = _agree(context, compute)
+        context.layer_costs, context.cost_unit = costs, "seconds"
+        context.layer_static_bytes, context.layer_activation_bytes = static, act
+        context.notes.append(f"forward+backward seconds measured on rank 0 ({context.device}), "
+                             f"median of {method.repeats}")
+        return bounds
+    if isinstance(method, Memory):
+        in_flight = context.in_flight
+
+        def compute() -> tuple:
+            if method.sample is None:
+                static, act = _meta_static_bytes(module, DEFAULT_OPTIMIZER_STATES if
+                                                 method.optimizer_states is None
+                                                 else method.optimizer_states), None
+            else:
+                _, static, act = measure_layers(
+                    module, method.sample, context.device, time_it=False,
+                    optimizer=context.optimizer, optimizer_states=method.optimizer_states)
+            bounds = balance(static, num_stages, act, in_flight)
+            return bounds, stage_layer_costs(static, act, bounds, in_flight), static, act
+        bounds, costs, static, act = _agree(context, compute)
+        context.layer_costs, context.cost_unit = costs, "bytes"
+        context.layer_static_bytes, context.layer_activation_bytes = static, act
+        context.notes.append("memory = params + grads + optimizer state + buffers"
+                             + (f" + activations x in-flight micro-batches {in_flight}"
+                                if act is not None else " (no sample: activations not counted)"))
+        return bounds
+    if isinstance(method, Balance) or (callable(method) and not isinstance(method, str)):
+        costs_in, unit = (method.costs, method.unit) if isinstance(method, Balance) \
+            else (method, "cost")
+        weights = _user_costs(costs_in, layers)
+        return _cheap(context, weights, unit, num_stages)
     if not isinstance(method, str):
         return None
     if method == "uniform":
-        return balance([1.0] * len(layers), num_stages)
+        return _cheap(context, [1.0] * n, "layers", num_stages)
     if method == "parameters":
-        counts = PipelineModule(layers).parameter_counts()
-        return balance([float(c) for c in counts], num_stages)
+        counts = module.parameter_counts()
+        return _cheap(context, [float(c) for c in counts], "parameters", num_stages)
     if method.startswith("type:"):
         try:
             pattern = re.compile(method[5:], re.IGNORECASE)
@@ -80,5 +456,32 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int) ->
             raise ConfigError(f"partition={method!r} matches no layer type",
                               hint="layer types are: " + ", ".join(
                                   sorted({_layer_name(l) for l in layers})))
-        return balance(weights, num_stages)
+        return _cheap(context, weights, f"layers matching {method[5:]!r}", num_stages)
     return None
+
+
+def stage_layer_costs(static: list[float], act: list[float] | None, bounds: Sequence[int],
+                      in_flight: Sequence[int]) -> list[float]:
+    """Per-layer bytes as placed: static + in-flight(stage of the layer) × activation."""
+    out = []
+    for s in range(len(bounds) - 1):
+        for i in range(bounds[s], bounds[s + 1]):
+            out.append(static[i] + (in_flight[s] * act[i] if act is not None else 0.0))
+    return out
+
+
+def _cheap(context: PartitionContext, weights: list[float], unit: str,
+           num_stages: int) -> list[int]:
+    """Balance costs every rank computes identically (no measuring, no broadcast)."""
+    context.layer_costs, context.cost_unit = weights, unit
+    context.layer_static_bytes = _meta_static_bytes(context.module)
+    context.notes.append("memory estimate: params + grads + Adam-like state (2x) + buffers; "
+                         "activations not measured (use pk.memory(sample) for them)")
+    return balance(weights, num_stages)
+
+
+@hookimpl(trylast=True)
+def pipekernel_list_names(kind: str) -> list[str]:
+    # explicit boundaries, pk.profile(sample), pk.memory(sample), pk.balance(costs) and
+    # cost functions are accepted too but are objects, not names
+    return ["uniform", "parameters", "type:<regex>", "memory"] if kind == "partition" else []

@@ -248,3 +248,7 @@ def pipekernel_make_precision(name: str, options: dict[str, Any]) -> Any:
         raise ConfigError(f"precision {name!r} does not accept options {sorted(options)}: {err}",
                           hint="see docs/precision.md for each policy's options") from err
 
+
+@hookimpl(trylast=True)
+def pipekernel_list_names(kind: str) -> list[str]:
+    return sorted(_policies()) if kind == "precision" else []

@@ -4,6 +4,11 @@ Point-to-point transfers carry a byte view of the tensor, so every dtype
 (bool, bfloat16, complex, ...) round-trips bit-exactly whatever gloo supports
 natively. Waits use ``Work.wait(timeout)`` and become ``TransportTimeout``
 naming the peer.
+
+``group=`` makes the transport span a process group the host created instead
+of the whole world: its ranks are then the group's ranks (0 .. size-1) and the
+transport translates them to global ranks, so a pipeline can live on any
+subset of a larger job.
 """
 from __future__ import annotations
 
@@ -41,13 +46,14 @@ class _Handle:
             self._work.wait(datetime.timedelta(seconds=timeout))
         except RuntimeError as err:
             rank = self._transport.rank
+            peer = self._transport.describe(self._peer)
             if "imed out" in str(err) or "timeout" in str(err).lower():
                 raise TransportTimeout(
-                    f"rank {rank} waited {timeout:g}s to {self._what} rank {self._peer} "
+                    f"rank {rank} waited {timeout:g}s to {self._what} {peer} "
                     f"and gave up", peer=self._peer, rank=rank,
                     hint=f"check that rank {self._peer} is alive and runs the same schedule; "
                          f"raise timeout= if it is just slow") from err
-            raise TransportError(f"rank {rank} failed to {self._what} rank {self._peer}: {err}",
+            raise TransportError(f"rank {rank} failed to {self._what} {peer}: {err}",
                                  rank=rank, hint=f"look at rank {self._peer}'s log: it "
                                                  "probably failed first") from err
         self._done = True
@@ -61,16 +67,26 @@ class TorchDistributedTransport:
     ``MASTER_PORT``) and destroys it on ``close()``.
 
     :param timeout: seconds for every wait (point-to-point and collectives).
+    :param group: a process group (from ``torch.distributed.new_group``) to span
+        instead of the whole world; ``rank``/``world_size`` are then this
+        process's rank in the group and the group's size. Only members create
+        the transport.
     """
 
     backend = "gloo"
 
-    def __init__(self, timeout: float = 300.0, **options: Any) -> None:
+    def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         if options:
             raise ConfigError(f"unknown {self.backend} transport options: {sorted(options)}",
-                              hint="supported options: timeout")
+                              hint="supported options: timeout, group")
         self.timeout = float(timeout)
+        self.group = group
+        self._groups: dict[tuple[int, ...], Any] = {}
         self._owns_group = not dist.is_initialized()
+        if group is not None and self._owns_group:
+            raise ConfigError("transport option group= needs an initialised process group",
+                              hint="call torch.distributed.init_process_group() and "
+                                   "new_group() before creating the engine")
         if self._owns_group:
             missing = [name for name in _ENV if name not in os.environ]
             if missing:
@@ -80,8 +96,24 @@ class TorchDistributedTransport:
                          "torch.distributed.init_process_group() before creating the engine")
             dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=timeout),
                                     **self._init_options())
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        if self.rank < 0:
+            raise ConfigError(f"global rank {dist.get_rank()} is not a member of the group "
+                              f"{dist.get_process_group_ranks(group)} given as group=",
+                              hint="create the engine only on the ranks of its group")
+        # group rank -> global rank (torch.distributed's p2p and src arguments are global)
+        self._global = dist.get_process_group_ranks(group) if group is not None else None
         self.device = self._device()
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank of this transport's ``rank`` (identity without ``group=``)."""
+        return self._global[rank] if self._global is not None else rank
+
+    def describe(self, rank: int) -> str:
+        """``"rank R"``, plus the global rank when the transport spans a subgroup."""
+        if self._global is None:
+            return f"rank {rank}"
+        return f"rank {rank} (global rank {self.global_rank(rank)})"
 
     def _init_options(self) -> dict[str, Any]:
         return {}
@@ -98,21 +130,23 @@ class TorchDistributedTransport:
             tensor.reshape(1).view(torch.uint8)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> _Handle:
-        return _Handle(self._post(dist.isend, tensor, dst, "send to"), self, dst, "send to")
+        work = self._post(dist.isend, tensor, dst, "send to")
+        return _Handle(work, self, dst, "send to")
 
     def irecv(self, tensor: torch.Tensor, src: int) -> _Handle:
-        return _Handle(self._post(dist.irecv, tensor, src, "receive from"), self, src,
-                       "receive from")
+        work = self._post(dist.irecv, tensor, src, "receive from")
+        return _Handle(work, self, src, "receive from")
 
     def _post(self, fn, tensor: torch.Tensor, peer: int, what: str) -> Any:
         try:
-            return fn(self._bytes(tensor), peer)
+            return fn(self._bytes(tensor), self.global_rank(peer), group=self.group)
         except RuntimeError as err:  # e.g. the peer's connection closed: name the peer
             raise TransportError(f"rank {self.rank} failed to {what} rank {peer}: {err}",
                                  rank=self.rank, hint=f"look at rank {peer}'s log: it "
                                                       "probably failed first") from err
 
     def _collective(self, what: str, group: Any, fn, *args, **kwargs) -> None:
+        group = self.group if group is None else group
         try:
             fn(*args, group=group, **kwargs)
         except RuntimeError as err:
@@ -125,7 +159,7 @@ class TorchDistributedTransport:
         self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
-        self._collective("broadcast", group, dist.broadcast, tensor, src)
+        self._collective("broadcast", group, dist.broadcast, tensor, self.global_rank(src))
 
     def barrier(self, group: Any = None) -> None:
         self._collective("barrier", group, dist.barrier)
@@ -134,7 +168,16 @@ class TorchDistributedTransport:
         ranks = sorted(ranks)
         if len(ranks) == self.world_size:
             return None  # the world itself
-        return dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout))
+        timeout = datetime.timedelta(seconds=self.timeout)
+        if self._global is None:
+            return dist.new_group(ranks, timeout=timeout)
+        # Ranks outside self.group never call this, so synchronise among members only;
+        # torch names such groups after their ranks, hence one group per rank set.
+        key = tuple(self.global_rank(r) for r in ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), timeout=timeout,
+                                               use_local_synchronization=True)
+        return self._groups[key]
 
     def close(self) -> None:
         if self._owns_group and dist.is_initialized():

@@ -1,0 +1,1 @@
+"""pk-oot-demo: a transport (``counting``) and a monitor plugin (``oot_monitor``)."""
