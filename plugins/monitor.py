@@ -173,7 +173,6 @@ class Monitor:
         self.stage, self.topology = engine.stage, engine.topology
         self._count_inputs = engine.is_first_stage()
         self._classes = sorted({cls.__name__ for cls in engine.kernel.handlers})
-        self._class_index = {name: i for i, name in enumerate(self._classes)}
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
         self._epoch = time.perf_counter()
         if self.world_size > 1:
