@@ -80,6 +80,7 @@ class PipelineEngine:
         self.skipped_steps = 0
         self._last_step_taken = True
         self._steps_cache: dict[Any, tuple[list, int]] = {}
+        self.pm.hook.pipekernel_configure(engine=self)
 
     # -- where this process sits ---------------------------------------------
     @property
@@ -203,6 +204,7 @@ class PipelineEngine:
             raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
                               hint="use schedule='1f1b' or 'gpipe'")
         start = time.perf_counter()
+        self.pm.hook.pipekernel_before_train_batch(engine=self)
         self.module.train()
         loss = self._run(self.schedule_cls, data_iter, True, False)
         self.global_steps += 1
@@ -247,8 +249,12 @@ class PipelineEngine:
     backward = step = forward
 
     def close(self) -> None:
-        """Wait for in-flight sends and release the transport."""
+        """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
+        collectives still allowed) and release the transport."""
         self.runtime.flush()
+        if not getattr(self, "_unconfigured", False):
+            self._unconfigured = True
+            self.pm.hook.pipekernel_unconfigure(engine=self)
         self.transport.close()
 
 

@@ -24,7 +24,13 @@ class PipelineError(RuntimeError):
         self.hint = hint
         self.rank, self.stage, self.step = rank, stage, step
         self.micro_batch, self.instruction = micro_batch, instruction
+        self.details: list[str] = []  # diagnostics added by plugins, printed under the message
         super().__init__(message)
+
+    def add_detail(self, text: str) -> PipelineError:
+        """Append a diagnostic paragraph (e.g. every rank's position); returns ``self``."""
+        self.details.append(text)
+        return self
 
     def locate(self, **where: object) -> PipelineError:
         """Fill in location fields that are still unknown; returns ``self``."""
@@ -37,16 +43,22 @@ class PipelineError(RuntimeError):
         where = ", ".join(f"{key.replace('_', '-')} {getattr(self, key)}"
                           for key in _WHERE_FIELDS if getattr(self, key) is not None)
         text = f"[{where}] {self.message}" if where else self.message
-        return f"{text}\n  how to fix: {self.hint}" if self.hint else text
+        text = f"{text}\n  how to fix: {self.hint}" if self.hint else text
+        for detail in getattr(self, "details", ()):
+            text += "\n  " + detail.replace("\n", "\n  ")
+        return text
 
     def __reduce__(self):  # keep the location when pickled across processes
         return (_rebuild, (type(self), self.message, self.hint,
-                           {k: getattr(self, k) for k in _WHERE_FIELDS}))
+                           {k: getattr(self, k) for k in _WHERE_FIELDS},
+                           list(getattr(self, "details", ())), dict(self.__dict__)))
 
 
-def _rebuild(cls, message, hint, where):
+def _rebuild(cls, message, hint, where, details=(), state=None):
     err = cls.__new__(cls)
     PipelineError.__init__(err, message, hint=hint, **where)
+    err.__dict__.update(state or {})
+    err.details = list(details)
     return err
 
 

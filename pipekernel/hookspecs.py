@@ -145,3 +145,77 @@ def pipekernel_after_train_batch(engine: Any, loss: Any, metrics: Mapping[str, A
     :param loss: the 0-dim loss tensor (same value on every rank).
     :param metrics: ``{"step": int, "seconds": float, "skipped": bool, ...}``.
     """
+
+
+# ---------------------------------------------------------------------------
+# Life cycle and diagnostics (every implementation is called)
+# ---------------------------------------------------------------------------
+
+
+@hookspec
+def pipekernel_configure(engine: Any) -> None:
+    """The engine is built: everything a plugin may want to look at exists.
+
+    Called once per engine, on every rank, at the end of
+    ``PipelineEngine.__init__`` (module, transport, topology, optimizer,
+    runtime and kernel are all set; no batch has run yet).
+
+    :param engine: the :class:`pipekernel.PipelineEngine` of this rank.
+
+    Use in plugins
+    ==============
+    Keep a reference to the engine (rank, stage, transport, topology), open
+    files, start threads. A collective over ``engine.transport`` is allowed
+    only if the plugin is registered on every rank, which is how engines are
+    built (same arguments everywhere).
+    """
+
+
+@hookspec
+def pipekernel_unconfigure(engine: Any) -> None:
+    """The engine is closing.
+
+    Called once, on every rank, from ``PipelineEngine.close()`` after in-flight
+    sends finished and *before* the transport is released, so collectives over
+    ``engine.transport`` still work.
+
+    :param engine: the :class:`pipekernel.PipelineEngine` of this rank.
+
+    Use in plugins
+    ==============
+    Flush and close files, stop threads, merge per-rank results.
+    """
+
+
+@hookspec
+def pipekernel_before_train_batch(engine: Any) -> None:
+    """Called on every rank when ``train_batch`` starts, before any instruction runs.
+
+    Instructions seen between this hook and :func:`pipekernel_after_train_batch`
+    belong to one training step; ``eval_batch`` does not call it.
+
+    :param engine: the :class:`pipekernel.PipelineEngine`.
+    """
+
+
+@hookspec
+def pipekernel_instruction_error(instruction: Instruction, stage: int, error: Any) -> None:
+    """An instruction failed; ``error`` is about to propagate.
+
+    Called on the failing rank only, once per failure, by the kernel after it
+    filled in the error's location (rank, stage, step, micro-batch,
+    instruction) and right before it raises. Not called on success, so it costs
+    nothing on the hot path.
+
+    :param instruction: the instruction whose handler failed.
+    :param stage: this rank's pipeline stage.
+    :param error: the :class:`~pipekernel.errors.PipelineError` that will be
+        raised (a :class:`~pipekernel.errors.TransportTimeout` for a receive
+        that timed out).
+
+    Use in plugins
+    ==============
+    Add diagnostics with ``error.add_detail(text)`` (printed under the
+    message), e.g. where every other rank is in its schedule. Must not raise and
+    must not block for long: the rank is already failing.
+    """

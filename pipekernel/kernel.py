@@ -59,6 +59,16 @@ class Kernel:
         return (before if before.get_hookimpls() else None,
                 after if after.get_hookimpls() else None)
 
+    def _failed(self, error: PipelineError, instruction: Instruction) -> PipelineError:
+        """Let plugins add diagnostics to ``error`` (error path only); returns it."""
+        if self.hook is not None:
+            try:
+                self.hook.pipekernel_instruction_error(instruction=instruction, stage=self.stage,
+                                                       error=error)
+            except Exception as hook_err:  # a broken diagnostic must not hide the real error
+                error.add_detail(f"(a pipekernel_instruction_error plugin failed: {hook_err!r})")
+        return error
+
     def run(self, steps: Iterable[Sequence[Instruction]]) -> None:
         """Execute every instruction of every step, in order."""
         before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
@@ -76,14 +86,15 @@ class Kernel:
                         after(instruction=instruction, stage=stage,
                               seconds=time.perf_counter() - start)
                 except PipelineError as err:
-                    raise err.locate(rank=self.rank, stage=stage, step=step_id,
-                                     micro_batch=getattr(instruction, "micro_batch", None),
-                                     instruction=instruction)
+                    raise self._failed(err.locate(
+                        rank=self.rank, stage=stage, step=step_id,
+                        micro_batch=getattr(instruction, "micro_batch", None),
+                        instruction=instruction), instruction)
                 except Exception as err:
-                    raise InstructionError(
+                    raise self._failed(InstructionError(
                         f"{type(err).__name__} in the handler of {instruction}: {err}",
                         hint="see the chained traceback above for the failing line",
                         rank=self.rank, stage=stage, step=step_id,
                         micro_batch=getattr(instruction, "micro_batch", None),
-                        instruction=instruction) from err
+                        instruction=instruction), instruction) from err
         self.position = None
