@@ -103,7 +103,7 @@ def _losses_from_csv(path: str) -> list[float]:
 
 
 def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
-    summary = json.loads((out_dir / "summary.json").read_text())
+    summary = json.loads((out_dir / "train.json").read_text())
     losses = summary["losses"]
     assert len(losses) == steps
     # the loss falls: the mean of the last 5 steps is well under the first 5

@@ -51,7 +51,9 @@ def rows_from_trace(trace: Mapping[str, Any] | str | Path, *, last_steps: int | 
     """
     if not isinstance(trace, Mapping):
         trace = json.loads(Path(trace).read_text())
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    # instruction slices only (the monitor also puts whole-step slices, cat "step", on tid 1)
+    events = [e for e in trace.get("traceEvents", [])
+              if e.get("ph") == "X" and e.get("cat") != "step" and e.get("tid", 0) == 0]
     if last_steps is not None:
         steps = sorted({e.get("args", {}).get("step") for e in events} - {None})
         keep = set(steps[-last_steps:])

@@ -157,16 +157,6 @@ def make_batch(ids: torch.Tensor, cfg: TrainConfig, step: int, replica: int,
 # -- helpers on the engine --------------------------------------------------------------
 
 
-def _load_monitor() -> tuple[type, bool]:
-    """The monitoring plugin's ``Monitor`` class, or the minimal fallback."""
-    try:
-        from pipekernel.plugins.monitor import Monitor
-        return Monitor, True
-    except ImportError:
-        from pipekernel.apps._monitor_fallback import Monitor
-        return Monitor, False
-
-
 def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
                       ) -> dict[str, torch.Tensor] | None:
     """Every layer's weights (replica 0's stages) on rank 0, ``None`` elsewhere.
@@ -218,18 +208,27 @@ def _describe_partition(module: pk.PipelineModule, bounds: list[int]) -> list[st
     return lines
 
 
-def _stage_table(summaries: list[dict[str, Any]], stage_of: dict[int, int]) -> list[str]:
-    head = (f"  {'rank':>4} {'stage':>5} | {'forward':>8} {'backward':>8} {'wait':>8} "
-            f"{'send':>8} {'other':>8} {'step':>8} | {'bubble':>6}")
+_COLUMNS = (("forward", "forward_s"), ("backward", "backward_s"), ("wait", "wait_s"),
+            ("send", "send_s"), ("drain", "drain_s"), ("other", None), ("step", "step_s"))
+
+
+def stage_table(summaries: list[dict[str, Any]]) -> list[str]:
+    """Milliseconds per step by rank from the monitor's per-rank totals.
+
+    ``wait`` is time blocked in a receive, ``drain`` the end of the step spent
+    waiting for the slowest stage, ``other`` everything else (loading, gradient
+    reduction, optimizer, Python); ``bubble`` = (wait + drain) / step.
+    """
+    head = (f"  {'rank':>4} {'stage':>5} | " + " ".join(f"{name:>8}" for name, _ in _COLUMNS)
+            + f" | {'bubble':>6}")
     lines = [head, "  " + "-" * (len(head) - 2)]
-    for rank, s in enumerate(summaries):
-        if s is None:
-            continue
-        ms = [1000.0 * float(s.get(k, 0.0)) for k in
-              ("forward_s", "backward_s", "wait_s", "send_s", "other_s", "step_s")]
-        lines.append(f"  {rank:>4} {stage_of.get(rank, '?'):>5} | "
-                     + " ".join(f"{v:>8.1f}" for v in ms)
-                     + f" | {100.0 * float(s.get('bubble_fraction', 0.0)):>5.1f}%")
+    for s in summaries:
+        steps = max(int(s.get("steps", 1)), 1)
+        ms = {key: 1000.0 * float(s.get(key, 0.0)) / steps for _, key in _COLUMNS if key}
+        ms["other"] = max(0.0, ms["step_s"] - sum(v for k, v in ms.items() if k != "step_s"))
+        cells = " ".join(f"{ms[key or 'other']:>8.1f}" for _, key in _COLUMNS)
+        lines.append(f"  {s.get('rank', '?'):>4} {s.get('stage', '?'):>5} | {cells} | "
+                     f"{100.0 * float(s.get('bubble_fraction', 0.0)):>5.1f}%")
     return lines
 
 
@@ -247,7 +246,8 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     train_ids, held_ids = split_corpus(data, cfg.context)
     module = gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
                         partition=cfg.partition, seed=cfg.seed)
-    Monitor, real_monitor = _load_monitor()
+    from pipekernel.plugins.monitor import Monitor
+
     out = Path(cfg.out)
     monitor = Monitor(out_dir=str(out), sinks=("csv", "jsonl", "trace"), every=cfg.every)
     engine = pk.PipelineEngine(
@@ -299,7 +299,6 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     held_after = _eval_loss(engine, held_ids, cfg)
 
     summaries = monitor.gather()
-    stage_of = {r: engine.topology.coords(r)[1] for r in range(engine.topology.world_size)}
     state = gather_full_state(engine, module)
     monitor.close()
     engine.close()
@@ -324,29 +323,30 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         "heldout_before": held_before, "heldout_after": held_after, "seconds": seconds,
         "tokens_per_s": cfg.tokens_per_step * cfg.steps / seconds, "bounds": list(engine.bounds),
         "stages": summaries, "sample": sample.decode("utf-8", "replace"),
-        "paths": {**paths, "timeline": timeline}, "monitor": "plugin" if real_monitor else "fallback",
+        "paths": {**paths, "timeline": timeline},
     }
     out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "summary.json"
-    summary["paths"]["summary"] = str(summary_path)
+    summary_path = out / "train.json"
+    summary["paths"]["train"] = str(summary_path)
     summary_path.write_text(json.dumps(summary, indent=1))
-    _report(cfg, summary, stage_of)
+    _report(cfg, summary)
     return summary
 
 
-def _report(cfg: TrainConfig, s: dict[str, Any], stage_of: dict[int, int]) -> None:
+def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
     lines = [
         f"loss {s['loss_first5']:.3f} -> {s['loss_last5']:.3f} (mean of first/last 5 steps); "
         f"held-out {s['heldout_before']:.3f} -> {s['heldout_after']:.3f}",
         f"{cfg.steps} steps in {s['seconds']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s",
-        "time per step by stage (ms; wait = blocked on a receive, bubble = wait / step):",
-        *_stage_table(s["stages"] or [], stage_of),
+        "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
+        "slowest stage at the end of the step, bubble = (wait + drain) / step):",
+        *stage_table(s["stages"] or []),
         f"sample (prompt {cfg.prompt!r}, {cfg.sample_bytes} bytes):",
         "  | " + (cfg.prompt + s["sample"]).replace("\n", "\n  | "),
         "files:",
     ]
     names = {"csv": "metrics CSV", "jsonl": "metrics JSONL", "trace": "trace (ui.perfetto.dev)",
-             "timeline": "timeline PNG", "summary": "summary JSON"}
+             "timeline": "timeline PNG", "summary": "monitor summary", "train": "run summary"}
     for key, label in names.items():
         if s["paths"].get(key):
             lines.append(f"  {label:<24} {s['paths'][key]}")
