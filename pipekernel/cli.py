@@ -2,9 +2,8 @@
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its
 arguments and sets ``func``; :func:`main` calls every function in
-``SUBCOMMANDS``. Heavy imports (torch, tqdm, matplotlib) happen inside the
-subcommand that needs them, so ``pipekernel --help`` and ``pipekernel schedule``
-stay fast.
+``SUBCOMMANDS``. The optional libraries (tqdm, matplotlib) are imported only
+by the subcommand that needs them.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from pipekernel.apps.train import TrainConfig  # light: no torch work at import
+    from pipekernel.apps.config import TrainConfig
 
     d = TrainConfig()
     p = sub.add_parser(
@@ -71,7 +70,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from pipekernel.apps.train import TrainConfig, run
+    from pipekernel.apps.config import TrainConfig
+    from pipekernel.apps.train import run
 
     fields = {f for f in TrainConfig.__dataclass_fields__}
     options = {k: v for k, v in vars(args).items() if k in fields}

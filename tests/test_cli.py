@@ -172,3 +172,37 @@ def test_train_under_torchrun_with_the_wrong_world_size_says_so(tmp_path):
                      "MASTER_PORT": str(free_port())}, timeout=120)
     assert proc.returncode == 1
     assert "torchrun started 3 processes" in proc.stderr and "needs 2" in proc.stderr
+
+
+def test_import_pipekernel_does_not_load_the_command_or_its_extras():
+    # (not tqdm: torch itself imports it when it is installed)
+    code = ("import sys, pipekernel; bad = [m for m in ('pipekernel.cli', 'pipekernel.apps', "
+            "'matplotlib') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_timeline_rows_from_a_trace(tmp_path):
+    from pipekernel.apps.timeline import draw_trace, rows_from_trace
+
+    def ev(pid, name, cat, ts, dur, step, tid=0):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat, "ts": ts,
+                "dur": dur, "args": {"stage": pid, "micro_batch": 0, "step": step}}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+        ev(0, "F0", "Forward", 1000, 500, 1), ev(0, "B0", "Backward", 9000, 1000, 1),
+        ev(0, "F0", "Forward", 20000, 500, 2), ev(0, "B0", "Backward", 21000, 1000, 2),
+        ev(0, "step 2", "step", 20000, 3000, 2, tid=1),
+        ev(1, "RA0", "RecvActivation", 20000, 600, 2), ev(1, "F0", "Forward", 20600, 400, 2),
+        ev(1, "SG0", "SendGrad", 21000, 100, 2)]}
+    rows = rows_from_trace(trace, last_steps=1)
+    assert [label for label, _ in rows] == ["rank 0 (stage 0)", "rank 1 (stage 1)"]
+    # times in ms from the first kept slice; the whole-step slice is not an instruction
+    assert rows[0][1] == [(0.0, 0.5, "forward", "F0"), (1.0, 1.0, "backward", "B0")]
+    assert [b[2] for b in rows[1][1]] == ["wait", "forward", "send"]
+    assert len(rows_from_trace(trace, last_steps=None)[0][1]) == 4
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    assert draw_trace(path, tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC

@@ -21,54 +21,16 @@ import os
 import sys
 import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import pipekernel as pk
-from pipekernel.apps.gpt import gpt_module, generate
+from pipekernel.apps.config import TrainConfig
+from pipekernel.apps.gpt import generate, gpt_module
 
-__all__ = ["TrainConfig", "load_corpus", "make_batch", "run", "worker"]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything one training run needs; the same object goes to every rank."""
-
-    stages: int = 2
-    data_parallel: int = 1
-    micro_batches: int = 4
-    micro_batch_size: int = 16
-    schedule: str = "1f1b"
-    precision: str = "fp32"
-    transport: str = "gloo"
-    partition: str = "parameters"
-    steps: int = 300
-    seed: int = 0
-    lr: float = 3e-3
-    dim: int = 128
-    layers: int = 4
-    heads: int = 4
-    context: int = 64
-    data: str | None = None
-    corpus_bytes: int = 2_000_000
-    out: str = "pipekernel-out"
-    every: int = 10
-    sample_bytes: int = 240
-    prompt: str = "def "
-    timeout: float = 300.0
-    progress: bool = True
-    threads: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.stages * self.data_parallel
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.micro_batches * self.micro_batch_size * self.context * self.data_parallel
+__all__ = ["TrainConfig", "load_corpus", "split_corpus", "gather_full_state", "stage_table", "make_batch", "run", "worker"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -203,7 +165,8 @@ def _describe_partition(module: pk.PipelineModule, bounds: list[int]) -> list[st
         for name in dict.fromkeys(names[lo:hi]):
             n = names[lo:hi].count(name)
             parts.append(f"{n} x {name}" if n > 1 else name)
-        lines.append(f"  stage {stage}: layers {lo}-{hi - 1} ({', '.join(parts)}), "
+        where = f"layers {lo}-{hi - 1}" if hi - lo > 1 else f"layer {lo}"
+        lines.append(f"  stage {stage}: {where} ({', '.join(parts)}), "
                      f"{sum(counts[lo:hi]) / 1e6:.2f}M parameters")
     return lines
 
@@ -361,9 +324,19 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _check_extras(cfg: TrainConfig) -> None:
+    import importlib.util
+    missing = [name for name in (("tqdm",) if cfg.progress else ()) + ("matplotlib",)
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pk.ConfigError(f"pipekernel train needs {' and '.join(missing)}, which is not "
+                             "installed", hint="pip install 'pipekernel[train]'")
+
+
 def run(cfg: TrainConfig) -> dict[str, Any] | None:
     """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
     _positive(cfg)
+    _check_extras(cfg)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != cfg.world_size:
