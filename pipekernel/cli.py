@@ -40,7 +40,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--precision", default=d.precision, help="precision policy name")
     g.add_argument("--transport", default=d.transport, help="transport name")
     g.add_argument("--partition", default=d.partition,
-                   help="partition method: parameters, uniform, type:<regex>, ...")
+                   help="partition method (parameters, uniform, type:<regex>, ...) or "
+                        "explicit layer boundaries such as 0,3,6")
     g.add_argument("--timeout", type=float, default=d.timeout,
                    help="seconds any wait on a peer may take before an error")
     g.add_argument("--threads", type=int, default=d.threads,
@@ -61,7 +62,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", default=d.out, metavar="DIR",
                    help="directory for metrics, trace, timeline and summary")
-    g.add_argument("--every", type=int, default=d.every, help="log metrics every N steps")
+    g.add_argument("--every", type=int, default=d.every,
+                   help="with --no-progress, print a metrics line every N steps")
     g.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
                    help="bytes of text to generate at the end (0: none)")
     g.add_argument("--prompt", default=d.prompt, help="prompt for the generated sample")

@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # A model small enough that 20 steps take a few seconds on one core per stage.
 SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--context", "32",
          "--micro-batch-size", "8", "--micro-batches", "4", "--corpus-bytes", "300000",
-         "--sample-bytes", "60", "--lr", "1e-2", "--no-progress"]
+         "--sample-bytes", "60", "--lr", "1e-2"]
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240.0
@@ -120,7 +120,7 @@ def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
         assert {f"F{m}" for m in range(4)} <= names and {f"B{m}" for m in range(4)} <= names
     assert Path(summary["paths"]["timeline"]).read_bytes()[:8] == PNG_MAGIC
     # the report names the partition, every stage, and the files
-    assert "partition (parameters):" in stdout and "stage 1: layers" in stdout
+    assert "partition (" in stdout and "stage 1: layer" in stdout
     assert summary["bounds"][0] == 0 and summary["bounds"][-1] == 4
     for rank in range(ranks):
         assert any(line.split()[:1] == [str(rank)] for line in stdout.splitlines()), stdout
@@ -137,6 +137,7 @@ def test_train_end_to_end(tmp_path):
     summary = _check_run(out, proc.stdout, ranks=2, steps=20)
     assert summary["config"]["stages"] == 2
     assert "loss " in proc.stdout and " -> " in proc.stdout
+    assert "20/20" in proc.stderr and "loss=" in proc.stderr and "tok_s=" in proc.stderr  # tqdm
 
 
 def test_train_under_torchrun_runs_only_its_rank(tmp_path):
@@ -150,7 +151,7 @@ def test_train_under_torchrun_runs_only_its_rank(tmp_path):
         clean = {k: v for k, v in os.environ.items() if k not in env}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pipekernel.cli", "train", "--steps", "20", "--out", str(out),
-             *SMALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+             *SMALL, "--no-progress", "--every", "5", "--partition", "0,3,4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**clean, **env}))
     outputs = []
     try:
@@ -162,7 +163,12 @@ def test_train_under_torchrun_runs_only_its_rank(tmp_path):
                 proc.kill()
     for proc, (stdout, stderr) in zip(procs, outputs):
         assert proc.returncode == 0, stdout + stderr
-    _check_run(out, outputs[0][0], ranks=2, steps=20)
+    summary = _check_run(out, outputs[0][0], ranks=2, steps=20)
+    assert summary["bounds"] == [0, 3, 4]
+    assert "stage 0: layers 0-2" in outputs[0][0] and "stage 1: layer 3 (Head)" in outputs[0][0]
+    # --no-progress: the monitor's console line every 5 steps instead of a bar
+    assert [line.split()[1] for line in outputs[0][0].splitlines()
+            if line.startswith("step ")] == ["5", "10", "15", "20"]
     assert "loss " not in outputs[1][0]  # only rank 0 reports
 
 

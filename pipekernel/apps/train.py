@@ -30,7 +30,8 @@ import pipekernel as pk
 from pipekernel.apps.config import TrainConfig
 from pipekernel.apps.gpt import generate, gpt_module
 
-__all__ = ["TrainConfig", "load_corpus", "split_corpus", "gather_full_state", "stage_table", "make_batch", "run", "worker"]
+__all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
+           "stage_table", "partition_method", "run", "worker"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -150,6 +151,14 @@ def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
     return state if engine.rank == 0 else None
 
 
+def partition_method(text: str) -> Any:
+    """``"0,3,6"`` -> explicit boundaries ``[0, 3, 6]``; any other text is a method name."""
+    parts = text.split(",")
+    if len(parts) > 1 and all(p.strip().isdigit() for p in parts):
+        return [int(p) for p in parts]
+    return text
+
+
 def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -> float:
     batch = make_batch(ids, cfg, 0, engine.data_parallel_rank, salt=1)
     return float(engine.eval_batch(iter(batch)))
@@ -208,11 +217,13 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     data, source = load_corpus(cfg.data, cfg.corpus_bytes)
     train_ids, held_ids = split_corpus(data, cfg.context)
     module = gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
-                        partition=cfg.partition, seed=cfg.seed)
+                        partition=partition_method(cfg.partition), seed=cfg.seed)
     from pipekernel.plugins.monitor import Monitor
 
     out = Path(cfg.out)
-    monitor = Monitor(out_dir=str(out), sinks=("csv", "jsonl", "trace"), every=cfg.every)
+    # without a progress bar (logs, CI) the monitor's console line every N steps replaces it
+    sinks = ("csv", "jsonl", "trace") + (() if cfg.progress else ("console",))
+    monitor = Monitor(out_dir=str(out), sinks=sinks, every=cfg.every)
     engine = pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                                            weight_decay=0.01),
@@ -304,10 +315,11 @@ def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
         "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
         "slowest stage at the end of the step, bubble = (wait + drain) / step):",
         *stage_table(s["stages"] or []),
-        f"sample (prompt {cfg.prompt!r}, {cfg.sample_bytes} bytes):",
-        "  | " + (cfg.prompt + s["sample"]).replace("\n", "\n  | "),
-        "files:",
     ]
+    if cfg.sample_bytes:
+        lines += [f"sample (prompt {cfg.prompt!r}, {cfg.sample_bytes} bytes):",
+                  "  | " + (cfg.prompt + s["sample"]).replace("\n", "\n  | ")]
+    lines.append("files:")
     names = {"csv": "metrics CSV", "jsonl": "metrics JSONL", "trace": "trace (ui.perfetto.dev)",
              "timeline": "timeline PNG", "summary": "monitor summary", "train": "run summary"}
     for key, label in names.items():
