@@ -55,11 +55,22 @@ class PipelineError(RuntimeError):
 
 
 def _rebuild(cls, message, hint, where, details=(), state=None):
-    err = cls.__new__(cls)
+    err = _new(cls)
     PipelineError.__init__(err, message, hint=hint, **where)
     err.__dict__.update(state or {})
     err.details = list(details)
     return err
+
+
+def _new(cls):
+    """An uninitialised ``cls``: the first base whose ``__new__`` accepts it (a class that
+    also derives from ``TimeoutError`` must be made by ``OSError.__new__``)."""
+    for base in cls.__mro__:
+        try:
+            return base.__new__(cls)
+        except TypeError:
+            continue
+    raise TypeError(f"cannot rebuild {cls.__name__}")
 
 
 class ConfigError(PipelineError, ValueError):

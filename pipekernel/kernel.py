@@ -54,10 +54,9 @@ class Kernel:
     def _hooks(self) -> tuple[Any, Any]:
         if self.hook is None:
             return None, None
-        before = self.hook.pipekernel_before_instruction
-        after = self.hook.pipekernel_after_instruction
-        return (before if before.get_hookimpls() else None,
-                after if after.get_hookimpls() else None)
+        return (_direct(self.hook.pipekernel_before_instruction, ("instruction", "stage")),
+                _direct(self.hook.pipekernel_after_instruction,
+                        ("instruction", "stage", "seconds")))
 
     def _failed(self, error: PipelineError, instruction: Instruction) -> PipelineError:
         """Let plugins add diagnostics to ``error`` (error path only); returns it."""
@@ -79,12 +78,11 @@ class Kernel:
                 try:
                     handler = self._handler(instruction)
                     if before is not None:
-                        before(instruction=instruction, stage=stage)
+                        before(instruction, stage)
                     start = time.perf_counter()
                     handler(instruction)
                     if after is not None:
-                        after(instruction=instruction, stage=stage,
-                              seconds=time.perf_counter() - start)
+                        after(instruction, stage, time.perf_counter() - start)
                 except PipelineError as err:
                     raise self._failed(err.locate(
                         rank=self.rank, stage=stage, step=step_id,
@@ -98,3 +96,31 @@ class Kernel:
                         micro_batch=getattr(instruction, "micro_batch", None),
                         instruction=instruction), instruction) from err
         self.position = None
+
+
+def _direct(caller: Any, names: tuple[str, ...]) -> Callable[..., None] | None:
+    """A positional callable running ``caller``'s implementations, or ``None`` if none.
+
+    The per-instruction hooks run twice per instruction, so the kernel resolves
+    them once per run and calls plain implementations directly, as pluggy
+    would (last registered first, each given the subset of arguments it names),
+    without pluggy's per-call bookkeeping (~2.5 us per call; see
+    ``benchmarks/monitor_overhead.py``). Wrapper implementations keep full
+    pluggy semantics: then every call goes through pluggy.
+    """
+    impls = caller.get_hookimpls()
+    if not impls:
+        return None
+    if any(getattr(i, "hookwrapper", False) or getattr(i, "wrapper", False) for i in impls):
+        return lambda *args: caller(**dict(zip(names, args)))
+    plan = [(i.function, tuple(names.index(a) for a in i.argnames)) for i in reversed(impls)]
+    if len(plan) == 1:
+        function, index = plan[0]
+        if index == (0,):  # the common case: an observer of the instruction only
+            return lambda *args: function(args[0])
+        return lambda *args: function(*[args[j] for j in index])
+
+    def call(*args: Any) -> None:
+        for function, index in plan:
+            function(*[args[j] for j in index])
+    return call

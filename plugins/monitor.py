@@ -128,6 +128,7 @@ class Monitor:
         self.history: list[dict[str, Any]] = []  # this rank's per-step numbers
         self.records: list[dict[str, Any]] = []  # rank 0: merged per-step records
         self.engine: Any = None
+        self.summaries: list[dict[str, Any]] | None = None  # set by close() (rank 0)
         self.rank, self.world_size, self.stage = 0, 1, 0
         self._closed = False
         # hot-path state
@@ -342,8 +343,11 @@ class Monitor:
     def gather(self) -> list[dict[str, Any]] | None:
         """Every rank's :meth:`stage_summary`, by rank, on rank 0; ``None`` elsewhere.
 
-        A collective over the engine's transport: call it on every rank.
+        A collective over the engine's transport: call it on every rank. After
+        :meth:`close` it returns what ``close()`` gathered, without communicating.
         """
+        if self._closed:  # the transport may be gone: answer what close() gathered
+            return self.summaries
         summary = self.stage_summary()
         if self.world_size == 1 or self.engine is None:
             return [summary]
@@ -403,14 +407,15 @@ class Monitor:
         """
         if self._closed:
             return
-        self._closed = True
         self._stop_positions()
         if self.engine is None:
+            self._closed = True
             return
         if self._events:
             self._keep_trace(self._events, None)
             self._events = []
         summaries = self.gather()
+        self.summaries, self._closed = summaries, True
         parts = None
         if self.needs_trace:
             mine = (self.rank, self.stage, self._trace, self._trace_dropped)
@@ -474,7 +479,8 @@ class Monitor:
     def dump_positions(self, file: Any = None, filename: str | None = None) -> str:
         """Format every rank's position, print it to ``file`` (stderr by default) and
         write it to ``out_dir/positions-rank{R}.txt`` (or ``filename``); returns the text."""
-        text = format_positions(self.positions(), seen_from=self.rank)
+        text = format_positions(self.positions(), seen_from=self.rank,
+                                world_size=self.world_size)
         print(text, file=file or sys.stderr, flush=True)
         path = os.path.join(self.out_dir, filename or f"positions-rank{self.rank}.txt")
         try:
@@ -490,7 +496,8 @@ class Monitor:
         if not isinstance(error, TransportError):
             return
         self._publish()
-        text = format_positions(self.positions(), seen_from=self.rank)
+        text = format_positions(self.positions(), seen_from=self.rank,
+                                world_size=self.world_size)
         error.add_detail(text)
         try:
             with open(os.path.join(self.out_dir, f"hang-rank{self.rank}.txt"), "w") as f:
@@ -618,7 +625,8 @@ def format_positions(positions: Mapping[int, Mapping[str, Any]], seen_from: int 
     if world_size is not None:
         missing = sorted(set(range(world_size)) - set(positions))
         if missing:
-            lines.append(f"  ranks {missing}: no position published (not started or no monitor)")
+            lines.append(f"  ranks {missing}: no position available (the store went away with "
+                         "a failed rank, or that rank has no monitor)")
     return "\n".join(lines)
 
 

@@ -98,10 +98,19 @@ class TorchDistributedTransport:
             tensor.reshape(1).view(torch.uint8)
 
     def isend(self, tensor: torch.Tensor, dst: int) -> _Handle:
-        return _Handle(dist.isend(self._bytes(tensor), dst), self, dst, "send to")
+        return _Handle(self._post(dist.isend, tensor, dst, "send to"), self, dst, "send to")
 
     def irecv(self, tensor: torch.Tensor, src: int) -> _Handle:
-        return _Handle(dist.irecv(self._bytes(tensor), src), self, src, "receive from")
+        return _Handle(self._post(dist.irecv, tensor, src, "receive from"), self, src,
+                       "receive from")
+
+    def _post(self, fn, tensor: torch.Tensor, peer: int, what: str) -> Any:
+        try:
+            return fn(self._bytes(tensor), peer)
+        except RuntimeError as err:  # e.g. the peer's connection closed: name the peer
+            raise TransportError(f"rank {self.rank} failed to {what} rank {peer}: {err}",
+                                 rank=self.rank, hint=f"look at rank {peer}'s log: it "
+                                                      "probably failed first") from err
 
     def _collective(self, what: str, group: Any, fn, *args, **kwargs) -> None:
         try:
