@@ -18,10 +18,10 @@ class TrainConfig:
     precision: str = "fp32"
     transport: str = "gloo"
     partition: str = "parameters"
-    steps: int = 300
+    steps: int = 450
     seed: int = 0
     lr: float = 3e-3
-    dim: int = 128
+    dim: int = 96
     layers: int = 4
     heads: int = 4
     context: int = 64
