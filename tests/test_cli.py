@@ -151,7 +151,8 @@ def test_train_under_torchrun_runs_only_its_rank(tmp_path):
         clean = {k: v for k, v in os.environ.items() if k not in env}
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "pipekernel.cli", "train", "--steps", "20", "--out", str(out),
-             *SMALL, "--no-progress", "--every", "5", "--partition", "0,3,4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+             *SMALL, "--no-progress", "--every", "5", "--partition", "0,3,4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**clean, **env}))
     outputs = []
     try:

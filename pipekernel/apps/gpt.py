@@ -104,9 +104,3 @@ def generate(model: nn.Module, prompt: bytes, length: int, context: int, *,
         ids = torch.cat([ids, nxt[None]], dim=1)
     return bytes(out)
 
-
-def num_parameters(dim: int, layers: int, heads: int, context: int) -> int:
-    """Parameters of the full model (counted on the meta device)."""
-    return sum(gpt_module(dim, layers, heads, context, num_stages=None).parameter_counts())
-
-

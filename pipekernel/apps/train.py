@@ -15,6 +15,7 @@ for its replica, so no data has to travel between ranks.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -39,15 +40,17 @@ def _positive(cfg: TrainConfig) -> None:
                  "layers", "heads", "context", "corpus_bytes", "every", "threads"):
         value = getattr(cfg, name)
         if not isinstance(value, int) or value < 1:
-            raise pk.ConfigError(f"--{name.replace('_', '-')} must be a positive integer, "
-                                 f"got {value!r}", hint=f"pass --{name.replace('_', '-')} 1 or more")
+            flag = "--" + name.replace("_", "-")
+            raise pk.ConfigError(f"{flag} must be a positive integer, got {value!r}",
+                                 hint=f"pass {flag} 1 or more")
     if cfg.dim % cfg.heads:
         raise pk.ConfigError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}",
                              hint="pick --dim as a multiple of --heads")
     if cfg.stages > cfg.layers + 2:
         raise pk.ConfigError(
             f"{cfg.layers + 2} layers (embedding, {cfg.layers} blocks, head) cannot fill "
-            f"{cfg.stages} stages", hint=f"pass --layers {cfg.stages - 2} or more, or fewer --stages")
+            f"{cfg.stages} stages",
+            hint=f"pass --layers {cfg.stages - 2} or more, or fewer --stages")
 
 
 # -- data -------------------------------------------------------------------------------
@@ -70,8 +73,12 @@ def load_corpus(path: str | None = None, limit: int = 2_000_000) -> tuple[bytes,
                                  hint="pass a readable text file") from err
         source = f"{path}"
     else:
-        chunks, size, files = [], 0, stdlib_files()
-        used = 0
+        files = stdlib_files()
+        root = Path(sysconfig.get_paths()["stdlib"])
+        if not files:
+            raise pk.ConfigError(f"found no Python standard library sources in {root}",
+                                 hint="pass a text file to train on: --data FILE")
+        chunks, size, used = [], 0, 0
         for file in files:
             if size >= limit:
                 break
@@ -83,7 +90,7 @@ def load_corpus(path: str | None = None, limit: int = 2_000_000) -> tuple[bytes,
             size += len(chunks[-1])
             used += 1
         data = b"".join(chunks)
-        source = f"{used} Python standard library files from {Path(sysconfig.get_paths()['stdlib'])}"
+        source = f"{used} Python standard library files from {root}"
     return data, source
 
 
@@ -357,7 +364,12 @@ def run(cfg: TrainConfig) -> dict[str, Any] | None:
                 f"--data-parallel {cfg.data_parallel} needs {cfg.world_size}",
                 hint=f"use torchrun --nproc-per-node/--nnodes so that nodes x procs = "
                      f"{cfg.world_size}, or change --stages/--data-parallel")
-        return worker(cfg)
+        try:
+            return worker(cfg)
+        finally:
+            # free the engine's reference cycles (monitor <-> engine, process-group handles)
+            # now, not during interpreter shutdown where their C++ destructors may abort
+            gc.collect()
     # Every peer wait is bounded by cfg.timeout inside the transport and launch()
     # notices a dead rank, so the whole job itself needs no wall-clock limit.
     results = pk.launch(worker, cfg.world_size, (cfg,), timeout=math.inf, threads=cfg.threads)
