@@ -31,14 +31,21 @@ class PipelineEngine:
     :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
     :param transport: transport name (entry point of ``pipekernel.transports``).
-    :param precision: precision policy name (``"fp32"``, ...).
+    :param precision: precision policy name: ``"fp32"``, ``"bf16"``, ``"fp16"``,
+        ``"amp-bf16"`` or one a plugin provides (see ``docs/precision.md``).
     :param data_parallel_size: replicas; default ``world_size // num_stages``.
     :param plugins: plugin objects/modules for this engine only.
     :param timeout: seconds any wait on a peer may take before an error.
     :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points.
     :param disable_plugins: entry-point names of plugins not to load.
     :param transport_options: extra keyword options for the transport.
-    :param precision_options: keyword options for the precision policy.
+    :param precision_options: keyword options for the precision policy (e.g. the
+        fp16 loss-scaling settings).
+    :param max_grad_norm: clip gradients to this global norm (over every stage
+        and replica, tied weights counted once, after unscaling, before the step),
+        as ``torch.nn.utils.clip_grad_norm_`` on the whole model; ``None``: no clipping.
+    :param lr_scheduler: ``factory(optimizer) -> LRScheduler`` or a scheduler;
+        stepped after every step taken (not after a step the precision skipped).
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
@@ -46,7 +53,8 @@ class PipelineEngine:
                  data_parallel_size: int | None = None, plugins: Iterable[Any] = (),
                  timeout: float = 300.0, autoload_plugins: bool | None = None,
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
-                 precision_options: dict | None = None, eval_schedule: str = "inference") -> None:
+                 precision_options: dict | None = None, eval_schedule: str = "inference",
+                 max_grad_norm: float | None = None, lr_scheduler: Any = None) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -64,10 +72,17 @@ class PipelineEngine:
         self.bounds = module.partition(num_stages, self.pm)
         self.module = module.build_stage(self.stage, self.bounds).to(self.transport.device)
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
-        self.precision.prepare(self.module)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and max_grad_norm > 0):
+            raise ConfigError(f"max_grad_norm must be a positive number or None, "
+                              f"got {max_grad_norm!r}", hint="e.g. max_grad_norm=1.0")
+        self.max_grad_norm = max_grad_norm
         self._make_groups()
         self._sync_parameters()
+        self.precision.prepare(self.module)  # after the sync: casts and masters start equal
         self.optimizer = self._make_optimizer(optimizer)
+        self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
+                             and not hasattr(lr_scheduler, "step") else lr_scheduler)
         self.runtime = StageRuntime(self.module, self.topology, self.transport, module.loss_fn,
                                     self.precision, reduce_tied=self.reduce_tied_grads,
                                     reduce_grads=self.reduce_grads,
@@ -79,6 +94,8 @@ class PipelineEngine:
         self.global_steps = 0
         self.skipped_steps = 0
         self._last_step_taken = True
+        #: Global gradient norm of the last step (before clipping), when clipping.
+        self.last_grad_norm: float | None = None
         self._steps_cache: dict[Any, tuple[list, int]] = {}
         self.pm.hook.pipekernel_configure(engine=self)
 
@@ -138,10 +155,20 @@ class PipelineEngine:
                     self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
 
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        params = list(self.precision.optimizer_parameters(self.module))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not given <= {id(p) for p in params}:
+                raise ConfigError(
+                    f"the optimizer was built over tensors that stage {self.stage} does not "
+                    f"train with precision {self.precision.name!r} (low-precision policies "
+                    f"step fp32 master copies, made when the engine starts)",
+                    hint="pass a factory: optimizer=lambda params: torch.optim.AdamW(params, ...)",
+                    rank=self.rank, stage=self.stage)
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
             return optimizer
         if callable(optimizer):
-            return optimizer(list(self.module.parameters()))
+            return optimizer(params)
         raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",
                           hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)")
 
@@ -149,23 +176,63 @@ class PipelineEngine:
     def reduce_tied_grads(self) -> None:
         """Sum each tied weight's gradient over the stages that hold it."""
         for key, (group, _) in self.tied_groups.items():
-            grads = [p.grad for p in self.module.tied_modules[key].parameters()
-                     if p.grad is not None]
+            grads = [g for p in self.module.tied_modules[key].parameters()
+                     if (g := self.precision.master(p).grad) is not None]
             _reduce_flat(self.transport, grads, group)
 
     def reduce_grads(self) -> None:
         """Average gradients over data-parallel replicas (one flat all-reduce)."""
         if self.topology.data_size == 1:
             return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        grads = [g for p in self.module.parameters()
+                 if (g := self.precision.master(p).grad) is not None]
         _reduce_flat(self.transport, grads, self.data_group, scale=1.0 / self.topology.data_size)
 
     def _optimizer_step(self) -> None:
         if self.optimizer is None:
             raise ConfigError("train_batch needs an optimizer",
                               hint="pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1)")
-        self._last_step_taken = bool(self.precision.step(self.optimizer, self.runtime))
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        found_inf = self.precision.unscale_(params)
+        clip = self.max_grad_norm is not None
+        skipped = False
+        if found_inf is not None or clip:
+            # One all-reduce over the world carries both the overflow flags and the
+            # squared norm, so every stage and replica takes the same decision.
+            stats = torch.tensor([float(bool(found_inf)), self._local_grad_norm_sq() if clip
+                                  else 0.0], dtype=torch.float32, device=self.transport.device)
+            self.transport.all_reduce(stats)
+            skipped = bool(stats[0] > 0)
+            if clip:
+                self.last_grad_norm = float(stats[1].sqrt())
+        if not skipped:
+            if clip:
+                self._clip(params, self.last_grad_norm)  # type: ignore[arg-type]
+            self.precision.step(self.optimizer)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.precision.update(skipped)
+        self._last_step_taken = not skipped
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _local_grad_norm_sq(self) -> float:
+        """This rank's share of the global squared gradient norm: one replica counts
+        (gradients are equal after the data-parallel reduction) and a tied weight
+        counts on the first stage holding it only."""
+        if self.topology.data_rank != 0:
+            return 0.0
+        not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
+                     for p in self.module.tied_modules[key].parameters()}
+        squares = [grad.detach().double().pow(2).sum() for p in self.module.parameters()
+                   if (grad := self.precision.master(p).grad) is not None
+                   and id(p) not in not_owner]
+        return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
+
+    def _clip(self, params: list[torch.Tensor], norm: float) -> None:
+        coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
     # -- the public loop ------------------------------------------------------------
     def _steps(self, cls: Any) -> tuple[list, int]:
@@ -210,7 +277,9 @@ class PipelineEngine:
         self.global_steps += 1
         self.skipped_steps += not self._last_step_taken
         metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
-                   "skipped": not self._last_step_taken}
+                   "skipped": not self._last_step_taken, **self.precision.metrics()}
+        if self.max_grad_norm is not None:
+            metrics["grad_norm"] = self.last_grad_norm
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
         return loss  # type: ignore[return-value]
 

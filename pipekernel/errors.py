@@ -48,29 +48,15 @@ class PipelineError(RuntimeError):
             text += "\n  " + detail.replace("\n", "\n  ")
         return text
 
-    def __reduce__(self):  # keep the location when pickled across processes
-        return (_rebuild, (type(self), self.message, self.hint,
-                           {k: getattr(self, k) for k in _WHERE_FIELDS},
-                           list(getattr(self, "details", ())), dict(self.__dict__)))
+    def __reduce__(self):  # keep location and extra fields when pickled across processes
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
 
-def _rebuild(cls, message, hint, where, details=(), state=None):
-    err = _new(cls)
-    PipelineError.__init__(err, message, hint=hint, **where)
-    err.__dict__.update(state or {})
-    err.details = list(details)
+def _rebuild(cls, message, state):
+    err = cls.__new__(cls, message)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
     return err
-
-
-def _new(cls):
-    """An uninitialised ``cls``: the first base whose ``__new__`` accepts it (a class that
-    also derives from ``TimeoutError`` must be made by ``OSError.__new__``)."""
-    for base in cls.__mro__:
-        try:
-            return base.__new__(cls)
-        except TypeError:
-            continue
-    raise TypeError(f"cannot rebuild {cls.__name__}")
 
 
 class ConfigError(PipelineError, ValueError):
@@ -99,7 +85,7 @@ class TransportError(PipelineError):
     """A transfer or collective failed."""
 
 
-class TransportTimeout(TransportError, TimeoutError):
+class TransportTimeout(TransportError):
     """A wait on a peer did not finish within the timeout; ``peer`` names it."""
 
     def __init__(self, message: str, *, peer: int | None = None, **kwargs) -> None:

@@ -54,9 +54,17 @@ def pipekernel_make_precision(name: str, options: Mapping[str, Any]) -> Any | No
     :param name: the precision the user selected.
     :param options: keyword options for the policy.
     :returns: a precision policy (see :class:`pipekernel.precision.Precision`)
-        or ``None`` if this plugin does not provide ``name``.
+        or ``None`` if this plugin does not provide ``name``. The engine checks
+        that it has every method of the protocol.
 
     Stops at the first non-``None`` result.
+
+    Use in plugins
+    ==============
+    Subclass :class:`pipekernel.precision.Precision` (or a built-in policy from
+    ``pipekernel.plugins.precision``) and return an instance for your name. The
+    built-in implementation (``trylast``) provides ``fp32``, ``bf16``, ``fp16``
+    and ``amp-bf16``, so a plugin may also override one of those names.
     """
 
 
@@ -124,6 +132,13 @@ def pipekernel_before_instruction(instruction: Instruction, stage: int) -> None:
 
     :param instruction: the instruction about to run.
     :param stage: this rank's pipeline stage.
+    :returns: ignored.
+
+    This runs twice per instruction, so the kernel resolves the implementations
+    once per ``run`` and calls plain ones directly (pluggy's order and argument
+    subsets; ``wrapper=True`` implementations still go through pluggy). A plugin
+    registered during a batch is seen from the next batch on. Keep
+    implementations cheap: the monitor's costs about 1.4 us per instruction.
     """
 
 
@@ -133,7 +148,9 @@ def pipekernel_after_instruction(instruction: Instruction, stage: int, seconds: 
 
     :param instruction: the instruction that ran.
     :param stage: this rank's pipeline stage.
-    :param seconds: wall time of the handler.
+    :param seconds: wall time of the handler (``time.perf_counter`` difference,
+        not counting the hooks).
+    :returns: ignored.
     """
 
 
@@ -195,6 +212,12 @@ def pipekernel_before_train_batch(engine: Any) -> None:
     belong to one training step; ``eval_batch`` does not call it.
 
     :param engine: the :class:`pipekernel.PipelineEngine`.
+    :returns: ignored.
+
+    Use in plugins
+    ==============
+    Reset per-step counters and start step timers (the monitor also resets the
+    CUDA peak-memory statistics here).
     """
 
 

@@ -21,6 +21,7 @@ import pluggy
 
 from pipekernel import builtin, hookspecs
 from pipekernel.errors import ConfigError, UnknownNameError
+from pipekernel.precision import REQUIRED
 
 __all__ = ["make_plugin_manager", "PLUGINS_GROUP", "TRANSPORTS_GROUP", "entry_points"]
 
@@ -101,5 +102,12 @@ def make_precision(pm: pluggy.PluginManager, name: str, options: dict[str, Any])
     precision = pm.hook.pipekernel_make_precision(name=name, options=options)
     if precision is None:
         raise UnknownNameError(f"unknown precision {name!r}",
-                               hint="use 'fp32' or install a precision plugin that provides it")
+                               hint="use 'fp32', 'bf16', 'fp16', 'amp-bf16' or install a "
+                                    "precision plugin that provides it")
+    missing = [m for m in REQUIRED if not callable(getattr(precision, m, None))]
+    if missing:
+        raise ConfigError(f"precision {name!r} ({type(precision).__name__}) lacks "
+                          f"{', '.join(missing)}",
+                          hint="subclass pipekernel.precision.Precision, which has defaults "
+                               "for every method")
     return precision

@@ -57,7 +57,8 @@ class StageRuntime:
     :param topology: this rank's place in the grid.
     :param transport: the communication backend.
     :param loss_fn: ``loss_fn(outputs, labels)``; used on the last stage.
-    :param precision: the precision policy (loss scaling, optimizer step).
+    :param precision: the :class:`~pipekernel.precision.Precision` policy (forward,
+        loss scaling, gradient accumulation).
     :param reduce_tied: callable summing tied gradients across stages.
     :param reduce_grads: callable averaging gradients across replicas.
     :param optimizer_step: callable stepping the optimizer.
@@ -164,7 +165,8 @@ class StageRuntime:
         if buffer.inputs is None:
             raise PipelineError("forward before the inputs arrived",
                                 hint="the schedule must load or receive before Forward")
-        buffer.outputs = self.module(buffer.inputs)
+        buffer.outputs = self.precision.forward(self.module, buffer.inputs, first=self.is_first,
+                                                last=self.is_last)
         if self.is_last:
             if self.keep_outputs:
                 self.outputs.append(buffer.outputs)
@@ -196,6 +198,7 @@ class StageRuntime:
             outputs = _grad_tensors(buffer.outputs)
             if outputs:
                 torch.autograd.backward(outputs, list(buffer.output_grads))
+        self.precision.after_backward(self.module)
         if not self.is_first:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)

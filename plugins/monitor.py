@@ -13,6 +13,8 @@ rank::
     table = mon.gather()            # every rank's summary, on rank 0 (collective)
     mon.close()                     # collective: flush sinks, merge the trace on rank 0
     print(mon.paths)                # {"csv": ..., "jsonl": ..., "trace": ..., "summary": ...}
+    mon.summaries, mon.trace_events # after close(), on rank 0: every rank's summary, the
+                                    # merged Chrome trace events (with a "trace" sink)
 
 What it measures, per training step and per rank (hooks
 ``pipekernel_before/after_instruction`` around each instruction,
@@ -34,7 +36,8 @@ What it measures, per training step and per rank (hooks
   ``samples_per_s``/``tokens_per_s``;
 * ``peak_memory_mb``: CUDA max allocated during the step on a GPU, the process's
   peak RSS on CPU;
-* the loss and whether the optimizer step was ``skipped`` (fp16 overflow).
+* the loss and whether the optimizer step was ``skipped`` (fp16 overflow), and
+  the other numbers the engine reports for the step (e.g. ``loss_scale``; rank 0's).
 
 Hang diagnostics: every rank publishes its position in the schedule (train
 step, schedule step, instruction, running or waiting and for how long) to the
@@ -47,6 +50,7 @@ while it is blocked in a receive.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -56,6 +60,7 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -102,13 +107,16 @@ class Monitor:
     :param dump_signal: signal that dumps every rank's position (``SIGUSR1``
         by default; ``None`` for none). Installed only from the main thread.
     :param sink_options: ``{sink name: {option: value}}`` for sinks given by name.
+    :param keep_steps: how many steps ``history``/``records`` keep in memory (the
+        summaries are running totals over every step).
     """
 
     def __init__(self, out_dir: str = "pipekernel-out", sinks: Iterable[Any] = ("console",),
                  every: int = 10, *, tokens_per_sample: int | Callable[[Any], int] | None = None,
                  warmup_steps: int = 1, trace_max_events: int = 200_000, heartbeat: float = 1.0,
                  dump_signal: int | None = getattr(signal, "SIGUSR1", None),
-                 sink_options: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                 sink_options: Mapping[str, Mapping[str, Any]] | None = None,
+                 keep_steps: int = 10_000) -> None:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"Monitor(every=...) must be an int >= 1, got {every!r}")
         if not (tokens_per_sample is None or callable(tokens_per_sample)
@@ -125,10 +133,15 @@ class Monitor:
                       for s in self.sink_specs]
         self.needs_trace = any(getattr(s, "needs_trace", False) for s in self.sinks)
         self.paths: dict[str, str] = {}
-        self.history: list[dict[str, Any]] = []  # this rank's per-step numbers
-        self.records: list[dict[str, Any]] = []  # rank 0: merged per-step records
+        self.keep_steps = keep_steps
+        #: this rank's numbers of the last ``keep_steps`` steps
+        self.history: deque[dict[str, Any]] = deque(maxlen=keep_steps)
+        #: rank 0: the merged records of the last ``keep_steps`` steps (when sinks are on)
+        self.records: deque[dict[str, Any]] = deque(maxlen=keep_steps)
+        self._all, self._measured = _Totals(), _Totals()
         self.engine: Any = None
         self.summaries: list[dict[str, Any]] | None = None  # set by close() (rank 0)
+        self.trace_events: list[dict[str, Any]] | None = None  # merged trace, after close()
         self.rank, self.world_size, self.stage = 0, 1, 0
         self._closed = False
         # hot-path state
@@ -162,24 +175,35 @@ class Monitor:
         self._classes = sorted({cls.__name__ for cls in engine.kernel.handlers})
         self._class_index = {name: i for i, name in enumerate(self._classes)}
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
-        os.makedirs(self.out_dir, exist_ok=True)
-        if self.world_size > 1:
-            # one id for this monitor's keys, and aligned clocks: every rank leaves the
-            # barrier at about the same time, so traces from all ranks line up
-            import torch
-            run = torch.zeros(1, dtype=torch.int64, device=engine.transport.device)
-            if self.rank == 0:
-                run += int.from_bytes(os.urandom(6), "little")
-            engine.transport.broadcast(run, 0)
-            self._key = f"pipekernel/monitor/{int(run.item())}"
-            engine.transport.barrier()
         self._epoch = time.perf_counter()
-        self._wall_epoch = time.time()
-        if self.rank == 0:
+        if self.world_size > 1:
+            self._align(engine.transport)
+        if self.rank == 0 and self.sinks:
+            os.makedirs(self.out_dir, exist_ok=True)  # only where files are written
             for sink in self.sinks:
                 sink.open(self)
         if self.heartbeat and self.heartbeat > 0:
             self._start_positions()
+
+    def _align(self, transport: Any) -> None:
+        """Agree on a key prefix and a common time zero for the trace.
+
+        Every rank leaves a barrier, then rank 0 broadcasts its wall clock and host.
+        Ranks on rank 0's host share its clock exactly, so they convert through it;
+        ranks on other hosts use the barrier exit as time zero (good to the barrier's
+        skew, whatever their clocks say).
+        """
+        import torch
+
+        transport.barrier()
+        perf, wall = time.perf_counter(), time.time()
+        host = int(hashlib.sha1(socket.gethostname().encode()).hexdigest()[:12], 16)
+        info = torch.tensor([int.from_bytes(os.urandom(6), "little"), wall, host],
+                            dtype=torch.float64, device=transport.device)
+        transport.broadcast(info, 0)
+        key, wall0, host0 = info.tolist()
+        self._key = f"pipekernel/monitor/{int(key)}"
+        self._epoch = perf - (wall - wall0) if host0 == host else perf
 
     # ---------------------------------------------------------------- hot path
     @hookimpl
@@ -228,13 +252,23 @@ class Monitor:
     @hookimpl
     def pipekernel_after_train_batch(self, engine: Any, loss: Any, metrics: Mapping) -> None:
         end = time.perf_counter()
-        step = int(metrics.get("step", len(self.history) + 1))
+        if self._closed:  # sinks are closed; a new Monitor sees later steps
+            self._events = []
+            return
+        step = int(metrics.get("step", self._all.steps + 1))
         events, self._events = self._events, []
         self._in_train = False
         mine = self._step_numbers(events, end, step)
         mine["loss"] = float(loss) if loss is not None else float("nan")
         mine["skipped"] = bool(metrics.get("skipped", False))
+        # other numbers the engine reports for the step (e.g. the precision's loss_scale)
+        mine["extra"] = {k: v for k, v in metrics.items()
+                         if k not in ("step", "seconds", "skipped")
+                         and isinstance(v, (int, float)) and not isinstance(v, bool)}
         self.history.append(mine)
+        self._all.add(mine)
+        if self._all.steps > self.warmup_steps:
+            self._measured.add(mine)
         self._keep_trace(events, step)
         if self.sinks:  # every rank knows the same sink list, so all join or none do
             rows = self._gather_step(mine)
@@ -307,6 +341,7 @@ class Monitor:
             "bubble_fraction": sum(r["bubble_fraction"] for r in ranks) / len(ranks),
             "wait_fraction": sum(r["wait_fraction"] for r in ranks) / len(ranks),
             "peak_memory_mb": max(memory) if memory else None,
+            **mine["extra"],
             "ranks": ranks,
         }
 
@@ -321,23 +356,14 @@ class Monitor:
         ``wait_fraction``, ``samples``, ``tokens``, ``samples_per_s`` and
         ``tokens_per_s`` (this rank's inputs: zero except on first stages),
         ``peak_memory_mb``, ``skipped_steps``, ``instructions`` (seconds per
-        instruction class) and ``losses``.
+        instruction class) and ``losses`` (of the last ``keep_steps`` steps).
+        Totals are running sums: memory does not grow with the number of steps.
         """
-        steps = self.history
-        if len(steps) > self.warmup_steps:
-            steps = steps[self.warmup_steps:]
-        numbers = dict.fromkeys(_VECTOR, 0.0)
-        classes = dict.fromkeys(getattr(self, "_classes", ()), 0.0)
-        for h in steps:
-            for key in _VECTOR:
-                numbers[key] += h[key]
-            for cls, seconds in h["instructions"].items():
-                classes[cls] += seconds
-        numbers["peak_memory_mb"] = max((h["peak_memory_mb"] for h in steps), default=0.0)
+        totals = self._measured if self._measured.steps else self._all
         data, stage = (self.topology.data_rank, self.stage) if self.engine else (0, 0)
-        summary = _derive(self.rank, stage, data, numbers, classes)
-        summary.update(steps=len(steps), skipped_steps=sum(h["skipped"] for h in steps),
-                       losses=[h["loss"] for h in steps])
+        summary = _derive(self.rank, stage, data, totals.numbers, totals.classes)
+        summary.update(steps=totals.steps, skipped_steps=totals.skipped,
+                       losses=[h["loss"] for h in self.history])
         return summary
 
     def gather(self) -> list[dict[str, Any]] | None:
@@ -400,7 +426,8 @@ class Monitor:
         self.close()
 
     def close(self) -> None:
-        """Flush the sinks; on rank 0 merge the trace and write ``summary.json``.
+        """Flush the sinks; on rank 0 merge the trace and (with any sink) write
+        ``summary.json``: every rank's summary and the partition.
 
         A collective when the world has more than one rank: call it on every
         rank (``engine.close()`` does). Idempotent.
@@ -423,10 +450,13 @@ class Monitor:
         if self.rank != 0:
             return
         trace = self._trace_events(parts) if parts is not None else None
+        self.trace_events = trace
         for sink in self.sinks:
             sink.close(self, trace)
             if getattr(sink, "path", None):
                 self.paths[getattr(sink, "name", type(sink).__name__)] = sink.path
+        if not self.sinks:  # no sinks, no files
+            return
         path = os.path.join(self.out_dir, "summary.json")
         with open(path, "w") as f:
             json.dump({"ranks": summaries, "world_size": self.world_size,
@@ -484,6 +514,7 @@ class Monitor:
         print(text, file=file or sys.stderr, flush=True)
         path = os.path.join(self.out_dir, filename or f"positions-rank{self.rank}.txt")
         try:
+            os.makedirs(self.out_dir, exist_ok=True)
             with open(path, "w") as f:
                 f.write(text + "\n")
             self.paths[f"positions-rank{self.rank}"] = path
@@ -500,6 +531,7 @@ class Monitor:
                                 world_size=self.world_size)
         error.add_detail(text)
         try:
+            os.makedirs(self.out_dir, exist_ok=True)
             with open(os.path.join(self.out_dir, f"hang-rank{self.rank}.txt"), "w") as f:
                 f.write(str(error) + "\n")
         except OSError:
@@ -578,6 +610,26 @@ class Monitor:
             finally:
                 os.close(self._wake_r), os.close(self._wake_w)
                 self._wake_r = self._wake_w = None
+
+
+class _Totals:
+    """Running sums of a rank's per-step numbers."""
+
+    def __init__(self) -> None:
+        self.numbers = dict.fromkeys(_VECTOR, 0.0)
+        self.classes: dict[str, float] = {}
+        self.steps = self.skipped = 0
+
+    def add(self, step: Mapping[str, Any]) -> None:
+        for key in _VECTOR:
+            if key == "peak_memory_mb":
+                self.numbers[key] = max(self.numbers[key], step[key])
+            else:
+                self.numbers[key] += step[key]
+        for cls, seconds in step["instructions"].items():
+            self.classes[cls] = self.classes.get(cls, 0.0) + seconds
+        self.steps += 1
+        self.skipped += bool(step["skipped"])
 
 
 def _derive(rank: int, stage: int, data: int, numbers: Mapping[str, float],

@@ -58,6 +58,7 @@ def sinks_worker(out_dir):
              for step in OneFOneB(2, engine.stage, MICRO).steps()]
     return dict(losses=losses, summary=summary, gathered=gathered, paths=dict(mon.paths),
                 console=console.getvalue(), records=custom.records, closed=custom.closed,
+                trace_events=mon.trace_events,
                 schedule=[name for step in steps for name in step], stage=engine.stage)
 
 
@@ -130,6 +131,7 @@ def test_sinks_write_what_they_promise(tmp_path):
     assert r1["gathered"] is None
     assert [s["stage"] for s in r0["gathered"]] == [0, 1]
     assert r0["gathered"][1] == r1["summary"]
+    assert r0["trace_events"] == events and r1["trace_events"] is None
     for key in ("forward_s", "backward_s", "wait_s", "send_s", "other_s", "step_s",
                 "bubble_fraction", "drain_s", "samples_per_s", "tokens_per_s", "peak_memory_mb"):
         assert key in r0["summary"]
@@ -206,8 +208,11 @@ def test_wandb_sink_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     _, _, paths = _single(tmp_path, ("wandb",))
-    runs = [d for d in os.listdir(paths["wandb"] + "/wandb") if d.startswith("offline-run")]
-    assert runs, "wandb wrote no offline run"
+    root = os.path.join(paths["wandb"], "wandb")
+    runs = [d for d in os.listdir(root) if d.startswith("offline-run")]
+    assert len(runs) == 1, "wandb wrote no offline run"
+    logs = [f for f in os.listdir(os.path.join(root, runs[0])) if f.endswith(".wandb")]
+    assert logs and os.path.getsize(os.path.join(root, runs[0], logs[0])) > 0
 
 
 def test_sink_names_and_entry_points():
@@ -322,6 +327,9 @@ def hang_worker(out_dir, num_stages, stall_s, timeout):
     try:
         engine.train_batch(iter(data))
     except PipelineError as err:
+        # pk.launch hosts the key-value store in rank 0: keep it up until the other
+        # timed-out rank has read the positions (torchrun's agent hosts it instead)
+        time.sleep(1.0 if engine.rank == 0 else 0)
         return dict(text=str(err), type=type(err).__name__, peer=getattr(err, "peer", None),
                     instruction=str(err.instruction), stage=engine.stage)
     return dict(text="", type=None, stage=engine.stage)
@@ -378,3 +386,27 @@ def test_format_positions_reports_missing_and_stale_ranks():
                                  "updated": now - 3}}, seen_from=0, world_size=2)
     assert "train step 4, schedule step 2, RECV_B1 (RecvGrad) waiting for 12.0s" in text
     assert "as of 3.0s ago" in text and "ranks [1]: no position available" in text
+
+
+def skipped_worker(out_dir):
+    # fp16 with a loss scale far too large: the first steps overflow and are skipped
+    # while the scale backs off, then steps are taken
+    mon = Monitor(out_dir=out_dir, sinks=("jsonl",), heartbeat=0, warmup_steps=0)
+    engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=sgd, micro_batches=2,
+                               precision="fp16", precision_options={"init_scale": 2.0 ** 20},
+                               plugins=[mon])
+    for step in range(8):
+        engine.train_batch(iter(mlp_data(step, 0, 2)))
+    engine.close()
+    with open(mon.paths["jsonl"]) as f:
+        records = [json.loads(line) for line in f]
+    return records, mon.stage_summary()["skipped_steps"], engine.skipped_steps
+
+
+def test_skipped_steps_and_precision_metrics_are_reported(tmp_path):
+    records, count, engine_count = run_ranks(skipped_worker, 1, str(tmp_path))[0]
+    skipped = [r["skipped"] for r in records]
+    assert skipped[0] and not all(skipped), skipped
+    assert sum(skipped) == count == engine_count
+    scales = [r["loss_scale"] for r in records]  # extra metrics of the step are kept
+    assert scales[1] < scales[0]

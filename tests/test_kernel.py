@@ -1,0 +1,115 @@
+"""The instruction loop, the wire protocol and the topology, without processes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipekernel as pk
+from pipekernel import instructions as isa
+from pipekernel.topology import Topology
+from pipekernel.wire import decode, encode, flatten, unflatten
+
+
+class Recorder:
+    def __init__(self):
+        self.seen = []
+
+    @pk.hookimpl
+    def pipekernel_before_instruction(self, instruction, stage):
+        self.seen.append(("before", str(instruction), stage))
+
+    @pk.hookimpl
+    def pipekernel_after_instruction(self, instruction, seconds):
+        self.seen.append(("after", str(instruction), seconds >= 0))
+
+
+def test_kernel_dispatches_in_order_and_calls_hooks():
+    done = []
+    recorder = Recorder()
+    pm = pk.make_plugin_manager([recorder], autoload=False)
+    kernel = pk.Kernel({isa.Forward: lambda i: done.append(f"f{i.micro_batch}"),
+                        isa.MicroBatchInstruction: lambda i: done.append(f"any:{i}")},
+                       hook=pm.hook, rank=3, stage=1)
+    kernel.run([[isa.Forward(0), isa.SendActivation(0)], [isa.Forward(1)]])
+    assert done == ["f0", "any:SEND_F0", "f1"]  # MRO lookup serves subclasses
+    assert recorder.seen[:2] == [("before", "F0", 1), ("after", "F0", True)]
+    assert len(recorder.seen) == 6
+    assert kernel.position is None
+
+
+def test_kernel_missing_handler_names_rank_stage_step_and_instruction():
+    kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=5, stage=2)
+    with pytest.raises(pk.InstructionError) as info:
+        kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]])
+    text = str(info.value)
+    assert text.startswith("[rank 5, stage 2, step 1, instruction STEP] no handler for "
+                           "instruction OptimizerStep")
+    assert "pipekernel_register_instructions" in text and "Forward" in text
+
+
+def test_kernel_failing_handler_is_wrapped_with_its_place_and_cause():
+    def broken(instruction):
+        raise ZeroDivisionError("bad math")
+
+    kernel = pk.Kernel({isa.Backward: broken}, rank=0, stage=0)
+    with pytest.raises(pk.InstructionError, match=r"micro-batch 4, instruction B4\] "
+                       r"ZeroDivisionError in the handler of B4: bad math") as info:
+        kernel.run([[isa.Backward(4, buffer=1)]])
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert kernel.position == (0, isa.Backward(4, buffer=1))
+
+
+def test_kernel_without_hook_implementations_skips_hook_calls():
+    pm = pk.make_plugin_manager(autoload=False)
+    kernel = pk.Kernel({isa.Forward: lambda i: None}, hook=pm.hook)
+    assert kernel._hooks() == (None, None)
+
+
+def test_instruction_strings_round_trip():
+    for instr in [isa.Forward(3), isa.Backward(0, chunk=1), isa.SendGrad(12), isa.RecvActivation(2),
+                  isa.LoadMicroBatch(1), isa.ReduceGrads(), isa.OptimizerStep()]:
+        assert isa.parse(str(instr)) == instr
+    with pytest.raises(ValueError, match="known prefixes"):
+        isa.parse("X3")
+
+
+def test_wire_metadata_round_trips_every_dtype_and_nesting():
+    value = (torch.randn(2, 3, requires_grad=True),
+             (torch.ones(4, dtype=torch.bool), torch.arange(3)),
+             torch.zeros((), dtype=torch.bfloat16), torch.empty(0, 5, dtype=torch.float16))
+    tensors, structure = flatten(value)
+    specs, decoded = decode(encode(tensors, structure))
+    assert decoded == structure
+    assert [(d, g, s) for d, g, s in specs] == [(t.dtype, t.requires_grad, tuple(t.shape))
+                                                for t in tensors]
+    rebuilt = unflatten(tensors, decoded)
+    assert rebuilt[1][0] is tensors[1] and rebuilt[3] is tensors[4]
+
+
+def test_wire_rejects_non_tensor_values_with_a_fix():
+    with pytest.raises(pk.DataError, match=r"inputs\[1\] is a str(.|\n)*how to fix"):
+        flatten((torch.ones(1), "text"), "inputs")
+
+
+def test_topology_rank_order_keeps_pipelines_adjacent():
+    topo = Topology.from_world(8, rank=5, num_stages=4)
+    assert (topo.pipe_size, topo.data_size) == (4, 2)
+    assert (topo.data_rank, topo.stage) == (1, 1)
+    assert topo.pipe_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topo.data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert topo.stage_groups([0, 3]) == [[0, 3], [4, 7]]
+    assert topo.stage_rank(3) == 7
+
+
+def test_topology_errors():
+    with pytest.raises(pk.ConfigError, match="world size 6 is not divisible by 4"):
+        Topology.from_world(6, 0, 4)
+    with pytest.raises(pk.ConfigError, match="data_parallel_size=3 does not match"):
+        Topology.from_world(4, 0, 2, data_parallel_size=3)
+
+
+def test_errors_pickle_with_their_location():
+    import pickle
+    err = pk.TransportTimeout("late", peer=3, rank=1, hint="wait longer").locate(stage=2)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is pk.TransportTimeout and back.peer == 3 and str(back) == str(err)
