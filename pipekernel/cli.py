@@ -2,7 +2,8 @@
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its
 arguments and sets ``func``; :func:`main` calls every function in
-``SUBCOMMANDS``. Heavy imports happen inside the subcommand that needs them.
+``SUBCOMMANDS``. The optional libraries (tqdm, matplotlib) are imported only
+by the subcommand that needs them.
 """
 from __future__ import annotations
 
@@ -11,6 +12,131 @@ import sys
 from collections.abc import Sequence
 
 __all__ = ["main", "build_parser"]
+
+
+# -- pipekernel train ----------------------------------------------------------------------
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from pipekernel.apps.config import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "train", help="train a small GPT-style byte-level LM with pipeline parallelism",
+        description="Train a small GPT-style byte-level language model with pipeline "
+                    "parallelism. Without a launcher it starts stages x data-parallel local "
+                    "processes (CPU, gloo); under torchrun it runs this rank only. Writes a "
+                    "metrics CSV/JSONL, a Chrome trace and a timeline PNG under --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
+    g.add_argument("--data-parallel", type=int, default=d.data_parallel,
+                   help="pipeline replicas (data parallelism)")
+    g.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                   help="micro-batches per step")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="sequences per micro-batch")
+    g.add_argument("--schedule", default=d.schedule, help="training schedule name")
+    g.add_argument("--precision", default=d.precision, help="precision policy name")
+    g.add_argument("--transport", default=d.transport, help="transport name")
+    g.add_argument("--partition", default=d.partition,
+                   help="partition method (parameters, uniform, type:<regex>, ...) or "
+                        "explicit layer boundaries such as 0,3,6")
+    g.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds any wait on a peer may take before an error")
+    g.add_argument("--threads", type=int, default=d.threads,
+                   help="torch threads per local process")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
+    g.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data")
+    g.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate")
+    g.add_argument("--data", default=d.data, metavar="FILE",
+                   help="train on this file (default: the Python standard library's sources)")
+    g.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes,
+                   help="read at most this many bytes of the corpus")
+    g = p.add_argument_group("model")
+    g.add_argument("--dim", type=int, default=d.dim, help="model width")
+    g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
+    g.add_argument("--heads", type=int, default=d.heads, help="attention heads")
+    g.add_argument("--context", type=int, default=d.context, help="sequence length in bytes")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=d.out, metavar="DIR",
+                   help="directory for metrics, trace, timeline and summary")
+    g.add_argument("--every", type=int, default=d.every,
+                   help="with --no-progress, print a metrics line every N steps")
+    g.add_argument("--sample-bytes", type=int, default=d.sample_bytes,
+                   help="bytes of text to generate at the end (0: none)")
+    g.add_argument("--prompt", default=d.prompt, help="prompt for the generated sample")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from pipekernel.apps.config import TrainConfig
+    from pipekernel.apps.train import run
+
+    fields = {f for f in TrainConfig.__dataclass_fields__}
+    options = {k: v for k, v in vars(args).items() if k in fields}
+    run(TrainConfig(**options, progress=not args.no_progress))
+    return 0
+
+
+# -- pipekernel schedule -------------------------------------------------------------------
+
+
+def _add_schedule(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "schedule", help="simulate a schedule: ASCII grid, bubble fraction, buffers",
+        description="Run a schedule on every stage at once in the simulator (no processes, "
+                    "no torch work) and show one row per stage and one column per time unit "
+                    "(F3 = forward of micro-batch 3, B3 = its backward, . = idle), the bubble "
+                    "fraction and the buffers each stage needs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("name", help="schedule name (1f1b, gpipe, inference, or a plugin's)")
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages P")
+    p.add_argument("--micro-batches", type=int, required=True, help="micro-batches M")
+    p.add_argument("--chunks", type=int, default=1, help="model chunks (virtual stages) per rank")
+    p.add_argument("--backward-cost", type=float, default=1.0,
+                   help="duration of a backward relative to a forward (1 unit)")
+    p.add_argument("--png", metavar="FILE", help="also draw the timeline to this PNG")
+    p.set_defaults(func=_run_schedule)
+
+
+def schedule_report(result: object, name: str) -> str:
+    """The text ``pipekernel schedule`` prints for a :class:`SimulationResult`."""
+    from pipekernel.schedules import format_grid
+
+    r = result
+    busy = [sum(end - start for start, end, _ in events) for events in r.timeline]
+    lines = [
+        f"schedule {name}: {r.num_stages} stage(s) x {r.micro_batches} micro-batch(es) x "
+        f"{r.chunks} chunk(s)",
+        format_grid(r),
+        f"makespan: {r.makespan:g} time units; busy per stage: "
+        + ", ".join(f"{b:g}" for b in busy),
+        f"bubble fraction: {r.bubble_fraction:.4f} ({100 * r.bubble_fraction:.1f}% idle)",
+        "buffers per stage: " + ", ".join(f"stage {s}: {n}" for s, n in enumerate(r.buffers)),
+    ]
+    return "\n".join(lines)
+
+
+def _run_schedule(args: argparse.Namespace) -> int:
+    from pipekernel.instructions import Backward, BackwardInput, BackwardWeight
+    from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
+    from pipekernel.schedules import simulate
+
+    cls = resolve_schedule(make_plugin_manager(), args.name)
+    costs = {Backward: args.backward_cost, BackwardInput: args.backward_cost / 2,
+             BackwardWeight: args.backward_cost / 2}
+    result = simulate(cls, args.stages, args.micro_batches, args.chunks, costs=costs)
+    print(schedule_report(result, args.name))
+    if args.png:
+        from pipekernel.apps.timeline import draw_simulation
+        path = draw_simulation(result, args.png, title=(
+            f"{args.name}: {args.stages} stages, {args.micro_batches} micro-batches, "
+            f"bubble {100 * result.bubble_fraction:.1f}%"))
+        print(f"timeline PNG: {path}")
+    return 0
 
 
 # -- pipekernel plugins ----------------------------------------------------------------------
@@ -42,7 +168,7 @@ def _run_plugins(args: argparse.Namespace) -> int:
 # -- the command -----------------------------------------------------------------------------
 
 #: One function per subcommand; each adds its parser and sets ``func``.
-SUBCOMMANDS = [_add_plugins]
+SUBCOMMANDS = [_add_train, _add_schedule, _add_plugins]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except PipelineError as err:  # user-caused: the message says what and how to fix
-        print(f"pipekernel {args.command}: error: {err}", file=sys.stderr)
+    except PipelineError as err:
+        # a user-caused error: its message says what, where and how to fix; no traceback
+        original = getattr(err, "original", None)
+        shown = original if isinstance(original, PipelineError) else err
+        print(f"pipekernel {args.command}: error: {shown}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"pipekernel {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from pipekernel.errors import PipelineError
 
 __all__ = ["launch", "RankError", "free_port"]
 
+#: Seconds a worker that already returned its result gets to exit on its own.
+_EXIT_GRACE = 10.0
+
 
 class RankError(PipelineError):
     """A worker process failed; ``original`` is its exception (when picklable)."""
@@ -83,10 +86,15 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
                            daemon=True)
         proc.start()
         procs.append(proc)
+    finished = False
     try:
-        return _collect(procs, results, nprocs, timeout)
+        values = _collect(procs, results, nprocs, timeout)
+        finished = True
+        return values
     finally:
         for proc in procs:
+            if finished:  # let workers finish their clean-up: a kill there leaks the queue's lock
+                proc.join(timeout=_EXIT_GRACE)
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)

@@ -1,0 +1,44 @@
+"""The configuration of ``pipekernel train``: one frozen dataclass, sent to every rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TrainConfig"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; the same object goes to every rank."""
+
+    stages: int = 2
+    data_parallel: int = 1
+    micro_batches: int = 4
+    micro_batch_size: int = 16
+    schedule: str = "1f1b"
+    precision: str = "fp32"
+    transport: str = "gloo"
+    partition: str = "parameters"
+    steps: int = 450
+    seed: int = 0
+    lr: float = 3e-3
+    dim: int = 96
+    layers: int = 4
+    heads: int = 4
+    context: int = 64
+    data: str | None = None
+    corpus_bytes: int = 2_000_000
+    out: str = "pipekernel-out"
+    every: int = 10
+    sample_bytes: int = 240
+    prompt: str = "def "
+    timeout: float = 300.0
+    progress: bool = True
+    threads: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.data_parallel
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batches * self.micro_batch_size * self.context * self.data_parallel

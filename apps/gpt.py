@@ -1,0 +1,106 @@
+"""A small GPT-style byte-level language model as a pipekernel layer list.
+
+Bytes, not a learned character table: the vocabulary (256) is the same on every
+rank and every machine whatever the corpus, so no rank has to agree with another
+on it, and any file (UTF-8 or not) can be trained on.
+"""
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import pipekernel as pk
+
+__all__ = ["VOCAB", "Embed", "Block", "Head", "gpt_layers", "gpt_module", "token_loss", "generate"]
+
+#: Byte-level vocabulary.
+VOCAB = 256
+
+
+class Embed(nn.Module):
+    """Token + learned position embedding: ``(B, T) int64 -> (B, T, dim)``."""
+
+    def __init__(self, vocab: int, dim: int, context: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tokens(ids) + self.positions(positions)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal multi-head self-attention, then an MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        if dim % heads:
+            raise pk.ConfigError(f"model width {dim} is not divisible by {heads} heads",
+                                 hint="pick --dim as a multiple of --heads")
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = h.shape
+        q, k, v = self.qkv(self.norm1(h)).split(dim, dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+                   for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(attn.transpose(1, 2).reshape(batch, length, dim))
+        return h + self.mlp(self.norm2(h))
+
+
+class Head(nn.Module):
+    """Final norm and projection to byte logits: ``(B, T, dim) -> (B, T, vocab)``."""
+
+    def __init__(self, dim: int, vocab: int) -> None:
+        super().__init__()
+        self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(h))
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy over every position."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def gpt_layers(dim: int, layers: int, heads: int, context: int) -> list[pk.LayerSpec]:
+    """``[Embed, Block x layers, Head]`` as layer specs."""
+    return [pk.LayerSpec(Embed, VOCAB, dim, context),
+            *[pk.LayerSpec(Block, dim, heads) for _ in range(layers)],
+            pk.LayerSpec(Head, dim, VOCAB)]
+
+
+def gpt_module(dim: int, layers: int, heads: int, context: int, *, num_stages: int | None,
+               partition: object = "parameters", seed: int = 0) -> pk.PipelineModule:
+    """The model as a seeded :class:`pipekernel.PipelineModule`."""
+    return pk.PipelineModule(gpt_layers(dim, layers, heads, context), loss_fn=token_loss,
+                             num_stages=num_stages, partition=partition, seed=seed)
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: bytes, length: int, context: int, *,
+             temperature: float = 0.8, seed: int = 0) -> bytes:
+    """Sample ``length`` bytes after ``prompt`` from a full (single-stage) model."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.tensor(list(prompt) or [10], dtype=torch.long)[None]
+    device = next(model.parameters()).device
+    model.eval()
+    out = []
+    for _ in range(length):
+        logits = model(ids[:, -context:].to(device))[0, -1].float().cpu()
+        probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator)
+        out.append(int(nxt))
+        ids = torch.cat([ids, nxt[None]], dim=1)
+    return bytes(out)
+

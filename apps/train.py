@@ -1,0 +1,376 @@
+"""``pipekernel train``: train a small GPT-style byte-level LM with pipeline parallelism.
+
+On one machine with no arguments it starts ``stages x data_parallel`` local
+processes (CPU, gloo) through :func:`pipekernel.launch`; under ``torchrun``
+(``RANK`` and ``WORLD_SIZE`` set) it runs just this rank. Rank 0 shows a
+progress bar and, at the end, a per-stage time table, the partition, a sample
+of generated text and the paths of the metrics CSV, the trace and the timeline
+PNG written under ``--out``.
+
+The corpus is the Python standard library's own ``.py`` sources (every machine
+with Python has them; files in sorted order, at most ``corpus_bytes``) or
+``--data FILE``. Every rank reads the same corpus and draws the same windows
+for its replica, so no data has to travel between ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pipekernel as pk
+from pipekernel.apps.config import TrainConfig
+from pipekernel.apps.gpt import generate, gpt_module
+
+__all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
+           "stage_table", "partition_method", "run", "worker"]
+
+
+def _positive(cfg: TrainConfig) -> None:
+    for name in ("stages", "data_parallel", "micro_batches", "micro_batch_size", "steps", "dim",
+                 "layers", "heads", "context", "corpus_bytes", "every", "threads"):
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise pk.ConfigError(f"{flag} must be a positive integer, got {value!r}",
+                                 hint=f"pass {flag} 1 or more")
+    if cfg.dim % cfg.heads:
+        raise pk.ConfigError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}",
+                             hint="pick --dim as a multiple of --heads")
+    if cfg.stages > cfg.layers + 2:
+        raise pk.ConfigError(
+            f"{cfg.layers + 2} layers (embedding, {cfg.layers} blocks, head) cannot fill "
+            f"{cfg.stages} stages",
+            hint=f"pass --layers {cfg.stages - 2} or more, or fewer --stages")
+
+
+# -- data -------------------------------------------------------------------------------
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's top-level ``.py`` files, in a fixed (sorted) order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.is_file())
+
+
+def load_corpus(path: str | None = None, limit: int = 2_000_000) -> tuple[bytes, str]:
+    """The training bytes (at most ``limit``) and a one-line description of them."""
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(limit)
+        except OSError as err:
+            raise pk.ConfigError(f"cannot read --data {path}: {err}",
+                                 hint="pass a readable text file") from err
+        source = f"{path}"
+    else:
+        files = stdlib_files()
+        root = Path(sysconfig.get_paths()["stdlib"])
+        if not files:
+            raise pk.ConfigError(f"found no Python standard library sources in {root}",
+                                 hint="pass a text file to train on: --data FILE")
+        chunks, size, used = [], 0, 0
+        for file in files:
+            if size >= limit:
+                break
+            try:
+                text = file.read_bytes()
+            except OSError:
+                continue
+            chunks.append(text[:limit - size])
+            size += len(chunks[-1])
+            used += 1
+        data = b"".join(chunks)
+        source = f"{used} Python standard library files from {root}"
+    return data, source
+
+
+def split_corpus(data: bytes, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train/held-out split (the last 5%, at least two windows) as int64 byte tensors."""
+    if len(data) < 4 * (context + 1):
+        raise pk.ConfigError(f"the corpus has {len(data)} bytes, too few for --context {context}",
+                             hint=f"use a file of at least {4 * (context + 1)} bytes or a "
+                                  "smaller --context")
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.long)
+    cut = len(ids) - max(len(ids) // 20, 2 * (context + 1))
+    return ids[:cut], ids[cut:]
+
+
+def make_batch(ids: torch.Tensor, cfg: TrainConfig, step: int, replica: int,
+               salt: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``micro_batches`` (inputs, next-byte labels) pairs of random windows.
+
+    Deterministic in ``(seed, step, replica, salt)``: the first and the last
+    stage of a pipeline draw the same windows without talking to each other.
+    """
+    g = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + salt) * 1_000_003 + step)
+                                      * 1009 + replica)
+    starts = torch.randint(0, len(ids) - cfg.context - 1,
+                           (cfg.micro_batches, cfg.micro_batch_size), generator=g)
+    offsets = torch.arange(cfg.context + 1)
+    batch = []
+    for row in starts:
+        windows = ids[row[:, None] + offsets]
+        batch.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
+    return batch
+
+
+# -- helpers on the engine --------------------------------------------------------------
+
+
+def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
+                      ) -> dict[str, torch.Tensor] | None:
+    """Every layer's weights (replica 0's stages) on rank 0, ``None`` elsewhere.
+
+    Uses only the transport's ``broadcast`` (so it works on any transport): the
+    rank holding stage ``s`` of replica 0 sends its ``state_dict`` as one flat
+    float32 tensor; the others know its keys and shapes from a meta-device build
+    of that stage (keys are global layer indices whatever the partitioning).
+    """
+    transport, topo = engine.transport, engine.topology
+    state: dict[str, torch.Tensor] = {}
+    for stage in range(engine.num_stages):
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in module.build_stage(stage, engine.bounds)
+                      .state_dict().items()}
+        owner = topo.rank_of(0, stage)
+        if engine.rank == owner:
+            local = engine.module.state_dict()
+            flat = torch.cat([local[k].detach().float().reshape(-1) for k in shapes])
+        else:
+            flat = torch.empty(sum(math.prod(s) for s in shapes.values()), dtype=torch.float32)
+        flat = flat.to(transport.device)
+        transport.broadcast(flat, owner)
+        offset = 0
+        for key, shape in shapes.items():
+            n = math.prod(shape)
+            state[key] = flat[offset:offset + n].view(shape).cpu()
+            offset += n
+    return state if engine.rank == 0 else None
+
+
+def partition_method(text: str) -> Any:
+    """``"0,3,6"`` -> explicit boundaries ``[0, 3, 6]``; any other text is a method name."""
+    parts = text.split(",")
+    if len(parts) > 1 and all(p.strip().isdigit() for p in parts):
+        return [int(p) for p in parts]
+    return text
+
+
+def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -> float:
+    batch = make_batch(ids, cfg, 0, engine.data_parallel_rank, salt=1)
+    return float(engine.eval_batch(iter(batch)))
+
+
+def _describe_partition(module: pk.PipelineModule, bounds: list[int]) -> list[str]:
+    counts = module.parameter_counts()
+    names = [layer.typename.__name__ for layer in module.layers]
+    lines = []
+    for stage in range(len(bounds) - 1):
+        lo, hi = bounds[stage], bounds[stage + 1]
+        parts: list[str] = []
+        for name in dict.fromkeys(names[lo:hi]):
+            n = names[lo:hi].count(name)
+            parts.append(f"{n} x {name}" if n > 1 else name)
+        where = f"layers {lo}-{hi - 1}" if hi - lo > 1 else f"layer {lo}"
+        lines.append(f"  stage {stage}: {where} ({', '.join(parts)}), "
+                     f"{sum(counts[lo:hi]) / 1e6:.2f}M parameters")
+    return lines
+
+
+_COLUMNS = (("forward", "forward_s"), ("backward", "backward_s"), ("wait", "wait_s"),
+            ("send", "send_s"), ("drain", "drain_s"), ("other", None), ("step", "step_s"))
+
+
+def stage_table(summaries: list[dict[str, Any]]) -> list[str]:
+    """Milliseconds per step by rank from the monitor's per-rank totals.
+
+    ``wait`` is time blocked in a receive, ``drain`` the end of the step spent
+    waiting for the slowest stage, ``other`` everything else (loading, gradient
+    reduction, optimizer, Python); ``bubble`` = (wait + drain) / step.
+    """
+    head = (f"  {'rank':>4} {'stage':>5} | " + " ".join(f"{name:>8}" for name, _ in _COLUMNS)
+            + f" | {'bubble':>6}")
+    lines = [head, "  " + "-" * (len(head) - 2)]
+    for s in summaries:
+        steps = max(int(s.get("steps", 1)), 1)
+        ms = {key: 1000.0 * float(s.get(key, 0.0)) / steps for _, key in _COLUMNS if key}
+        ms["other"] = max(0.0, ms["step_s"] - sum(v for k, v in ms.items() if k != "step_s"))
+        cells = " ".join(f"{ms[key or 'other']:>8.1f}" for _, key in _COLUMNS)
+        lines.append(f"  {s.get('rank', '?'):>4} {s.get('stage', '?'):>5} | {cells} | "
+                     f"{100.0 * float(s.get('bubble_fraction', 0.0)):>5.1f}%")
+    return lines
+
+
+def _print(*lines: str) -> None:
+    print("\n".join(lines), flush=True)
+
+
+# -- the per-rank job -------------------------------------------------------------------
+
+
+def worker(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 prints the report and returns the summary dict."""
+    torch.set_num_threads(cfg.threads)
+    data, source = load_corpus(cfg.data, cfg.corpus_bytes)
+    train_ids, held_ids = split_corpus(data, cfg.context)
+    module = gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
+                        partition=partition_method(cfg.partition), seed=cfg.seed)
+    from pipekernel.plugins.monitor import Monitor
+
+    out = Path(cfg.out)
+    # without a progress bar (logs, CI) the monitor's console line every N steps replaces it
+    sinks = ("csv", "jsonl", "trace") + (() if cfg.progress else ("console",))
+    monitor = Monitor(out_dir=str(out), sinks=sinks, every=cfg.every)
+    engine = pk.PipelineEngine(
+        module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                                           weight_decay=0.01),
+        micro_batches=cfg.micro_batches, schedule=cfg.schedule, transport=cfg.transport,
+        precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
+        timeout=cfg.timeout)
+    # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
+    warmup = max(1, cfg.steps // 20)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(
+        (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0)))))
+    rank0 = engine.rank == 0
+    if rank0:
+        params = sum(module.parameter_counts())
+        _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
+               f"{cfg.transport} ({engine.transport.device}), schedule {cfg.schedule}, "
+               f"precision {cfg.precision}",
+               f"model: byte-level GPT, {params / 1e6:.2f}M parameters: embedding, {cfg.layers} "
+               f"blocks (width {cfg.dim}, {cfg.heads} heads, context {cfg.context}), head",
+               f"data: {len(data) / 1e6:.2f} MB: {source}",
+               f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
+               f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
+               f"tokens per step",
+               f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds))
+    held_before = _eval_loss(engine, held_ids, cfg)
+
+    bar = None
+    if rank0 and cfg.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, desc="train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        batch = make_batch(train_ids, cfg, step, engine.data_parallel_rank)
+        loss = float(engine.train_batch(iter(batch)))
+        scheduler.step()
+        losses.append(loss)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}",
+                            tok_s=f"{cfg.tokens_per_step / (time.perf_counter() - t0):,.0f}",
+                            refresh=False)
+            bar.update(1)
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    held_after = _eval_loss(engine, held_ids, cfg)
+
+    summaries = monitor.gather()
+    state = gather_full_state(engine, module)
+    monitor.close()
+    engine.close()
+    if not rank0:
+        return None
+
+    full = module.build_stage(0, [0, len(module.layers)])
+    full.load_state_dict(state)
+    sample = generate(full, cfg.prompt.encode(), cfg.sample_bytes, cfg.context, seed=cfg.seed)
+    paths = dict(monitor.paths)
+    timeline = None
+    if paths.get("trace"):
+        from pipekernel.apps.timeline import draw_trace
+        timeline = str(draw_trace(paths["trace"], out / "timeline.png", last_steps=2,
+                                  title=f"last 2 steps: {cfg.stages} stages, {cfg.schedule}, "
+                                        f"{cfg.micro_batches} micro-batches"))
+    head = sum(losses[:5]) / len(losses[:5])
+    tail = sum(losses[-5:]) / len(losses[-5:])
+    summary = {
+        "config": dataclasses.asdict(cfg), "losses": losses, "loss_first": losses[0],
+        "loss_last": losses[-1], "loss_first5": head, "loss_last5": tail,
+        "heldout_before": held_before, "heldout_after": held_after, "seconds": seconds,
+        "tokens_per_s": cfg.tokens_per_step * cfg.steps / seconds, "bounds": list(engine.bounds),
+        "stages": summaries, "sample": sample.decode("utf-8", "replace"),
+        "paths": {**paths, "timeline": timeline},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    summary_path = out / "train.json"
+    summary["paths"]["train"] = str(summary_path)
+    summary_path.write_text(json.dumps(summary, indent=1))
+    _report(cfg, summary)
+    return summary
+
+
+def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
+    lines = [
+        f"loss {s['loss_first5']:.3f} -> {s['loss_last5']:.3f} (mean of first/last 5 steps); "
+        f"held-out {s['heldout_before']:.3f} -> {s['heldout_after']:.3f}",
+        f"{cfg.steps} steps in {s['seconds']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s",
+        "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
+        "slowest stage at the end of the step, bubble = (wait + drain) / step):",
+        *stage_table(s["stages"] or []),
+    ]
+    if cfg.sample_bytes:
+        lines += [f"sample (prompt {cfg.prompt!r}, {cfg.sample_bytes} bytes):",
+                  "  | " + (cfg.prompt + s["sample"]).replace("\n", "\n  | ")]
+    lines.append("files:")
+    names = {"csv": "metrics CSV", "jsonl": "metrics JSONL", "trace": "trace (ui.perfetto.dev)",
+             "timeline": "timeline PNG", "summary": "monitor summary", "train": "run summary"}
+    for key, label in names.items():
+        if s["paths"].get(key):
+            lines.append(f"  {label:<24} {s['paths'][key]}")
+    _print(*lines)
+
+
+# -- entry ----------------------------------------------------------------------------
+
+
+def under_torchrun() -> bool:
+    """``True`` when a launcher (torchrun, SLURM wrappers) already set this rank's environment."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _check_extras(cfg: TrainConfig) -> None:
+    import importlib.util
+    missing = [name for name in (("tqdm",) if cfg.progress else ()) + ("matplotlib",)
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        raise pk.ConfigError(f"pipekernel train needs {' and '.join(missing)}, which is not "
+                             "installed", hint="pip install 'pipekernel[train]'")
+
+
+def run(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
+    _positive(cfg)
+    _check_extras(cfg)
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.world_size:
+            raise pk.ConfigError(
+                f"torchrun started {world} processes but --stages {cfg.stages} x "
+                f"--data-parallel {cfg.data_parallel} needs {cfg.world_size}",
+                hint=f"use torchrun --nproc-per-node/--nnodes so that nodes x procs = "
+                     f"{cfg.world_size}, or change --stages/--data-parallel")
+        try:
+            return worker(cfg)
+        finally:
+            # free the engine's reference cycles (monitor <-> engine, process-group handles)
+            # now, not during interpreter shutdown where their C++ destructors may abort
+            gc.collect()
+    # Every peer wait is bounded by cfg.timeout inside the transport and launch()
+    # notices a dead rank, so the whole job itself needs no wall-clock limit.
+    results = pk.launch(worker, cfg.world_size, (cfg,), timeout=math.inf, threads=cfg.threads)
+    return results[0]

@@ -1,0 +1,215 @@
+"""The ``pipekernel`` command: ``schedule`` against the simulator, ``train`` end to end."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipekernel import cli
+from pipekernel.launch import free_port
+from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# A model small enough that 20 steps take a few seconds on one core per stage.
+SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--context", "32",
+         "--micro-batch-size", "8", "--micro-batches", "4", "--corpus-bytes", "300000",
+         "--sample-bytes", "60", "--lr", "1e-2"]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240.0
+         ) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "pipekernel.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**clean, **(env or {})})
+
+
+# -- pipekernel schedule ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,stages,micro_batches", [
+    ("1f1b", 3, 5), ("1f1b", 4, 2), ("gpipe", 2, 3), ("inference", 3, 4)])
+def test_schedule_prints_what_the_simulator_computes(capsys, name, stages, micro_batches):
+    assert cli.main(["schedule", name, "--stages", str(stages),
+                     "--micro-batches", str(micro_batches)]) == 0
+    out = capsys.readouterr().out
+    result = simulate(BUILTIN_SCHEDULES[name], stages, micro_batches)
+    grid = format_grid(result)
+    assert grid in out
+    assert len(grid.splitlines()) == stages
+    assert f"bubble fraction: {result.bubble_fraction:.4f}" in out
+    buffers = ", ".join(f"stage {s}: {n}" for s, n in enumerate(result.buffers))
+    assert f"buffers per stage: {buffers}" in out
+    assert f"makespan: {result.makespan:g}" in out
+
+
+def test_schedule_1f1b_small_case_by_hand(capsys):
+    # 2 stages, 2 micro-batches, unit costs: written out so a simulator bug cannot hide
+    cli.main(["schedule", "1f1b", "--stages", "2", "--micro-batches", "2"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["stage", "0", "|", "F0", "F1", ".", "B0", ".", "B1"]
+    assert out[2].split() == ["stage", "1", "|", ".", "F0", "B0", "F1", "B1", "."]
+    assert "bubble fraction: 0.3333" in "\n".join(out)
+    assert "buffers per stage: stage 0: 2, stage 1: 1" in "\n".join(out)
+
+
+def test_schedule_backward_cost_and_png(tmp_path, capsys):
+    png = tmp_path / "sched.png"
+    cli.main(["schedule", "gpipe", "--stages", "2", "--micro-batches", "3",
+              "--backward-cost", "2", "--png", str(png)])
+    out = capsys.readouterr().out
+    assert "B0 B0" in out  # a backward spans two columns
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_schedule_unknown_name_is_a_clean_error(capsys):
+    assert cli.main(["schedule", "nope", "--stages", "2", "--micro-batches", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown schedule 'nope'" in err and "1f1b" in err and "Traceback" not in err
+
+
+def test_schedule_console_entry_point():
+    proc = _cli("schedule", "1f1b", "--stages", "2", "--micro-batches", "4")
+    assert proc.returncode == 0, proc.stderr
+    grid = format_grid(simulate(BUILTIN_SCHEDULES["1f1b"], 2, 4))
+    assert grid in proc.stdout
+
+
+# -- pipekernel train ------------------------------------------------------------------------
+
+
+def test_train_rejects_bad_sizes_before_starting_processes(capsys):
+    assert cli.main(["train", "--dim", "30", "--heads", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "--dim 30 is not divisible by --heads 4" in err and "how to fix" in err
+    assert cli.main(["train", "--stages", "5", "--layers", "2"]) == 1
+    assert "cannot fill 5 stages" in capsys.readouterr().err
+
+
+def _losses_from_csv(path: str) -> list[float]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and "loss" in rows[0], f"no loss column in {path}"
+    by_step: dict[int, float] = {}
+    for row in rows:  # one row per step (rank 0) or per rank and step: the loss is equal
+        if row.get("loss") not in (None, ""):
+            by_step[int(float(row.get("step", len(by_step) + 1)))] = float(row["loss"])
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
+    summary = json.loads((out_dir / "train.json").read_text())
+    losses = summary["losses"]
+    assert len(losses) == steps
+    # the loss falls: the mean of the last 5 steps is well under the first 5
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5, losses
+    assert summary["heldout_after"] < summary["heldout_before"] - 0.5
+    csv_losses = _losses_from_csv(summary["paths"]["csv"])
+    assert len(csv_losses) == steps
+    assert csv_losses == pytest.approx(losses, rel=1e-5)
+    trace = json.loads(Path(summary["paths"]["trace"]).read_text())
+    slices = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert {e["pid"] for e in slices} == set(range(ranks))
+    for rank in range(ranks):
+        names = {e["name"] for e in slices if e["pid"] == rank}
+        assert {f"F{m}" for m in range(4)} <= names and {f"B{m}" for m in range(4)} <= names
+    assert Path(summary["paths"]["timeline"]).read_bytes()[:8] == PNG_MAGIC
+    # the report names the partition, every stage, and the files
+    assert "partition (" in stdout and "stage 1: layer" in stdout
+    assert summary["bounds"][0] == 0 and summary["bounds"][-1] == 4
+    for rank in range(ranks):
+        assert any(line.split()[:1] == [str(rank)] for line in stdout.splitlines()), stdout
+    for key in ("csv", "trace", "timeline"):
+        assert summary["paths"][key] in stdout
+    assert "sample (prompt" in stdout
+    return summary
+
+
+def test_train_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    proc = _cli("train", "--steps", "20", "--out", str(out), *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = _check_run(out, proc.stdout, ranks=2, steps=20)
+    assert summary["config"]["stages"] == 2
+    assert "loss " in proc.stdout and " -> " in proc.stdout
+    assert "20/20" in proc.stderr and "loss=" in proc.stderr and "tok_s=" in proc.stderr  # tqdm
+
+
+def test_train_under_torchrun_runs_only_its_rank(tmp_path):
+    """With RANK/WORLD_SIZE set (as torchrun does) each process runs one rank, none spawns."""
+    out = tmp_path / "run"
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        clean = {k: v for k, v in os.environ.items() if k not in env}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "pipekernel.cli", "train", "--steps", "20", "--out", str(out),
+             *SMALL, "--no-progress", "--every", "5", "--partition", "0,3,4"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**clean, **env}))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=240))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, stdout + stderr
+    summary = _check_run(out, outputs[0][0], ranks=2, steps=20)
+    assert summary["bounds"] == [0, 3, 4]
+    assert "stage 0: layers 0-2" in outputs[0][0] and "stage 1: layer 3 (Head)" in outputs[0][0]
+    # --no-progress: the monitor's console line every 5 steps instead of a bar
+    assert [line.split()[1] for line in outputs[0][0].splitlines()
+            if line.startswith("step ")] == ["5", "10", "15", "20"]
+    assert "loss " not in outputs[1][0]  # only rank 0 reports
+
+
+def test_train_under_torchrun_with_the_wrong_world_size_says_so(tmp_path):
+    proc = _cli("train", "--stages", "2", "--out", str(tmp_path), *SMALL,
+                env={"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(free_port())}, timeout=120)
+    assert proc.returncode == 1
+    assert "torchrun started 3 processes" in proc.stderr and "needs 2" in proc.stderr
+
+
+def test_import_pipekernel_does_not_load_the_command_or_its_extras():
+    # (not tqdm: torch itself imports it when it is installed)
+    code = ("import sys, pipekernel; bad = [m for m in ('pipekernel.cli', 'pipekernel.apps', "
+            "'matplotlib') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_timeline_rows_from_a_trace(tmp_path):
+    from pipekernel.apps.timeline import draw_trace, rows_from_trace
+
+    def ev(pid, name, cat, ts, dur, step, tid=0):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat, "ts": ts,
+                "dur": dur, "args": {"stage": pid, "micro_batch": 0, "step": step}}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0"}},
+        ev(0, "F0", "Forward", 1000, 500, 1), ev(0, "B0", "Backward", 9000, 1000, 1),
+        ev(0, "F0", "Forward", 20000, 500, 2), ev(0, "B0", "Backward", 21000, 1000, 2),
+        ev(0, "step 2", "step", 20000, 3000, 2, tid=1),
+        ev(1, "RA0", "RecvActivation", 20000, 600, 2), ev(1, "F0", "Forward", 20600, 400, 2),
+        ev(1, "SG0", "SendGrad", 21000, 100, 2)]}
+    rows = rows_from_trace(trace, last_steps=1)
+    assert [label for label, _ in rows] == ["rank 0 (stage 0)", "rank 1 (stage 1)"]
+    # times in ms from the first kept slice; the whole-step slice is not an instruction
+    assert rows[0][1] == [(0.0, 0.5, "forward", "F0"), (1.0, 1.0, "backward", "B0")]
+    assert [b[2] for b in rows[1][1]] == ["wait", "forward", "send"]
+    assert len(rows_from_trace(trace, last_steps=None)[0][1]) == 4
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    assert draw_trace(path, tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
