@@ -38,9 +38,12 @@ fi
     || no_cuda "torch $("$PY" -c 'import torch; print(torch.__version__)') sees no GPU"
 mkdir -p "$DEST"
 
+failed=()
+
 echo "== GPU" | tee "$DEST/gpu.txt"
-nvidia-smi 2>&1 | tee -a "$DEST/gpu.txt"
-"$PY" - <<'EOF' 2>&1 | tee -a "$DEST/gpu.txt"
+nvidia-smi 2>&1 | tee -a "$DEST/gpu.txt" || failed+=("nvidia-smi")
+rc=0
+"$PY" - <<'EOF' 2>&1 | tee -a "$DEST/gpu.txt" || rc=$?
 import torch
 import pipekernel
 print("device:", torch.cuda.get_device_name(0), "| count:", torch.cuda.device_count())
@@ -48,8 +51,7 @@ print("torch:", torch.__version__, "| cuda:", torch.version.cuda,
       "| nccl:", torch.cuda.nccl.version(),
       "| pipekernel:", pipekernel.__version__)
 EOF
-
-failed=()
+[ "$rc" -eq 0 ] || failed+=("torch device query (exit $rc)")
 
 echo "== CUDA-only tests (pytest -m cuda)"
 rc=0
