@@ -12,7 +12,10 @@ forward + backward of one micro-batch. Memory:
 Usage::
 
     python benchmarks/activation_checkpoint.py [--blocks 16] [--batch 8] [--seq 128]
-        [--dim 256] [--intervals 0 1 2 4 8] [--repeats 3]
+        [--dim 256] [--intervals 0 1 2 4 8] [--repeats 3] [--devices cpu cuda]
+
+``--devices`` defaults to the CPU plus CUDA when it is available; ``--devices cuda``
+measures the GPU alone (what ``gpu/check.sh`` runs) and fails without CUDA.
 """
 from __future__ import annotations
 
@@ -88,9 +91,14 @@ def main() -> None:
     parser.add_argument("--intervals", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    if args.devices is None:
+        args.devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if "cuda" in args.devices and not torch.cuda.is_available():
+        parser.error("--devices cuda: torch.cuda.is_available() is False on this machine")
+    devices = [torch.device(d) for d in args.devices]
     mib = 2 ** 20
     for device in devices:
         results = [measure(args, k, device) for k in args.intervals]

@@ -25,23 +25,39 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
     return launch(fn, nprocs, args, timeout=timeout, threads=1, env=env)
 
 
-def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any]) -> torch.Tensor:
+def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any],
+                  device: torch.device | str | None = None) -> torch.Tensor:
     inputs, labels = item
+    if device is not None:
+        inputs, labels = _to(inputs, device), _to(labels, device)
     return loss_fn(stage(inputs), labels)
+
+
+def _to(obj: Any, device: torch.device | str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, device) for o in obj)
+    return obj
 
 
 def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.optim.Optimizer],
                     batches: Sequence[Sequence[Sequence[Any]]], micro_batches: int,
-                    hook: Callable[[torch.nn.Module], None] | None = None
+                    hook: Callable[[torch.nn.Module], None] | None = None,
+                    device: torch.device | str | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train all layers on one process: ``batches[step][replica]`` is a list of
     ``micro_batches`` items ``(inputs, labels)``; each step accumulates
     ``loss / (micro_batches * replicas)`` over every replica's micro-batches.
 
     :param hook: called with the model after backward, before the step (e.g. clipping).
+    :param device: train there (model and batches moved; ``None``: where the model is
+        built, the CPU); the returned ``state_dict`` stays on that device.
     :returns: per-step mean losses and the final ``state_dict``.
     """
     model = module.build_stage(0, [0, len(module.layers)])
+    if device is not None:
+        model = model.to(device)
     opt = optimizer(list(model.parameters()))
     losses = []
     for replicas in batches:
@@ -49,7 +65,7 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
         scale = 1.0 / (micro_batches * len(replicas))
         for items in replicas:
             for item in list(items)[:micro_batches]:
-                loss = _forward_loss(model, module.loss_fn, item)
+                loss = _forward_loss(model, module.loss_fn, item, device)
                 (loss * scale).backward()
                 total += loss.item() * scale
         if hook is not None:

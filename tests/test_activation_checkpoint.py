@@ -81,6 +81,27 @@ def test_no_checkpointing_without_grad():
     assert out.shape == (4, 4) and not out.requires_grad
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checkpointing_lowers_the_cuda_peak_memory():
+    def peak(interval):
+        torch.manual_seed(0)
+        stage = model(interval, depth=12).build_stage(0, [0, 15]).cuda()
+        x = torch.randn(8192, 8, device="cuda")
+        stage(x).sum().backward()  # warm-up: cuBLAS workspace, allocator pools
+        stage.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()  # parameters and input
+        stage(x).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    plain, every_4 = peak(0), peak(4)
+    assert every_4 < 0.7 * plain, (plain, every_4)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_checkpointed_equals_plain_on_cuda_with_dropout():
     def run(interval):

@@ -164,6 +164,7 @@ def test_measured_methods_handle_tied_layers_and_integer_inputs():
         assert context.layer_activation_bytes[-1] > 0  # the head saves the hidden state
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_profile_and_memory_measure_on_cuda():
     sample = SAMPLE.cuda()

@@ -36,6 +36,7 @@ def test_the_suite_catches_a_transport_that_loses_bools():
     assert "conformance check 'dtypes' failed" in text and "torch.bool" in text
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl conformance needs 2 GPUs")
 def test_nccl_passes_the_conformance_suite():
     assert check_transport("nccl", nprocs=min(4, torch.cuda.device_count())) == ALL_CHECKS
@@ -50,6 +51,7 @@ def nccl_engine_worker(transport):
     return device, [engine.train_batch(iter(mlp_data(s, 0, 2))).item() for s in range(2)]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_selects_nccl_on_cuda_and_trains():
     from pipekernel.testing import run_ranks
