@@ -63,7 +63,15 @@ def pipekernel_make_precision(name: str, options: Mapping[str, Any]) -> Any | No
     Stops at the first non-``None`` result (firstresult).
 
     Use in plugins
-    =======    """
+    ==============
+    Subclass :class:`pipekernel.precision.Precision` (or a built-in policy from
+    ``pipekernel.plugins.precision``) and return an instance only for the names
+    you own, ``None`` otherwise. The built-in implementation (``trylast``)
+    provides ``fp32``, ``bf16``, ``fp16`` and ``amp-bf16``, so a plugin may also
+    override one of those names. Also implement :func:`pipekernel_list_names`
+    for ``kind == "precision"`` so that ``pipekernel plugins`` and error
+    messages list your names.
+    """
 
 
 @hookspec(firstresult=True)
