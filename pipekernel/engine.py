@@ -34,6 +34,8 @@ class PipelineEngine:
         ``engine.module.parameters()``; ``None`` for inference only.
     :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
+    :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
+        forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
         ``"auto"`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.
     :param precision: precision policy name: ``"fp32"``, ``"bf16"``, ``"fp16"``,
