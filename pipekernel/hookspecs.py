@@ -120,8 +120,10 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
 def pipekernel_register_schedules() -> Mapping[str, Callable[..., Any]]:
     """Contribute named schedules.
 
-    Called once per engine (and by ``pipekernel plugins``); every
-    implementation is called.
+    Called whenever a schedule is looked up by name: twice per engine (its
+    ``schedule`` and its ``eval_schedule``), and by ``pipekernel plugins`` and
+    ``pipekernel schedule``; every implementation is called each time, so
+    return the same table every time.
 
     :returns: ``{name: schedule class}``; a class takes ``(num_stages, stage,
         micro_batches, chunks)`` and has ``steps()`` (see
