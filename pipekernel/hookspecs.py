@@ -200,7 +200,8 @@ def pipekernel_before_instruction(instruction: Instruction, stage: int) -> None:
     :param stage: this rank's pipeline stage.
     :returns: ignored.
 
-    This runs twice per instruction, so the kernel resolves the implementations
+    With :func:`pipekernel_after_instruction` this is two hook calls per
+    instruction, so the kernel resolves the implementations
     once per ``run`` and calls plain ones directly (pluggy's order and argument
     subsets; ``wrapper=True`` implementations still go through pluggy). A plugin
     registered during a batch is seen from the next batch on.
