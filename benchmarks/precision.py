@@ -86,7 +86,7 @@ def main() -> None:
         seconds = max(r[0] for r in results)
         rows[precision] = (seconds, sum(r[1] for r in results), sum(r[2] for r in results))
     base = rows["fp32"]
-    print(f"| precision | s/step | x fp32 | wire bytes/step | x fp32 | state bytes | x fp32 |")
+    print("| precision | s/step | x fp32 | wire bytes/step | x fp32 | state bytes | x fp32 |")
     print("|---|---|---|---|---|---|---|")
     for name, (sec, wire, state) in rows.items():
         print(f"| {name} | {sec:.3f} | {sec / base[0]:.2f} | {wire:,.0f} | {wire / base[1]:.3f} "

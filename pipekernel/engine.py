@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,10 +30,14 @@ class PipelineEngine:
 
     :param module: the model as a layer list.
     :param optimizer: ``factory(params) -> Optimizer`` (preferred: the engine
-        builds it over this stage's parameters) or an optimizer built over
-        ``engine.module.parameters()``; ``None`` for inference only.
+        builds it over this stage's parameters, or over the fp32 master copies
+        for low-precision policies) or an optimizer built over
+        ``engine.module.parameters()`` (refused with ``ConfigError`` when the
+        precision steps master copies); ``None`` for inference only.
     :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
+    :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
+        forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
         ``"auto"`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.
     :param precision: precision policy name: ``"fp32"``, ``"bf16"``, ``"fp16"``,

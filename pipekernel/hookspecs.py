@@ -63,7 +63,15 @@ def pipekernel_make_precision(name: str, options: Mapping[str, Any]) -> Any | No
     Stops at the first non-``None`` result (firstresult).
 
     Use in plugins
-    =======    """
+    ==============
+    Subclass :class:`pipekernel.precision.Precision` (or a built-in policy from
+    ``pipekernel.plugins.precision``) and return an instance only for the names
+    you own, ``None`` otherwise. The built-in implementation (``trylast``)
+    provides ``fp32``, ``bf16``, ``fp16`` and ``amp-bf16``, so a plugin may also
+    override one of those names. Also implement :func:`pipekernel_list_names`
+    for ``kind == "precision"`` so that ``pipekernel plugins`` and error
+    messages list your names.
+    """
 
 
 @hookspec(firstresult=True)
@@ -112,8 +120,10 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
 def pipekernel_register_schedules() -> Mapping[str, Callable[..., Any]]:
     """Contribute named schedules.
 
-    Called once per engine (and by ``pipekernel plugins``); every
-    implementation is called.
+    Called whenever a schedule is looked up by name: twice per engine (its
+    ``schedule`` and its ``eval_schedule``), and by ``pipekernel plugins`` and
+    ``pipekernel schedule``; every implementation is called each time, so
+    return the same table every time.
 
     :returns: ``{name: schedule class}``; a class takes ``(num_stages, stage,
         micro_batches, chunks)`` and has ``steps()`` (see
@@ -190,7 +200,8 @@ def pipekernel_before_instruction(instruction: Instruction, stage: int) -> None:
     :param stage: this rank's pipeline stage.
     :returns: ignored.
 
-    This runs twice per instruction, so the kernel resolves the implementations
+    With :func:`pipekernel_after_instruction` this is two hook calls per
+    instruction, so the kernel resolves the implementations
     once per ``run`` and calls plain ones directly (pluggy's order and argument
     subsets; ``wrapper=True`` implementations still go through pluggy). A plugin
     registered during a batch is seen from the next batch on.

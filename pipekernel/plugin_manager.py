@@ -241,6 +241,12 @@ def make_transport(pm: pluggy.PluginManager, name: str, options: dict[str, Any])
 
 
 def make_precision(pm: pluggy.PluginManager, name: str, options: dict[str, Any]) -> Any:
+    """Ask the plugins for the precision policy ``name`` (``pipekernel_make_precision``).
+
+    :raises UnknownNameError: no plugin provides ``name`` (listing those that exist).
+    :raises ConfigError: the policy lacks a method of
+        :data:`pipekernel.precision.REQUIRED`.
+    """
     precision = pm.hook.pipekernel_make_precision(name=name, options=options)
     if precision is None:
         raise UnknownNameError(f"unknown precision {name!r}",

@@ -102,19 +102,34 @@ class ConsoleSink(Sink):
         print(line, file=self.stream, flush=True)
 
 
-class CSVSink(Sink):
-    """``metrics.csv``: a header and one row per step (see :func:`flatten_record`)."""
+class _FileSink(Sink):
+    """A sink that keeps one text file in ``monitor.out_dir`` open from ``open`` to ``close``."""
 
-    name = "csv"
+    _newline: str | None = None  # ``open(..., newline=)``
 
-    def __init__(self, filename: str = "metrics.csv") -> None:
+    def __init__(self, filename: str) -> None:
         self.filename = filename
         self._file: TextIO | None = None
-        self._writer: csv.DictWriter | None = None
 
     def open(self, monitor: Any) -> None:
         self.path = os.path.join(monitor.out_dir, self.filename)
-        self._file = open(self.path, "w", newline="")
+        self._file = open(self.path, "w", newline=self._newline)
+
+    def close(self, monitor: Any, trace_events: list[dict] | None) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class CSVSink(_FileSink):
+    """``metrics.csv``: a header and one row per step (see :func:`flatten_record`)."""
+
+    name = "csv"
+    _newline = ""  # the csv module writes its own line endings
+
+    def __init__(self, filename: str = "metrics.csv") -> None:
+        super().__init__(filename)
+        self._writer: csv.DictWriter | None = None
 
     def write(self, record: Mapping[str, Any]) -> None:
         row = flatten_record(record)
@@ -124,33 +139,18 @@ class CSVSink(Sink):
         self._writer.writerow(row)
         self._file.flush()
 
-    def close(self, monitor: Any, trace_events: list[dict] | None) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
-
-class JSONLSink(Sink):
+class JSONLSink(_FileSink):
     """``metrics.jsonl``: the full record (with the per-rank list) as one JSON line per step."""
 
     name = "jsonl"
 
     def __init__(self, filename: str = "metrics.jsonl") -> None:
-        self.filename = filename
-        self._file: TextIO | None = None
-
-    def open(self, monitor: Any) -> None:
-        self.path = os.path.join(monitor.out_dir, self.filename)
-        self._file = open(self.path, "w")
+        super().__init__(filename)
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-
-    def close(self, monitor: Any, trace_events: list[dict] | None) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 class TraceSink(Sink):

@@ -11,12 +11,7 @@ import pipekernel as pk
 from pipekernel.testing import TensorBytes, assert_parity, reference_train, run_ranks
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 class DropBlock(nn.Module):

@@ -67,6 +67,8 @@ def doc_problems(spec) -> list[str]:
         problems.append("say that it stops at the first non-``None`` result")
     if "Use in plugins" not in doc:
         problems.append("add a 'Use in plugins' section")
+    elif not doc.split("Use in plugins", 1)[1].strip("= \n"):
+        problems.append("write the 'Use in plugins' section (it is empty)")
     return problems
 
 
@@ -88,6 +90,17 @@ def test_the_documentation_check_catches_gaps():
         "document :param extra:", "documents :param other: it does not have",
         "say when it is called and how often", "document the return contract (:returns:)",
         "say that it stops at the first non-``None`` result", "add a 'Use in plugins' section"]
+
+
+def test_the_documentation_check_catches_an_empty_use_in_plugins_section():
+    @hookspecs.hookspec
+    def pipekernel_fake() -> None:
+        """Called never.
+
+        Use in plugins
+        =======    """
+
+    assert doc_problems(pipekernel_fake) == ["write the 'Use in plugins' section (it is empty)"]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda fn: fn.__name__)

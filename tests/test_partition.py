@@ -104,13 +104,7 @@ def unequal(partition, layers=None):
 SAMPLE = torch.randn(64, 16)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Timings on a loaded 2-core machine are stable only with one intra-op thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def costs_of(method, stages=2):
