@@ -180,7 +180,21 @@ class TorchDistributedTransport:
         return self._groups[key]
 
     def close(self) -> None:
+        """Destroy the process group this transport created (a collective then).
+
+        A gloo worker thread drops its last reference to a finished collective's
+        tensors just *after* the caller's wait returns; when Python no longer holds
+        that tensor, dropping it needs the GIL. If the interpreter is already
+        finalizing by then, the thread is torn down inside a C++ destructor and the
+        process aborts with "terminate called without an active exception". A final
+        barrier (gloo runs it after all earlier work, and the GIL is released while
+        waiting for the peers) lets those threads finish before the group goes away.
+        """
         if self._owns_group and dist.is_initialized():
+            try:
+                self.barrier()
+            except TransportError:
+                pass  # a peer is gone: nothing left to drain with it
             dist.destroy_process_group()
             self._owns_group = False
 
