@@ -15,7 +15,6 @@ for its replica, so no data has to travel between ranks.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import math
 import os
@@ -364,12 +363,7 @@ def run(cfg: TrainConfig) -> dict[str, Any] | None:
                 f"--data-parallel {cfg.data_parallel} needs {cfg.world_size}",
                 hint=f"use torchrun --nproc-per-node/--nnodes so that nodes x procs = "
                      f"{cfg.world_size}, or change --stages/--data-parallel")
-        try:
-            return worker(cfg)
-        finally:
-            # free the engine's reference cycles (monitor <-> engine, process-group handles)
-            # now, not during interpreter shutdown where their C++ destructors may abort
-            gc.collect()
+        return worker(cfg)
     # Every peer wait is bounded by cfg.timeout inside the transport and launch()
     # notices a dead rank, so the whole job itself needs no wall-clock limit.
     results = pk.launch(worker, cfg.world_size, (cfg,), timeout=math.inf, threads=cfg.threads)

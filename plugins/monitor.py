@@ -50,6 +50,7 @@ while it is blocked in a receive.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -60,6 +61,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -537,7 +539,8 @@ class Monitor:
             pass
 
     def _publish(self) -> None:
-        if self._store is not None:
+        # never after a stop: the store may be on its way down with the process group
+        if self._store is not None and not self._stop.is_set():
             try:
                 self._store.set(f"{self._key}/pos/{self.rank}", json.dumps(self.position()))
             except Exception:
@@ -551,6 +554,7 @@ class Monitor:
         self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                         name=f"pipekernel-monitor-rank{self.rank}")
         self._thread.start()
+        _RUNNING.add(self)
 
     def _install_signal(self) -> None:
         # A Python signal handler runs only when the main thread gets back to the
@@ -591,6 +595,7 @@ class Monitor:
                               file=sys.stderr)
 
     def _stop_positions(self) -> None:
+        _RUNNING.discard(self)
         self._stop.set()
         if self._wake_w is not None:
             try:
@@ -609,6 +614,24 @@ class Monitor:
             finally:
                 os.close(self._wake_r), os.close(self._wake_w)
                 self._wake_r = self._wake_w = None
+        self._store = None  # the thread is gone; keep no handle into torch.distributed
+
+
+# Monitors whose position thread runs. A daemon thread that is inside a store call
+# (GIL released) when the interpreter starts finalizing is torn down as it tries to
+# take the GIL back, through C++ frames: "terminate called without an active
+# exception". So a run that never closed its engine still stops and joins the
+# thread here, before finalization (atexit hooks run first).
+_RUNNING: weakref.WeakSet[Monitor] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running_monitors() -> None:
+    for monitor in list(_RUNNING):
+        try:
+            monitor._stop_positions()
+        except Exception:
+            pass
 
 
 class _Totals:

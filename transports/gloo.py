@@ -12,6 +12,7 @@ subset of a larger job.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Sequence
@@ -94,8 +95,10 @@ class TorchDistributedTransport:
                     f"no process group exists and the environment lacks {', '.join(missing)}",
                     hint="start the processes with torchrun or pipekernel.launch(), or call "
                          "torch.distributed.init_process_group() before creating the engine")
+            _bind_defaults_before_init()
             dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=timeout),
                                     **self._init_options())
+            _OWNED.add(self)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
             raise ConfigError(f"global rank {dist.get_rank()} is not a member of the group "
@@ -180,9 +183,47 @@ class TorchDistributedTransport:
         return self._groups[key]
 
     def close(self) -> None:
+        """Destroy the process group this transport created (a no-op for a group the
+        host created, which the host destroys). Freeing the group joins gloo's worker
+        threads: none may be left to touch Python objects while the interpreter exits.
+        """
+        _OWNED.discard(self)
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+
+
+# Transports whose process group is not destroyed yet. A process that never closed its
+# engine still frees the group (and joins gloo's threads) before the interpreter
+# finalizes: atexit hooks run while it is fully alive. Destroying is local, no collective.
+_OWNED: set[TorchDistributedTransport] = set()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for transport in list(_OWNED):
+        try:
+            transport.close()
+        except Exception:
+            pass
+
+
+def _bind_defaults_before_init() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    Its collectives take ``group=group.WORLD`` as a default argument, evaluated when
+    the module is first imported, and torch imports it lazily (through
+    ``torch._dynamo``, e.g. when the first optimizer is built). Imported *after*
+    ``init_process_group``, those defaults hold the default group for good:
+    ``destroy_process_group()`` then frees nothing, gloo's worker threads outlive
+    ``close()``, and one of them dropping a finished collective's tensor while the
+    interpreter finalizes aborts the process ("terminate called without an active
+    exception"). Imported first, the defaults are ``None``.
+    """
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # a torch without it cannot leak through it either
+        pass
 
 
 class GlooTransport(TorchDistributedTransport):
