@@ -198,19 +198,26 @@ class PipelineEngine:
                           hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)")
 
     # -- reductions and the step ------------------------------------------------
+    def _master_grads(self, params: Iterable[torch.Tensor]
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, gradient)`` pairs, the gradient living on the precision's
+        master copy (the parameter itself under fp32); parameters without one are skipped."""
+        for p in params:
+            grad = self.precision.master(p).grad
+            if grad is not None:
+                yield p, grad
+
     def reduce_tied_grads(self) -> None:
         """Sum each tied weight's gradient over the stages that hold it."""
         for key, (group, _) in self.tied_groups.items():
-            grads = [g for p in self.module.tied_modules[key].parameters()
-                     if (g := self.precision.master(p).grad) is not None]
+            grads = [g for _, g in self._master_grads(self.module.tied_modules[key].parameters())]
             _reduce_flat(self.transport, grads, group)
 
     def reduce_grads(self) -> None:
         """Average gradients over data-parallel replicas (one flat all-reduce)."""
         if self.topology.data_size == 1:
             return
-        grads = [g for p in self.module.parameters()
-                 if (g := self.precision.master(p).grad) is not None]
+        grads = [g for _, g in self._master_grads(self.module.parameters())]
         _reduce_flat(self.transport, grads, self.data_group, scale=1.0 / self.topology.data_size)
 
     def _optimizer_step(self) -> None:
@@ -248,9 +255,9 @@ class PipelineEngine:
             return 0.0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
-        squares = [grad.detach().double().pow(2).sum() for p in self.module.parameters()
-                   if (grad := self.precision.master(p).grad) is not None
-                   and id(p) not in not_owner]
+        squares = [grad.detach().double().pow(2).sum()
+                   for p, grad in self._master_grads(self.module.parameters())
+                   if id(p) not in not_owner]
         return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
 
     def _clip(self, params: list[torch.Tensor], norm: float) -> None:
