@@ -18,7 +18,10 @@ start processes themselves call :func:`run_transport_conformance` on every rank.
 What is checked (see :data:`CHECKS`): the attributes; every dtype (float,
 bfloat16, float16, int, bool, complex) round-trips bit-exactly, NaN and
 infinities included; 0-dim, empty and large tensors; FIFO order per direction
-with many sends in flight both ways; handles; ``all_reduce`` (sum/max/min),
+with many sends in flight both ways; handles; batched point-to-point
+groups (a send and a receive to the same peer posted "send first" on both
+sides, large enough to rendezvous, must complete; order across groups; a group
+spanning two peers); ``iall_reduce`` with several in flight; ``all_reduce`` (sum/max/min),
 ``broadcast`` from every rank and ``barrier``; subgroups from ``new_group``;
 and, last, that a receive nobody answers raises
 :class:`~pipekernel.errors.TransportTimeout` naming the peer (gloo and NCCL
@@ -183,6 +186,67 @@ def _check_handles(run: _Run) -> None:
         raise run.fail("is_completed() is False after wait() returned")
 
 
+def _check_batched(run: _Run) -> None:
+    """Groups of sends and receives: ranks 0 and 1 each post "send first, then receive"
+    to the other in one group (under rendezvous sends, posting them one by one would
+    deadlock), with messages large enough that gloo and NCCL rendezvous; then several
+    groups back to back to check per-pair order across groups; a middle rank posts one
+    group spanning two peers."""
+    from pipekernel.transport import P2POp
+
+    t = run.t
+    if not hasattr(t, "batch_isend_irecv"):
+        raise run.fail(f"{type(t).__name__} lacks batch_isend_irecv")
+    if run.rank <= 1:
+        peer = 1 - run.rank
+        for round_ in range(3):
+            out = _payload(torch.float32, (1 << 20,), 10 * run.rank + round_).to(t.device)
+            small = _payload(torch.bool, (7,), 10 * run.rank + round_).to(t.device)
+            got = torch.empty_like(out)
+            got_small = torch.empty_like(small)
+            handles = t.batch_isend_irecv([P2POp("send", out, peer), P2POp("send", small, peer),
+                                           P2POp("recv", got, peer),
+                                           P2POp("recv", got_small, peer)])
+            if len(handles) != 4 or not all(isinstance(h, Handle) for h in handles):
+                raise run.fail(f"batch_isend_irecv must return one handle per op, got {handles!r}")
+            for handle in reversed(handles):  # wait in any order
+                handle.wait()
+            if not (_same(got, _payload(torch.float32, (1 << 20,), 10 * peer + round_))
+                    and _same(got_small, _payload(torch.bool, (7,), 10 * peer + round_))):
+                raise run.fail(f"group {round_}: the messages from rank {peer} arrived changed "
+                               "or out of order")
+    if t.world_size >= 3:  # rank 1 receives from 0 and sends to 2 in one group, like a stage
+        if run.rank == 0:
+            t.batch_isend_irecv([P2POp("send", torch.full((5,), 3.0, device=t.device), 1)])[0].wait()
+        elif run.rank == 1:
+            got = torch.empty(5, device=t.device)
+            handles = t.batch_isend_irecv([P2POp("send", torch.full((5,), 4.0, device=t.device), 2),
+                                           P2POp("recv", got, 0)])
+            for handle in handles:
+                handle.wait()
+            if got.cpu().tolist() != [3.0] * 5:
+                raise run.fail(f"a group spanning two peers received {got.tolist()} from rank 0")
+        elif run.rank == 2:
+            got = torch.empty(5, device=t.device)
+            t.batch_isend_irecv([P2POp("recv", got, 1)])[0].wait()
+            if got.cpu().tolist() != [4.0] * 5:
+                raise run.fail(f"a group spanning two peers sent {got.tolist()} to rank 2")
+    if t.batch_isend_irecv([]) != []:
+        raise run.fail("an empty group must return no handles")
+
+
+def _check_async_all_reduce(run: _Run) -> None:
+    t, world = run.t, run.world
+    xs = [torch.full((1000 * (i + 1),), float(run.rank + i), device=t.device) for i in range(3)]
+    handles = [t.iall_reduce(x, "sum") for x in xs]  # three in flight at once
+    for handle in handles:
+        handle.wait()
+    for i, x in enumerate(xs):
+        want = float(sum(r + i for r in range(world)))
+        if not bool((x == want).all()):
+            raise run.fail(f"iall_reduce #{i} gave {x.flatten()[0].item()}, expected {want}")
+
+
 def _check_collectives(run: _Run) -> None:
     t, world = run.t, run.world
     ranks = torch.arange(world, dtype=torch.float64)
@@ -255,7 +319,8 @@ def _check_timeout(run: _Run, seconds: float) -> None:
 #: The checks, in the order they run (the timeout check runs last, separately).
 CHECKS: dict[str, Callable[[_Run], None]] = {
     "attributes": _check_attributes, "dtypes": _check_dtypes, "shapes": _check_shapes,
-    "fifo": _check_fifo, "handles": _check_handles, "collectives": _check_collectives,
+    "fifo": _check_fifo, "handles": _check_handles, "batched": _check_batched,
+    "collectives": _check_collectives, "async_all_reduce": _check_async_all_reduce,
     "subgroups": _check_subgroups,
 }
 

@@ -22,7 +22,25 @@ Contract for implementers
 * **Point-to-point** (``isend``/``irecv``) is asynchronous: both return a
   :class:`Handle` at once. The caller owns the tensor and will not touch it
   until ``handle.wait()`` returned. Messages between the same pair of ranks
-  arrive in the order they were posted (FIFO per direction).
+  arrive in the order they were posted (FIFO per direction); there are no
+  tags: the k-th send from A to B fills B's k-th receive from A, so both sides
+  post in the same order (the wire protocol and the communication plan ensure it).
+* **Sends may rendezvous.** An implementer may make a send complete only once
+  the peer posted the matching receive (NCCL does; gloo does for large
+  messages), and may run a pair of ranks' operations in posting order on one
+  stream, so a receive posted *after* a send to the same peer waits for that
+  send. The core never relies on a send completing before its receive is
+  posted, and never waits on a send it does not have to.
+* **Batched point-to-point** (``batch_isend_irecv``) posts a *group* of
+  :class:`P2POp` — the ``torch.distributed.batch_isend_irecv`` / NCCL group-call
+  model — and returns one handle per op, in order. What a caller may rely on:
+  the ops of one group progress together, so a group holding a send to and a
+  receive from the same peer completes even when that peer's group lists them in
+  the other order (both "send first"); groups posted one after the other to the
+  same peer complete in order. What an implementer must guarantee: exactly that,
+  and per-pair FIFO matching across groups and single ``isend``/``irecv`` calls
+  alike. A transport with no group call posts the ops one by one, in order, if
+  its sends never block the poster (gloo: every op is asynchronous).
 * **Dtypes**: every dtype torch has (float, bfloat16, float16, int, bool) must
   round-trip bit-exactly. A backend that cannot carry a dtype natively converts
   inside the transport (e.g. a byte view), never in the core.
@@ -33,6 +51,10 @@ Contract for implementers
   in place, and called by every member of ``group`` in the same order.
   ``group=None`` means the transport's whole world. ``all_reduce`` must
   support float32/float64/int32/int64 with ``"sum"``, ``"max"``, ``"min"``.
+  ``iall_reduce`` is the asynchronous form: it returns a :class:`Handle` and
+  the tensor holds the result once ``wait()`` returned; several may be in
+  flight on one group and complete in the order they were started. Members of
+  the group start them in the same order.
 * **Groups** come from ``new_group(ranks)``, which every rank of the world
   calls with the same arguments in the same order (even ranks outside
   ``ranks``); it returns an opaque object (``None`` for non-members is fine).
@@ -51,9 +73,26 @@ gloo in its tests and for nccl on GPU machines. See
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Transport", "Handle"]
+__all__ = ["Transport", "Handle", "P2POp"]
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One operation of a :meth:`Transport.batch_isend_irecv` group.
+
+    :param op: ``"send"`` or ``"recv"``.
+    :param tensor: the tensor to send, or to receive into (contiguous, on the
+        transport's ``device``; the caller keeps it untouched until the op's
+        handle was waited on).
+    :param peer: the peer's rank in the transport's world.
+    """
+
+    op: str
+    tensor: Any
+    peer: int
 
 
 @runtime_checkable
@@ -89,8 +128,16 @@ class Transport(Protocol):
         """Start receiving from global rank ``src`` into ``tensor`` (same shape and dtype
         as what the peer sends)."""
 
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
+        """Post ``ops`` as one group; one handle per op, in order (see the module docstring
+        for what the group guarantees). An empty list posts nothing."""
+
     def all_reduce(self, tensor: Any, op: str = "sum", group: Any = None) -> None:
         """Reduce ``tensor`` in place over ``group``; ``op`` is ``"sum"``, ``"max"`` or ``"min"``."""
+
+    def iall_reduce(self, tensor: Any, op: str = "sum", group: Any = None) -> Handle:
+        """Start reducing ``tensor`` in place over ``group``; the result is there once the
+        handle's ``wait()`` returned (which raises as a blocking collective would)."""
 
     def broadcast(self, tensor: Any, src: int, group: Any = None) -> None:
         """Copy ``tensor`` from global rank ``src`` to every member of ``group``."""

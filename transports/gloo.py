@@ -47,7 +47,8 @@ class _Handle:
             self._work.wait(datetime.timedelta(seconds=timeout))
         except RuntimeError as err:
             rank = self._transport.rank
-            peer = self._transport.describe(self._peer)
+            peer = (self._transport.describe(self._peer) if self._peer is not None
+                    else "its group")
             if "imed out" in str(err) or "timeout" in str(err).lower():
                 raise TransportTimeout(
                     f"rank {rank} waited {timeout:g}s to {self._what} {peer} "
@@ -140,6 +141,20 @@ class TorchDistributedTransport:
         work = self._post(dist.irecv, tensor, src, "receive from")
         return _Handle(work, self, src, "receive from")
 
+    def batch_isend_irecv(self, ops: Sequence[Any]) -> list[_Handle]:
+        """Post every op in order. gloo's isend/irecv never block the poster and progress
+        in gloo's own threads, so ops posted one after the other progress together as
+        a group does: a send and a receive to the same peer complete in either order."""
+        handles = []
+        for op in ops:
+            if op.op == "send":
+                handles.append(self.isend(op.tensor, op.peer))
+            elif op.op == "recv":
+                handles.append(self.irecv(op.tensor, op.peer))
+            else:
+                raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}")
+        return handles
+
     def _post(self, fn, tensor: torch.Tensor, peer: int, what: str) -> Any:
         try:
             return fn(self._bytes(tensor), self.global_rank(peer), group=self.group)
@@ -160,6 +175,17 @@ class TorchDistributedTransport:
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
         self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
+
+    def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> _Handle:
+        group = self.group if group is None else group
+        try:
+            work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True)
+        except RuntimeError as err:
+            ranks = dist.get_process_group_ranks(group) if group is not None else "all ranks"
+            raise TransportError(f"all_reduce over {ranks} failed on rank {self.rank}: {err}",
+                                 rank=self.rank, hint="a peer in the group probably failed or "
+                                 "timed out first; look at its log") from err
+        return _Handle(work, self, None, "finish an all_reduce with")
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         self._collective("broadcast", group, dist.broadcast, tensor, self.global_rank(src))

@@ -33,6 +33,13 @@ class Schedule:
     trains: ClassVar[bool] = True
     #: Largest ``chunks`` value the schedule supports.
     max_chunks: ClassVar[int] = 1
+    #: Smallest ``chunks`` value the schedule supports (``zbv``: exactly 2).
+    min_chunks: ClassVar[int] = 1
+    #: ``chunks`` used when the user gives none.
+    default_chunks: ClassVar[int] = 1
+    #: Which parts each stage holds (:mod:`pipekernel.schedules.placement`):
+    #: ``"loop"`` or ``"v"``. The partitioner, the runtime and the simulator read it here.
+    placement: ClassVar[str] = "loop"
 
     def __init__(self, num_stages: int, stage: int, micro_batches: int, chunks: int = 1) -> None:
         if num_stages < 1 or not 0 <= stage < num_stages:
@@ -41,10 +48,13 @@ class Schedule:
         if micro_batches < 1:
             raise ConfigError(f"micro_batches must be >= 1, got {micro_batches}",
                               hint="pass micro_batches=1 or more")
-        if not 1 <= chunks <= self.max_chunks:
-            raise ConfigError(f"schedule {self.name!r} supports up to {self.max_chunks} chunk(s), "
+        if not self.min_chunks <= chunks <= self.max_chunks:
+            span = (f"exactly {self.min_chunks}" if self.min_chunks == self.max_chunks
+                    else f"{self.min_chunks} to {self.max_chunks}")
+            raise ConfigError(f"schedule {self.name!r} supports {span} chunk(s) per stage, "
                               f"got chunks={chunks}",
-                              hint="use an interleaved schedule for virtual stages")
+                              hint="use schedule='interleaved' (loop) or 'zbv' (V, chunks=2) "
+                                   "for several chunks per stage")
         self.num_stages, self.stage = num_stages, stage
         self.micro_batches, self.chunks = micro_batches, chunks
 

@@ -1,0 +1,153 @@
+"""The communication plan: when a stage posts each send and receive (layer 0: no torch).
+
+The runtime does not post a transfer when it meets the instruction; it follows a
+*plan* computed once per schedule from the stage's instruction stream, and the
+simulator proves that same plan deadlock-free under rendezvous semantics (see
+:mod:`pipekernel.schedules.simulator`). One function, :func:`plan_communication`,
+decides for both, so what is proven is what runs.
+
+The policy, schedule-agnostic (it reads instructions, it knows no schedule):
+
+* A **send** is posted when the stream reaches it (its data exists then).
+* A **receive** is posted as early as it may be:
+  - ``RecvActivation`` once its buffer slot is free: the micro-batch that held
+    the slot before has finished (its backward when training — ``Backward`` or
+    the later of ``BackwardInput``/``BackwardWeight`` —, its forward and send for
+    inference);
+  - ``RecvGrad`` once the activation it is the gradient of was sent (in the
+    same group as that send at the earliest), since a pair of ranks runs its
+    operations in order;
+  - and, for both, only after the previous receive *from the same peer* was
+    waited on: a transfer whose metadata changed sends extra messages that a
+    receive posted further ahead would swallow (see :mod:`pipekernel.wire`).
+  Posting is bounded by the receive's own position: at the latest it is posted
+  right before it is waited on.
+* Everything posted at one point of the stream is posted as **one group**
+  (``Transport.batch_isend_irecv``), in stream order; a receive is waited on at
+  its own instruction, a send only when the batch ends (or its buffer is needed).
+* A transfer whose peer is the stage itself (one stage holding consecutive
+  positions, e.g. the turn of a V) is a **local hand-off**: never posted.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pipekernel.instructions import (
+    Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
+    MicroBatchInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad,
+)
+from pipekernel.schedules.placement import peer as placement_peer
+
+__all__ = ["CommPlan", "plan_communication", "peer_of", "SENDS", "RECVS", "P2P"]
+
+SENDS = (SendActivation, SendGrad)
+RECVS = (RecvActivation, RecvGrad)
+P2P = SENDS + RECVS
+_BACKWARDS = (Backward, BackwardInput, BackwardWeight)
+_WRITES = (LoadMicroBatch, RecvActivation, Forward)
+
+
+def peer_of(instruction: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
+            placement: str = "loop") -> tuple[int, int] | None:
+    """``(stage, chunk)`` a point-to-point instruction talks to, or ``None`` if none exists
+    (a send past the last position, a receive before the first)."""
+    forward = isinstance(instruction, (SendActivation, RecvGrad))
+    return placement_peer(stage, instruction.chunk, 1 if forward else -1, num_stages, chunks,
+                          placement)
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """One stage's instruction stream with its posting points.
+
+    * ``stream``: the schedule's instructions, flattened in execution order;
+      ``step_of[i]`` is the step ``stream[i]`` came from.
+    * ``posts[i]``: the point-to-point instructions posted together, as one group,
+      right before ``stream[i]`` runs (in stream order; a send appears at its own
+      index, a receive at or before its own index). Local hand-offs never appear.
+    * ``peers[i]``: ``(stage, chunk)`` of the peer of ``stream[i]`` if it is a
+      point-to-point instruction with one, else ``None``.
+    * ``local[i]``: ``True`` when ``stream[i]`` is a hand-off to or from this stage.
+    """
+
+    stage: int
+    stream: tuple[Instruction, ...]
+    step_of: tuple[int, ...]
+    posts: tuple[tuple[Instruction, ...], ...]
+    peers: tuple[tuple[int, int] | None, ...]
+    local: tuple[bool, ...]
+
+    def posted_at(self) -> dict[int, int]:
+        """``{stream index of a remote p2p instruction: stream index where it is posted}``."""
+        where, index_of = {}, {id(i): n for n, i in enumerate(self.stream)}
+        for n, group in enumerate(self.posts):
+            for instruction in group:
+                where[index_of[id(instruction)]] = n
+        return where
+
+
+def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, num_stages: int,
+                       chunks: int = 1, placement: str = "loop",
+                       trains: bool | None = None) -> CommPlan:
+    """The :class:`CommPlan` of ``stage`` for ``steps`` (see the module docstring).
+
+    Instructions the plan cannot place (a receive from no peer, a micro-batch
+    instruction with an invalid chunk) are left to the simulator and the
+    runtime to report; the plan then posts them at their own index.
+    """
+    stream, step_of = [], []
+    for index, step in enumerate(steps):
+        for instruction in step:
+            stream.append(instruction)
+            step_of.append(index)
+    if trains is None:
+        trains = any(isinstance(i, _BACKWARDS) for i in stream)
+    n = len(stream)
+    peers: list[tuple[int, int] | None] = [None] * n
+    local = [False] * n
+    for i, ins in enumerate(stream):
+        if isinstance(ins, P2P) and 0 <= ins.chunk < chunks:
+            peers[i] = peer_of(ins, stage, num_stages, chunks, placement)
+            local[i] = peers[i] is not None and peers[i][0] == stage
+    released = _release_points(stream, trains)
+    sent_at = {(type(ins), ins.chunk, ins.micro_batch): i for i, ins in enumerate(stream)
+               if isinstance(ins, SendActivation)}
+    posts: list[list[int]] = [[] for _ in range(n)]
+    last_recv_from: dict[int, int] = {}  # peer stage -> stream index of the previous receive
+    # buffer -> ((chunk, micro_batch) written last, the different one it replaced)
+    holder: dict[int, tuple[tuple[int, int], tuple[int, int] | None]] = {}
+    for i, ins in enumerate(stream):
+        if isinstance(ins, _WRITES) and isinstance(ins, MicroBatchInstruction):
+            owner = (ins.chunk, ins.micro_batch)
+            last, before = holder.get(ins.buffer, (None, None))
+            if last != owner:
+                before = last
+                holder[ins.buffer] = (owner, before)
+            slot_free = 0 if before is None else released.get(before, i - 1) + 1
+        if isinstance(ins, SENDS) and peers[i] is not None and not local[i]:
+            posts[i].append(i)
+        if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
+            continue
+        if isinstance(ins, RecvActivation):
+            earliest = slot_free
+        else:
+            earliest = sent_at.get((SendActivation, ins.chunk, ins.micro_batch), i)
+        previous = last_recv_from.get(peers[i][0])
+        if previous is not None:
+            earliest = max(earliest, previous + 1)
+        last_recv_from[peers[i][0]] = i
+        posts[min(max(earliest, 0), i)].append(i)
+    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
+                    posts=tuple(tuple(stream[j] for j in sorted(group)) for group in posts),
+                    peers=tuple(peers), local=tuple(local))
+
+
+def _release_points(stream: Sequence[Instruction], trains: bool) -> dict[tuple[int, int], int]:
+    """``{(chunk, micro_batch): stream index after which its buffer slot is free}``."""
+    kinds = _BACKWARDS if trains else (Forward, SendActivation)
+    released: dict[tuple[int, int], int] = {}
+    for i, ins in enumerate(stream):
+        if isinstance(ins, kinds):
+            released[(ins.chunk, ins.micro_batch)] = i  # the last one wins
+    return released
