@@ -178,7 +178,8 @@ class StageRuntime:
         if channel is None:
             index = self._index[instruction]
             peer_stage, _ = self._plan.peers[index]
-            channel = Channel(self.transport, self.topology.stage_rank(peer_stage))
+            channel = Channel(self.transport, self.topology.stage_rank(peer_stage),
+                              tag=self._plan.lanes[index])
             self._channels[key] = channel
         return channel
 
