@@ -131,6 +131,14 @@ class StageRuntime:
                        if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
             self._last_backward = weights[-1] if weights else -1
 
+    def payload_bytes(self) -> dict[str, int]:
+        """Tensor bytes this stage sent to its peers so far, by dtype name."""
+        total: dict[str, int] = {}
+        for channel in self._channels.values():
+            for name, count in channel.payload.items():
+                total[name] = total.get(name, 0) + count
+        return total
+
     def flush(self) -> None:
         """Wait for every send still in flight."""
         sends, self._sends = self._sends, []

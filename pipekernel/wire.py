@@ -46,6 +46,7 @@ __all__ = ["flatten", "unflatten", "encode", "decode", "Channel", "PendingRecv",
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_NAMES = {dtype: str(dtype).replace("torch.", "") for dtype in _DTYPES}
 _TUPLE = -1
 #: Size of the header of every transfer (two int64: changed flag, metadata length).
 HEADER_BYTES = 16
@@ -193,6 +194,9 @@ class Channel:
         self._recv_layout: _Layout | None = None
         #: Bytes this channel put on the wire (data, headers and metadata), for benchmarks.
         self.bytes_sent = 0
+        #: Tensor bytes sent, by dtype name (``"bfloat16"``, ...): what the packed
+        #: messages carry, which the transport only sees as bytes.
+        self.payload: dict[str, int] = {}
 
     # -- sending -----------------------------------------------------------------------
     def send_ops(self, obj: Any) -> tuple[list[P2POp], list[P2POp]]:
@@ -201,6 +205,10 @@ class Channel:
         tensors, structure = flatten(obj)
         meta = encode(tensors, structure)
         device, start = self.transport.device, self._start
+        payload = self.payload
+        for t in tensors:
+            name = _NAMES[t.dtype]
+            payload[name] = payload.get(name, 0) + t.numel() * t.element_size()
         if meta == self._sent_meta:
             layout = self._sent_layout
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
