@@ -93,6 +93,7 @@ class PipelineEngine:
             raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
                               hint="e.g. chunks=2 with schedule='interleaved'")
         self.placement = self.schedule_cls.placement
+        self.schedule_cls(num_stages, 0, micro_batches, self.chunks)  # its own clear errors
         if self.chunks > 1:
             check_placement(self.placement, self.chunks)
         lanes = lanes_needed(self.chunks)
