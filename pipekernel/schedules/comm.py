@@ -19,7 +19,18 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
     operations in order;
   - and, for both, only after the previous receive *from the same peer* was
     waited on: a transfer whose metadata changed sends extra messages that a
-    receive posted further ahead would swallow (see :mod:`pipekernel.wire`).
+    receive posted further ahead would swallow (see :mod:`pipekernel.wire`);
+  - and, for both, never before the last send *to the same peer* that precedes
+    it in the stream: it goes in that send's group at the earliest. Between
+    two ranks, operations complete in posting order and a group completes only
+    when all of its operations have (NCCL runs a group as one kernel on the
+    pair's stream), so a receive posted ahead of a send to the same peer holds
+    that send back until the receive's data arrives. When the peer needs that
+    send before it can produce the data (1F1B with 3 stages: stage 1 needs
+    ``F1`` before it sends ``B0``; GPipe: every forward before any backward),
+    the two stages deadlock. Posted no earlier than the sends before it, a
+    receive only waits behind operations the stage would have waited for
+    anyway at the receive itself, so posting ahead never adds a dependency.
   Posting is bounded by the receive's own position: at the latest it is posted
   right before it is waited on.
 * Everything posted at one point of the stream is posted as **one group**
@@ -115,6 +126,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
                if isinstance(ins, SendActivation)}
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_from: dict[int, int] = {}  # peer stage -> stream index of the previous receive
+    last_send_to: dict[int, int] = {}  # peer stage -> stream index of the previous send
     # buffer -> ((chunk, micro_batch) written last, the different one it replaced)
     holder: dict[int, tuple[tuple[int, int], tuple[int, int] | None]] = {}
     for i, ins in enumerate(stream):
@@ -127,6 +139,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             slot_free = 0 if before is None else released.get(before, i - 1) + 1
         if isinstance(ins, SENDS) and peers[i] is not None and not local[i]:
             posts[i].append(i)
+            last_send_to[peers[i][0]] = i
         if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
             continue
         if isinstance(ins, RecvActivation):
@@ -137,9 +150,11 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         if previous is not None:
             earliest = max(earliest, previous + 1)
         last_recv_from[peers[i][0]] = i
+        earliest = max(earliest, last_send_to.get(peers[i][0], earliest))
         posts[min(max(earliest, 0), i)].append(i)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(tuple(stream[j] for j in sorted(group)) for group in posts),
+                    posts=tuple(tuple(stream[j] for j in sorted(group)) if group else ()
+                                for group in posts),
                     peers=tuple(peers), local=tuple(local))
 
 
