@@ -947,9 +947,6 @@ class _Rendezvous(_Simulation):
         self.finished[stage] = True
         return True
 
-    def makespan(self) -> float:
-        return max(st.clock for st in self.stages)
-
     def _check_complete(self) -> None:
         for (stage, kind), queue in self.local.items():
             for micro_batch, chunk, _, sender in queue:
