@@ -80,10 +80,14 @@ def test_placement_is_read_from_the_schedule():
 # -- 2. a plan that passes buffered sends but deadlocks on rendezvous ------------------------
 
 
-def naive_plan(steps, *, stage, num_stages, chunks=1, placement="loop", trains=None):
-    """Post every send and receive at its own instruction, one group each."""
-    plan = plan_communication(steps, stage=stage, num_stages=num_stages, chunks=chunks,
-                              placement=placement, trains=trains)
+def one_lane(steps, **kw):
+    """The runtime's plan on a transport without tags: one ordered lane per pair."""
+    return dataclasses.replace(plan_communication(steps, **kw), lanes=())
+
+
+def naive_plan(steps, **kw):
+    """Post every send and receive at its own instruction, one group each, on one lane."""
+    plan = one_lane(steps, **kw)
     posts = tuple((ins,) if isinstance(ins, P2P) and plan.peers[i] is not None
                   and not plan.local[i] else () for i, ins in enumerate(plan.stream))
     return dataclasses.replace(plan, posts=posts)
@@ -92,6 +96,7 @@ def naive_plan(steps, *, stage, num_stages, chunks=1, placement="loop", trains=N
 def test_naive_posting_deadlocks_1f1b_and_names_the_cycle():
     simulate(OneFOneB, 2, 2, semantics="buffered")  # fine when sends never block
     simulate(OneFOneB, 2, 2)  # fine with the runtime's plan
+    simulate(OneFOneB, 2, 2, posting=one_lane)  # and with it on a single lane
     with pytest.raises(ScheduleError, match="deadlock") as err:
         simulate(OneFOneB, 2, 2, posting=naive_plan)
     text = str(err.value)
@@ -109,9 +114,10 @@ def test_naive_posting_deadlocks_1f1b_and_names_the_cycle():
 
 
 def test_old_plan_policy_deadlocks_1f1b_with_three_stages():
-    """The plan used to post RECV_B0 in SEND_F0's group; SEND_F1 then queued behind it."""
+    """Posting RECV_B0 in SEND_F0's group queues SEND_F1 behind it when a pair shares one
+    ordered lane; with a lane per channel, it does not."""
     def eager_grad_plan(steps, **kw):
-        plan = plan_communication(steps, **kw)
+        plan = one_lane(steps, **kw)
         posts = [list(group) for group in plan.posts]
         index = {id(i): n for n, i in enumerate(plan.stream)}
         for n, group in enumerate(plan.posts):
@@ -125,6 +131,8 @@ def test_old_plan_policy_deadlocks_1f1b_with_three_stages():
         return dataclasses.replace(plan, posts=tuple(map(tuple, posts)))
 
     simulate(OneFOneB, 3, 4)
+    simulate(OneFOneB, 3, 4, posting=lambda steps, **kw: dataclasses.replace(
+        eager_grad_plan(steps, **kw), lanes=plan_communication(steps, **kw).lanes))  # lanes
     with pytest.raises(ScheduleError) as err:
         simulate(OneFOneB, 3, 4, posting=eager_grad_plan)
     text = str(err.value)
@@ -166,8 +174,9 @@ class CrossedKinds(Schedule):
 
 def test_two_kinds_on_one_pair_in_different_orders_are_mismatched():
     simulate(CrossedKinds, 2, 2, chunks=2, semantics="buffered")  # one channel per kind
+    simulate(CrossedKinds, 2, 2, chunks=2)  # one lane per channel
     with pytest.raises(ScheduleError, match="mismatched") as err:
-        simulate(CrossedKinds, 2, 2, chunks=2)
+        simulate(CrossedKinds, 2, 2, chunks=2, posting=naive_plan)  # tagless on the pair
     text = str(err.value)
     assert "stage 1 step 3 (RECV_B0): mismatched grad" in text
     assert "meets stage 0 step 3 (SEND_F1), which sends the activation of micro-batch 1" in text

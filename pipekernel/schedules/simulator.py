@@ -24,15 +24,19 @@ computed by :func:`~pipekernel.schedules.comm.plan_communication` (or by the
 * before ``stream[i]`` runs, the group ``posts[i]`` is posted (non-blocking); a
   receive instruction waits for its own transfer to complete; a send never
   blocks the poster's compute;
-* matching is *tagless FIFO per ordered pair of stages*: the k-th send from A
-  to B matches the k-th receive B posted from A, whatever its kind or chunk; a
-  pair that disagrees (kind, micro-batch, chunk) is reported with both
+* matching is FIFO per ordered pair of stages and *lane* (``plan.lanes``, the
+  transport tag of the transfer's channel, :func:`~pipekernel.schedules.comm.lane_of`),
+  and tagless within a lane: the k-th send from A to B on a lane matches the
+  k-th receive B posted from A on that lane, whatever it says. A plan without
+  lanes puts all of a pair's traffic on one lane (a transport without tags).
+  A pair that disagrees (kind, micro-batch, chunk) is reported with both
   instructions;
 * a transfer completes only when both of its operations are *active*. A
-  group's operations to one peer form one *unit*; at a rank, a unit becomes
-  active only when every earlier unit of that rank to that peer has completed
-  (operations between two ranks complete in posting order; operations posted
-  together progress together). Units to different peers are independent;
+  group's operations to one peer on one lane form one *unit*; at a rank, a
+  unit becomes active only when every earlier unit of that rank to that peer
+  on that lane has completed (a lane's operations complete in posting order;
+  operations posted together progress together). Units to different peers or
+  on different lanes are independent;
 * a local hand-off (``plan.local[i]``, a stage that is its own peer) completes
   at once; its receive needs the send to have run;
 * ``ReduceTiedGrads`` and ``OptimizerStep`` are world collectives (every stage
@@ -151,9 +155,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     if posting is not None and semantics != "rendezvous":
         raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
                           hint="drop posting= or use semantics='rendezvous'")
-    placement = getattr(schedule, "placement", "loop")
-    check_placement(placement, chunks)
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
+    placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
+    check_placement(placement, chunks)
     cls = _Rendezvous if semantics == "rendezvous" else _Buffered
     sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
     if posting is not None:
@@ -613,10 +617,12 @@ class _Buffered(_Simulation):
 class _Op:
     """One posted (or to be posted) point-to-point operation."""
 
-    __slots__ = ("rank", "peer", "index", "step", "ins", "send", "mate", "unit", "done")
+    __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done")
 
-    def __init__(self, rank: int, peer: int, index: int, step: int, ins: Instruction) -> None:
+    def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
+                 ins: Instruction) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
+        self.lane = lane
         self.send = isinstance(ins, _SENDS)
         self.mate: _Op | None = None
         self.unit: _Unit | None = None  # set when posted
@@ -656,7 +662,7 @@ class _Rendezvous(_Simulation):
     def _setup(self) -> None:
         n_stages = self.S
         self.plans: list[CommPlan] = []
-        # stage -> stream index -> [(peer, ops to that peer posted there)]
+        # stage -> stream index -> [((peer, lane), ops to it posted there)]
         self.groups: list[list[list[tuple[int, list[_Op]]]]] = []
         self.op_at: list[dict[int, _Op]] = []
         self.queues: list[dict[int, deque]] = [dict() for _ in range(n_stages)]
@@ -680,9 +686,10 @@ class _Rendezvous(_Simulation):
             self.op_at.append(op_at)
             for group in groups:
                 for op in (op for _, ops in group for op in ops):
-                    key = (op.rank, op.peer) if op.send else (op.peer, op.rank)
+                    key = ((op.rank, op.peer, op.lane) if op.send
+                           else (op.peer, op.rank, op.lane))
                     (sends if op.send else recvs).setdefault(key, []).append(op)
-        for key in sorted(set(sends) | set(recvs)):
+        for key in sorted(set(sends) | set(recvs), key=repr):
             out, into = sends.get(key, []), recvs.get(key, [])
             for send, recv in zip(out, into):
                 send.mate, recv.mate = recv, send
@@ -711,6 +718,11 @@ class _Rendezvous(_Simulation):
         remote = [i for i, (_, ins) in enumerate(stream)
                   if isinstance(ins, p2p) and 0 <= ins.chunk < self.C
                   and plan.peers[i] is not None and not plan.local[i]]
+        lanes = tuple(getattr(plan, "lanes", ()) or ())
+
+        def lane(i: int) -> int | None:
+            return lanes[i] if len(lanes) == n else None
+
         by_id: dict[int, list[int]] = {}
         for i in remote:
             by_id.setdefault(id(stream[i][1]), []).append(i)
@@ -729,7 +741,7 @@ class _Rendezvous(_Simulation):
                 if isinstance(ins, _SENDS) and at != g:
                     self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
                                          "posting plan posts a send before its data exists")
-                op = _Op(stage, plan.peers[at][0], at, stream[at][0], ins)
+                op = _Op(stage, plan.peers[at][0], lane(at), at, stream[at][0], ins)
                 op_at[at] = op
                 groups.setdefault(g, []).append(op)
         for i in remote:
@@ -737,15 +749,15 @@ class _Rendezvous(_Simulation):
                 ins = stream[i][1]
                 self.problems.append(f"{self._where(stage, stream[i][0], ins)}: the posting "
                                      "plan never posts it")
-                op = _Op(stage, plan.peers[i][0], i, stream[i][0], ins)
+                op = _Op(stage, plan.peers[i][0], lane(i), i, stream[i][0], ins)
                 op_at[i] = op
                 groups.setdefault(i, []).append(op)
         split: list = [()] * n
         for g, group in groups.items():
             group.sort(key=lambda op: op.index)
-            by_peer: dict[int, list[_Op]] = {}
+            by_peer: dict[tuple[int, int | None], list[_Op]] = {}
             for op in group:
-                by_peer.setdefault(op.peer, []).append(op)
+                by_peer.setdefault((op.peer, op.lane), []).append(op)
             split[g] = list(by_peer.items())
         return split, op_at
 
@@ -758,7 +770,8 @@ class _Rendezvous(_Simulation):
         source = self._peer_of(recv.rank, r)
         self.problems.append(
             f"{recv.where()}: mismatched {_kind(r)}: transfers from stage {send.rank} to stage "
-            f"{recv.rank} match in posting order, whatever their kind, and this receive "
+            f"{recv.rank} match in posting order on their lane, whatever they say, and this "
+            f"receive "
             f"(of micro-batch {r.micro_batch} chunk {r.chunk}, from chunk {source[1]}) "
             f"meets {send.where()}, which sends the {_kind(s)} of micro-batch "
             f"{s.micro_batch} chunk {target[1]}")
@@ -768,21 +781,22 @@ class _Rendezvous(_Simulation):
     def _post(self, stage: int, at: float) -> None:
         """Post the group planned at the current instruction."""
         todo: list[_Op] = []
-        for peer, ops in self.groups[stage][self.stages[stage].pc]:
-            queue = self.queues[stage].setdefault(peer, deque())
+        for channel, ops in self.groups[stage][self.stages[stage].pc]:
+            queue = self.queues[stage].setdefault(channel, deque())
             unit = _Unit(ops, at, queue)
             for op in ops:
                 op.unit = unit
             self.pending[stage] += len(ops)
             queue.append(unit)
             if len(queue) == 1:
-                self._activate(stage, peer, unit)
+                self._activate(stage, channel, unit)
                 todo.extend(ops)
         self._progress(todo)
 
-    def _activate(self, stage: int, peer: int, unit: _Unit) -> None:
+    def _activate(self, stage: int, channel: tuple, unit: _Unit) -> None:
+        """``unit`` heads its ``(peer, lane)`` queue: it may progress from now on."""
         unit.active = True
-        unit.start = max(unit.post, self.last_end[stage].get(peer, 0.0))
+        unit.start = max(unit.post, self.last_end[stage].get(channel, 0.0))
 
     def _progress(self, todo: list[_Op]) -> None:
         """Complete every transfer that can complete now, and what that unblocks."""
@@ -805,10 +819,10 @@ class _Rendezvous(_Simulation):
                 if unit.left == 0:
                     queue = unit.queue
                     queue.popleft()
-                    self.last_end[o.rank][o.peer] = unit.end
+                    self.last_end[o.rank][(o.peer, o.lane)] = unit.end
                     if queue:
                         following = queue[0]
-                        self._activate(o.rank, o.peer, following)
+                        self._activate(o.rank, (o.peer, o.lane), following)
                         todo.extend(following.ops)
 
     # -- the event loop ----------------------------------------------------------------

@@ -26,16 +26,29 @@ class CountingTransport:
     def timeout(self, seconds: float) -> None:
         self.inner.timeout = seconds
 
-    def isend(self, tensor, dst):
+    @property
+    def max_tags(self) -> int:
+        return self.inner.max_tags
+
+    def isend(self, tensor, dst, tag=0):
         self.messages += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst)
+        return self.inner.isend(tensor, dst, tag)
 
-    def irecv(self, tensor, src):
-        return self.inner.irecv(tensor, src)
+    def irecv(self, tensor, src, tag=0):
+        return self.inner.irecv(tensor, src, tag)
+
+    def batch_isend_irecv(self, ops):
+        sends = [op.tensor for op in ops if op.op == "send"]
+        self.messages += len(sends)
+        self.bytes += sum(t.numel() * t.element_size() for t in sends)
+        return self.inner.batch_isend_irecv(ops)
 
     def all_reduce(self, tensor, op="sum", group=None):
         self.inner.all_reduce(tensor, op, group)
+
+    def iall_reduce(self, tensor, op="sum", group=None):
+        return self.inner.iall_reduce(tensor, op, group)
 
     def broadcast(self, tensor, src, group=None):
         self.inner.broadcast(tensor, src, group)
