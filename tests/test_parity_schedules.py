@@ -3,7 +3,6 @@ accumulation, and evaluate like the full model (fp32, 1e-5)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from models import MODELS, adam, sgd
 
 import pipekernel as pk

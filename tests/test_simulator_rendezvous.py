@@ -96,7 +96,8 @@ def naive_plan(steps, **kw):
 def test_naive_posting_deadlocks_1f1b_and_names_the_cycle():
     simulate(OneFOneB, 2, 2, semantics="buffered")  # fine when sends never block
     simulate(OneFOneB, 2, 2)  # fine with the runtime's plan
-    simulate(OneFOneB, 2, 2, posting=one_lane)  # and with it on a single lane
+    with pytest.raises(ScheduleError, match="deadlock"):  # which needs its lanes: stage 1
+        simulate(OneFOneB, 2, 2, posting=one_lane)  # prefetches RECV_F1 ahead of SEND_B0
     with pytest.raises(ScheduleError, match="deadlock") as err:
         simulate(OneFOneB, 2, 2, posting=naive_plan)
     text = str(err.value)

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
-    MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
+    MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad,
     ReduceTiedGrads, SendActivation, SendGrad,
 )
 from pipekernel.schedules.comm import CommPlan, peer_of, plan_communication
