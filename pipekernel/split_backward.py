@@ -106,8 +106,8 @@ class _Split:
         # outputs whose edges that call needs; a custom Function's backward computes what
         # ctx.needs_input_grad says whatever the call, so it gets its own autograd call
         self.direct = not isinstance(node, torch.autograd.function.BackwardCFunction)
-        # (custom Functions only) True when another path from this node may reach one of
-        # its targets: W then silences the node's other children while re-running it
+        # True when another path from this node may reach one of its targets; used for
+        # custom Functions: W then silences the node's other children while re-running it
         self.guard = guard
 
 
@@ -247,7 +247,7 @@ def backward_input(outputs: Sequence[torch.Tensor],
             seen.add(id(p))
             stage_params.append(p)
     grad_inputs = [t for t in inputs if t.requires_grad]
-    for i, t in enumerate(grad_inputs):
+    for t in grad_inputs:
         if t.grad_fn is not None:
             raise PipelineError(
                 "split_backward: a stage input that requires grad is not a leaf tensor",
