@@ -34,6 +34,15 @@ class TrainConfig:
     timeout: float = 300.0
     progress: bool = True
     threads: int = 1
+    save_every: int = 0
+    resume: bool = False
+    checkpoint_dir: str | None = None
+
+    @property
+    def checkpoints(self) -> str:
+        """Where checkpoints go: ``--checkpoint-dir``, default ``<out>/checkpoints``."""
+        import os
+        return self.checkpoint_dir or os.path.join(self.out, "checkpoints")
 
     @property
     def world_size(self) -> int:

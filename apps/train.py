@@ -42,6 +42,9 @@ def _positive(cfg: TrainConfig) -> None:
             flag = "--" + name.replace("_", "-")
             raise pk.ConfigError(f"{flag} must be a positive integer, got {value!r}",
                                  hint=f"pass {flag} 1 or more")
+    if not isinstance(cfg.save_every, int) or cfg.save_every < 0:
+        raise pk.ConfigError(f"--save-every must be 0 or a positive integer, got "
+                             f"{cfg.save_every!r}", hint="pass --save-every 100, or 0 for none")
     if cfg.dim % cfg.heads:
         raise pk.ConfigError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}",
                              hint="pick --dim as a multiple of --heads")
@@ -230,17 +233,19 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     # without a progress bar (logs, CI) the monitor's console line every N steps replaces it
     sinks = ("csv", "jsonl", "trace") + (() if cfg.progress else ("console",))
     monitor = Monitor(out_dir=str(out), sinks=sinks, every=cfg.every)
+    # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
+    warmup = max(1, cfg.steps // 20)
     engine = pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                                            weight_decay=0.01),
         micro_batches=cfg.micro_batches, schedule=cfg.schedule, transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
-        timeout=cfg.timeout)
-    # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
-    warmup = max(1, cfg.steps // 20)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: min(
-        (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0)))))
+        timeout=cfg.timeout,
+        # the engine steps it after every step taken and saves it in checkpoints
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
+            (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))))
     rank0 = engine.rank == 0
+    first_step = _resume(engine, cfg) if cfg.resume else 0
     if rank0:
         params = sum(module.parameter_counts())
         _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
@@ -258,16 +263,18 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     bar = None
     if rank0 and cfg.progress:
         from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, desc="train", unit="step", file=sys.stderr,
-                   dynamic_ncols=True, mininterval=0.5)
+        bar = tqdm(total=cfg.steps, initial=first_step,
+                   desc=f"train (resumed at step {first_step})" if first_step else "train",
+                   unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     losses: list[float] = []
     start = time.perf_counter()
-    for step in range(cfg.steps):
+    for step in range(first_step, cfg.steps):
         t0 = time.perf_counter()
         batch = make_batch(train_ids, cfg, step, engine.data_parallel_rank)
         loss = float(engine.train_batch(iter(batch)))
-        scheduler.step()
         losses.append(loss)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            engine.save_checkpoint(cfg.checkpoints)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}",
                             tok_s=f"{cfg.tokens_per_step / (time.perf_counter() - t0):,.0f}",
@@ -301,7 +308,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         "config": dataclasses.asdict(cfg), "losses": losses, "loss_first": losses[0],
         "loss_last": losses[-1], "loss_first5": head, "loss_last5": tail,
         "heldout_before": held_before, "heldout_after": held_after, "seconds": seconds,
-        "tokens_per_s": cfg.tokens_per_step * cfg.steps / seconds, "bounds": list(engine.bounds),
+        "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds, "first_step": first_step, "bounds": list(engine.bounds),
         "stages": summaries, "sample": sample.decode("utf-8", "replace"),
         "paths": {**paths, "timeline": timeline},
     }
@@ -313,11 +320,33 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
+def _resume(engine: pk.PipelineEngine, cfg: TrainConfig) -> int:
+    """Load the latest checkpoint under ``cfg.checkpoints`` if there is one; the step
+    to continue from."""
+    if not os.path.exists(os.path.join(cfg.checkpoints, "latest")):
+        if engine.rank == 0:
+            _print(f"resume: no checkpoint under {cfg.checkpoints}, starting at step 0")
+        return 0
+    info = engine.load_checkpoint(cfg.checkpoints)
+    step = info["global_steps"]
+    if step >= cfg.steps:
+        raise pk.ConfigError(f"the checkpoint {info['directory']} is at step {step}, which "
+                             f"already reaches --steps {cfg.steps}",
+                             hint=f"pass --steps larger than {step} to train further")
+    if engine.rank == 0:
+        reshaped = "" if info["exact"] else (
+            f", reshaped from {info['meta']['topology']['num_stages']} stage(s) x "
+            f"{info['meta']['topology']['data_parallel_size']} replica(s)")
+        _print(f"resumed from {info['directory']} at step {step}{reshaped}")
+    return step
+
+
 def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
     lines = [
         f"loss {s['loss_first5']:.3f} -> {s['loss_last5']:.3f} (mean of first/last 5 steps); "
         f"held-out {s['heldout_before']:.3f} -> {s['heldout_after']:.3f}",
-        f"{cfg.steps} steps in {s['seconds']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s",
+        f"{len(s['losses'])} steps in {s['seconds']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s"
+        + (f" (resumed at step {s['first_step']})" if s["first_step"] else ""),
         "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
         "slowest stage at the end of the step, bubble = (wait + drain) / step):",
         *stage_table(s["stages"] or []),

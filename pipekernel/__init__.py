@@ -5,6 +5,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
+from pipekernel.checkpoint import load_sequential
 from pipekernel.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, PipelineError,
                                ScheduleError, TransportError, TransportTimeout, UnknownNameError)
@@ -27,5 +28,5 @@ __all__ = [
     "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "__version__",
-    "balance", "profile", "memory", "PartitionContext", "PartitionReport", "P2POp",
+    "load_sequential", "balance", "profile", "memory", "PartitionContext", "PartitionReport", "P2POp",
 ]

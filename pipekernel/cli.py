@@ -54,6 +54,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="train on this file (default: the Python standard library's sources)")
     g.add_argument("--corpus-bytes", type=int, default=d.corpus_bytes,
                    help="read at most this many bytes of the corpus")
+    g.add_argument("--save-every", type=int, default=d.save_every, metavar="N",
+                   help="save a checkpoint every N steps (0: never)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint, if there is one")
+    g.add_argument("--checkpoint-dir", default=d.checkpoint_dir, metavar="DIR",
+                   help="checkpoint directory (default: <out>/checkpoints)")
     g = p.add_argument_group("model")
     g.add_argument("--dim", type=int, default=d.dim, help="model width")
     g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")

@@ -386,6 +386,21 @@ class PipelineEngine:
 
     backward = step = forward
 
+    # -- checkpoints (pipekernel/checkpoint.py; docs/checkpoints.md) -----------------
+    def save_checkpoint(self, path: Any, tag: str | None = None,
+                        client_state: Any = None) -> str:
+        """Save weights, optimizer, precision, LR scheduler, RNG and counters under
+        ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
+        See :func:`pipekernel.checkpoint.save`."""
+        from pipekernel.checkpoint import save
+        return save(self, path, tag, client_state)
+
+    def load_checkpoint(self, path: Any, tag: str | None = None) -> dict[str, Any]:
+        """Load ``path/tag`` (default ``path/latest``), saved at any pipeline or
+        data-parallel degree. Every rank calls it. See :func:`pipekernel.checkpoint.load`."""
+        from pipekernel.checkpoint import load
+        return load(self, path, tag)
+
     def close(self) -> None:
         """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
         collectives still allowed) and release the transport."""
