@@ -47,6 +47,12 @@ Contract for implementers
   and per-pair FIFO matching across groups and single ``isend``/``irecv`` calls
   alike. A transport with no group call posts the ops one by one, in order, if
   its sends never block the poster (gloo: every op is asynchronous).
+* **Control lane** (optional attribute ``control``): a transport whose tensors
+  live on a device (NCCL, CuPy) offers a host transport over the same ranks
+  (e.g. gloo on a CPU group) with tags. The wire protocol then sends each
+  transfer's 16-byte header, and any metadata change, there, so the hot path
+  never reads device memory; without it the header rides in the data message
+  (right for CPU transports, a device sync per transfer on a GPU).
 * **Dtypes**: every dtype torch has (float, bfloat16, float16, int, bool) must
   round-trip bit-exactly. A backend that cannot carry a dtype natively converts
   inside the transport (e.g. a byte view), never in the core.
