@@ -32,10 +32,10 @@ Contract for implementers
   traffic of one chunk in one direction) its own tag, so a lane only ever
   carries one channel's messages in one direction, in order.
 * **Sends may rendezvous.** An implementer may make a send complete only once
-  the peer posted the matching receive (NCCL does; gloo does for large
-  messages), and may run a pair of ranks' operations in posting order on one
-  stream, so a receive posted *after* a send to the same peer waits for that
-  send. The core never relies on a send completing before its receive is
+  the peer posted the matching receive (NCCL does; so does gloo, even for a
+  one-byte message: its send is posted at once but completes only once
+  received), and may run a lane's operations in posting order on one stream,
+  so a receive posted *after* a send on the same lane waits for that send. The core never relies on a send completing before its receive is
   posted, and never waits on a send it does not have to.
 * **Batched point-to-point** (``batch_isend_irecv``) posts a *group* of
   :class:`P2POp` — the ``torch.distributed.batch_isend_irecv`` / NCCL group-call
