@@ -317,7 +317,8 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         "config": dataclasses.asdict(cfg), "losses": losses, "loss_first": losses[0],
         "loss_last": losses[-1], "loss_first5": head, "loss_last5": tail,
         "heldout_before": held_before, "heldout_after": held_after, "seconds": seconds,
-        "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds, "first_step": first_step, "bounds": list(engine.bounds),
+        "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds, "first_step": first_step,
+        "bounds": list(engine.bounds),
         "stages": summaries, "sample": sample.decode("utf-8", "replace"),
         "paths": {**paths, "timeline": timeline},
     }

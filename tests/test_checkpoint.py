@@ -23,27 +23,28 @@ def dropout_mlp(num_stages=None):
               pk.LayerSpec(nn.Linear, 16, 16), torch.tanh,
               pk.LayerSpec(nn.Dropout, 0.3), pk.LayerSpec(nn.Linear, 16, 4)]
     return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
-                             partition=[0, 3, 6], seed=5)
+                             partition="uniform", seed=5)
 
 
-def _engine(stages, dp, schedule="1f1b", chunks=None, precision="fp32", build=mlp, **kw):
+def _engine(stages, dp, schedule="1f1b", chunks=None, precision="fp32", build=mlp,
+            transport="gloo", **kw):
     partition = {} if build is dropout_mlp else {"partition": "uniform"}
     module = build(num_stages=stages, **partition)
     return pk.PipelineEngine(module, optimizer=adam, micro_batches=MB, schedule=schedule,
                              chunks=chunks, data_parallel_size=dp, precision=precision,
-                             timeout=60, **kw)
+                             transport=transport, timeout=60, **kw)
 
 
 def _state(engine):
-    return {k: v.detach().float().clone() for k, v in engine.module.state_dict().items()}
+    return {k: v.detach().float().cpu() for k, v in engine.module.state_dict().items()}
 
 
 def worker(root, stages, dp, steps, schedule="1f1b", chunks=None, load=False, save=False,
-           precision="fp32", build="mlp", more=0):
+           precision="fp32", build="mlp", more=0, transport="gloo"):
     """Optionally load, train ``steps`` (a range of step numbers), optionally save, then
     optionally train ``more`` steps; returns losses, weights, where, and the scale."""
     engine = _engine(stages, dp, schedule, chunks, precision,
-                     build=dropout_mlp if build == "dropout" else mlp,
+                     build=dropout_mlp if build == "dropout" else mlp, transport=transport,
                      precision_options={"init_scale": 2.0 ** 8, "growth_interval": 2}
                      if precision == "fp16" else None)
     info = engine.load_checkpoint(root) if load else None
@@ -136,6 +137,20 @@ def test_resume_in_new_processes_is_bit_exact(tmp_path, precision, build):
             assert torch.equal(a["state"][key], b["state"][key]), key
     if precision == "fp16":
         assert straight[0]["metrics"]["loss_scale"] != 2.0 ** 8  # the scaler moved
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resume_on_the_gpu_restores_the_cuda_generator(tmp_path):
+    """Dropout on a GPU draws from the CUDA generator: one nccl rank, as in test_cuda.py."""
+    root = str(tmp_path)
+    (straight,) = run_ranks(worker, 1, root, 1, 1, range(2), "1f1b", None, False, True,
+                            "fp32", "dropout", 2, "nccl", timeout=120)
+    (resumed,) = run_ranks(worker, 1, root, 1, 1, range(2, 4), "1f1b", None, True, False,
+                           "fp32", "dropout", 0, "nccl", timeout=120)
+    assert resumed["info"]["exact"] and straight["losses"][2:] == resumed["losses"]
+    for key in straight["state"]:
+        assert torch.equal(straight["state"][key], resumed["state"][key]), key
 
 
 # -- interrupted saves ---------------------------------------------------------------------
