@@ -62,12 +62,18 @@ class StageRuntime:
     :param reduce_tied: callable summing tied gradients across stages.
     :param reduce_grads: callable averaging gradients across replicas.
     :param optimizer_step: callable stepping the optimizer.
+    :param before_last_backward: called right before this stage's last backward of
+        the batch (e.g. to arm gradient-bucket hooks); ``None``: nothing.
+    :param after_last_backward: called right after that backward and the precision's
+        ``after_backward`` (gradients are final there, masters included).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
                  loss_fn: Callable | None, precision: Any, *,
                  reduce_tied: Callable[[], None], reduce_grads: Callable[[], None],
-                 optimizer_step: Callable[[], None]) -> None:
+                 optimizer_step: Callable[[], None],
+                 before_last_backward: Callable[[], None] | None = None,
+                 after_last_backward: Callable[[], None] | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.loss_fn, self.precision = loss_fn, precision
         self.stage = topology.stage
@@ -82,6 +88,9 @@ class StageRuntime:
         }
         self._reduce_tied, self._reduce_grads = reduce_tied, reduce_grads
         self._optimizer_step = optimizer_step
+        self._before_last_backward, self._after_last_backward = (before_last_backward,
+                                                                 after_last_backward)
+        self._backwards_run = 0
         self.buffers: list[Buffer] = []
         self.data_iter: Iterator | None = None
         self.micro_batches = 1
@@ -98,6 +107,7 @@ class StageRuntime:
         self.flush()
         self.buffers = [Buffer() for _ in range(num_buffers)]
         self.losses, self.outputs = [], []
+        self._backwards_run = 0
 
     def flush(self) -> None:
         """Wait for every send still in flight."""
@@ -189,8 +199,17 @@ class StageRuntime:
                             hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
         return loss.reshape(())
 
+    def _is_last_backward(self, instruction: isa.Backward) -> bool:
+        """Count ``instruction`` and say whether it is this stage's last backward of the
+        batch (one per micro-batch; called once per backward instruction)."""
+        self._backwards_run += 1
+        return self._backwards_run == self.micro_batches
+
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self._slot(instruction)
+        last = self._is_last_backward(instruction)
+        if last and self._before_last_backward is not None:
+            self._before_last_backward()
         if self.is_last:
             scaled = self.precision.scale_loss(buffer.loss / self.micro_batches)
             scaled.backward()
@@ -199,6 +218,8 @@ class StageRuntime:
             if outputs:
                 torch.autograd.backward(outputs, list(buffer.output_grads))
         self.precision.after_backward(self.module)
+        if last and self._after_last_backward is not None:
+            self._after_last_backward()
         if not self.is_first:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
