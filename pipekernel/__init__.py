@@ -15,6 +15,7 @@ from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerS
 from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.plugin_manager import make_plugin_manager
 from pipekernel.topology import Topology
+from pipekernel.transport import P2POp
 
 try:
     __version__ = version("pipekernel")
@@ -26,5 +27,5 @@ __all__ = [
     "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "__version__",
-    "balance", "profile", "memory", "PartitionContext", "PartitionReport",
+    "balance", "profile", "memory", "PartitionContext", "PartitionReport", "P2POp",
 ]

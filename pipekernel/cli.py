@@ -92,10 +92,13 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
                     "(F3 = forward of micro-batch 3, B3 = its backward, . = idle), the bubble "
                     "fraction and the buffers each stage needs.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("name", help="schedule name (1f1b, gpipe, inference, or a plugin's)")
+    p.add_argument("name", help="schedule name (1f1b, gpipe, inference, interleaved, zb-h1, "
+                                "zbv, or a plugin's)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P")
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches M")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks (virtual stages) per rank")
+    p.add_argument("--chunks", type=int, default=None,
+                   help="model chunks (virtual stages) per rank (default: the schedule's "
+                        "default_chunks, e.g. 2 for interleaved and zbv)")
     p.add_argument("--backward-cost", type=float, default=1.0,
                    help="duration of a backward relative to a forward (1 unit)")
     p.add_argument("--png", metavar="FILE", help="also draw the timeline to this PNG")
@@ -128,12 +131,14 @@ def _run_schedule(args: argparse.Namespace) -> int:
     cls = resolve_schedule(make_plugin_manager(), args.name)
     costs = {Backward: args.backward_cost, BackwardInput: args.backward_cost / 2,
              BackwardWeight: args.backward_cost / 2}
-    result = simulate(cls, args.stages, args.micro_batches, args.chunks, costs=costs)
+    chunks = args.chunks if args.chunks is not None else getattr(cls, "default_chunks", 1)
+    result = simulate(cls, args.stages, args.micro_batches, chunks, costs=costs)
     print(schedule_report(result, args.name))
     if args.png:
         from pipekernel.apps.timeline import draw_simulation
         path = draw_simulation(result, args.png, title=(
             f"{args.name}: {args.stages} stages, {args.micro_batches} micro-batches, "
+            f"{chunks} chunk(s), "
             f"bubble {100 * result.bubble_fraction:.1f}%"))
         print(f"timeline PNG: {path}")
     return 0

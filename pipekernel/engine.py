@@ -17,6 +17,8 @@ from pipekernel.partitioning import PartitionContext, PartitionReport
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.runtime import StageRuntime
+from pipekernel.schedules.comm import CommPlan, plan_communication
+from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
@@ -59,6 +61,11 @@ class PipelineEngine:
         as ``torch.nn.utils.clip_grad_norm_`` on the whole model; ``None``: no clipping.
     :param lr_scheduler: ``factory(optimizer) -> LRScheduler`` or a scheduler;
         stepped after every step taken (not after a step the precision skipped).
+    :param chunks: model chunks (virtual stages) per rank, for schedules that hold
+        several (``"interleaved"``: any, default 2; ``"zbv"``: 2). The layers are
+        split into ``num_stages * chunks`` parts, placed by the schedule's
+        ``placement`` (:mod:`pipekernel.schedules.placement`); explicit partition
+        boundaries then list ``num_stages * chunks + 1`` entries.
     :param grad_bucket_mb: size in MiB of the buckets in which gradients are averaged
         over data-parallel replicas (as DDP's ``bucket_cap_mb``); each bucket's
         all-reduce starts during the stage's last backward of the batch, as soon as
@@ -73,7 +80,7 @@ class PipelineEngine:
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
                  precision_options: dict | None = None, eval_schedule: str = "inference",
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
-                 grad_bucket_mb: float = 25.0) -> None:
+                 chunks: int | None = None, grad_bucket_mb: float = 25.0) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -92,22 +99,37 @@ class PipelineEngine:
         num_stages = module.num_stages or world // (data_parallel_size or 1)
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
         self.schedule_cls = resolve_schedule(self.pm, schedule)
-        self.eval_schedule_cls = resolve_schedule(self.pm, eval_schedule)
+        self.chunks = self.schedule_cls.default_chunks if chunks is None else chunks
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
+                              hint="e.g. chunks=2 with schedule='interleaved'")
+        self.placement = self.schedule_cls.placement
+        if self.chunks > 1:
+            check_placement(self.placement, self.chunks)
+        self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
+                                                self.placement, self.chunks)
         # every rank partitions here, before any group exists: plugins may broadcast
+        in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
+                     for s in range(num_stages)]
+        num_parts = num_stages * self.chunks
+        #: Which stage holds each part (pipeline position).
+        self.part_stages = [locate(p, num_stages, self.placement)[0] for p in range(num_parts)]
         context = PartitionContext(
-            module=module, num_stages=num_stages, transport=self.transport,
+            module=module, num_stages=num_parts, transport=self.transport,
             device=self.transport.device, rank=rank, micro_batches=micro_batches,
-            in_flight=[self.schedule_cls(num_stages, s, micro_batches).num_buffers()
-                       for s in range(num_stages)],
+            in_flight=[in_flight[s] for s in self.part_stages],
             optimizer=optimizer if callable(optimizer)
             and not isinstance(optimizer, torch.optim.Optimizer) else None)
-        self.bounds = module.partition(num_stages, self.pm, context)
+        self.bounds = module.partition(num_parts, self.pm, context)
         #: :class:`~pipekernel.partitioning.PartitionReport`: layers, parameters,
         #: cost and memory per stage, and the imbalance (same on every rank).
         self.partition_report = PartitionReport.build(module, self.bounds, context)
         if rank == 0:
             _partition_log.info("%s", self.partition_report.format())
-        self.module = module.build_stage(self.stage, self.bounds).to(self.transport.device)
+        self.module = module.build_stage(
+            self.stage, self.bounds,
+            parts_of(self.stage, num_stages, self.chunks, self.placement)
+        ).to(self.transport.device)
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and max_grad_norm > 0):
@@ -125,6 +147,7 @@ class PipelineEngine:
                                     self.precision, reduce_tied=self.reduce_tied_grads,
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
+                                    chunks=self.chunks, placement=self.placement,
                                     **self._backward_callbacks())
         handlers = self.runtime.handlers()
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
@@ -175,7 +198,8 @@ class PipelineEngine:
             if topo.rank in ranks:
                 self.data_group, self.data_ranks = group, ranks
         self.tied_groups: dict[str, tuple[Any, list[int]]] = {}
-        for key, stages in sorted(self.pipeline_module.tied_stages(self.bounds).items()):
+        tied = self.pipeline_module.tied_stages(self.bounds, self.part_stages.__getitem__)
+        for key, stages in sorted(tied.items()):
             if len(stages) < 2:
                 continue
             for ranks in topo.stage_groups(stages):
@@ -306,19 +330,23 @@ class PipelineEngine:
                 p.grad.mul_(coef)
 
     # -- the public loop ------------------------------------------------------------
-    def _steps(self, cls: Any) -> tuple[list, int]:
+    def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
+        """The schedule's steps, buffer count and communication plan (built once)."""
         if cls not in self._steps_cache:
-            schedule = cls(self.num_stages, self.stage, self.micro_batches)
+            schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
             steps = schedule.steps()
-            self._steps_cache[cls] = (steps, schedule.num_buffers())
+            plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
+                                      chunks=self.chunks, placement=self.placement,
+                                      trains=cls.trains)
+            self._steps_cache[cls] = (steps, schedule.num_buffers(), plan)
         return self._steps_cache[cls]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
-        steps, num_buffers = self._steps(cls)
+        steps, num_buffers, plan = self._steps(cls)
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
-        self.runtime.begin(data_iter, self.micro_batches, num_buffers,
+        self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                            compute_loss=compute_loss, keep_outputs=keep_outputs)
         self.kernel.run(steps)
         self.runtime.flush()
@@ -397,3 +425,14 @@ class PipelineEngine:
             self.pm.hook.pipekernel_unconfigure(engine=self)
         self.transport.close()
 
+
+def _eval_schedule(cls: Any, placement: str, chunks: int) -> Any:
+    """The evaluation schedule for a model split by ``placement`` into ``chunks`` per stage."""
+    if getattr(cls, "placement", "loop") == placement and chunks <= cls.max_chunks:
+        return cls
+    adapt = getattr(cls, "for_placement", None)
+    if adapt is None:
+        raise ConfigError(f"eval schedule {cls.name!r} cannot run a model placed {placement!r} "
+                          f"with {chunks} chunks per stage",
+                          hint="use eval_schedule='inference' (it follows any placement)")
+    return adapt(placement)

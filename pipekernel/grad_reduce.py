@@ -161,16 +161,25 @@ class GradReducer:
             self._bucket_of[i] = bucket
 
     # -- the three calls --------------------------------------------------------
-    def arm(self) -> None:
+    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
         """Call right before the last backward of the batch: buckets of parameters
-        whose gradient lives on the parameter start from gradient hooks as they fill."""
+        whose gradient lives on the parameter start from gradient hooks as they fill.
+
+        :param final: parameters whose gradients are final already (e.g. those of a
+            model chunk whose last backward ran earlier): they count as ready now,
+            so their buckets need not wait for the end of the backward.
+        """
         self._disarm()
         self._reset()
         if not self._hooked:
             return
         self._fired = dict.fromkeys(self._hooked, False)
+        done = {id(p) for p in final}
         self._hooks = [self.params[i].register_post_accumulate_grad_hook(partial(self._on_grad, i))
-                       for i in self._hooked]
+                       for i in self._hooked if id(self.params[i]) not in done]
+        for i in self._hooked:
+            if id(self.params[i]) in done:
+                self._on_grad(i, self.params[i])
 
     def backward_done(self) -> None:
         """Call after the last backward (and the precision's ``after_backward``): start

@@ -63,32 +63,79 @@ class StageModule(nn.Module):
     Modules are registered under their *global* layer index, so
     ``state_dict()`` keys are ``f"{global_index}.{name}"`` whatever the
     partitioning. A tied module appears under every index where it occurs.
+
+    A stage of a schedule with several chunks holds several *parts* (runs of
+    consecutive layers, one per chunk); ``part(c)`` runs chunk ``c``'s layers and
+    ``forward`` runs the only part of a one-chunk stage.
     """
 
     def __init__(self, layers: Sequence[tuple[int, Any, Callable | None]],
                  tied: dict[str, nn.Module], stage: int = 0,
-                 activation_checkpoint_interval: int = 0) -> None:
+                 activation_checkpoint_interval: int = 0,
+                 parts: Sequence[int] | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self._calls: list[tuple[Any, Callable | None]] = []
         for index, layer, forward_fn in layers:
-            if isinstance(layer, nn.Module):
+            if isinstance(layer, nn.Module) and str(index) not in self._modules:
                 self.add_module(str(index), layer)
             self._calls.append((layer, forward_fn))
         self.tied_modules = dict(tied)  # key -> module (not registered twice)
         self.first_index = layers[0][0] if layers else 0
+        sizes = list(parts) if parts is not None else [len(layers)]
+        self._parts, start = [], 0
+        for size in sizes:
+            self._parts.append(_Part(self, self._calls[start:start + size],
+                                     [entry[1] for entry in layers[start:start + size]]))
+            start += size
+
+    @property
+    def num_parts(self) -> int:
+        return len(self._parts)
+
+    def part(self, chunk: int) -> _Part:
+        """The callable running chunk ``chunk``'s layers (``parameters()`` lists its own)."""
+        return self._parts[chunk]
 
     def forward(self, x: Any) -> Any:
+        if len(self._parts) != 1:
+            raise RuntimeError(f"stage {self.stage} holds {len(self._parts)} parts: call "
+                               "stage.part(chunk)(x)")
+        return self._run(self._calls, x)
+
+    def _run(self, calls: Sequence[tuple[Any, Callable | None]], x: Any) -> Any:
         k = self.activation_checkpoint_interval
         if not k or not torch.is_grad_enabled():
-            return _run_calls(self._calls, x)
+            return _run_calls(calls, x)
         # Non-reentrant checkpointing keeps only each chunk's input and recomputes
         # the chunk in backward; the saved RNG state makes dropout draw the same mask.
-        for start in range(0, len(self._calls), k):
-            x = torch.utils.checkpoint.checkpoint(_run_calls, self._calls[start:start + k], x,
+        for start in range(0, len(calls), k):
+            x = torch.utils.checkpoint.checkpoint(_run_calls, calls[start:start + k], x,
                                                   use_reentrant=False, preserve_rng_state=True)
         return x
+
+
+class _Part:
+    """One chunk's layers of a :class:`StageModule`: callable, with ``parameters()``.
+
+    Not an ``nn.Module``, so the stage's ``state_dict`` keys stay global."""
+
+    def __init__(self, stage: StageModule, calls: list, layers: list) -> None:
+        self._stage, self._calls, self._layers = stage, calls, layers
+
+    def __call__(self, x: Any) -> Any:
+        return self._stage._run(self._calls, x)
+
+    def parameters(self) -> list[torch.Tensor]:
+        seen, out = set(), []
+        for layer in self._layers:
+            if isinstance(layer, nn.Module):
+                for p in layer.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+        return out
 
 
 def _run_calls(calls: Sequence[tuple[Any, Callable | None]], x: Any) -> Any:
@@ -213,27 +260,40 @@ class PipelineModule:
                      f"with {num_stages + 1} entries")
         return bounds
 
-    def build_stage(self, stage: int, bounds: Sequence[int]) -> StageModule:
-        """Construct only the layers of ``stage``."""
-        tied: dict[str, nn.Module] = {}
-        built = []
-        with torch.random.fork_rng(devices=[], enabled=self.seed is not None):
-            for index in range(bounds[stage], bounds[stage + 1]):
-                spec = self.layers[index]
-                if isinstance(spec, TiedLayerSpec):
-                    if spec.key not in tied:
-                        tied[spec.key] = self.build_layer(index)
-                    built.append((index, tied[spec.key], spec.forward_fn))
-                else:
-                    built.append((index, self.build_layer(index), None))
-        return StageModule(built, tied, stage, self.activation_checkpoint_interval)
+    def build_stage(self, stage: int, bounds: Sequence[int],
+                    positions: Sequence[int] | None = None) -> StageModule:
+        """Construct only the layers of ``stage``.
 
-    def tied_stages(self, bounds: Sequence[int]) -> dict[str, list[int]]:
-        """``{key: stages holding it}`` for every tied key."""
+        :param bounds: part boundaries ``[0, ..., len(layers)]``.
+        :param positions: the parts (pipeline positions) this stage holds, by chunk
+            (:func:`pipekernel.schedules.placement.parts_of`); default ``[stage]``.
+        """
+        tied: dict[str, nn.Module] = {}
+        built, sizes = [], []
+        with torch.random.fork_rng(devices=[], enabled=self.seed is not None):
+            for pos in (positions if positions is not None else [stage]):
+                sizes.append(bounds[pos + 1] - bounds[pos])
+                for index in range(bounds[pos], bounds[pos + 1]):
+                    spec = self.layers[index]
+                    if isinstance(spec, TiedLayerSpec):
+                        if spec.key not in tied:
+                            tied[spec.key] = self.build_layer(index)
+                        built.append((index, tied[spec.key], spec.forward_fn))
+                    else:
+                        built.append((index, self.build_layer(index), None))
+        return StageModule(built, tied, stage, self.activation_checkpoint_interval, parts=sizes)
+
+    def tied_stages(self, bounds: Sequence[int],
+                    stage_of: Callable[[int], int] | None = None) -> dict[str, list[int]]:
+        """``{key: stages holding it}`` for every tied key.
+
+        :param stage_of: maps a part (pipeline position) to the stage holding it
+            (default: part ``p`` is stage ``p``, one part per stage)."""
         stages: dict[str, list[int]] = {}
         for index, layer in enumerate(self.layers):
             if isinstance(layer, TiedLayerSpec):
-                stage = next(s for s in range(len(bounds) - 1) if index < bounds[s + 1])
+                part = next(s for s in range(len(bounds) - 1) if index < bounds[s + 1])
+                stage = stage_of(part) if stage_of is not None else part
                 if stage not in stages.setdefault(layer.key, []):
                     stages[layer.key].append(stage)
-        return stages
+        return {key: sorted(found) for key, found in stages.items()}

@@ -1,41 +1,48 @@
 """The stage runtime (layer 2): buffers and the handlers of the core instructions.
 
 Talks to peers only through a :class:`~pipekernel.transport.Transport`; knows
-nothing of schedules — it executes whatever instructions the kernel hands it.
+nothing of schedules — it executes whatever instructions the kernel hands it,
+and posts communication by the :class:`~pipekernel.schedules.comm.CommPlan` of
+the stream it runs: each posting point's sends and receives go out as one group
+(``batch_isend_irecv``), receives ahead of the compute that needs them, and a
+receive is waited on only at its own instruction. Sends never block compute:
+their handles are kept until the batch ends.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from pipekernel import instructions as isa
 from pipekernel.errors import DataError, PipelineError
+from pipekernel.schedules.comm import CommPlan
+from pipekernel.schedules.placement import position
 from pipekernel.topology import Topology
 from pipekernel.wire import Channel, flatten
 
 __all__ = ["StageRuntime", "Buffer"]
 
 
-@dataclass
 class Buffer:
-    """One in-flight micro-batch on this stage."""
+    """One in-flight micro-batch of one chunk on this stage."""
 
-    micro_batch: int = -1
-    inputs: Any = None
-    labels: Any = None
-    outputs: Any = None
-    loss: torch.Tensor | None = None
-    output_grads: Any = None   # gradients received for ``outputs``
-    input_grads: Any = None    # gradients computed for ``inputs``
-    pending: list[Any] = field(default_factory=list)  # sends still in flight from this slot
+    __slots__ = ("micro_batch", "chunk", "inputs", "outputs", "loss", "output_grads",
+                 "input_grads", "split")
 
-    def reuse(self, micro_batch: int) -> None:
-        for handle in self.pending:
-            handle.wait()  # a send's completion is checked when its slot is reused
-        self.__init__(micro_batch)
+    def __init__(self, micro_batch: int = -1, chunk: int = 0) -> None:
+        self.micro_batch, self.chunk = micro_batch, chunk
+        self.inputs: Any = None
+        self.outputs: Any = None
+        self.loss: torch.Tensor | None = None
+        self.output_grads: Any = None   # gradients received for ``outputs``
+        self.input_grads: Any = None    # gradients computed for ``inputs``
+        self.split: Any = None          # BackwardInput's state, until BackwardWeight
+
+    @property
+    def labels(self) -> Any:  # kept for plugins written against the old buffer
+        return None
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -53,97 +60,213 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
 class StageRuntime:
     """Executes the core instructions for one stage of one pipeline.
 
-    :param module: the stage's layers.
+    :param module: the stage's layers (a :class:`~pipekernel.module.StageModule`,
+        one part per chunk).
     :param topology: this rank's place in the grid.
     :param transport: the communication backend.
-    :param loss_fn: ``loss_fn(outputs, labels)``; used on the last stage.
+    :param loss_fn: ``loss_fn(outputs, labels)``; used at the last pipeline position.
     :param precision: the :class:`~pipekernel.precision.Precision` policy (forward,
         loss scaling, gradient accumulation).
     :param reduce_tied: callable summing tied gradients across stages.
     :param reduce_grads: callable averaging gradients across replicas.
     :param optimizer_step: callable stepping the optimizer.
-    :param before_last_backward: called right before this stage's last backward of
-        the batch (e.g. to arm gradient-bucket hooks); ``None``: nothing.
-    :param after_last_backward: called right after that backward and the precision's
-        ``after_backward`` (gradients are final there, masters included).
+    :param chunks: parts per stage; :param placement: which parts
+        (:mod:`pipekernel.schedules.placement`).
+    :param before_last_backward: called right before the last instruction of the
+        batch that produces weight gradients on this stage (to start reductions).
+    :param after_last_backward: called right after that instruction and the
+        precision's ``after_backward`` (gradients are final there, fp32 masters included).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
                  loss_fn: Callable | None, precision: Any, *,
                  reduce_tied: Callable[[], None], reduce_grads: Callable[[], None],
-                 optimizer_step: Callable[[], None],
+                 optimizer_step: Callable[[], None], chunks: int = 1, placement: str = "loop",
                  before_last_backward: Callable[[], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.loss_fn, self.precision = loss_fn, precision
-        self.stage = topology.stage
-        self.is_first, self.is_last = topology.is_first_stage, topology.is_last_stage
-        prev_rank = topology.stage_rank(self.stage - 1) if not self.is_first else None
-        next_rank = topology.stage_rank(self.stage + 1) if not self.is_last else None
-        self.channels = {
-            "act_in": Channel(transport, prev_rank) if prev_rank is not None else None,
-            "act_out": Channel(transport, next_rank) if next_rank is not None else None,
-            "grad_in": Channel(transport, next_rank) if next_rank is not None else None,
-            "grad_out": Channel(transport, prev_rank) if prev_rank is not None else None,
-        }
+        self.stage, self.chunks, self.placement = topology.stage, chunks, placement
+        num_stages = topology.pipe_size
+        self.positions = [position(self.stage, c, num_stages, placement) for c in range(chunks)]
+        last = num_stages * chunks - 1
+        self.first_chunk = self.positions.index(0) if 0 in self.positions else None
+        self.last_chunk = self.positions.index(last) if last in self.positions else None
+        self.is_first, self.is_last = self.first_chunk is not None, self.last_chunk is not None
+        self.parts = [module.part(c) if hasattr(module, "part") else module
+                      for c in range(chunks)]
+        self._part_params = [list(part.parameters()) for part in self.parts]
         self._reduce_tied, self._reduce_grads = reduce_tied, reduce_grads
         self._optimizer_step = optimizer_step
-        self._before_last_backward, self._after_last_backward = (before_last_backward,
-                                                                 after_last_backward)
-        self._backwards_run = 0
+        self._before_last_backward = before_last_backward
+        self._after_last_backward = after_last_backward
+        self._channels: dict[tuple[type, int], Channel] = {}
         self.buffers: list[Buffer] = []
+        self.labels: dict[int, Any] = {}
         self.data_iter: Iterator | None = None
         self.micro_batches = 1
         self.compute_loss = True
         self.keep_outputs = False
         self.losses: list[torch.Tensor] = []
         self.outputs: list[Any] = []
+        self._plan: CommPlan | None = None
+        self._index: dict[isa.Instruction, int] = {}
+        self._posted = 0          # posts[:_posted] are out
+        self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
+        self._sends: list[Any] = []        # handles of sends in flight
+        self._local: dict[tuple[type, int, int], Any] = {}  # hand-offs to this stage
+        self._last_backward = -1
 
     # -- batch lifecycle ---------------------------------------------------
-    def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int, *,
-              compute_loss: bool = True, keep_outputs: bool = False) -> None:
+    def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
+              plan: CommPlan | None = None, *, compute_loss: bool = True,
+              keep_outputs: bool = False) -> None:
+        """Start a batch that runs ``plan.stream`` (built by the engine once per schedule)."""
+        self.flush()
         self.data_iter, self.micro_batches = data_iter, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.flush()
         self.buffers = [Buffer() for _ in range(num_buffers)]
-        self.losses, self.outputs = [], []
-        self._backwards_run = 0
+        self.losses, self.outputs, self.labels = [], [], {}
+        self._plan, self._posted, self._recvs, self._local = plan, 0, {}, {}
+        self._index = {ins: i for i, ins in enumerate(plan.stream)} if plan is not None else {}
+        self._last_backward = -1
+        if plan is not None and (self._before_last_backward is not None
+                                 or self._after_last_backward is not None):
+            weights = [i for i, ins in enumerate(plan.stream)
+                       if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
+            self._last_backward = weights[-1] if weights else -1
 
     def flush(self) -> None:
         """Wait for every send still in flight."""
-        for buffer in self.buffers:
-            buffer.reuse(-1)
+        sends, self._sends = self._sends, []
+        for handle in sends:
+            handle.wait()
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         return {
             isa.LoadMicroBatch: self.load_micro_batch, isa.Forward: self.forward,
-            isa.Backward: self.backward, isa.SendActivation: self.send_activation,
+            isa.Backward: self.backward, isa.BackwardInput: self.backward_input,
+            isa.BackwardWeight: self.backward_weight, isa.SendActivation: self.send_activation,
             isa.RecvActivation: self.recv_activation, isa.SendGrad: self.send_grad,
-            isa.RecvGrad: self.recv_grad,
-            isa.ReduceTiedGrads: lambda _: self._reduce_tied(),
-            isa.ReduceGrads: lambda _: self._reduce_grads(),
-            isa.OptimizerStep: lambda _: self._optimizer_step(),
+            isa.RecvGrad: self.recv_grad, isa.ReduceTiedGrads: self._reduce_tied_handler,
+            isa.ReduceGrads: self._reduce_grads_handler,
+            isa.OptimizerStep: self._optimizer_step_handler,
         }
+
+    def _reduce_tied_handler(self, instruction: isa.Instruction) -> None:
+        self._advance(instruction)
+        self._reduce_tied()
+
+    def _reduce_grads_handler(self, instruction: isa.Instruction) -> None:
+        self._advance(instruction)
+        self._reduce_grads()
+
+    def _optimizer_step_handler(self, instruction: isa.Instruction) -> None:
+        self._advance(instruction)
+        self._optimizer_step()
+
+    # -- posting by the plan -------------------------------------------------
+    def _advance(self, instruction: isa.Instruction) -> int:
+        """Post every group due up to and including ``instruction``'s; its stream index."""
+        index = self._index.get(instruction, -1)
+        if index >= self._posted:
+            posts = self._plan.posts
+            for j in range(self._posted, index + 1):
+                if posts[j]:
+                    self._post_group(posts[j])
+            self._posted = index + 1
+        return index
+
+    def _channel(self, instruction: isa.MicroBatchInstruction) -> Channel:
+        key = (type(instruction), instruction.chunk)
+        channel = self._channels.get(key)
+        if channel is None:
+            index = self._index[instruction]
+            peer_stage, _ = self._plan.peers[index]
+            channel = Channel(self.transport, self.topology.stage_rank(peer_stage))
+            self._channels[key] = channel
+        return channel
+
+    def _post_group(self, group: Sequence[isa.Instruction]) -> None:
+        """Post one group: every op of ``group`` on the data lane in one call (and the
+        headers on the control lane, when the transport has one, just before)."""
+        data: list[Any] = []
+        control: list[Any] = []
+        spans = []
+        for instruction in group:
+            channel = self._channel(instruction)
+            if isinstance(instruction, (isa.SendActivation, isa.SendGrad)):
+                pending = None
+                ops, ctrl = channel.send_ops(self._payload(instruction))
+            else:
+                pending = channel.recv_ops()
+                self._recvs[self._index[instruction]] = pending
+                ops, ctrl = pending.ops, pending.control_ops
+            spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
+            data += ops
+            control += ctrl
+        control_handles = self.transport.control.batch_isend_irecv(control) if control else []
+        handles = self.transport.batch_isend_irecv(data) if data else []
+        if len(self._sends) > 16:  # drop finished sends (wait() re-raises a failed one)
+            for handle in self._sends:
+                if handle.is_completed():
+                    handle.wait()
+            self._sends = [h for h in self._sends if not h.is_completed()]
+        for pending, d0, dn, c0, cn in spans:
+            if pending is None:
+                self._sends += handles[d0:d0 + dn]
+                self._sends += control_handles[c0:c0 + cn]
+            else:
+                pending.handles = handles[d0:d0 + dn]
+                pending.control_handles = control_handles[c0:c0 + cn]
+
+    def _payload(self, instruction: isa.Instruction) -> Any:
+        buffer = self._slot(instruction)
+        if isinstance(instruction, isa.SendActivation):
+            return buffer.outputs
+        return buffer.input_grads
 
     def _slot(self, instruction: isa.MicroBatchInstruction) -> Buffer:
         buffer = self.buffers[instruction.buffer]
-        if buffer.micro_batch != instruction.micro_batch:
+        if buffer.micro_batch != instruction.micro_batch or buffer.chunk != instruction.chunk:
             raise PipelineError(
-                f"buffer {instruction.buffer} holds micro-batch {buffer.micro_batch}, "
-                f"not {instruction.micro_batch}",
+                f"buffer {instruction.buffer} holds micro-batch {buffer.micro_batch} chunk "
+                f"{buffer.chunk}, not micro-batch {instruction.micro_batch} chunk "
+                f"{instruction.chunk}",
                 hint="the schedule uses a buffer before filling it; check it with "
                      "pipekernel.schedules.simulate")
         return buffer
 
     def _fill(self, instruction: isa.MicroBatchInstruction) -> Buffer:
         buffer = self.buffers[instruction.buffer]
-        if buffer.micro_batch != instruction.micro_batch:
-            buffer.reuse(instruction.micro_batch)
+        if buffer.micro_batch != instruction.micro_batch or buffer.chunk != instruction.chunk:
+            buffer = self.buffers[instruction.buffer] = Buffer(instruction.micro_batch,
+                                                               instruction.chunk)
         return buffer
+
+    def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
+        index = self._advance(instruction)
+        if self._plan.local[index]:
+            key = (type(instruction), instruction.chunk, instruction.micro_batch)
+            if key not in self._local:
+                raise PipelineError(f"{instruction} on stage {self.stage} comes before the "
+                                    "matching send on this stage",
+                                    hint="check the schedule with pipekernel.schedules.simulate")
+            return self._local.pop(key)
+        pending = self._recvs.pop(index)
+        return self._channel(instruction).finish(pending)
+
+    def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
+        index = self._advance(instruction)
+        if self._plan.local[index]:
+            peer_chunk = self._plan.peers[index][1]
+            kind = isa.RecvActivation if isinstance(instruction, isa.SendActivation) \
+                else isa.RecvGrad
+            self._local[(kind, peer_chunk, instruction.micro_batch)] = _detach_like(obj)
 
     # -- handlers ----------------------------------------------------------
     def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
-        buffer = self._fill(instruction)
+        self._advance(instruction)
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
@@ -163,21 +286,25 @@ class StageRuntime:
                 hint="make the iterator yield (inputs, labels) pairs; use None for unused parts")
         inputs, labels = item
         device = self.transport.device
-        if self.is_first:
+        buffer = self._fill(instruction)
+        if self.is_first and instruction.chunk == self.first_chunk:
             flatten(inputs, "inputs")
             buffer.inputs = _to(inputs, device)
         if self.is_last and labels is not None:
             flatten(labels, "labels")
-            buffer.labels = _to(labels, device)
+            self.labels[instruction.micro_batch] = _to(labels, device)
 
     def forward(self, instruction: isa.Forward) -> None:
+        self._advance(instruction)
         buffer = self._slot(instruction)
         if buffer.inputs is None:
             raise PipelineError("forward before the inputs arrived",
                                 hint="the schedule must load or receive before Forward")
-        buffer.outputs = self.precision.forward(self.module, buffer.inputs, first=self.is_first,
-                                                last=self.is_last)
-        if self.is_last:
+        chunk = instruction.chunk
+        last = chunk == self.last_chunk
+        buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
+                                                first=chunk == self.first_chunk, last=last)
+        if last:
             if self.keep_outputs:
                 self.outputs.append(buffer.outputs)
             if self.compute_loss:
@@ -185,13 +312,14 @@ class StageRuntime:
                 self.losses.append(buffer.loss.detach())
 
     def _loss(self, buffer: Buffer, micro_batch: int) -> torch.Tensor:
+        labels = self.labels.pop(micro_batch, None)
         try:
-            loss = self.loss_fn(buffer.outputs, buffer.labels)  # type: ignore[misc]
+            loss = self.loss_fn(buffer.outputs, labels)  # type: ignore[misc]
         except Exception as err:
             raise DataError(
                 f"loss_fn(outputs, labels) failed for micro-batch {micro_batch}: "
                 f"{type(err).__name__}: {err} (outputs: {_describe(buffer.outputs)}, "
-                f"labels: {_describe(buffer.labels)})",
+                f"labels: {_describe(labels)})",
                 hint="make the labels from the data iterator match what loss_fn expects"
             ) from err
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
@@ -199,18 +327,22 @@ class StageRuntime:
                             hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
         return loss.reshape(())
 
-    def _is_last_backward(self, instruction: isa.Backward) -> bool:
-        """Count ``instruction`` and say whether it is this stage's last backward of the
-        batch (one per micro-batch; called once per backward instruction)."""
-        self._backwards_run += 1
-        return self._backwards_run == self.micro_batches
+    def _before_weights(self, instruction: isa.Instruction) -> None:
+        if (self._before_last_backward is not None
+                and self._index.get(instruction) == self._last_backward):
+            self._before_last_backward()
+
+    def _after_weights(self, instruction: isa.Instruction) -> None:
+        if (self._after_last_backward is not None
+                and self._index.get(instruction) == self._last_backward):
+            self._after_last_backward()
 
     def backward(self, instruction: isa.Backward) -> None:
+        self._advance(instruction)
         buffer = self._slot(instruction)
-        last = self._is_last_backward(instruction)
-        if last and self._before_last_backward is not None:
-            self._before_last_backward()
-        if self.is_last:
+        self._before_weights(instruction)
+        chunk = instruction.chunk
+        if chunk == self.last_chunk:
             scaled = self.precision.scale_loss(buffer.loss / self.micro_batches)
             scaled.backward()
         else:
@@ -218,30 +350,71 @@ class StageRuntime:
             if outputs:
                 torch.autograd.backward(outputs, list(buffer.output_grads))
         self.precision.after_backward(self.module)
-        if last and self._after_last_backward is not None:
-            self._after_last_backward()
-        if not self.is_first:
+        self._after_weights(instruction)
+        if chunk != self.first_chunk:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                        for t in inputs)
         buffer.outputs = buffer.loss = buffer.output_grads = None
 
+    def backward_input(self, instruction: isa.BackwardInput) -> None:
+        from pipekernel.split_backward import backward_input
+
+        self._advance(instruction)
+        buffer = self._slot(instruction)
+        chunk = instruction.chunk
+        inputs = _grad_tensors(buffer.inputs) if chunk != self.first_chunk else []
+        if chunk == self.last_chunk:
+            loss = self.precision.scale_loss(buffer.loss / self.micro_batches)
+            grads, buffer.split = backward_input([], [], inputs, self._part_params[chunk],
+                                                 loss=loss)
+        else:
+            outputs = _grad_tensors(buffer.outputs)
+            grads, buffer.split = backward_input(outputs, list(buffer.output_grads), inputs,
+                                                 self._part_params[chunk])
+        if chunk != self.first_chunk:
+            buffer.input_grads = tuple(grads)
+        buffer.outputs = buffer.loss = buffer.output_grads = None
+
+    def backward_weight(self, instruction: isa.BackwardWeight) -> None:
+        from pipekernel.split_backward import backward_weight
+
+        self._advance(instruction)
+        buffer = self._slot(instruction)
+        if buffer.split is None:
+            raise PipelineError(f"{instruction} before its BackwardInput",
+                                hint="a schedule runs BackwardInput before BackwardWeight")
+        self._before_weights(instruction)
+        backward_weight(buffer.split)
+        buffer.split = None
+        self.precision.after_backward(self.module)
+        self._after_weights(instruction)
+
     def send_activation(self, instruction: isa.SendActivation) -> None:
         buffer = self._slot(instruction)
-        buffer.pending += self.channels["act_out"].send(buffer.outputs)
+        self._send(instruction, buffer.outputs)
+        if not torch.is_grad_enabled():
+            buffer.outputs = None  # inference: nothing else needs it
 
     def recv_activation(self, instruction: isa.RecvActivation) -> None:
-        buffer = self._fill(instruction)
-        buffer.inputs = self.channels["act_in"].recv()
+        obj = self._receive(instruction)
+        self._fill(instruction).inputs = obj
 
     def send_grad(self, instruction: isa.SendGrad) -> None:
         buffer = self._slot(instruction)
-        buffer.pending += self.channels["grad_out"].send(buffer.input_grads)
-        buffer.inputs = None
+        self._send(instruction, buffer.input_grads)
+        buffer.inputs = buffer.input_grads = None
 
     def recv_grad(self, instruction: isa.RecvGrad) -> None:
-        buffer = self._slot(instruction)
-        buffer.output_grads = self.channels["grad_in"].recv()
+        obj = self._receive(instruction)
+        self._slot(instruction).output_grads = obj
+
+
+def _detach_like(obj: Any) -> Any:
+    """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().requires_grad_(obj.requires_grad)
+    return tuple(_detach_like(o) for o in obj)
 
 
 def _describe(obj: Any) -> str:

@@ -1,17 +1,36 @@
 """The wire protocol between stages: nested tuples of tensors of any dtype.
 
-Each transfer on a channel (one direction between two ranks) is:
+A *channel* is one stream of transfers in one direction with one peer (the
+activations of one chunk, or its gradients); it remembers the metadata
+(structure, dtypes, shapes, requires_grad flags) of its last transfer. Receives
+are posted *before* the data exists (see :mod:`pipekernel.schedules.comm`), so
+the receiver sizes them from that remembered metadata, and the fast path — the
+metadata did not change — is **one message per transfer and no round trip**:
 
-1. a tag: a 1-element int64 tensor, ``0`` if the structure/dtypes/shapes/
-   requires_grad flags equal those of the previous transfer on this channel,
-   else ``n``, the length of the metadata that follows;
-2. the metadata (``n`` int64s), only when it changed;
-3. one message per tensor.
+* every tensor of the transfer is packed into one byte buffer (each at a 16-byte
+  aligned offset; the receiver unpacks zero-copy views), so a transfer is one
+  message whatever its number of tensors;
+* a 16-byte header says whether the metadata changed. Where the header lives
+  depends on where the data lives, so that reading it never touches a device:
+  - **fused** (the data is on the CPU, e.g. gloo): the header is the first 16
+    bytes of the same message;
+  - **control lane** (the data is on a device, e.g. NCCL): the header travels on
+    ``transport.control``, a host transport over the same ranks, and the data
+    message is the packed tensors alone. The host reads the header from host
+    memory: no ``.item()``, ``int(tensor)`` or ``.tolist()`` on device tensors.
 
-So metadata is exchanged on first use and whenever it changes (e.g. a new
-sequence length), never otherwise, and no manual reset exists or is needed.
-The tag is the one extra word a receiver needs to know whether new metadata
-comes.
+When the metadata changed (first use, a new sequence length, ...), the sender
+knows what the receiver posted — a message sized for the metadata it sent last
+(16 bytes, or nothing on a control lane, when it sent none) — and still sends
+exactly that *void* message, flagged in its header, so the pre-posted receive
+matches; then the new metadata and the data follow as extra messages on the
+host lane (the same lane when fused). Those extra messages are the reason the
+communication plan keeps at most one receive per peer posted ahead: a receive
+posted further ahead would take them. On a device transport they go over the
+host lane so that they can never queue behind the device lane's in-order
+operations (a late device receive could deadlock under rendezvous sends); the
+cost is a copy through host memory once per change. No manual reset exists or
+is needed.
 """
 from __future__ import annotations
 
@@ -20,13 +39,17 @@ from typing import Any
 import torch
 
 from pipekernel.errors import DataError
+from pipekernel.transport import P2POp
 
-__all__ = ["flatten", "unflatten", "encode", "decode", "Channel"]
+__all__ = ["flatten", "unflatten", "encode", "decode", "Channel", "PendingRecv", "HEADER_BYTES"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _TUPLE = -1
+#: Size of the header of every transfer (two int64: changed flag, metadata length).
+HEADER_BYTES = 16
+_ALIGN = 16
 
 
 def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
@@ -102,51 +125,174 @@ def decode(data: list[int]) -> tuple[list[tuple[torch.dtype, bool, tuple[int, ..
     return specs, structure
 
 
+class _Layout:
+    """Where each tensor of a transfer sits in the packed buffer."""
+
+    __slots__ = ("specs", "structure", "offsets", "payload")
+
+    def __init__(self, meta: list[int], start: int) -> None:
+        self.specs, self.structure = decode(meta)
+        self.offsets, offset = [], start
+        for dtype, _, shape in self.specs:
+            numel = 1
+            for n in shape:
+                numel *= n
+            self.offsets.append((offset, numel * dtype.itemsize))
+            offset += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        self.payload = offset  # total bytes, header included when ``start`` is
+
+    def unpack(self, buf: torch.Tensor) -> Any:
+        tensors = []
+        for (dtype, grad, shape), (offset, nbytes) in zip(self.specs, self.offsets):
+            t = buf[offset:offset + nbytes].view(dtype).view(shape)
+            if grad:
+                t.requires_grad_(True)
+            tensors.append(t)
+        return unflatten(tensors, self.structure)
+
+    def pack(self, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
+        for t, (dtype, _, shape), (offset, nbytes) in zip(tensors, self.specs, self.offsets):
+            buf[offset:offset + nbytes].view(dtype).view(shape).copy_(t.detach())
+
+
+class PendingRecv:
+    """A receive the runtime posted ahead: its ops, then its handles once posted."""
+
+    __slots__ = ("ops", "control_ops", "handles", "control_handles", "buf", "header")
+
+    def __init__(self) -> None:
+        self.ops: list[P2POp] = []
+        self.control_ops: list[P2POp] = []
+        self.handles: list[Any] = []
+        self.control_handles: list[Any] = []
+        self.buf: torch.Tensor | None = None
+        self.header: torch.Tensor | None = None
+
+
 class Channel:
-    """One direction of traffic with one peer, remembering the last metadata."""
+    """One direction of one kind of traffic with one peer, remembering the last metadata.
 
-    def __init__(self, transport: Any, peer: int) -> None:
+    The runtime asks for the ops of a transfer (:meth:`send_ops`,
+    :meth:`recv_ops`), posts them in groups with the ops of other channels, and
+    finishes a receive with :meth:`finish` once its data is needed.
+
+    :param transport: the data lane.
+    :param peer: the peer's rank in ``transport``'s world.
+    :param control: the host lane for headers (``transport.control`` by default;
+        ``None`` or the data transport itself means fused headers).
+    """
+
+    def __init__(self, transport: Any, peer: int, control: Any = None) -> None:
         self.transport, self.peer = transport, peer
+        control = control if control is not None else getattr(transport, "control", None)
+        self.control = None if control is transport else control
+        self._start = 0 if self.control is not None else HEADER_BYTES
         self._sent_meta: list[int] | None = None
-        self._recv_meta: tuple[list, Any] | None = None
+        self._sent_layout: _Layout | None = None
+        self._recv_layout: _Layout | None = None
+        #: Bytes this channel put on the wire (data, headers and metadata), for benchmarks.
+        self.bytes_sent = 0
 
-    def send(self, obj: Any) -> list[Any]:
-        """Post every message of ``obj``; returns the handles (the caller keeps them, and
-        the tensors alive, until it waits on them)."""
+    # -- sending -----------------------------------------------------------------------
+    def send_ops(self, obj: Any) -> tuple[list[P2POp], list[P2POp]]:
+        """``(data-lane ops, control-lane ops)`` that carry ``obj``; the caller posts them
+        (in this order within its group) and keeps them alive until waited on."""
         tensors, structure = flatten(obj)
         meta = encode(tensors, structure)
-        device = self.transport.device
-        handles = []
+        device, start = self.transport.device, self._start
         if meta == self._sent_meta:
-            handles.append(self.transport.isend(torch.zeros(1, dtype=torch.int64, device=device),
-                                                self.peer))
-        else:
-            header = torch.tensor([len(meta), *meta], dtype=torch.int64, device=device)
-            handles.append(self.transport.isend(header[:1], self.peer))
-            handles.append(self.transport.isend(header[1:], self.peer))
-            self._sent_meta = meta
-        for t in tensors:
-            handles.append(self.transport.isend(t.detach().contiguous(), self.peer))
-        return handles
+            layout = self._sent_layout
+            buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
+            layout.pack(tensors, buf)
+            if self.control is None:
+                buf[:HEADER_BYTES].zero_()
+                self.bytes_sent += layout.payload
+                return [P2POp("send", buf, self.peer)], []
+            self.bytes_sent += layout.payload + HEADER_BYTES
+            return [P2POp("send", buf, self.peer)], [P2POp("send", _header(0, 0), self.peer)]
+        return self._changed(tensors, meta, start)
 
-    def recv(self) -> Any:
-        """Receive one object; float tensors flagged ``requires_grad`` come back as leaves
-        that require grad."""
-        device = self.transport.device
-        tag = torch.zeros(1, dtype=torch.int64, device=device)
-        self.transport.irecv(tag, self.peer).wait()
-        if int(tag) > 0:
-            meta = torch.empty(int(tag), dtype=torch.int64, device=device)
-            self.transport.irecv(meta, self.peer).wait()
-            self._recv_meta = decode(meta.tolist())
-        elif self._recv_meta is None:
-            raise DataError(f"rank {self.transport.rank} got no metadata from rank {self.peer}",
-                            hint="both sides must use the same pipekernel wire protocol")
-        specs, structure = self._recv_meta
-        tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, _, shape in specs]
-        handles = [self.transport.irecv(t, self.peer) for t in tensors]
-        for handle in handles:
+    def _changed(self, tensors: list[torch.Tensor], meta: list[int], start: int
+                 ) -> tuple[list[P2POp], list[P2POp]]:
+        """The slow path: a void message the size the receiver posted, then the metadata
+        and the data on the host lane (the data lane itself when fused)."""
+        old = self._sent_layout
+        layout = _Layout(meta, start)
+        host = torch.device("cpu")
+        data_ops: list[P2POp] = []
+        control_ops: list[P2POp] = []
+        if self.control is None:
+            device = self.transport.device
+            meta_tensor = torch.tensor(meta, dtype=torch.int64, device=device)
+            void = torch.zeros(old.payload if old is not None else HEADER_BYTES, dtype=torch.uint8,
+                               device=device)
+            void[:HEADER_BYTES].view(torch.int64).copy_(_header(1, len(meta)))
+            buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
+            buf[:HEADER_BYTES].zero_()
+            layout.pack(tensors, buf)
+            data_ops = [P2POp("send", void, self.peer), P2POp("send", meta_tensor, self.peer),
+                        P2POp("send", buf, self.peer)]
+            self.bytes_sent += void.numel() + meta_tensor.numel() * 8 + buf.numel()
+        else:
+            meta_tensor = torch.tensor(meta, dtype=torch.int64)
+            if old is not None:  # the receiver posted a data receive of the old size
+                data_ops.append(P2POp("send", torch.empty(old.payload, dtype=torch.uint8,
+                                                          device=self.transport.device),
+                                      self.peer))
+                self.bytes_sent += old.payload
+            buf = torch.empty(layout.payload, dtype=torch.uint8, device=host)
+            layout.pack([t.detach().to(host) for t in tensors], buf)
+            control_ops = [P2POp("send", _header(1, len(meta)), self.peer),
+                           P2POp("send", meta_tensor, self.peer), P2POp("send", buf, self.peer)]
+            self.bytes_sent += HEADER_BYTES + meta_tensor.numel() * 8 + buf.numel()
+        self._sent_meta, self._sent_layout = meta, layout
+        return data_ops, control_ops
+
+    # -- receiving ---------------------------------------------------------------------
+    def recv_ops(self) -> PendingRecv:
+        """The ops of the next receive, sized from the remembered metadata."""
+        pending, layout = PendingRecv(), self._recv_layout
+        if self.control is None:
+            size = layout.payload if layout is not None else HEADER_BYTES
+            pending.buf = torch.empty(size, dtype=torch.uint8, device=self.transport.device)
+            pending.ops.append(P2POp("recv", pending.buf, self.peer))
+        else:
+            pending.header = torch.empty(2, dtype=torch.int64)
+            pending.control_ops.append(P2POp("recv", pending.header, self.peer))
+            if layout is not None:
+                pending.buf = torch.empty(layout.payload, dtype=torch.uint8,
+                                          device=self.transport.device)
+                pending.ops.append(P2POp("recv", pending.buf, self.peer))
+        return pending
+
+    def finish(self, pending: PendingRecv) -> Any:
+        """Wait for a posted receive and return the object; float tensors flagged
+        ``requires_grad`` come back as leaves that require grad."""
+        for handle in pending.control_handles:
             handle.wait()
-        for t, (_, grad, _) in zip(tensors, specs):
-            t.requires_grad_(grad)
-        return unflatten(tensors, structure)
+        for handle in pending.handles:
+            handle.wait()
+        if self.control is None:
+            changed, length = pending.buf[:HEADER_BYTES].view(torch.int64).tolist()  # host memory
+        else:
+            changed, length = pending.header.tolist()  # host memory
+        if not changed:
+            if self._recv_layout is None:
+                raise DataError(f"rank {self.transport.rank} got no metadata from rank "
+                                f"{self.peer}",
+                                hint="both sides must use the same pipekernel wire protocol")
+            return self._recv_layout.unpack(pending.buf)
+        lane = self.control if self.control is not None else self.transport
+        meta = torch.empty(length, dtype=torch.int64, device=lane.device)
+        lane.irecv(meta, self.peer).wait()
+        layout = _Layout(meta.tolist(), self._start)
+        buf = torch.empty(layout.payload, dtype=torch.uint8, device=lane.device)
+        lane.irecv(buf, self.peer).wait()
+        self._recv_layout = layout
+        if self.control is not None:
+            buf = buf.to(self.transport.device)
+        return layout.unpack(buf)
+
+
+def _header(changed: int, length: int) -> torch.Tensor:
+    return torch.tensor([changed, length], dtype=torch.int64)

@@ -96,6 +96,16 @@ def test_buckets_start_inside_the_last_backward_and_results_are_the_average():
     assert len(transport.calls) == n
 
 
+def test_arm_with_final_parameters_starts_their_buckets_at_once():
+    net = _net()
+    transport = FakeReplicas()
+    reducer = GradReducer(list(net.parameters()), transport, None, 2, 100)
+    _backward(net)
+    reducer.arm(final=list(net[4].parameters()))  # the first bucket: 4.bias, 4.weight
+    assert len(transport.calls) == 1 and not transport.calls[0][1]
+    reducer.finish()
+
+
 def test_no_overlap_and_finish_alone_reduce_at_finish():
     for bucket_bytes, arm in ((0, True), (300, False)):
         net, ref = _net(), _net()

@@ -17,9 +17,16 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
   - ``RecvGrad`` once the activation it is the gradient of was sent (in the
     same group as that send at the earliest), since a pair of ranks runs its
     operations in order;
-  - and, for both, only after the previous receive *from the same peer* was
+  - for both, only after the previous receive *from the same peer* was
     waited on: a transfer whose metadata changed sends extra messages that a
-    receive posted further ahead would swallow (see :mod:`pipekernel.wire`).
+    receive posted further ahead would swallow (see :mod:`pipekernel.wire`);
+  - and never ahead of a send *to the same peer* that comes before it in the
+    stream: it is posted in that send's group at the earliest. A pair of ranks
+    runs its operations in order (one NCCL stream), so a receive posted before
+    such a send would hold the send back until the receive completes — and in
+    1F1B the peer cannot send before it got that send: a deadlock. This is
+    Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``
+    pairing, derived from the stream instead of written per schedule.
   Posting is bounded by the receive's own position: at the latest it is posted
   right before it is waited on.
 * Everything posted at one point of the stream is posted as **one group**
@@ -115,6 +122,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
                if isinstance(ins, SendActivation)}
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_from: dict[int, int] = {}  # peer stage -> stream index of the previous receive
+    last_send_to: dict[int, int] = {}    # peer stage -> stream index of the latest send
     # buffer -> ((chunk, micro_batch) written last, the different one it replaced)
     holder: dict[int, tuple[tuple[int, int], tuple[int, int] | None]] = {}
     for i, ins in enumerate(stream):
@@ -127,6 +135,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             slot_free = 0 if before is None else released.get(before, i - 1) + 1
         if isinstance(ins, SENDS) and peers[i] is not None and not local[i]:
             posts[i].append(i)
+            last_send_to[peers[i][0]] = i
         if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
             continue
         if isinstance(ins, RecvActivation):
@@ -136,6 +145,9 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         previous = last_recv_from.get(peers[i][0])
         if previous is not None:
             earliest = max(earliest, previous + 1)
+        # not ahead of a send to the same peer that the stream puts before it: a pair
+        # runs its operations in order, so that send would queue behind this receive
+        earliest = max(earliest, last_send_to.get(peers[i][0], -1))
         last_recv_from[peers[i][0]] = i
         posts[min(max(earliest, 0), i)].append(i)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),

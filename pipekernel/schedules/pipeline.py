@@ -24,6 +24,7 @@ from pipekernel.instructions import (
     ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
 )
 from pipekernel.schedules.base import Schedule
+from pipekernel.schedules.placement import check_placement, position
 
 __all__ = ["OneFOneB", "GPipe", "Inference"]
 
@@ -120,18 +121,55 @@ class GPipe(_PipelineSchedule):
 class Inference(_PipelineSchedule):
     """Forward only, in ascending micro-batch order, with double buffering.
 
-    :meth:`num_buffers` is 2 (1 when ``micro_batches == 1``); micro-batch
-    ``m`` lives in buffer ``m % num_buffers()``. The last stage loads each
+    :meth:`num_buffers` is 2 (1 when only one forward runs); the ``k``-th forward of
+    the stage lives in buffer ``k % num_buffers()``. The last stage loads each
     micro-batch too (labels, for an evaluation loss). No backward, no
     reductions, no optimizer step.
+
+    With several chunks per stage (a model split for an interleaved or V-shaped
+    training schedule) the stage runs its parts in pipeline order, each over all
+    micro-batches (breadth first); :meth:`for_placement` gives the variant for
+    another placement than ``"loop"``.
     """
 
     name = "inference"
     trains = False
+    max_chunks = 64
+
+    @classmethod
+    def for_placement(cls, placement: str) -> type[Inference]:
+        """This schedule for models placed by ``placement`` (``"loop"`` or ``"v"``)."""
+        if placement == cls.placement:
+            return cls
+        check_placement(placement, 2)
+        return type(f"{cls.__name__}_{placement}", (cls,),
+                    {"placement": placement, "__module__": cls.__module__,
+                     "__doc__": f"{cls.__name__} for placement {placement!r}."})
 
     def num_buffers(self) -> int:
-        """``min(2, micro_batches)``."""
-        return min(2, self.micro_batches)
+        """``min(2, micro_batches * chunks)``."""
+        return min(2, self.micro_batches * self.chunks)
 
     def steps(self) -> list[list[Instruction]]:
-        return [self.forward_step(m) for m in range(self.micro_batches)]
+        if self.chunks == 1 and self.placement == "loop":
+            return [self.forward_step(m) for m in range(self.micro_batches)]
+        last = self.num_stages * self.chunks - 1
+        order = sorted(range(self.chunks),
+                       key=lambda c: position(self.stage, c, self.num_stages, self.placement))
+        holds_first = 0 in [position(self.stage, c, self.num_stages, self.placement)
+                            for c in order]
+        steps, k = [], 0
+        for chunk in order:
+            pos = position(self.stage, chunk, self.num_stages, self.placement)
+            for m in range(self.micro_batches):
+                buf, k = k % self.num_buffers(), k + 1
+                step: list[Instruction] = []
+                if pos == 0 or (pos == last and not holds_first):
+                    step.append(LoadMicroBatch(m, buf, chunk))
+                if pos > 0:
+                    step.append(RecvActivation(m, buf, chunk))
+                step.append(Forward(m, buf, chunk))
+                if pos < last:
+                    step.append(SendActivation(m, buf, chunk))
+                steps.append(step)
+        return steps

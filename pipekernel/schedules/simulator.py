@@ -15,9 +15,11 @@ matching send was posted, sends never block. It proves that a schedule
 * never overwrites a buffer that still holds a live micro-batch (until its
   backward when training; until its forward and send for inference).
 
-Virtual stages: chunk ``c`` on stage ``s`` is pipeline position
-``p = c * num_stages + s``; activations flow from ``p`` to ``p + 1``, gradients
-from ``p`` to ``p - 1``.
+Virtual stages: chunk ``c`` on stage ``s`` is the pipeline position that the
+schedule's ``placement`` gives (:mod:`pipekernel.schedules.placement`; ``"loop"``,
+``p = c * num_stages + s``, when the schedule has none); activations flow from
+``p`` to ``p + 1``, gradients from ``p`` to ``p - 1``. A transfer between two
+chunks of one stage (the turn of a V) goes through that stage's own channel.
 
 All problems are collected and raised as one :class:`ScheduleError`.
 """
@@ -29,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pipekernel.errors import ConfigError, ScheduleError
+from pipekernel.schedules.placement import peer as placement_peer
 from pipekernel.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
     MicroBatchInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad,
@@ -187,6 +190,7 @@ class _Simulation:
         self.stages = [_StageState(self._flatten(s), self._num_buffers(obj))
                        for s, obj in enumerate(objects)]
         self.trains = self._trains(objects)
+        self.placement = getattr(objects[0], "placement", "loop") if objects else "loop"
         self.channels: dict[tuple[int, int, str], deque] = {}
         self.progress: dict[tuple[int, int, int], _Progress] = {}
         self.deadlocked = False
@@ -283,10 +287,7 @@ class _Simulation:
 
     def _peer(self, stage: int, chunk: int, delta: int) -> tuple[int, int] | None:
         """(stage, chunk) of pipeline position ``p + delta``, or None past either end."""
-        position = chunk * self.S + stage + delta
-        if not 0 <= position < self.S * self.C:
-            return None
-        return position % self.S, position // self.S
+        return placement_peer(stage, chunk, delta, self.S, self.C, self.placement)
 
     def _send(self, stage: int, where: str, i: MicroBatchInstruction, kind: str) -> None:
         peer = self._peer(stage, i.chunk, 1 if kind == "activation" else -1)

@@ -34,8 +34,17 @@ class CountingTransport:
     def irecv(self, tensor, src):
         return self.inner.irecv(tensor, src)
 
+    def batch_isend_irecv(self, ops):
+        sends = [op.tensor for op in ops if op.op == "send"]
+        self.messages += len(sends)
+        self.bytes += sum(t.numel() * t.element_size() for t in sends)
+        return self.inner.batch_isend_irecv(ops)
+
     def all_reduce(self, tensor, op="sum", group=None):
         self.inner.all_reduce(tensor, op, group)
+
+    def iall_reduce(self, tensor, op="sum", group=None):
+        return self.inner.iall_reduce(tensor, op, group)
 
     def broadcast(self, tensor, src, group=None):
         self.inner.broadcast(tensor, src, group)

@@ -1,0 +1,126 @@
+"""Schedules written as an order of compute operations (layer 0: no torch).
+
+Interleaved and zero-bubble schedules are easiest to state as *what each stage
+computes, in which order*: ``("F", chunk, micro_batch)``, ``("B", ...)``, or the
+zero-bubble split ``("I", ...)`` / ``("W", ...)``. :class:`OrderedSchedule`
+turns such an order into steps with the conventions of
+:mod:`pipekernel.schedules.pipeline`, one compute instruction per step::
+
+    forward step:   [LoadMicroBatch]  [RecvActivation]  Forward  [SendActivation]
+    backward step:  [RecvGrad]  Backward | BackwardInput  [SendGrad]
+    weight step:    BackwardWeight
+
+* Communication follows the schedule's ``placement``
+  (:mod:`pipekernel.schedules.placement`): a part receives activations unless it
+  is position 0, sends them unless it is the last position, and the reverse for
+  gradients. A peer on the same stage (the turn of a V, or one stage holding
+  several chunks) is a local hand-off; the instructions are the same.
+* ``LoadMicroBatch`` goes with the forward of position 0 (inputs) and of the
+  last position (labels). When one stage holds both (one stage, or a V) it is
+  emitted once per micro-batch, with the forward of chunk 0: the runtime keeps
+  a micro-batch's labels until its loss is computed.
+* Buffers are one pool per stage shared by all chunks. The part ``(chunk,
+  micro_batch)`` takes the lowest free slot at its forward step and frees it
+  after its ``Backward`` (or its ``BackwardWeight``), so :meth:`num_buffers` is
+  exactly the stage's peak number of live parts.
+* The last step ends with ``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+from pipekernel.instructions import (
+    Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
+    OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation,
+    SendGrad,
+)
+from pipekernel.schedules.base import Schedule
+from pipekernel.schedules.placement import locate, position
+
+__all__ = ["Op", "OrderedSchedule", "KINDS"]
+
+#: ``(kind, chunk, micro_batch)`` with kind ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
+Op = tuple[str, int, int]
+KINDS = ("F", "B", "I", "W")
+_COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+
+
+class OrderedSchedule(Schedule):
+    """A training schedule given by :meth:`order`; subclasses implement ``order()``."""
+
+    def order(self) -> Sequence[Op]:
+        """This stage's compute operations, in execution order."""
+        raise NotImplementedError
+
+    # -- placement -------------------------------------------------------------------
+
+    def position_of(self, chunk: int) -> int:
+        """Pipeline position of ``chunk`` on this stage."""
+        return position(self.stage, chunk, self.num_stages, self.placement)
+
+    @property
+    def last_position(self) -> int:
+        return self.num_stages * self.chunks - 1
+
+    def loads(self, chunk: int) -> bool:
+        """Whether the forward of ``chunk`` on this stage loads the micro-batch."""
+        pos, last = self.position_of(chunk), self.last_position
+        owner_of_last = locate(last, self.num_stages, self.placement)[0]
+        if pos == 0:
+            return True
+        # labels: on the stage of the last position, unless that stage loads at position 0
+        return pos == last and owner_of_last != locate(0, self.num_stages, self.placement)[0]
+
+    # -- steps -----------------------------------------------------------------------
+
+    @cached_property
+    def _built(self) -> tuple[list[list[Instruction]], int]:
+        order = list(self.order())
+        free: list[int] = []
+        size = 0
+        slot: dict[tuple[int, int], int] = {}
+        steps: list[list[Instruction]] = []
+        for kind, chunk, mb in order:
+            if kind == "F":
+                if free:
+                    free.sort()
+                    buf = free.pop(0)
+                else:
+                    buf, size = size, size + 1
+                slot[(chunk, mb)] = buf
+            buf = slot[(chunk, mb)]
+            steps.append(self._step(kind, chunk, mb, buf))
+            if kind in ("B", "W"):
+                free.append(slot.pop((chunk, mb)))
+        if steps:
+            steps[-1].extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
+        return steps, max(size, 1)
+
+    def _step(self, kind: str, chunk: int, mb: int, buf: int) -> list[Instruction]:
+        pos, last = self.position_of(chunk), self.last_position
+        step: list[Instruction] = []
+        if kind == "F":
+            if self.loads(chunk):
+                step.append(LoadMicroBatch(mb, buf, chunk))
+            if pos > 0:
+                step.append(RecvActivation(mb, buf, chunk))
+            step.append(Forward(mb, buf, chunk))
+            if pos < last:
+                step.append(SendActivation(mb, buf, chunk))
+        elif kind in ("B", "I"):
+            if pos < last:
+                step.append(RecvGrad(mb, buf, chunk))
+            step.append(_COMPUTE[kind](mb, buf, chunk))
+            if pos > 0:
+                step.append(SendGrad(mb, buf, chunk))
+        else:
+            step.append(BackwardWeight(mb, buf, chunk))
+        return step
+
+    def steps(self) -> list[list[Instruction]]:
+        return [list(step) for step in self._built[0]]
+
+    def num_buffers(self) -> int:
+        """The stage's peak number of live ``(chunk, micro_batch)`` parts."""
+        return self._built[1]

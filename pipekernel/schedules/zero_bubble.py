@@ -1,0 +1,202 @@
+"""Zero-bubble schedules: ZB-H1 and ZB-V (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024). Layer 0: no torch.
+
+Both split each backward into ``BackwardInput`` (I: the gradient of the part's
+inputs, sent upstream at once) and ``BackwardWeight`` (W: the gradient of its
+weights, which nothing downstream waits for). W can then be moved into what
+would otherwise be pipeline bubbles.
+
+The order of each stage is built once per ``(num_stages, micro_batches)`` by
+:func:`plan`, a list scheduler that plays the whole pipeline forward in unit
+time (F = I = W = 1) and lets every idle stage pick, in this order of
+preference:
+
+1. the next ``I`` whose output gradient has arrived (deepest chunk first);
+2. the next ``F`` whose input has arrived, if the stage has room for one more
+   live part (its memory cap) and, at position 0, fewer than ``num_stages``
+   micro-batches are between their forward and their backward-input there;
+3. the oldest pending ``W``.
+
+Parts are forwarded, and their ``I`` run, in ascending micro-batch order per
+chunk; a stage takes messages from one peer in the order that peer sent them
+(one FIFO per pair of ranks, as NCCL matches point-to-point operations), so
+every send meets its receive in order. The memory cap counts parts whose ``W``
+has not run, i.e. buffers: the same count the simulator reports. The admission
+limit at position 0 keeps the plan from ever being stuck: a stage that lacks a
+slot for a forward of an admitted micro-batch always holds a pending ``W``.
+
+* ``zb-h1``: caps ``min(S - s, M)`` — 1F1B's buffers on every stage.
+* ``zbv``: caps ``min(2 S, 2 M)`` parts of half a stage each — the activation
+  memory of 1F1B's first stage, on every rank.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from functools import lru_cache
+
+from pipekernel.errors import ScheduleError
+from pipekernel.schedules.ordered import Op, OrderedSchedule
+from pipekernel.schedules.placement import locate, position
+
+__all__ = ["ZBH1", "ZBV", "plan"]
+
+
+@lru_cache(maxsize=256)
+def plan(num_stages: int, micro_batches: int, chunks: int, placement: str,
+         caps: tuple[int, ...], admit: int,
+         chunk_priority: tuple[int, ...] | None = None) -> tuple[tuple[Op, ...], ...]:
+    """Every stage's order of ``F``/``I``/``W`` operations (see the module docstring).
+
+    :param caps: per stage, the most live parts (forwarded, ``W`` not yet run).
+    :param chunk_priority: chunks in the order a stage prefers them when several
+        are ready (default: the deepest position first).
+    """
+    S, M, C = num_stages, micro_batches, chunks
+    last = S * C - 1
+    pos = [[position(s, c, S, placement) for c in range(C)] for s in range(S)]
+    if chunk_priority is None:
+        order = [sorted(range(C), key=lambda c, s=s: -pos[s][c]) for s in range(S)]
+    else:
+        order = [list(chunk_priority) for _ in range(S)]
+    done: dict[tuple[str, int], int] = {}   # (kind, position, mb) -> end time
+    next_f = [[0] * C for _ in range(S)]
+    next_i = [[0] * C for _ in range(S)]
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(S)]
+    live = [0] * S
+    admitted = finished = 0  # micro-batches that entered position 0 / left it backwards
+    busy_until = [0] * S
+    ops: list[list[Op]] = [[] for _ in range(S)]
+    # messages in flight between two different ranks, in send order: (src, dst) -> deque
+    wire: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
+    total = S * C * M * 3
+
+    def arrived(kind: str, p: int, mb: int, t: int) -> bool:
+        """The message a part at position ``p`` waits for has arrived by ``t``."""
+        src = p - 1 if kind == "F" else p + 1
+        end = done.get(("F" if kind == "F" else "I", src, mb))
+        if end is None or end > t:
+            return False
+        me, peer = locate(p, S, placement)[0], locate(src, S, placement)[0]
+        if me == peer:
+            return True
+        queue = wire.get((peer, me))
+        return bool(queue) and queue[0] == (kind, p, mb)
+
+    def run(s: int, kind: str, chunk: int, mb: int, t: int) -> None:
+        p = pos[s][chunk]
+        if kind in ("F", "I"):
+            src = p - 1 if kind == "F" else p + 1
+            if 0 <= src <= last:
+                peer = locate(src, S, placement)[0]
+                if peer != s:
+                    wire[(peer, s)].popleft()
+            dst = p + 1 if kind == "F" else p - 1
+            if 0 <= dst <= last:
+                peer = locate(dst, S, placement)[0]
+                if peer != s:
+                    wire.setdefault((s, peer), deque()).append(("F" if kind == "F" else "I",
+                                                                dst, mb))
+        done[(kind, p, mb)] = t + 1
+        busy_until[s] = t + 1
+        ops[s].append((kind, chunk, mb))
+
+    t = 0
+    while sum(len(o) for o in ops) < total:
+        moved = False
+        for s in range(S):
+            if busy_until[s] > t:
+                moved = True
+                continue
+            choice = None
+            for c in order[s]:  # 1. backward-input
+                mb = next_i[s][c]
+                if mb < next_f[s][c] and (pos[s][c] == last or arrived("I", pos[s][c], mb, t)) \
+                        and done.get(("F", pos[s][c], mb), t + 1) <= t:
+                    choice = ("I", c, mb)
+                    break
+            if choice is None:  # 2. forward
+                for c in order[s]:
+                    mb, p = next_f[s][c], pos[s][c]
+                    if mb >= M or not (p == 0 or arrived("F", p, mb, t)):
+                        continue
+                    if p == 0 and admitted - finished >= admit:
+                        continue
+                    if live[s] >= caps[s]:
+                        continue
+                    choice = ("F", c, mb)
+                    break
+            if choice is None and pending_w[s]:  # 3. weight
+                c, mb = pending_w[s].popleft()
+                choice = ("W", c, mb)
+            if choice is None:
+                continue
+            kind, c, mb = choice
+            if kind == "F":
+                next_f[s][c] += 1
+                live[s] += 1
+                if pos[s][c] == 0:
+                    admitted += 1
+            elif kind == "I":
+                next_i[s][c] += 1
+                if pos[s][c] == 0:
+                    finished += 1
+                pending_w[s].append((c, mb))
+            else:
+                live[s] -= 1
+            run(s, kind, c, mb, t)
+            moved = True
+        if not moved:
+            raise ScheduleError(
+                f"zero-bubble planner is stuck at time {t} for {S} stage(s) x {M} "
+                f"micro-batch(es) with memory caps {list(caps)}",
+                hint="raise the memory caps (this is a bug in the schedule's caps)")
+        t += 1
+    return tuple(tuple(o) for o in ops)
+
+
+class _ZeroBubble(OrderedSchedule):
+    trains = True
+
+    def caps(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def order(self) -> Sequence[Op]:
+        return plan(self.num_stages, self.micro_batches, self.chunks, self.placement,
+                    self.caps(), self.num_stages)[self.stage]
+
+
+class ZBH1(_ZeroBubble):
+    """ZB-H1: 1F1B with the backward split into I and W, W deferred into the bubbles.
+
+    One chunk, ``"loop"`` placement, any sizes. Stage ``s`` never holds more
+    than ``min(S - s, M)`` parts (1F1B's buffers), counting a part until its W.
+    """
+
+    name = "zb-h1"
+    placement = "loop"
+
+    def caps(self) -> tuple[int, ...]:
+        S, M = self.num_stages, self.micro_batches
+        return tuple(min(S - s, M) for s in range(S))
+
+
+class ZBV(_ZeroBubble):
+    """ZB-V: two chunks per rank in a V, backward split into I and W.
+
+    ``"v"`` placement, exactly 2 chunks, any sizes: rank ``s`` holds positions
+    ``s`` (chunk 0) and ``2 S - 1 - s`` (chunk 1), so rank 0 loads the inputs and
+    computes the loss, and the turn of the V (``S - 1 -> S``) is a local hand-off
+    on the last rank. Each rank holds at most ``min(2 S, 2 M)`` parts.
+    """
+
+    name = "zbv"
+    placement = "v"
+    min_chunks = max_chunks = default_chunks = 2
+
+    def __init__(self, num_stages: int, stage: int, micro_batches: int, chunks: int = 2) -> None:
+        super().__init__(num_stages, stage, micro_batches, chunks)
+
+    def caps(self) -> tuple[int, ...]:
+        S, M = self.num_stages, self.micro_batches
+        return tuple(min(2 * S, 2 * M) for s in range(S))

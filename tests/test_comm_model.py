@@ -1,0 +1,67 @@
+"""The communication model end to end: the runtime posts what the plan says, and real
+pipelines train under NCCL's rules (rendezvous sends, in order per peer) on CPU."""
+from __future__ import annotations
+
+import pytest
+from models import MODELS, sgd
+from rendezvous_transport import RendezvousPlugin
+
+import pipekernel as pk
+from pipekernel.errors import TransportError
+from pipekernel.schedules.comm import CommPlan, P2P
+from pipekernel.testing import assert_parity, reference_train, run_ranks
+
+STEPS = 2
+
+
+def _train(model, stages, micro_batches, schedule, chunks=None, naive=False):
+    build, data = MODELS[model]
+    engine = pk.PipelineEngine(build(num_stages=stages * (chunks or 1)) if chunks else
+                               build(num_stages=stages), optimizer=sgd,
+                               micro_batches=micro_batches, schedule=schedule,
+                               transport="rendezvous", plugins=[RendezvousPlugin()], timeout=8,
+                               chunks=chunks)
+    if naive:  # every op posted alone, at its own instruction: the old model
+        steps, buffers, plan = engine._steps(engine.schedule_cls)
+        posts = tuple((ins,) if isinstance(ins, P2P) and not plan.local[i] and plan.peers[i]
+                      else () for i, ins in enumerate(plan.stream))
+        naive_plan = CommPlan(plan.stage, plan.stream, plan.step_of, posts, plan.peers,
+                              plan.local)
+        engine._steps_cache[engine.schedule_cls] = (steps, buffers, naive_plan)
+    losses = [engine.train_batch(iter(data(step, 0, micro_batches))).item()
+              for step in range(STEPS)]
+    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    plan = engine._steps(engine.schedule_cls)[2]
+    expected = [[("send" if "Send" in type(i).__name__ else "recv", None) for i in group]
+                for group in plan.posts if group]
+    posted = [[(op, None) for op, _ in group] for group in engine.transport.groups_posted]
+    engine.close()
+    return losses, state, posted, expected
+
+
+@pytest.mark.parametrize("schedule,stages,micro_batches", [("1f1b", 2, 4), ("1f1b", 4, 5),
+                                                           ("gpipe", 3, 3)])
+def test_pipelines_train_under_rendezvous_semantics(schedule, stages, micro_batches):
+    results = run_ranks(_train, stages, "mlp", stages, micro_batches, schedule, timeout=240)
+    build, data = MODELS["mlp"]
+    ref_losses, ref_state = reference_train(build(), sgd,
+                                            [[data(s, 0, micro_batches)] for s in range(STEPS)],
+                                            micro_batches)
+    for losses, state, posted, expected in results:
+        assert_parity(losses, ref_losses, state, ref_state)
+        # the runtime posted the plan's groups, in order, batch after batch (the first
+        # transfer of each channel adds metadata messages to its group's sends)
+        groups = [[kind for kind, _ in g] for g in posted]
+        want = [[kind for kind, _ in g] for g in expected]
+        assert len(groups) == STEPS * len(want)
+        for got, plan_group in zip(groups[len(want):], want):  # second batch: fast path
+            assert got == plan_group
+
+
+def test_naive_posting_deadlocks_under_rendezvous():
+    """Posting each send and receive alone where the instruction stands (the old model)
+    deadlocks 1F1B under rendezvous sends; the engine must end with an error, not hang."""
+    with pytest.raises(pk.RankError) as info:
+        run_ranks(_train, 2, "mlp", 2, 4, "1f1b", None, True, timeout=120)
+    assert isinstance(info.value.original, TransportError)
+    assert "RECV_" in str(info.value.original)  # names the instruction it was blocked on
