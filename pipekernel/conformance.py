@@ -231,6 +231,25 @@ def _check_batched(run: _Run) -> None:
             t.batch_isend_irecv([P2POp("recv", got, 1)])[0].wait()
             if got.cpu().tolist() != [4.0] * 5:
                 raise run.fail(f"a group spanning two peers sent {got.tolist()} to rank 2")
+    if run.rank <= 1:  # lanes: rank 0 sends on tag 1 then tag 0, rank 1 receives 0 then 1
+        lanes = min(int(getattr(t, "max_tags", 1)), 4)
+        if lanes >= 2:
+            peer = 1 - run.rank
+            if run.rank == 0:
+                handles = t.batch_isend_irecv(
+                    [P2POp("send", torch.full((1 << 18,), float(tag), device=t.device), peer, tag)
+                     for tag in reversed(range(lanes))])
+                for handle in handles:
+                    handle.wait()
+            else:
+                got = [torch.empty(1 << 18, device=t.device) for _ in range(lanes)]
+                for tag in range(lanes):  # one group per lane, in the other order
+                    t.batch_isend_irecv([P2POp("recv", got[tag], peer, tag)])[0].wait()
+                for tag in range(lanes):
+                    if not bool((got[tag] == float(tag)).all()):
+                        raise run.fail(f"lane {tag} received the message of lane "
+                                       f"{got[tag].flatten()[0].item():g}: tags must match "
+                                       "messages per (pair, tag)")
     if t.batch_isend_irecv([]) != []:
         raise run.fail("an empty group must return no handles")
 

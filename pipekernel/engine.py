@@ -17,7 +17,7 @@ from pipekernel.partitioning import PartitionContext, PartitionReport
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.runtime import StageRuntime
-from pipekernel.schedules.comm import CommPlan, plan_communication
+from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.topology import Topology
 
@@ -104,8 +104,16 @@ class PipelineEngine:
             raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
                               hint="e.g. chunks=2 with schedule='interleaved'")
         self.placement = self.schedule_cls.placement
+        self.schedule_cls(num_stages, 0, micro_batches, self.chunks)  # its own clear errors
         if self.chunks > 1:
             check_placement(self.placement, self.chunks)
+        lanes = lanes_needed(self.chunks)
+        if num_stages > 1 and getattr(self.transport, "max_tags", 1) < lanes:
+            raise ConfigError(
+                f"transport {transport!r} offers {getattr(self.transport, 'max_tags', 1)} "
+                f"lane(s) (tags) and {self.chunks} chunk(s) per stage need {lanes}",
+                hint="each channel has its own lane so that no receive holds back a send; "
+                     "use a transport with more tags (see pipekernel/transport.py)")
         self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
                                                 self.placement, self.chunks)
         # every rank partitions here, before any group exists: plugins may broadcast

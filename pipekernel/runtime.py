@@ -136,6 +136,14 @@ class StageRuntime:
                        if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
             self._last_backward = weights[-1] if weights else -1
 
+    def payload_bytes(self) -> dict[str, int]:
+        """Tensor bytes this stage sent to its peers so far, by dtype name."""
+        total: dict[str, int] = {}
+        for channel in self._channels.values():
+            for name, count in channel.payload.items():
+                total[name] = total.get(name, 0) + count
+        return total
+
     def flush(self) -> None:
         """Wait for every send still in flight."""
         sends, self._sends = self._sends, []
@@ -183,7 +191,8 @@ class StageRuntime:
         if channel is None:
             index = self._index[instruction]
             peer_stage, _ = self._plan.peers[index]
-            channel = Channel(self.transport, self.topology.stage_rank(peer_stage))
+            channel = Channel(self.transport, self.topology.stage_rank(peer_stage),
+                              tag=self._plan.lanes[index])
             self._channels[key] = channel
         return channel
 

@@ -22,9 +22,15 @@ Contract for implementers
 * **Point-to-point** (``isend``/``irecv``) is asynchronous: both return a
   :class:`Handle` at once. The caller owns the tensor and will not touch it
   until ``handle.wait()`` returned. Messages between the same pair of ranks
-  arrive in the order they were posted (FIFO per direction); there are no
-  tags: the k-th send from A to B fills B's k-th receive from A, so both sides
-  post in the same order (the wire protocol and the communication plan ensure it).
+  arrive in the order they were posted (FIFO per direction and *tag*): the k-th
+  send from A to B with tag t fills B's k-th receive from A with tag t.
+* **Tags are independent lanes.** Operations with different tags between the
+  same pair never wait for one another, whatever the order they were posted in
+  (gloo: its tags; NCCL: one communicator per tag, since NCCL has no tags and
+  runs a communicator's operations in order on one stream). A transport supports
+  tags ``0 .. max_tags - 1``. The runtime gives each *channel* (one kind of
+  traffic of one chunk in one direction) its own tag, so a lane only ever
+  carries one channel's messages in one direction, in order.
 * **Sends may rendezvous.** An implementer may make a send complete only once
   the peer posted the matching receive (NCCL does; gloo does for large
   messages), and may run a pair of ranks' operations in posting order on one
@@ -88,11 +94,13 @@ class P2POp:
         transport's ``device``; the caller keeps it untouched until the op's
         handle was waited on).
     :param peer: the peer's rank in the transport's world.
+    :param tag: the lane (``0 .. Transport.max_tags - 1``; see the module docstring).
     """
 
     op: str
     tensor: Any
     peer: int
+    tag: int = 0
 
 
 @runtime_checkable
@@ -120,13 +128,15 @@ class Transport(Protocol):
     timeout: float
     #: ``torch.device`` that tensors must live on for this transport.
     device: Any
+    #: Number of independent lanes (tags) point-to-point operations may use.
+    max_tags: int
 
-    def isend(self, tensor: Any, dst: int) -> Handle:
-        """Start sending ``tensor`` to global rank ``dst``."""
+    def isend(self, tensor: Any, dst: int, tag: int = 0) -> Handle:
+        """Start sending ``tensor`` to rank ``dst`` on lane ``tag``."""
 
-    def irecv(self, tensor: Any, src: int) -> Handle:
-        """Start receiving from global rank ``src`` into ``tensor`` (same shape and dtype
-        as what the peer sends)."""
+    def irecv(self, tensor: Any, src: int, tag: int = 0) -> Handle:
+        """Start receiving from rank ``src`` on lane ``tag`` into ``tensor`` (same shape
+        and dtype as what the peer sends)."""
 
     def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         """Post ``ops`` as one group; one handle per op, in order (see the module docstring

@@ -24,9 +24,9 @@ knows what the receiver posted — a message sized for the metadata it sent last
 (16 bytes, or nothing on a control lane, when it sent none) — and still sends
 exactly that *void* message, flagged in its header, so the pre-posted receive
 matches; then the new metadata and the data follow as extra messages on the
-host lane (the same lane when fused). Those extra messages are the reason the
-communication plan keeps at most one receive per peer posted ahead: a receive
-posted further ahead would take them. On a device transport they go over the
+host lane (the same lane when fused), all with the channel's tag. Those extra
+messages are why the communication plan keeps at most one receive per channel
+posted ahead: a receive posted further ahead would take them. On a device transport they go over the
 host lane so that they can never queue behind the device lane's in-order
 operations (a late device receive could deadlock under rendezvous sends); the
 cost is a copy through host memory once per change. No manual reset exists or
@@ -46,6 +46,7 @@ __all__ = ["flatten", "unflatten", "encode", "decode", "Channel", "PendingRecv",
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_NAMES = {dtype: str(dtype).replace("torch.", "") for dtype in _DTYPES}
 _TUPLE = -1
 #: Size of the header of every transfer (two int64: changed flag, metadata length).
 HEADER_BYTES = 16
@@ -180,10 +181,11 @@ class Channel:
     :param peer: the peer's rank in ``transport``'s world.
     :param control: the host lane for headers (``transport.control`` by default;
         ``None`` or the data transport itself means fused headers).
+    :param tag: the channel's lane on both transports (see :mod:`pipekernel.transport`).
     """
 
-    def __init__(self, transport: Any, peer: int, control: Any = None) -> None:
-        self.transport, self.peer = transport, peer
+    def __init__(self, transport: Any, peer: int, control: Any = None, tag: int = 0) -> None:
+        self.transport, self.peer, self.tag = transport, peer, tag
         control = control if control is not None else getattr(transport, "control", None)
         self.control = None if control is transport else control
         self._start = 0 if self.control is not None else HEADER_BYTES
@@ -192,6 +194,9 @@ class Channel:
         self._recv_layout: _Layout | None = None
         #: Bytes this channel put on the wire (data, headers and metadata), for benchmarks.
         self.bytes_sent = 0
+        #: Tensor bytes sent, by dtype name (``"bfloat16"``, ...): what the packed
+        #: messages carry, which the transport only sees as bytes.
+        self.payload: dict[str, int] = {}
 
     # -- sending -----------------------------------------------------------------------
     def send_ops(self, obj: Any) -> tuple[list[P2POp], list[P2POp]]:
@@ -200,6 +205,10 @@ class Channel:
         tensors, structure = flatten(obj)
         meta = encode(tensors, structure)
         device, start = self.transport.device, self._start
+        payload = self.payload
+        for t in tensors:
+            name = _NAMES[t.dtype]
+            payload[name] = payload.get(name, 0) + t.numel() * t.element_size()
         if meta == self._sent_meta:
             layout = self._sent_layout
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
@@ -207,9 +216,9 @@ class Channel:
             if self.control is None:
                 buf[:HEADER_BYTES].zero_()
                 self.bytes_sent += layout.payload
-                return [P2POp("send", buf, self.peer)], []
+                return [P2POp("send", buf, self.peer, self.tag)], []
             self.bytes_sent += layout.payload + HEADER_BYTES
-            return [P2POp("send", buf, self.peer)], [P2POp("send", _header(0, 0), self.peer)]
+            return [P2POp("send", buf, self.peer, self.tag)], [P2POp("send", _header(0, 0), self.peer, self.tag)]
         return self._changed(tensors, meta, start)
 
     def _changed(self, tensors: list[torch.Tensor], meta: list[int], start: int
@@ -230,20 +239,20 @@ class Channel:
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
             buf[:HEADER_BYTES].zero_()
             layout.pack(tensors, buf)
-            data_ops = [P2POp("send", void, self.peer), P2POp("send", meta_tensor, self.peer),
-                        P2POp("send", buf, self.peer)]
+            data_ops = [P2POp("send", void, self.peer, self.tag), P2POp("send", meta_tensor, self.peer, self.tag),
+                        P2POp("send", buf, self.peer, self.tag)]
             self.bytes_sent += void.numel() + meta_tensor.numel() * 8 + buf.numel()
         else:
             meta_tensor = torch.tensor(meta, dtype=torch.int64)
             if old is not None:  # the receiver posted a data receive of the old size
                 data_ops.append(P2POp("send", torch.empty(old.payload, dtype=torch.uint8,
                                                           device=self.transport.device),
-                                      self.peer))
+                                      self.peer, self.tag))
                 self.bytes_sent += old.payload
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=host)
             layout.pack([t.detach().to(host) for t in tensors], buf)
-            control_ops = [P2POp("send", _header(1, len(meta)), self.peer),
-                           P2POp("send", meta_tensor, self.peer), P2POp("send", buf, self.peer)]
+            control_ops = [P2POp("send", _header(1, len(meta)), self.peer, self.tag),
+                           P2POp("send", meta_tensor, self.peer, self.tag), P2POp("send", buf, self.peer, self.tag)]
             self.bytes_sent += HEADER_BYTES + meta_tensor.numel() * 8 + buf.numel()
         self._sent_meta, self._sent_layout = meta, layout
         return data_ops, control_ops
@@ -255,14 +264,14 @@ class Channel:
         if self.control is None:
             size = layout.payload if layout is not None else HEADER_BYTES
             pending.buf = torch.empty(size, dtype=torch.uint8, device=self.transport.device)
-            pending.ops.append(P2POp("recv", pending.buf, self.peer))
+            pending.ops.append(P2POp("recv", pending.buf, self.peer, self.tag))
         else:
             pending.header = torch.empty(2, dtype=torch.int64)
-            pending.control_ops.append(P2POp("recv", pending.header, self.peer))
+            pending.control_ops.append(P2POp("recv", pending.header, self.peer, self.tag))
             if layout is not None:
                 pending.buf = torch.empty(layout.payload, dtype=torch.uint8,
                                           device=self.transport.device)
-                pending.ops.append(P2POp("recv", pending.buf, self.peer))
+                pending.ops.append(P2POp("recv", pending.buf, self.peer, self.tag))
         return pending
 
     def finish(self, pending: PendingRecv) -> Any:
@@ -284,10 +293,10 @@ class Channel:
             return self._recv_layout.unpack(pending.buf)
         lane = self.control if self.control is not None else self.transport
         meta = torch.empty(length, dtype=torch.int64, device=lane.device)
-        lane.irecv(meta, self.peer).wait()
+        lane.irecv(meta, self.peer, self.tag).wait()
         layout = _Layout(meta.tolist(), self._start)
         buf = torch.empty(layout.payload, dtype=torch.uint8, device=lane.device)
-        lane.irecv(buf, self.peer).wait()
+        lane.irecv(buf, self.peer, self.tag).wait()
         self._recv_layout = layout
         if self.control is not None:
             buf = buf.to(self.transport.device)

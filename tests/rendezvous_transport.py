@@ -6,9 +6,10 @@ on top of gloo:
 
 * **rendezvous**: a send's data leaves only once the receiver posted the matching
   receive (the receiver sends a ready token on a side group first);
-* **in order per peer**: a rank's operations with one peer run one group after
-  the other, like kernels on one NCCL stream; the ops of one group to one peer
-  progress together (its receives announce themselves before its sends wait).
+* **in order per peer and lane**: a rank's operations with one peer on one tag
+  run one group after the other, like kernels on one NCCL communicator's stream
+  (a lane is a communicator); the ops of one group to one peer and lane progress
+  together (its receives announce themselves before its sends wait).
 
 Selected in tests with ``plugins=[RendezvousPlugin()]`` and ``transport="rendezvous"``.
 """
@@ -51,16 +52,20 @@ class RendezvousTransport(GlooTransport):
     def __init__(self, timeout: float = 300.0, **options):
         super().__init__(timeout=timeout, **options)
         self._tokens = dist.new_group(list(range(self.world_size)))  # ready tokens
+        # A transport whose pairs run in order needs a host lane for the wire's headers
+        # and metadata changes (see pipekernel.wire): a plain gloo group.
+        self.control = GlooTransport(timeout=timeout,
+                                     group=dist.new_group(list(range(self.world_size))))
         self._queues: dict[int, queue.Queue] = {}
         self._lock = threading.Lock()
         self.groups_posted: list[list[tuple[str, int]]] = []
 
-    def _queue(self, peer):
+    def _queue(self, peer, tag):
         with self._lock:
-            if peer not in self._queues:
-                self._queues[peer] = queue.Queue()
-                threading.Thread(target=self._worker, args=(peer,), daemon=True).start()
-            return self._queues[peer]
+            if (peer, tag) not in self._queues:
+                self._queues[(peer, tag)] = queue.Queue()
+                threading.Thread(target=self._worker, args=(peer, tag), daemon=True).start()
+            return self._queues[(peer, tag)]
 
     def batch_isend_irecv(self, ops):
         self.groups_posted.append([(op.op, op.peer) for op in ops])
@@ -69,40 +74,40 @@ class RendezvousTransport(GlooTransport):
     def _post_group(self, ops):
         futures = [_Future(self, op.peer, "send to" if op.op == "send" else "receive from")
                    for op in ops]
-        by_peer: dict[int, list] = {}
+        by_lane: dict[tuple[int, int], list] = {}
         for op, future in zip(ops, futures):
-            by_peer.setdefault(op.peer, []).append((op, future))
-        for peer, unit in by_peer.items():
-            self._queue(peer).put(unit)
+            by_lane.setdefault((op.peer, op.tag), []).append((op, future))
+        for (peer, tag), unit in by_lane.items():
+            self._queue(peer, tag).put(unit)
         return futures
 
-    def isend(self, tensor, dst):
-        return self._post_group([pk.P2POp("send", tensor, dst)])[0]
+    def isend(self, tensor, dst, tag=0):
+        return self._post_group([pk.P2POp("send", tensor, dst, tag)])[0]
 
-    def irecv(self, tensor, src):
-        return self._post_group([pk.P2POp("recv", tensor, src)])[0]
+    def irecv(self, tensor, src, tag=0):
+        return self._post_group([pk.P2POp("recv", tensor, src, tag)])[0]
 
-    def _worker(self, peer):
+    def _worker(self, peer, tag):
         token = torch.zeros(1, dtype=torch.uint8)
         while True:
-            unit = self._queue(peer).get()
+            unit = self._queue(peer, tag).get()
             if unit is None:
                 return
             try:
                 works = []  # gloo's sends complete only once received: never wait on a token
                 for op, _ in unit:  # announce every receive of the unit first
                     if op.op == "recv":
-                        works.append(dist.isend(token, peer, group=self._tokens))
-                        works.append(super().irecv(op.tensor, peer))
+                        works.append(dist.isend(token, peer, group=self._tokens, tag=tag))
+                        works.append(super().irecv(op.tensor, peer, tag))
                 for op, _ in unit:  # then each send waits for its receiver
                     if op.op == "send":
                         ready = torch.empty(1, dtype=torch.uint8)
-                        work = dist.irecv(ready, peer, group=self._tokens)
+                        work = dist.irecv(ready, peer, group=self._tokens, tag=tag)
                         if not work.wait(_seconds(self.timeout)):
                             raise TransportTimeout(f"rank {self.rank}: rank {peer} never posted "
                                                    "the receive of a send", peer=peer,
                                                    rank=self.rank)
-                        works.append(super().isend(op.tensor, peer))
+                        works.append(super().isend(op.tensor, peer, tag))
                 for work in works:
                     work.wait()
                 for _, future in unit:

@@ -39,9 +39,9 @@ class Counting:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def isend(self, tensor, dst):
+    def isend(self, tensor, dst, tag=0):
         self.sent[str(tensor.dtype).replace("torch.", "")] += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst)
+        return self.inner.isend(tensor, dst, tag)
 
 
 class CountingPlugin:
@@ -132,13 +132,13 @@ def train_worker(model, stages, dp, micro_batches, precision, steps, max_grad_no
     if compare_bytes:  # the same batches in fp32 first, for the byte count
         fp32 = _engine(model, stages, dp, micro_batches, "fp32")
         _train(fp32, model, micro_batches, steps)
-        sent_fp32 = dict(fp32.transport.sent)
+        sent_fp32 = fp32.runtime.payload_bytes()
     metrics = Metrics()
     engine = _engine(model, stages, dp, micro_batches, precision, plugins=[metrics],
                      max_grad_norm=max_grad_norm)
     losses = _train(engine, model, micro_batches, steps)
     return {"losses": losses, "masters": _masters(engine), "stage": engine.stage,
-            "replica": engine.data_parallel_rank, "sent": dict(engine.transport.sent),
+            "replica": engine.data_parallel_rank, "sent": engine.runtime.payload_bytes(),
             "sent_fp32": sent_fp32, "metrics": metrics.seen,
             "module_dtypes": {k: v.dtype for k, v in engine.module.state_dict().items()},
             "opt_dtypes": {v.dtype for state in engine.optimizer.state.values()

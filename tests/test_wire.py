@@ -27,13 +27,13 @@ class Counting:
                 self.bytes += op.tensor.numel() * op.tensor.element_size()
         return self.inner.batch_isend_irecv(ops)
 
-    def isend(self, tensor, dst):
+    def isend(self, tensor, dst, tag=0):
         self.messages += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst)
+        return self.inner.isend(tensor, dst, tag)
 
-    def irecv(self, tensor, src):
-        return self.inner.irecv(tensor, src)
+    def irecv(self, tensor, src, tag=0):
+        return self.inner.irecv(tensor, src, tag)
 
 
 def _objects(step):

@@ -133,12 +133,15 @@ class TorchDistributedTransport:
         return tensor.reshape(-1).view(torch.uint8) if tensor.dim() else \
             tensor.reshape(1).view(torch.uint8)
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> _Handle:
-        work = self._post(dist.isend, tensor, dst, "send to")
+    #: gloo matches point-to-point messages by (pair, tag): any tag is a lane.
+    max_tags = 1 << 16
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _Handle:
+        work = self._post(dist.isend, tensor, dst, "send to", tag)
         return _Handle(work, self, dst, "send to")
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> _Handle:
-        work = self._post(dist.irecv, tensor, src, "receive from")
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> _Handle:
+        work = self._post(dist.irecv, tensor, src, "receive from", tag)
         return _Handle(work, self, src, "receive from")
 
     def batch_isend_irecv(self, ops: Sequence[Any]) -> list[_Handle]:
@@ -148,16 +151,16 @@ class TorchDistributedTransport:
         handles = []
         for op in ops:
             if op.op == "send":
-                handles.append(self.isend(op.tensor, op.peer))
+                handles.append(self.isend(op.tensor, op.peer, op.tag))
             elif op.op == "recv":
-                handles.append(self.irecv(op.tensor, op.peer))
+                handles.append(self.irecv(op.tensor, op.peer, op.tag))
             else:
                 raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}")
         return handles
 
-    def _post(self, fn, tensor: torch.Tensor, peer: int, what: str) -> Any:
+    def _post(self, fn, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:
         try:
-            return fn(self._bytes(tensor), self.global_rank(peer), group=self.group)
+            return fn(self._bytes(tensor), self.global_rank(peer), group=self.group, tag=tag)
         except RuntimeError as err:  # e.g. the peer's connection closed: name the peer
             raise TransportError(f"rank {self.rank} failed to {what} rank {peer}: {err}",
                                  rank=self.rank, hint=f"look at rank {peer}'s log: it "

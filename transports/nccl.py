@@ -11,6 +11,7 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from pipekernel.errors import ConfigError
 from pipekernel.transports.gloo import TorchDistributedTransport
@@ -34,7 +35,29 @@ class NcclTransport(TorchDistributedTransport):
                               hint="start at most one process per GPU on each node")
         self._cuda = torch.device("cuda", local)
         torch.cuda.set_device(self._cuda)
+        lanes = int(options.pop("lanes", 8))
         super().__init__(timeout, group, **options)
+        self._make_lanes(lanes)
+
+    def _make_lanes(self, count: int) -> None:
+        """NCCL has no tags and runs a communicator's operations in order, so each lane
+        (tag) is its own process group, hence its own communicators and streams. Every
+        rank creates them at construction, in the same order (``new_group`` is
+        collective); NCCL initialises a pair's communicator lazily at its first use."""
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None \
+            else list(range(dist.get_world_size()))
+        self._lanes = [self.group] + [dist.new_group(ranks) for _ in range(count - 1)]
+        self.max_tags = count
+
+    def _post(self, fn, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:
+        if not 0 <= tag < self.max_tags:
+            raise ConfigError(f"nccl transport has {self.max_tags} lanes, tag {tag} asked for",
+                              hint="raise transport_options={'lanes': ...}")
+        group, self.group = self.group, self._lanes[tag]
+        try:
+            return super()._post(fn, tensor, peer, what, 0)
+        finally:
+            self.group = group
 
     def _init_options(self) -> dict[str, Any]:
         return {"device_id": self._cuda}  # binds the communicator to this GPU eagerly

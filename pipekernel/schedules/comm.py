@@ -17,16 +17,20 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
   - ``RecvGrad`` once the activation it is the gradient of was sent (in the
     same group as that send at the earliest), since a pair of ranks runs its
     operations in order;
-  - for both, only after the previous receive *from the same peer* was
-    waited on: a transfer whose metadata changed sends extra messages that a
-    receive posted further ahead would swallow (see :mod:`pipekernel.wire`);
-  - and never ahead of a send *to the same peer* that comes before it in the
-    stream: it is posted in that send's group at the earliest. A pair of ranks
-    runs its operations in order (one NCCL stream), so a receive posted before
-    such a send would hold the send back until the receive completes — and in
-    1F1B the peer cannot send before it got that send: a deadlock. This is
-    Megatron's ``send_forward_recv_backward`` / ``send_backward_recv_forward``
-    pairing, derived from the stream instead of written per schedule.
+  - and, for both, only after the previous receive *of the same channel* was
+    waited on: a transfer whose metadata changed sends extra messages on its
+    lane that a receive posted further ahead would take, and the receiver sizes
+    a receive from the metadata of the one before (see :mod:`pipekernel.wire`).
+* Every channel — one kind of traffic (activations or gradients) of one sending
+  chunk in one direction between two stages — has its own **lane** (transport
+  tag, :func:`lane_of`). A pair of ranks runs each lane's operations in order
+  (NCCL: one stream per communicator), but lanes never wait for one another,
+  and a lane carries one channel in one direction only: a receive posted early
+  can never hold back an unrelated send, which is what deadlocks 1F1B when a
+  pair shares one ordered stream (each side's send waits behind its own
+  receive). The runtime never waits on a send before the batch ends, so under
+  rendezvous sends the only waits are receives whose data the peer produces —
+  the same dependencies as with buffered sends — and collectives.
   Posting is bounded by the receive's own position: at the latest it is posted
   right before it is waited on.
 * Everything posted at one point of the stream is posted as **one group**
@@ -46,7 +50,8 @@ from pipekernel.instructions import (
 )
 from pipekernel.schedules.placement import peer as placement_peer
 
-__all__ = ["CommPlan", "plan_communication", "peer_of", "SENDS", "RECVS", "P2P"]
+__all__ = ["CommPlan", "plan_communication", "peer_of", "lane_of", "lanes_needed", "SENDS",
+           "RECVS", "P2P"]
 
 SENDS = (SendActivation, SendGrad)
 RECVS = (RecvActivation, RecvGrad)
@@ -64,6 +69,23 @@ def peer_of(instruction: MicroBatchInstruction, stage: int, num_stages: int, chu
                           placement)
 
 
+def lane_of(instruction: MicroBatchInstruction, stage: int, peer: tuple[int, int]) -> int:
+    """The lane (transport tag) of a point-to-point instruction of ``stage`` talking to
+    ``peer = (stage, chunk)``: ``4 * sending chunk + 2 * kind + direction`` (kind 0 for
+    activations, 1 for gradients; direction 0 when the sender's stage is the lower).
+    Both sides compute the same lane from their own view of the transfer."""
+    sending = isinstance(instruction, SENDS)
+    sender_stage, sender_chunk = (stage, instruction.chunk) if sending else peer
+    receiver_stage = peer[0] if sending else stage
+    kind = 0 if isinstance(instruction, (SendActivation, RecvActivation)) else 1
+    return 4 * sender_chunk + 2 * kind + (0 if sender_stage < receiver_stage else 1)
+
+
+def lanes_needed(chunks: int) -> int:
+    """How many lanes (``Transport.max_tags``) a schedule with ``chunks`` needs."""
+    return 4 * chunks
+
+
 @dataclass(frozen=True)
 class CommPlan:
     """One stage's instruction stream with its posting points.
@@ -76,6 +98,8 @@ class CommPlan:
     * ``peers[i]``: ``(stage, chunk)`` of the peer of ``stream[i]`` if it is a
       point-to-point instruction with one, else ``None``.
     * ``local[i]``: ``True`` when ``stream[i]`` is a hand-off to or from this stage.
+    * ``lanes[i]``: the lane (:func:`lane_of`) of a remote point-to-point
+      instruction, else ``None``.
     """
 
     stage: int
@@ -84,6 +108,7 @@ class CommPlan:
     posts: tuple[tuple[Instruction, ...], ...]
     peers: tuple[tuple[int, int] | None, ...]
     local: tuple[bool, ...]
+    lanes: tuple[int | None, ...] = ()
 
     def posted_at(self) -> dict[int, int]:
         """``{stream index of a remote p2p instruction: stream index where it is posted}``."""
@@ -113,16 +138,18 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     n = len(stream)
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n
+    lanes: list[int | None] = [None] * n
     for i, ins in enumerate(stream):
         if isinstance(ins, P2P) and 0 <= ins.chunk < chunks:
             peers[i] = peer_of(ins, stage, num_stages, chunks, placement)
             local[i] = peers[i] is not None and peers[i][0] == stage
+            if peers[i] is not None and not local[i]:
+                lanes[i] = lane_of(ins, stage, peers[i])
     released = _release_points(stream, trains)
     sent_at = {(type(ins), ins.chunk, ins.micro_batch): i for i, ins in enumerate(stream)
                if isinstance(ins, SendActivation)}
     posts: list[list[int]] = [[] for _ in range(n)]
-    last_recv_from: dict[int, int] = {}  # peer stage -> stream index of the previous receive
-    last_send_to: dict[int, int] = {}    # peer stage -> stream index of the latest send
+    last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
     # buffer -> ((chunk, micro_batch) written last, the different one it replaced)
     holder: dict[int, tuple[tuple[int, int], tuple[int, int] | None]] = {}
     for i, ins in enumerate(stream):
@@ -135,24 +162,21 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             slot_free = 0 if before is None else released.get(before, i - 1) + 1
         if isinstance(ins, SENDS) and peers[i] is not None and not local[i]:
             posts[i].append(i)
-            last_send_to[peers[i][0]] = i
         if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
             continue
         if isinstance(ins, RecvActivation):
             earliest = slot_free
         else:
             earliest = sent_at.get((SendActivation, ins.chunk, ins.micro_batch), i)
-        previous = last_recv_from.get(peers[i][0])
+        channel = (peers[i][0], lanes[i])
+        previous = last_recv_on.get(channel)
         if previous is not None:
             earliest = max(earliest, previous + 1)
-        # not ahead of a send to the same peer that the stream puts before it: a pair
-        # runs its operations in order, so that send would queue behind this receive
-        earliest = max(earliest, last_send_to.get(peers[i][0], -1))
-        last_recv_from[peers[i][0]] = i
+        last_recv_on[channel] = i
         posts[min(max(earliest, 0), i)].append(i)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
                     posts=tuple(tuple(stream[j] for j in sorted(group)) for group in posts),
-                    peers=tuple(peers), local=tuple(local))
+                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
 
 
 def _release_points(stream: Sequence[Instruction], trains: bool) -> dict[tuple[int, int], int]:

@@ -26,13 +26,17 @@ class CountingTransport:
     def timeout(self, seconds: float) -> None:
         self.inner.timeout = seconds
 
-    def isend(self, tensor, dst):
+    @property
+    def max_tags(self) -> int:
+        return self.inner.max_tags
+
+    def isend(self, tensor, dst, tag=0):
         self.messages += 1
         self.bytes += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst)
+        return self.inner.isend(tensor, dst, tag)
 
-    def irecv(self, tensor, src):
-        return self.inner.irecv(tensor, src)
+    def irecv(self, tensor, src, tag=0):
+        return self.inner.irecv(tensor, src, tag)
 
     def batch_isend_irecv(self, ops):
         sends = [op.tensor for op in ops if op.op == "send"]
