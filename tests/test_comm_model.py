@@ -41,7 +41,7 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False):
 
 @pytest.mark.parametrize("schedule,stages,micro_batches,chunks", [
     ("1f1b", 2, 4, None), ("1f1b", 4, 5, None), ("gpipe", 3, 3, None),
-    ("interleaved", 2, 4, 2)])
+    ("interleaved", 2, 4, 2), ("zb-h1", 3, 4, None), ("zbv", 2, 4, 2)])
 def test_pipelines_train_under_rendezvous_semantics(schedule, stages, micro_batches, chunks):
     results = run_ranks(_train, stages, "mlp", stages, micro_batches, schedule, chunks,
                         timeout=240)

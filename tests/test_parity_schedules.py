@@ -3,10 +3,10 @@ accumulation, and evaluate like the full model (fp32, 1e-5)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from models import MODELS, adam, sgd
 
 import pipekernel as pk
+from pipekernel.schedules import BUILTIN_SCHEDULES
 from pipekernel.testing import assert_parity, reference_eval, reference_train, run_ranks
 
 STEPS = 3
@@ -21,7 +21,7 @@ def worker(model, stages, dp, micro_batches, schedule, chunks, optimizer):
               .item() for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     eval_loss = engine.eval_batch(iter(data(99, 0, micro_batches))).item()
-    parts = engine.module.num_parts
+    parts = (engine.module.num_parts, engine.chunks)
     engine.close()
     return losses, state, eval_loss, engine.stage, parts
 
@@ -36,7 +36,7 @@ def check(model, stages, dp, micro_batches, schedule, chunks=None, optimizer=sgd
     for losses, state, eval_loss, _, parts in results:
         assert_parity(losses, ref_losses, state, ref_state)
         covered |= set(state)
-        assert parts == (chunks or 1)
+        assert parts[0] == parts[1] == (chunks or BUILTIN_SCHEDULES[schedule].default_chunks)
     assert covered == set(ref_state), "stages together must hold every parameter"
     ref_eval, _ = reference_eval(build(), ref_state, data(99, 0, micro_batches))
     for _, _, eval_loss, _, _ in results:

@@ -10,13 +10,12 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
 
 * A **send** is posted when the stream reaches it (its data exists then).
 * A **receive** is posted as early as it may be:
-  - ``RecvActivation`` once its buffer slot is free: the micro-batch that held
-    the slot before has finished (its backward when training — ``Backward`` or
-    the later of ``BackwardInput``/``BackwardWeight`` —, its forward and send for
-    inference);
+  - ``RecvActivation`` at once: its data lands in a fresh tensor that the
+    pending receive holds until the instruction moves it into its buffer slot
+    (which must be free by then — the simulator checks it), so prefetching costs
+    at most one activation per channel, never a slot;
   - ``RecvGrad`` once the activation it is the gradient of was sent (in the
-    same group as that send at the earliest), since a pair of ranks runs its
-    operations in order;
+    same group as that send at the earliest);
   - and, for both, only after the previous receive *of the same channel* was
     waited on: a transfer whose metadata changed sends extra messages on its
     lane that a receive posted further ahead would take, and the receiver sizes
@@ -45,8 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pipekernel.instructions import (
-    Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
-    MicroBatchInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad,
+    Instruction, MicroBatchInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad,
 )
 from pipekernel.schedules.placement import peer as placement_peer
 
@@ -56,8 +54,6 @@ __all__ = ["CommPlan", "plan_communication", "peer_of", "lane_of", "lanes_needed
 SENDS = (SendActivation, SendGrad)
 RECVS = (RecvActivation, RecvGrad)
 P2P = SENDS + RECVS
-_BACKWARDS = (Backward, BackwardInput, BackwardWeight)
-_WRITES = (LoadMicroBatch, RecvActivation, Forward)
 
 
 def peer_of(instruction: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
@@ -124,6 +120,9 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
                        trains: bool | None = None) -> CommPlan:
     """The :class:`CommPlan` of ``stage`` for ``steps`` (see the module docstring).
 
+    ``trains`` is accepted so that every posting policy (the simulator's
+    ``posting=`` hook) has one signature; this policy does not need it.
+
     Instructions the plan cannot place (a receive from no peer, a micro-batch
     instruction with an invalid chunk) are left to the simulator and the
     runtime to report; the plan then posts them at their own index.
@@ -133,8 +132,6 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         for instruction in step:
             stream.append(instruction)
             step_of.append(index)
-    if trains is None:
-        trains = any(isinstance(i, _BACKWARDS) for i in stream)
     n = len(stream)
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n
@@ -145,27 +142,17 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             local[i] = peers[i] is not None and peers[i][0] == stage
             if peers[i] is not None and not local[i]:
                 lanes[i] = lane_of(ins, stage, peers[i])
-    released = _release_points(stream, trains)
     sent_at = {(type(ins), ins.chunk, ins.micro_batch): i for i, ins in enumerate(stream)
                if isinstance(ins, SendActivation)}
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
-    # buffer -> ((chunk, micro_batch) written last, the different one it replaced)
-    holder: dict[int, tuple[tuple[int, int], tuple[int, int] | None]] = {}
     for i, ins in enumerate(stream):
-        if isinstance(ins, _WRITES) and isinstance(ins, MicroBatchInstruction):
-            owner = (ins.chunk, ins.micro_batch)
-            last, before = holder.get(ins.buffer, (None, None))
-            if last != owner:
-                before = last
-                holder[ins.buffer] = (owner, before)
-            slot_free = 0 if before is None else released.get(before, i - 1) + 1
         if isinstance(ins, SENDS) and peers[i] is not None and not local[i]:
             posts[i].append(i)
         if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
             continue
         if isinstance(ins, RecvActivation):
-            earliest = slot_free
+            earliest = 0
         else:
             earliest = sent_at.get((SendActivation, ins.chunk, ins.micro_batch), i)
         channel = (peers[i][0], lanes[i])
@@ -177,13 +164,3 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
                     posts=tuple(tuple(stream[j] for j in sorted(group)) for group in posts),
                     peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
-
-
-def _release_points(stream: Sequence[Instruction], trains: bool) -> dict[tuple[int, int], int]:
-    """``{(chunk, micro_batch): stream index after which its buffer slot is free}``."""
-    kinds = _BACKWARDS if trains else (Forward, SendActivation)
-    released: dict[tuple[int, int], int] = {}
-    for i, ins in enumerate(stream):
-        if isinstance(ins, kinds):
-            released[(ins.chunk, ins.micro_batch)] = i  # the last one wins
-    return released

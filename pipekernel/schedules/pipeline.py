@@ -14,8 +14,11 @@ communication and data loading that belong to it, in this order::
 * A training schedule's last step ends with ``ReduceTiedGrads``,
   ``ReduceGrads``, ``OptimizerStep`` (in that order) on every stage.
 
-Sends are asynchronous and receives block, so these orders never deadlock;
-:func:`pipekernel.schedules.simulator.simulate` proves it for any size.
+Sends rendezvous with their receives (NCCL): the runtime posts each transfer
+as :func:`pipekernel.schedules.comm.plan_communication` plans (receives posted
+ahead, one ordered lane per channel), and
+:func:`pipekernel.schedules.simulator.simulate` proves that these orders never
+deadlock under those rules, for any size.
 """
 from __future__ import annotations
 

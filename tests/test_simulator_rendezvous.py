@@ -1,0 +1,263 @@
+"""Layer 0: the simulator's rendezvous semantics (NCCL rules) over the runtime's CommPlan."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from pipekernel.errors import ConfigError, ScheduleError
+from pipekernel.instructions import (
+    Backward, Forward, LoadMicroBatch, RecvActivation, RecvGrad, ReduceGrads,
+    ReduceTiedGrads, SendActivation, SendGrad,
+)
+from pipekernel.schedules import BUILTIN_SCHEDULES, GPipe, Inference, OneFOneB, Schedule, simulate
+from pipekernel.schedules.comm import P2P, plan_communication
+
+# -- 1. every built-in schedule, every size, under the plan the runtime runs -----------------
+
+
+def _grid(cls):
+    for chunks in range(cls.min_chunks, min(cls.max_chunks, 4) + 1):
+        for stages in range(1, 9):
+            for micro_batches in range(1, 17):
+                yield stages, micro_batches, chunks
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_SCHEDULES))
+def test_builtin_schedules_are_deadlock_free_under_rendezvous(name):
+    cls = BUILTIN_SCHEDULES[name]
+    ran, start = 0, time.perf_counter()
+    for stages, micro_batches, chunks in _grid(cls):
+        try:
+            result = simulate(cls, stages, micro_batches, chunks=chunks)
+        except ConfigError:
+            continue  # a combination the schedule cannot schedule
+        assert result.semantics == "rendezvous"
+        assert len(result.waits) == stages and min(result.waits) >= 0
+        ran += 1
+    assert ran > 0
+    assert time.perf_counter() - start < 20
+
+
+def test_single_chunk_timing_matches_buffered():
+    # Zero-cost transfers: rendezvous may not slow down a well-posted 1F1B or GPipe.
+    for cls in (OneFOneB, GPipe, Inference):
+        for stages, micro_batches in [(2, 3), (4, 8), (8, 16)]:
+            a = simulate(cls, stages, micro_batches)
+            b = simulate(cls, stages, micro_batches, semantics="buffered")
+            assert a.makespan == b.makespan and a.timeline == b.timeline
+
+
+def test_transfer_costs_and_waits():
+    result = simulate(OneFOneB, 2, 1, costs={SendActivation: 0.5, RecvActivation: 0.25,
+                                              SendGrad: 1.0})
+    # F0 on stage 0 [0, 1]; the activation lands at 1.75; B0 on stage 1 [2.75, 3.75];
+    # the gradient lands at 4.75; stage 0's B0 [4.75, 5.75].
+    assert result.timeline[1][0][:2] == (1.75, 2.75)
+    assert result.timeline[0][1][:2] == (4.75, 5.75)
+    assert result.makespan == 5.75
+    assert result.waits[0] == pytest.approx(4.75 - 1) and result.waits[1] > 0
+
+
+def test_bad_semantics_and_posting():
+    with pytest.raises(ConfigError, match="semantics"):
+        simulate(GPipe, 2, 2, semantics="eager")
+    with pytest.raises(ConfigError, match="posting"):
+        simulate(GPipe, 2, 2, semantics="buffered", posting=plan_communication)
+
+
+def test_placement_is_read_from_the_schedule():
+    class VGpipe(GPipe):
+        name = "v-gpipe"
+        placement = "v"
+        max_chunks = 2
+
+    with pytest.raises(ConfigError, match="placement 'v' holds exactly 2"):
+        simulate(VGpipe, 2, 2, chunks=1)
+
+
+# -- 2. a plan that passes buffered sends but deadlocks on rendezvous ------------------------
+
+
+def one_lane(steps, **kw):
+    """The runtime's plan on a transport without tags: one ordered lane per pair."""
+    return dataclasses.replace(plan_communication(steps, **kw), lanes=())
+
+
+def naive_plan(steps, **kw):
+    """Post every send and receive at its own instruction, one group each, on one lane."""
+    plan = one_lane(steps, **kw)
+    posts = tuple((ins,) if isinstance(ins, P2P) and plan.peers[i] is not None
+                  and not plan.local[i] else () for i, ins in enumerate(plan.stream))
+    return dataclasses.replace(plan, posts=posts)
+
+
+def test_naive_posting_deadlocks_1f1b_and_names_the_cycle():
+    simulate(OneFOneB, 2, 2, semantics="buffered")  # fine when sends never block
+    simulate(OneFOneB, 2, 2)  # fine with the runtime's plan
+    with pytest.raises(ScheduleError, match="deadlock"):  # which needs its lanes: stage 1
+        simulate(OneFOneB, 2, 2, posting=one_lane)  # prefetches RECV_F1 ahead of SEND_B0
+    with pytest.raises(ScheduleError, match="deadlock") as err:
+        simulate(OneFOneB, 2, 2, posting=naive_plan)
+    text = str(err.value)
+    assert "stages [0, 1] cannot progress" in text
+    assert "stage 0: blocked at step 2 on RECV_B0, waiting for" in text
+    assert "stage 1: blocked at step 2 on RECV_F1, waiting for" in text
+    cycle = next(line for line in text.splitlines() if "cycle:" in line)
+    # stage 0's RECV_B0 sits behind its SEND_F1, which needs stage 1's RECV_F1, which sits
+    # behind stage 1's SEND_B0, which needs stage 0's RECV_B0.
+    assert cycle.strip() == (
+        "cycle: stage 0 waits RECV_B0, queued behind stage 0's SEND_F1 -> stage 1's RECV_F1, "
+        "queued behind stage 1's SEND_B0 -> stage 0's RECV_B0, queued behind stage 0's "
+        "SEND_F1 (the cycle closes)")
+    assert "grid so far" in text
+
+
+def test_old_plan_policy_deadlocks_1f1b_with_three_stages():
+    """Posting RECV_B0 in SEND_F0's group queues SEND_F1 behind it when a pair shares one
+    ordered lane; with a lane per channel, it does not."""
+    def eager_grad_plan(steps, **kw):
+        plan = one_lane(steps, **kw)
+        posts = [list(group) for group in plan.posts]
+        index = {id(i): n for n, i in enumerate(plan.stream)}
+        for n, group in enumerate(plan.posts):
+            for ins in group:
+                if isinstance(ins, RecvGrad) and ins.micro_batch == 0:
+                    sent = next(k for k, x in enumerate(plan.stream)
+                                if isinstance(x, SendActivation) and x.micro_batch == 0)
+                    posts[n].remove(ins)
+                    posts[sent].append(ins)
+                    posts[sent].sort(key=lambda x: index[id(x)])
+        return dataclasses.replace(plan, posts=tuple(map(tuple, posts)))
+
+    simulate(OneFOneB, 3, 4)
+    simulate(OneFOneB, 3, 4, posting=lambda steps, **kw: dataclasses.replace(
+        eager_grad_plan(steps, **kw), lanes=plan_communication(steps, **kw).lanes))  # lanes
+    with pytest.raises(ScheduleError) as err:
+        simulate(OneFOneB, 3, 4, posting=eager_grad_plan)
+    text = str(err.value)
+    assert ("stage 0 waits RECV_B0 <- stage 1's SEND_B0, not yet posted: stage 1 waits "
+            "RECV_F1 <- stage 0's SEND_F1, queued behind stage 0's RECV_B0") in text
+
+
+# -- 3. tagless matching -------------------------------------------------------------------
+
+
+class CrossedKinds(Schedule):
+    """2 stages x 2 chunks (loop): stage 0 -> stage 1 carries activations (position 0 -> 1)
+    and gradients (position 2 -> 1). Stage 0 sends the activation of micro-batch 1 before
+    the gradient of micro-batch 0; stage 1 receives the gradient first."""
+
+    name = "crossed-kinds"
+    max_chunks = 2
+
+    def steps(self):
+        if self.stage == 0:
+            return [[LoadMicroBatch(0, 0, 0), Forward(0, 0, 0), SendActivation(0, 0, 0)],
+                    [RecvActivation(0, 2, 1), Forward(0, 2, 1), SendActivation(0, 2, 1)],
+                    [RecvGrad(0, 2, 1), Backward(0, 2, 1)],
+                    [LoadMicroBatch(1, 1, 0), Forward(1, 1, 0), SendActivation(1, 1, 0)],
+                    [SendGrad(0, 2, 1)],
+                    [RecvGrad(0, 0, 0), Backward(0, 0, 0)],
+                    [RecvActivation(1, 3, 1), Forward(1, 3, 1), SendActivation(1, 3, 1)],
+                    [RecvGrad(1, 3, 1), Backward(1, 3, 1), SendGrad(1, 3, 1)],
+                    [RecvGrad(1, 1, 0), Backward(1, 1, 0)]]
+        return [[RecvActivation(0, 0, 0), Forward(0, 0, 0), SendActivation(0, 0, 0)],
+                [LoadMicroBatch(0, 2, 1), RecvActivation(0, 2, 1), Forward(0, 2, 1)],
+                [Backward(0, 2, 1), SendGrad(0, 2, 1)],
+                [RecvGrad(0, 0, 0), Backward(0, 0, 0), SendGrad(0, 0, 0)],
+                [RecvActivation(1, 1, 0), Forward(1, 1, 0), SendActivation(1, 1, 0)],
+                [LoadMicroBatch(1, 3, 1), RecvActivation(1, 3, 1), Forward(1, 3, 1)],
+                [Backward(1, 3, 1), SendGrad(1, 3, 1)],
+                [RecvGrad(1, 1, 0), Backward(1, 1, 0), SendGrad(1, 1, 0)]]
+
+
+def test_two_kinds_on_one_pair_in_different_orders_are_mismatched():
+    simulate(CrossedKinds, 2, 2, chunks=2, semantics="buffered")  # one channel per kind
+    simulate(CrossedKinds, 2, 2, chunks=2)  # one lane per channel
+    with pytest.raises(ScheduleError, match="mismatched") as err:
+        simulate(CrossedKinds, 2, 2, chunks=2, posting=naive_plan)  # tagless on the pair
+    text = str(err.value)
+    assert "stage 1 step 3 (RECV_B0): mismatched grad" in text
+    assert "meets stage 0 step 3 (SEND_F1), which sends the activation of micro-batch 1" in text
+    assert "stage 1 step 4 (RECV_F1): mismatched activation" in text
+    assert "meets stage 0 step 4 (SEND_B0c1), which sends the grad of micro-batch 0" in text
+
+
+# -- 4. world collectives ------------------------------------------------------------------
+
+
+class LateLastGrad(GPipe):
+    """The last stage sends its last gradient only after the optimizer step."""
+
+    name = "late-last-grad"
+
+    def steps(self):
+        steps = super().steps()
+        if self.is_last:
+            last = steps[-1]
+            send = next(i for i in last if isinstance(i, SendGrad))
+            last.remove(send)
+            steps.append([send])
+        return steps
+
+
+def test_send_after_the_world_collective_deadlocks():
+    simulate(LateLastGrad, 2, 2, semantics="buffered")  # sends never block, no collectives
+    with pytest.raises(ScheduleError, match="deadlock") as err:
+        simulate(LateLastGrad, 2, 2)
+    text = str(err.value)
+    assert "stage 1: blocked at step 3 on REDUCE_TIED, waiting for stage 0" in text
+    assert ("cycle: stage 0 waits RECV_B1 <- stage 1's SEND_B1, not yet posted: stage 1 waits "
+            "in the world collective REDUCE_TIED for stage 0, which waits RECV_B1 "
+            "(the cycle closes)") in text
+
+
+def test_mismatched_world_collectives_are_reported():
+    class NoTied(GPipe):
+        name = "no-tied"
+
+        def steps(self):
+            steps = super().steps()
+            if self.stage == 1:
+                steps[-1] = [i for i in steps[-1] if not isinstance(i, ReduceTiedGrads)]
+            return steps
+
+    simulate(NoTied, 2, 2, semantics="buffered")
+    with pytest.raises(ScheduleError, match="mismatched world collective #1") as err:
+        simulate(NoTied, 2, 2)
+    assert "stage 0 is in stage 0 step 3 (REDUCE_TIED)" in str(err.value)
+    assert "stage 1 is in stage 1 step 3 (STEP)" in str(err.value)
+
+
+def test_reduce_grads_is_not_a_cross_stage_collective():
+    class EarlyReduce(GPipe):
+        name = "early-reduce"
+
+        def steps(self):
+            steps = super().steps()
+            if self.stage == 0:  # data-parallel reduction before the pipeline drained
+                steps[0] = [*steps[0], ReduceGrads()]
+            return steps
+
+    simulate(EarlyReduce, 2, 2)
+
+
+def test_unreceived_send_is_reported_and_blocks_the_end_of_batch():
+    class ExtraSend(GPipe):
+        name = "extra-send"
+
+        def steps(self):
+            steps = super().steps()
+            if self.stage == 0:
+                steps[-1].insert(0, SendActivation(1, 1))
+            return steps
+
+    with pytest.raises(ScheduleError) as err:
+        simulate(ExtraSend, 2, 2)
+    text = str(err.value)
+    assert "(SEND_F1): the activation of micro-batch 1 sent to stage 1 chunk 0 is never " \
+           "received" in text
+    # the stage finished its stream: only its unreceived send keeps it
+    assert "stage 0: blocked at the end of the batch on its SEND_F1" in text
