@@ -60,6 +60,11 @@ def test_zb_h1_four_stages():
     check("mlp", 4, 1, 6, "zb-h1", optimizer=adam)
 
 
+def test_zb_h1_with_two_data_parallel_replicas():
+    # the weight pass (BackwardWeight) is where the bucketed reduction starts
+    check("mlp", 2, 2, 4, "zb-h1", optimizer=adam)
+
+
 def test_zbv_two_stages():
     # V placement: stage 0 holds the first and the last part (loads inputs and labels)
     check("tied", 2, 1, 4, "zbv", optimizer=adam)
