@@ -15,6 +15,7 @@ class TrainConfig:
     micro_batches: int = 4
     micro_batch_size: int = 16
     schedule: str = "1f1b"
+    chunks: int | None = None  # parts per stage; None: the schedule's default
     precision: str = "fp32"
     transport: str = "gloo"
     partition: str = "parameters"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import pipekernel as pk
+from pipekernel.schedules.placement import parts_of
 from pipekernel.apps.config import TrainConfig
 from pipekernel.apps.gpt import generate, gpt_module
 
@@ -139,7 +140,8 @@ def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
     state: dict[str, torch.Tensor] = {}
     for stage in range(engine.num_stages):
         with torch.device("meta"):
-            shapes = {k: v.shape for k, v in module.build_stage(stage, engine.bounds)
+            parts = parts_of(stage, engine.num_stages, engine.chunks, engine.placement)
+            shapes = {k: v.shape for k, v in module.build_stage(stage, engine.bounds, parts)
                       .state_dict().items()}
         owner = topo.rank_of(0, stage)
         if engine.rank == owner:
@@ -170,18 +172,23 @@ def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -
     return float(engine.eval_batch(iter(batch)))
 
 
-def _describe_partition(module: pk.PipelineModule, bounds: list[int]) -> list[str]:
+def _describe_partition(module: pk.PipelineModule, bounds: list[int],
+                        part_stages: list[int] | None = None) -> list[str]:
     counts = module.parameter_counts()
     names = [layer.typename.__name__ for layer in module.layers]
     lines = []
-    for stage in range(len(bounds) - 1):
-        lo, hi = bounds[stage], bounds[stage + 1]
+    part_stages = part_stages or list(range(len(bounds) - 1))
+    for part in range(len(bounds) - 1):
+        stage = part_stages[part]
+        lo, hi = bounds[part], bounds[part + 1]
         parts: list[str] = []
         for name in dict.fromkeys(names[lo:hi]):
             n = names[lo:hi].count(name)
             parts.append(f"{n} x {name}" if n > 1 else name)
         where = f"layers {lo}-{hi - 1}" if hi - lo > 1 else f"layer {lo}"
-        lines.append(f"  stage {stage}: {where} ({', '.join(parts)}), "
+        label = f"stage {stage}" if len(part_stages) == len(set(part_stages)) \
+            else f"part {part} (stage {stage})"
+        lines.append(f"  {label}: {where} ({', '.join(parts)}), "
                      f"{sum(counts[lo:hi]) / 1e6:.2f}M parameters")
     return lines
 
@@ -233,7 +240,8 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     engine = pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                                            weight_decay=0.01),
-        micro_batches=cfg.micro_batches, schedule=cfg.schedule, transport=cfg.transport,
+        micro_batches=cfg.micro_batches, schedule=cfg.schedule, chunks=cfg.chunks,
+        transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout)
     # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
@@ -252,7 +260,8 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
                f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
                f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
                f"tokens per step",
-               f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds))
+               f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
+                                                                 engine.part_stages))
     held_before = _eval_loss(engine, held_ids, cfg)
 
     bar = None

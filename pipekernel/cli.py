@@ -36,7 +36,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="micro-batches per step")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
                    help="sequences per micro-batch")
-    g.add_argument("--schedule", default=d.schedule, help="training schedule name")
+    g.add_argument("--schedule", default=d.schedule,
+                   help="training schedule name (1f1b, gpipe, interleaved, zb-h1, zbv, ...)")
+    g.add_argument("--chunks", type=int, default=d.chunks,
+                   help="model chunks per stage for interleaved/V schedules (default: the "
+                        "schedule's)")
     g.add_argument("--precision", default=d.precision, help="precision policy name")
     g.add_argument("--transport", default=d.transport, help="transport name")
     g.add_argument("--partition", default=d.partition,

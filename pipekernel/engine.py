@@ -12,6 +12,7 @@ import torch
 
 from pipekernel.errors import ConfigError, NonFiniteLossError, PipelineError
 from pipekernel.faults import AbortBoard, check_consistency
+from pipekernel.grad_reduce import GradReducer
 from pipekernel.kernel import Kernel
 from pipekernel.module import PipelineModule
 from pipekernel.partitioning import PartitionContext, PartitionReport
@@ -76,6 +77,11 @@ class PipelineEngine:
         split into ``num_stages * chunks`` parts, placed by the schedule's
         ``placement`` (:mod:`pipekernel.schedules.placement`); explicit partition
         boundaries then list ``num_stages * chunks + 1`` entries.
+    :param grad_bucket_mb: size in MiB of the buckets in which gradients are averaged
+        over data-parallel replicas (as DDP's ``bucket_cap_mb``); each bucket's
+        all-reduce starts during the stage's last backward of the batch, as soon as
+        its gradients are final (see :mod:`pipekernel.grad_reduce`). ``0``: no
+        overlap, one flat all-reduce at ``ReduceGrads``.
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
@@ -85,14 +91,19 @@ class PipelineEngine:
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
                  precision_options: dict | None = None, eval_schedule: str = "inference",
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
-                 chunks: int | None = None, nonfinite: str = "error",
-                 check_data_steps: int = 3) -> None:
+                 chunks: int | None = None, grad_bucket_mb: float = 25.0,
+                 nonfinite: str = "error", check_data_steps: int = 3) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}")
         self.pipeline_module, self.micro_batches = module, micro_batches
+        if isinstance(grad_bucket_mb, bool) or not (isinstance(grad_bucket_mb, (int, float))
+                                                    and grad_bucket_mb >= 0):
+            raise ConfigError(f"grad_bucket_mb must be a number >= 0, got {grad_bucket_mb!r}",
+                              hint="e.g. grad_bucket_mb=25 (0 turns the overlap off)")
+        self.grad_bucket_mb = grad_bucket_mb
         self.pm = make_plugin_manager(plugins, autoload=autoload_plugins, disabled=disable_plugins)
         self.transport = make_transport(self.pm, transport,
                                         {"timeout": timeout, **(transport_options or {})})
@@ -194,6 +205,7 @@ class PipelineEngine:
         self._make_groups()
         self._sync_parameters()
         self.precision.prepare(self.module)  # after the sync: casts and masters start equal
+        self._make_reducers()  # after prepare: the reducers need the master copies
         self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
                              and not hasattr(lr_scheduler, "step") else lr_scheduler)
@@ -201,7 +213,8 @@ class PipelineEngine:
                                     self.precision, reduce_tied=self.reduce_tied_grads,
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
-                                    chunks=self.chunks, placement=self.placement)
+                                    chunks=self.chunks, placement=self.placement,
+                                    **self._backward_callbacks())
         handlers = self.runtime.handlers()
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
@@ -270,6 +283,33 @@ class PipelineEngine:
                 for p in self.module.parameters():
                     self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
 
+    def _make_reducers(self) -> None:
+        """One :class:`GradReducer` per tied group (a sum over stages, no overlap) and
+        one over the data-parallel replicas (an average, overlapped with the backward;
+        tied weights wait for the tied sum)."""
+        master = self.precision.master
+        self._tied_reducers = {
+            key: GradReducer(self.module.tied_modules[key].parameters(), self.transport, group,
+                             len(ranks), 0, master=master, average=False)
+            for key, (group, ranks) in self.tied_groups.items()}
+        #: The data-parallel :class:`~pipekernel.grad_reduce.GradReducer` (``None``
+        #: without data parallelism).
+        self.grad_reducer: GradReducer | None = None
+        if self.topology.data_size > 1:
+            named = list(self.module.named_parameters())
+            tied = [p for key in self.tied_groups for p in self.module.tied_modules[key].parameters()]
+            self.grad_reducer = GradReducer(
+                [p for _, p in named], self.transport, self.data_group, self.topology.data_size,
+                int(self.grad_bucket_mb * 2 ** 20), master=master, late=tied,
+                names=[name for name, _ in named])
+
+    def _backward_callbacks(self) -> dict[str, Any]:
+        """What the runtime calls around the stage's last backward of the batch."""
+        reducer = self.grad_reducer
+        if reducer is None or reducer.bucket_bytes <= 0:
+            return {}
+        return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
+
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         params = list(self.precision.optimizer_parameters(self.module))
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -300,16 +340,14 @@ class PipelineEngine:
 
     def reduce_tied_grads(self) -> None:
         """Sum each tied weight's gradient over the stages that hold it."""
-        for key, (group, _) in self.tied_groups.items():
-            grads = [g for _, g in self._master_grads(self.module.tied_modules[key].parameters())]
-            _reduce_flat(self.transport, grads, group)
+        for reducer in self._tied_reducers.values():
+            reducer.finish()
 
     def reduce_grads(self) -> None:
-        """Average gradients over data-parallel replicas (one flat all-reduce)."""
-        if self.topology.data_size == 1:
-            return
-        grads = [g for _, g in self._master_grads(self.module.parameters())]
-        _reduce_flat(self.transport, grads, self.data_group, scale=1.0 / self.topology.data_size)
+        """Average gradients over data-parallel replicas: wait for the buckets started
+        during the last backward, start and wait for the rest, write back."""
+        if self.grad_reducer is not None:
+            self.grad_reducer.finish()
 
     def _optimizer_step(self) -> None:
         if self.optimizer is None:
@@ -536,18 +574,3 @@ def _eval_schedule(cls: Any, placement: str, chunks: int) -> Any:
                           f"with {chunks} chunks per stage",
                           hint="use eval_schedule='inference' (it follows any placement)")
     return adapt(placement)
-
-
-def _reduce_flat(transport: Any, grads: list[torch.Tensor], group: Any,
-                 scale: float | None = None) -> None:
-    """All-reduce many tensors as one flat buffer (one message, not one per tensor)."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    transport.all_reduce(flat, "sum", group)
-    if scale is not None:
-        flat.mul_(scale)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()

@@ -75,13 +75,16 @@ class StageRuntime:
         (:mod:`pipekernel.schedules.placement`).
     :param before_last_backward: called right before the last instruction of the
         batch that produces weight gradients on this stage (to start reductions).
+    :param after_last_backward: called right after that instruction and the
+        precision's ``after_backward`` (gradients are final there, fp32 masters included).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
                  loss_fn: Callable | None, precision: Any, *,
                  reduce_tied: Callable[[], None], reduce_grads: Callable[[], None],
                  optimizer_step: Callable[[], None], chunks: int = 1, placement: str = "loop",
-                 before_last_backward: Callable[[], None] | None = None) -> None:
+                 before_last_backward: Callable[[], None] | None = None,
+                 after_last_backward: Callable[[], None] | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.loss_fn, self.precision = loss_fn, precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -97,6 +100,7 @@ class StageRuntime:
         self._reduce_tied, self._reduce_grads = reduce_tied, reduce_grads
         self._optimizer_step = optimizer_step
         self._before_last_backward = before_last_backward
+        self._after_last_backward = after_last_backward
         self._channels: dict[tuple[type, int], Channel] = {}
         self.buffers: list[Buffer] = []
         self.labels: dict[int, Any] = {}
@@ -138,7 +142,8 @@ class StageRuntime:
         self._plan, self._posted, self._recvs, self._local = plan, 0, {}, {}
         self._index = {ins: i for i, ins in enumerate(plan.stream)} if plan is not None else {}
         self._last_backward = -1
-        if plan is not None and self._before_last_backward is not None:
+        if plan is not None and (self._before_last_backward is not None
+                                 or self._after_last_backward is not None):
             weights = [i for i, ins in enumerate(plan.stream)
                        if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
             self._last_backward = weights[-1] if weights else -1
@@ -386,8 +391,14 @@ class StageRuntime:
         return loss.reshape(())
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
-        if self._index.get(instruction) == self._last_backward:
-            self._before_last_backward()  # type: ignore[misc]
+        if (self._before_last_backward is not None
+                and self._index.get(instruction) == self._last_backward):
+            self._before_last_backward()
+
+    def _after_weights(self, instruction: isa.Instruction) -> None:
+        if (self._after_last_backward is not None
+                and self._index.get(instruction) == self._last_backward):
+            self._after_last_backward()
 
     def backward(self, instruction: isa.Backward) -> None:
         self._advance(instruction)
@@ -402,6 +413,7 @@ class StageRuntime:
             if outputs:
                 torch.autograd.backward(outputs, list(buffer.output_grads))
         self.precision.after_backward(self.module)
+        self._after_weights(instruction)
         if chunk != self.first_chunk:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
@@ -439,6 +451,7 @@ class StageRuntime:
         backward_weight(buffer.split)
         buffer.split = None
         self.precision.after_backward(self.module)
+        self._after_weights(instruction)
 
     def send_activation(self, instruction: isa.SendActivation) -> None:
         buffer = self._slot(instruction)

@@ -32,10 +32,10 @@ Contract for implementers
   traffic of one chunk in one direction) its own tag, so a lane only ever
   carries one channel's messages in one direction, in order.
 * **Sends may rendezvous.** An implementer may make a send complete only once
-  the peer posted the matching receive (NCCL does; gloo does for large
-  messages), and may run a pair of ranks' operations in posting order on one
-  stream, so a receive posted *after* a send to the same peer waits for that
-  send. The core never relies on a send completing before its receive is
+  the peer posted the matching receive (NCCL does; so does gloo, even for a
+  one-byte message: its send is posted at once but completes only once
+  received), and may run a lane's operations in posting order on one stream,
+  so a receive posted *after* a send on the same lane waits for that send. The core never relies on a send completing before its receive is
   posted, and never waits on a send it does not have to.
 * **Batched point-to-point** (``batch_isend_irecv``) posts a *group* of
   :class:`P2POp` — the ``torch.distributed.batch_isend_irecv`` / NCCL group-call
@@ -47,6 +47,12 @@ Contract for implementers
   and per-pair FIFO matching across groups and single ``isend``/``irecv`` calls
   alike. A transport with no group call posts the ops one by one, in order, if
   its sends never block the poster (gloo: every op is asynchronous).
+* **Control lane** (optional attribute ``control``): a transport whose tensors
+  live on a device (NCCL, CuPy) offers a host transport over the same ranks
+  (e.g. gloo on a CPU group) with tags. The wire protocol then sends each
+  transfer's 16-byte header, and any metadata change, there, so the hot path
+  never reads device memory; without it the header rides in the data message
+  (right for CPU transports, a device sync per transfer on a GPU).
 * **Dtypes**: every dtype torch has (float, bfloat16, float16, int, bool) must
   round-trip bit-exactly. A backend that cannot carry a dtype natively converts
   inside the transport (e.g. a byte view), never in the core.

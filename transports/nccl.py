@@ -53,6 +53,12 @@ class NcclTransport(TorchDistributedTransport):
             else list(range(dist.get_world_size()))
         self._lanes = [self.group] + [dist.new_group(ranks) for _ in range(count - 1)]
         self.max_tags = count
+        # The wire's headers and metadata changes ride on a host lane, so the hot path
+        # never reads device memory (see pipekernel.wire).
+        from pipekernel.transports.gloo import GlooTransport
+
+        self.control = GlooTransport(timeout=self.timeout,
+                                     group=dist.new_group(ranks, backend="gloo"))
 
     def _post(self, fn, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:
         if not 0 <= tag < self.max_tags:

@@ -10,7 +10,9 @@ from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from pipekernel.errors import ConfigError
-from pipekernel.instructions import Instruction
+from pipekernel.instructions import (Forward, Instruction, LoadMicroBatch, RecvActivation,
+                                     SendActivation)
+from pipekernel.schedules.placement import locate, position
 
 Step = Sequence[Instruction]
 
@@ -65,6 +67,37 @@ class Schedule:
     @property
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
+
+    # -- placement (shared by every multi-chunk schedule) --------------------------------
+    def position_of(self, chunk: int) -> int:
+        """Pipeline position of ``chunk`` on this stage (see ``placement``)."""
+        return position(self.stage, chunk, self.num_stages, self.placement)
+
+    @property
+    def last_position(self) -> int:
+        return self.num_stages * self.chunks - 1
+
+    def loads(self, chunk: int) -> bool:
+        """Whether the forward of ``chunk`` on this stage loads the micro-batch: at
+        position 0 (inputs) and at the last position (labels), once per micro-batch
+        when one stage holds both (one stage, or a V)."""
+        pos, last = self.position_of(chunk), self.last_position
+        if pos == 0:
+            return True
+        first_stage = locate(0, self.num_stages, self.placement)[0]
+        return pos == last and locate(last, self.num_stages, self.placement)[0] != first_stage
+
+    def chunk_forward_step(self, chunk: int, micro_batch: int, buf: int) -> list[Instruction]:
+        """``[LoadMicroBatch] [RecvActivation] Forward [SendActivation]`` for one part."""
+        pos, step = self.position_of(chunk), []
+        if self.loads(chunk):
+            step.append(LoadMicroBatch(micro_batch, buf, chunk))
+        if pos > 0:
+            step.append(RecvActivation(micro_batch, buf, chunk))
+        step.append(Forward(micro_batch, buf, chunk))
+        if pos < self.last_position:
+            step.append(SendActivation(micro_batch, buf, chunk))
+        return step
 
     def steps(self) -> list[list[Instruction]]:
         """Every step this stage executes for one batch, in order."""

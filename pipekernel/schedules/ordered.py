@@ -31,12 +31,10 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from pipekernel.instructions import (
-    Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
-    OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation,
-    SendGrad,
+    Backward, BackwardInput, BackwardWeight, Forward, Instruction, OptimizerStep, RecvGrad,
+    ReduceGrads, ReduceTiedGrads, SendGrad,
 )
 from pipekernel.schedules.base import Schedule
-from pipekernel.schedules.placement import locate, position
 
 __all__ = ["Op", "OrderedSchedule", "KINDS"]
 
@@ -52,25 +50,6 @@ class OrderedSchedule(Schedule):
     def order(self) -> Sequence[Op]:
         """This stage's compute operations, in execution order."""
         raise NotImplementedError
-
-    # -- placement -------------------------------------------------------------------
-
-    def position_of(self, chunk: int) -> int:
-        """Pipeline position of ``chunk`` on this stage."""
-        return position(self.stage, chunk, self.num_stages, self.placement)
-
-    @property
-    def last_position(self) -> int:
-        return self.num_stages * self.chunks - 1
-
-    def loads(self, chunk: int) -> bool:
-        """Whether the forward of ``chunk`` on this stage loads the micro-batch."""
-        pos, last = self.position_of(chunk), self.last_position
-        owner_of_last = locate(last, self.num_stages, self.placement)[0]
-        if pos == 0:
-            return True
-        # labels: on the stage of the last position, unless that stage loads at position 0
-        return pos == last and owner_of_last != locate(0, self.num_stages, self.placement)[0]
 
     # -- steps -----------------------------------------------------------------------
 
@@ -101,13 +80,7 @@ class OrderedSchedule(Schedule):
         pos, last = self.position_of(chunk), self.last_position
         step: list[Instruction] = []
         if kind == "F":
-            if self.loads(chunk):
-                step.append(LoadMicroBatch(mb, buf, chunk))
-            if pos > 0:
-                step.append(RecvActivation(mb, buf, chunk))
-            step.append(Forward(mb, buf, chunk))
-            if pos < last:
-                step.append(SendActivation(mb, buf, chunk))
+            step = self.chunk_forward_step(chunk, mb, buf)
         elif kind in ("B", "I"):
             if pos < last:
                 step.append(RecvGrad(mb, buf, chunk))

@@ -27,7 +27,7 @@ from pipekernel.instructions import (
     ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
 )
 from pipekernel.schedules.base import Schedule
-from pipekernel.schedules.placement import check_placement, position
+from pipekernel.schedules.placement import check_placement
 
 __all__ = ["OneFOneB", "GPipe", "Inference"]
 
@@ -156,23 +156,10 @@ class Inference(_PipelineSchedule):
     def steps(self) -> list[list[Instruction]]:
         if self.chunks == 1 and self.placement == "loop":
             return [self.forward_step(m) for m in range(self.micro_batches)]
-        last = self.num_stages * self.chunks - 1
-        order = sorted(range(self.chunks),
-                       key=lambda c: position(self.stage, c, self.num_stages, self.placement))
-        holds_first = 0 in [position(self.stage, c, self.num_stages, self.placement)
-                            for c in order]
+        order = sorted(range(self.chunks), key=self.position_of)
         steps, k = [], 0
         for chunk in order:
-            pos = position(self.stage, chunk, self.num_stages, self.placement)
             for m in range(self.micro_batches):
                 buf, k = k % self.num_buffers(), k + 1
-                step: list[Instruction] = []
-                if pos == 0 or (pos == last and not holds_first):
-                    step.append(LoadMicroBatch(m, buf, chunk))
-                if pos > 0:
-                    step.append(RecvActivation(m, buf, chunk))
-                step.append(Forward(m, buf, chunk))
-                if pos < last:
-                    step.append(SendActivation(m, buf, chunk))
-                steps.append(step)
+                steps.append(self.chunk_forward_step(chunk, m, buf))
         return steps
