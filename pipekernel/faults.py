@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, DataError, PeerAbort
+from pipekernel.errors import ConfigError, DataError, PeerAbort, TransportTimeout
 from pipekernel.wire import flatten
 
 __all__ = ["AbortBoard", "check_consistency", "all_gather_objects", "fingerprint"]
@@ -49,8 +49,12 @@ class AbortBoard:
         self.published = False
 
     def publish(self, error: BaseException) -> None:
-        """Tell the other ranks that this one failed (the first publisher wins)."""
-        if self.store is None or self.published or isinstance(error, PeerAbort):
+        """Tell the other ranks that this one failed (the first publisher wins); not
+        for a :class:`TransportTimeout` or a :class:`PeerAbort`."""
+        # a timeout is a symptom (every rank waiting on the slow one times out by
+        # itself, naming its own peer); an abort seen from another rank is not ours
+        if self.store is None or self.published or isinstance(error, (PeerAbort,
+                                                                       TransportTimeout)):
             return
         self.published = True
         record = {

@@ -266,7 +266,9 @@ def bubble_worker(micro_batches, steps, forward_s, backward_s):
     mon = Monitor(sinks=(), heartbeat=0, warmup_steps=1)
     engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=micro_batches,
                                schedule="1f1b", plugins=[mon], timeout=60)
-    data = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(micro_batches)]
+    g = torch.Generator().manual_seed(0)  # the same micro-batches on both stages
+    data = [(torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g))
+            for _ in range(micro_batches)]
     for _ in range(steps):
         engine.train_batch(iter(data))
     return mon.stage_summary()
@@ -329,7 +331,8 @@ def hang_worker(out_dir, num_stages, stall_s, timeout):
     engine = pk.PipelineEngine(stalled_module(num_stages, stall_s), optimizer=sgd,
                                micro_batches=2, plugins=[mon], timeout=60)
     engine.transport.timeout = timeout
-    data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)  # the same micro-batches on every stage
+    data = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2)]
     try:
         engine.train_batch(iter(data))
     except PipelineError as err:
@@ -370,7 +373,8 @@ def signal_worker(out_dir, stall_s):
     mon = Monitor(out_dir=out_dir, sinks=(), heartbeat=0.1)
     engine = pk.PipelineEngine(stalled_module(2, stall_s), optimizer=sgd, micro_batches=2,
                                plugins=[mon], timeout=60)
-    data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)  # the same micro-batches on every stage
+    data = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2)]
     if engine.rank == 0:  # poke ourselves while the main thread is blocked in a receive
         threading.Timer(stall_s / 2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
     engine.train_batch(iter(data))
