@@ -7,8 +7,9 @@ from importlib.metadata import PackageNotFoundError, version
 
 from pipekernel.checkpoint import load_sequential
 from pipekernel.engine import PipelineEngine
-from pipekernel.errors import (ConfigError, DataError, InstructionError, PipelineError,
-                               ScheduleError, TransportError, TransportTimeout, UnknownNameError)
+from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
+                               PeerAbort, PipelineError, ScheduleError, TransportError,
+                               TransportTimeout, UnknownNameError)
 from pipekernel.hookspecs import hookimpl, hookspec
 from pipekernel.kernel import Kernel
 from pipekernel.launch import RankError, launch
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineEngine", "PipelineModule", "LayerSpec", "TiedLayerSpec", "StageModule", "Kernel",
     "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
-    "TransportTimeout", "UnknownNameError", "RankError", "__version__",
-    "load_sequential", "balance", "profile", "memory", "PartitionContext", "PartitionReport", "P2POp",
+    "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
+    "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
+    "PartitionReport", "P2POp",
 ]

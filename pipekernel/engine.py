@@ -2,6 +2,7 @@
 optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
@@ -9,7 +10,8 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.errors import ConfigError, NonFiniteLossError, PipelineError
+from pipekernel.faults import AbortBoard, check_consistency
 from pipekernel.grad_reduce import GradReducer
 from pipekernel.kernel import Kernel
 from pipekernel.module import PipelineModule
@@ -61,6 +63,15 @@ class PipelineEngine:
         as ``torch.nn.utils.clip_grad_norm_`` on the whole model; ``None``: no clipping.
     :param lr_scheduler: ``factory(optimizer) -> LRScheduler`` or a scheduler;
         stepped after every step taken (not after a step the precision skipped).
+    :param nonfinite: what a NaN/inf training loss does: ``"error"`` (default) raises
+        on every rank naming the step, the micro-batch(es) and the stage; ``"skip"``
+        skips the optimizer step on every rank (one extra tiny all-reduce per step)
+        and goes on. fp16 gradient overflow is handled by the precision policy either
+        way (skip and back off).
+    :param check_data_steps: for this many first batches (train or eval), the first
+        stage sends a fingerprint of the labels it read along with each activation and
+        the last stage compares it with the labels it read itself: loaders shuffled
+        differently raise a ``DataError`` naming the micro-batch. ``0`` turns it off.
     :param chunks: model chunks (virtual stages) per rank, for schedules that hold
         several (``"interleaved"``: any, default 2; ``"zbv"``: 2). The layers are
         split into ``num_stages * chunks`` parts, placed by the schedule's
@@ -80,7 +91,8 @@ class PipelineEngine:
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
                  precision_options: dict | None = None, eval_schedule: str = "inference",
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
-                 chunks: int | None = None, grad_bucket_mb: float = 25.0) -> None:
+                 chunks: int | None = None, grad_bucket_mb: float = 25.0,
+                 nonfinite: str = "error", check_data_steps: int = 3) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -95,6 +107,38 @@ class PipelineEngine:
         self.pm = make_plugin_manager(plugins, autoload=autoload_plugins, disabled=disable_plugins)
         self.transport = make_transport(self.pm, transport,
                                         {"timeout": timeout, **(transport_options or {})})
+        #: the first failure of this engine's ranks (see pipekernel.faults)
+        self.abort_board = AbortBoard(getattr(self.transport, "store", None),
+                                      _board_prefix(self.transport), self.transport.rank)
+        for lane in {id(t): t for t in (self.transport,
+                                        getattr(self.transport, "control", None))
+                     if t is not None}.values():
+            if hasattr(lane, "abort_check"):
+                lane.abort_check = self.abort_board.check
+        #: the error that ended the last batch (then ``close()`` does not communicate)
+        self.failed: BaseException | None = None
+        try:
+            self._build(module, optimizer, micro_batches=micro_batches, schedule=schedule,
+                        precision=precision, data_parallel_size=data_parallel_size,
+                        precision_options=precision_options, eval_schedule=eval_schedule,
+                        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
+                        chunks=chunks, transport=transport, nonfinite=nonfinite,
+                        check_data_steps=check_data_steps)
+        except BaseException as err:
+            self.abort_board.publish(err)  # the others stop waiting for this rank
+            raise
+
+    def _build(self, module: PipelineModule, optimizer: Any, *, micro_batches: int,
+               schedule: str, precision: str, data_parallel_size: int | None,
+               precision_options: dict | None, eval_schedule: str,
+               max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
+               transport: str, nonfinite: str, check_data_steps: int) -> None:
+        if nonfinite not in ("error", "skip"):
+            raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        if not isinstance(check_data_steps, int) or check_data_steps < 0:
+            raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}")
+        self.nonfinite, self.check_data_steps = nonfinite, check_data_steps
+        self._batches_run = 0
         world, rank = self.transport.world_size, self.transport.rank
         num_stages = module.num_stages or world // (data_parallel_size or 1)
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
@@ -116,6 +160,17 @@ class PipelineEngine:
                      "use a transport with more tags (see pipekernel/transport.py)")
         self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
                                                 self.placement, self.chunks)
+        # before anything that depends on it communicates: every rank must agree
+        fields = {"pipekernel version": _version(), "world size": world,
+                  "stages": num_stages, "data parallel size": self.topology.data_size,
+                  "schedule": self.schedule_cls.name, "eval schedule": eval_schedule,
+                  "chunks": self.chunks, "micro_batches": micro_batches,
+                  "precision": precision, "layers": len(module.layers),
+                  "partition": module.partition_method
+                  if isinstance(module.partition_method, (str, list, tuple)) else
+                  type(module.partition_method).__name__,
+                  "nonfinite": nonfinite, "check_data_steps": check_data_steps}
+        check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
                      for s in range(num_stages)]
@@ -129,6 +184,9 @@ class PipelineEngine:
             optimizer=optimizer if callable(optimizer)
             and not isinstance(optimizer, torch.optim.Optimizer) else None)
         self.bounds = module.partition(num_parts, self.pm, context)
+        check_consistency(self.transport, {"partition bounds": list(self.bounds)},
+                          "partition (a method that measures, e.g. profile, must "
+                          "broadcast its result)")
         #: :class:`~pipekernel.partitioning.PartitionReport`: layers, parameters,
         #: cost and memory per stage, and the imbalance (same on every rank).
         self.partition_report = PartitionReport.build(module, self.bounds, context)
@@ -298,14 +356,18 @@ class PipelineEngine:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         found_inf = self.precision.unscale_(params)
         clip = self.max_grad_norm is not None
-        skipped = False
-        if found_inf is not None or clip:
-            # One all-reduce over the world carries both the overflow flags and the
-            # squared norm, so every stage and replica takes the same decision.
+        skip_bad = self.nonfinite == "skip"
+        skipped = overflow = False
+        if found_inf is not None or clip or skip_bad:
+            # One all-reduce over the world carries the overflow flags, the squared norm
+            # and the non-finite-loss flags, so every stage and replica takes the same
+            # decision.
             stats = torch.tensor([float(bool(found_inf)), self._local_grad_norm_sq() if clip
-                                  else 0.0], dtype=torch.float32, device=self.transport.device)
+                                  else 0.0, self._bad_losses() if skip_bad else 0.0],
+                                 dtype=torch.float32, device=self.transport.device)
             self.transport.all_reduce(stats)
-            skipped = bool(stats[0] > 0)
+            overflow = bool(stats[0] > 0)
+            skipped = overflow or bool(stats[2] > 0)
             if clip:
                 self.last_grad_norm = float(stats[1].sqrt())
         if not skipped:
@@ -314,9 +376,16 @@ class PipelineEngine:
             self.precision.step(self.optimizer)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
-        self.precision.update(skipped)
+        self.precision.update(overflow)  # only an overflow moves the loss scale
         self._last_step_taken = not skipped
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _bad_losses(self) -> float:
+        """1.0 if a loss of this batch on this rank is NaN/inf (last stage only)."""
+        losses = self.runtime.losses
+        if not losses:
+            return 0.0
+        return float((~torch.isfinite(torch.stack(losses).float())).any())
 
     def _local_grad_norm_sq(self) -> float:
         """This rank's share of the global squared gradient norm: one replica counts
@@ -354,11 +423,20 @@ class PipelineEngine:
         steps, num_buffers, plan = self._steps(cls)
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
-        self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
-                           compute_loss=compute_loss, keep_outputs=keep_outputs)
-        self.kernel.run(steps)
-        self.runtime.flush()
-        return self._mean_loss() if compute_loss else None
+        check = self._batches_run < self.check_data_steps and self.num_stages > 1
+        self._batches_run += 1
+        try:
+            self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
+                               compute_loss=compute_loss, keep_outputs=keep_outputs,
+                               check_data=check)
+            self.kernel.run(steps)
+            self.runtime.flush()
+            return self._mean_loss(cls.trains) if compute_loss else None
+        except BaseException as err:
+            self.failed = err
+            self.abort_board.publish(err)  # the others stop waiting for this rank
+            self.runtime.abandon()
+            raise
 
     def _check_loss_fn(self, what: str) -> None:
         if self.pipeline_module.loss_fn is None:
@@ -410,12 +488,39 @@ class PipelineEngine:
         outputs = list(self.runtime.outputs) if self.is_last_stage() else None
         return loss, outputs
 
-    def _mean_loss(self) -> torch.Tensor:
+    def _mean_loss(self, training: bool = False) -> torch.Tensor:
         losses = self.runtime.losses
         total = torch.stack(losses).sum() if losses else torch.zeros(())
         total = total.detach().to(torch.float32).reshape(1).to(self.transport.device)
-        self.transport.all_reduce(total)  # only last stages contribute
-        return (total / (self.micro_batches * self.topology.data_size)).reshape(()).cpu()
+        if not (training and self.nonfinite == "error"):
+            self.transport.all_reduce(total)  # only last stages contribute
+            return (total / (self.micro_batches * self.topology.data_size)).reshape(()).cpu()
+        # the same all-reduce carries which micro-batches and ranks had a NaN/inf loss
+        m, world = self.micro_batches, self.transport.world_size
+        flags = torch.zeros(1 + m + world, dtype=torch.float32, device=self.transport.device)
+        flags[0:1] = total
+        if losses:
+            bad = (~torch.isfinite(torch.stack(losses).float())).float()
+            index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
+                                 device=bad.device)
+            flags[1:1 + m].index_add_(0, index.to(flags.device), bad.to(flags.device))
+            flags[1 + m + self.rank] = bad.max()
+        self.transport.all_reduce(flags)
+        out = flags.cpu()
+        if not torch.isfinite(out[0]):
+            values = out[1:].tolist()
+            mbs = [i for i in range(m) if values[i] > 0]
+            ranks = [r for r in range(world) if values[m + r] > 0]
+            raise NonFiniteLossError(
+                f"the loss is NaN/inf at train step {self.global_steps + 1} "
+                f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
+                f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
+                f"gradients were not finite either",
+                hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
+                     "data of those micro-batches, or pass nonfinite='skip' to skip such "
+                     "steps on every rank", rank=self.rank, stage=self.stage,
+                step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
+        return (out[0] / (self.micro_batches * self.topology.data_size)).reshape(())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "
@@ -441,12 +546,37 @@ class PipelineEngine:
 
     def close(self) -> None:
         """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
-        collectives still allowed) and release the transport."""
-        self.runtime.flush()
+        collectives still allowed) and release the transport. After a failed batch
+        (``self.failed``) nothing waits on a peer: plugins see ``engine.failed`` and
+        should not communicate either."""
+        if self.failed is None:
+            self.runtime.flush()
         if not getattr(self, "_unconfigured", False):
             self._unconfigured = True
             self.pm.hook.pipekernel_unconfigure(engine=self)
         self.transport.close()
+
+
+_ENGINES: dict[Any, int] = {}
+
+
+def _board_prefix(transport: Any) -> str:
+    """Store keys for one engine: the ranks it spans and how many engines this process
+    built over them before (every rank builds its engines in the same order)."""
+    ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
+        if hasattr(transport, "global_rank") else (transport.world_size,)
+    count = _ENGINES.get(ranks, 0)
+    _ENGINES[ranks] = count + 1
+    name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
+    return f"pipekernel/engine/{name}/{count}"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("pipekernel")
+    except Exception:
+        return "unknown"
 
 
 def _eval_schedule(cls: Any, placement: str, chunks: int) -> Any:

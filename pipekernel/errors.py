@@ -8,7 +8,8 @@ from __future__ import annotations
 
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
-    "TransportError", "TransportTimeout", "UnknownNameError",
+    "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
+    "NonFiniteLossError",
 ]
 
 _WHERE_FIELDS = ("rank", "stage", "step", "micro_batch", "instruction")
@@ -81,13 +82,42 @@ class DataError(PipelineError, ValueError):
     """The data iterator ran out or yielded something of the wrong structure."""
 
 
+class NonFiniteLossError(PipelineError):
+    """A training loss was NaN or inf (``PipelineEngine(nonfinite="error")``)."""
+
+
 class TransportError(PipelineError):
-    """A transfer or collective failed."""
+    """A transfer or collective failed; ``peer`` names the peer when one is known."""
+
+    def __init__(self, message: str, *, peer: int | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.peer = peer
 
 
 class TransportTimeout(TransportError):
     """A wait on a peer did not finish within the timeout; ``peer`` names it."""
 
-    def __init__(self, message: str, *, peer: int | None = None, **kwargs) -> None:
+
+class PeerAbort(PipelineError):
+    """Another rank failed first and said so (see :mod:`pipekernel.faults`).
+
+    The location fields (``rank``, ``stage``, ``step``, ``micro_batch``,
+    ``instruction``) are the *failing* rank's; ``error_type`` is the class name of
+    its error. Where this rank was when it learnt of the failure is in ``seen_by``
+    (this rank) and ``seen_at`` (its instruction), and in the message.
+    """
+
+    def __init__(self, message: str, *, error_type: str | None = None,
+                 seen_by: int | None = None, **kwargs) -> None:
         super().__init__(message, **kwargs)
-        self.peer = peer
+        self.error_type, self.seen_by = error_type, seen_by
+        self.seen_at: object = None
+
+    def locate(self, **where: object) -> PipelineError:
+        """Keep the failing rank's location; remember this rank's instruction."""
+        if self.seen_at is None and where.get("instruction") is not None:
+            self.seen_at = where["instruction"]
+            self.add_detail(f"rank {self.seen_by} stopped at {where['instruction']}"
+                            + (f" (stage {where['stage']}, micro-batch {where['micro_batch']})"
+                               if where.get("stage") is not None else ""))
+        return self

@@ -12,7 +12,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
+import signal
 import socket
+import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -40,9 +44,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"terminated by {signal.Signals(signum).name}")
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when the launching process dies."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
 def _worker(fn: Callable, args: Sequence[Any], rank: int, env: dict[str, str],
             results: Any, threads: int | None) -> None:
     os.environ.update(env)
+    _die_with_parent()
+    # Ctrl-C reaches the launcher, which ends the workers with SIGTERM: they unwind
+    # (KeyboardInterrupt), report and destroy their process group
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         if threads:
             import torch
@@ -77,18 +100,28 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = str(free_port())
+    store_dir = tempfile.mkdtemp(prefix="pipekernel-store-")
+    local = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "PIPEKERNEL_INIT_METHOD": "file://" + os.path.join(store_dir, "store")}
+    if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
+        local["GLOO_SOCKET_IFNAME"] = "lo"
     procs = []
-    for rank in range(nprocs):
-        rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
-                    "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port, **(env or {})}
-        proc = ctx.Process(target=_worker, args=(fn, args, rank, rank_env, results, threads),
-                           daemon=True)
-        proc.start()
-        procs.append(proc)
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        old_term = signal.signal(signal.SIGTERM, _interrupted)
     finished = False
     try:
-        values = _collect(procs, results, nprocs, timeout)
+        for rank in range(nprocs):
+            rank_env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nprocs),
+                        "LOCAL_WORLD_SIZE": str(nprocs), **local, **(env or {})}
+            proc = ctx.Process(target=_worker, args=(fn, args, rank, rank_env, results,
+                                                     threads), daemon=True)
+            proc.start()
+            procs.append(proc)
+        try:
+            values = _collect(procs, results, nprocs, timeout)
+        except KeyboardInterrupt as interrupt:
+            raise _stop_workers(procs, results, interrupt) from None
         finished = True
         return values
     finally:
@@ -98,6 +131,58 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _stop_workers(procs: list[Any], results: Any, interrupt: BaseException) -> RankError:
+    """SIGTERM every worker, collect what they report for a few seconds; the error to
+    raise names the first rank that failed other than by the interruption."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    first = None
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and (any(p.is_alive() for p in procs)
+                                           or not results.empty()):
+        try:
+            rank, ok, value, tb = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if not ok and first is None and not _is_interrupt(value, tb):
+            first = (rank, value, tb)
+    why = str(interrupt) or "interrupted (Ctrl-C)"
+    stopped = [r for r in range(len(procs))]
+    if first is None:
+        return RankError(f"launch {why}: stopped ranks {stopped}; no rank had failed",
+                         hint="nothing to fix: the job was interrupted")
+    rank, value, tb = first
+    return RankError(f"launch {why}: stopped ranks {stopped}; rank {rank} failed first:\n{tb}",
+                     original=value if isinstance(value, BaseException) else None, rank=rank)
+
+
+def _is_interrupt(value: Any, tb: str | None) -> bool:
+    last = (tb or "").strip().splitlines()[-1:]
+    return isinstance(value, KeyboardInterrupt) or bool(last and
+                                                       last[0].startswith("KeyboardInterrupt"))
+
+
+def _root_cause(rank: int, value: Any, tb: str, results: Any) -> tuple[int, Any, str]:
+    """A rank that stopped because another failed first (``PeerAbort``): wait a moment
+    for the failing rank's own report, which names the cause and has its traceback."""
+    culprit = getattr(value, "rank", None)
+    if type(value).__name__ != "PeerAbort" or culprit is None or culprit == rank:
+        return rank, value, tb
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        try:
+            r, ok, v, t = results.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if r == culprit and not ok:
+            return r, v, t
+    return rank, value, tb
 
 
 def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float) -> list[Any]:
@@ -120,6 +205,7 @@ def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float) -> lis
                                      "collective that not every rank calls") from None
             continue
         if not ok:
+            rank, value, tb = _root_cause(rank, value, tb, results)
             raise RankError(f"rank {rank} failed:\n{tb}", original=value, rank=rank) from value
         values[rank] = pickle.loads(value)
     return [values[r] for r in range(nprocs)]

@@ -17,6 +17,7 @@ import torch
 
 from pipekernel import instructions as isa
 from pipekernel.errors import DataError, PipelineError
+from pipekernel.faults import fingerprint
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import position
 from pipekernel.topology import Topology
@@ -108,7 +109,10 @@ class StageRuntime:
         self.compute_loss = True
         self.keep_outputs = False
         self.losses: list[torch.Tensor] = []
+        self.loss_micro_batches: list[int] = []  # which micro-batch each loss is
         self.outputs: list[Any] = []
+        self.check_data = False
+        self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
         self._plan: CommPlan | None = None
         self._index: dict[isa.Instruction, int] = {}
         self._posted = 0          # posts[:_posted] are out
@@ -120,9 +124,17 @@ class StageRuntime:
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
               plan: CommPlan | None = None, *, compute_loss: bool = True,
-              keep_outputs: bool = False) -> None:
-        """Start a batch that runs ``plan.stream`` (built by the engine once per schedule)."""
+              keep_outputs: bool = False, check_data: bool = False) -> None:
+        """Start a batch that runs ``plan.stream`` (built by the engine once per schedule).
+
+        With ``check_data``, each activation carries the fingerprint of the labels the
+        first stage read with its inputs, and the last stage compares it with its own
+        (see :func:`pipekernel.faults.fingerprint`); every rank of a pipeline must pass
+        the same value.
+        """
         self.flush()
+        self.check_data, self._fingerprints = check_data, {}
+        self.loss_micro_batches = []
         self.data_iter, self.micro_batches = data_iter, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
         self.buffers = [Buffer() for _ in range(num_buffers)]
@@ -149,6 +161,11 @@ class StageRuntime:
         sends, self._sends = self._sends, []
         for handle in sends:
             handle.wait()
+
+    def abandon(self) -> None:
+        """Forget every transfer in flight after a failure (nothing waits on them any
+        more; the process group is destroyed by the transport's ``close()``)."""
+        self._sends, self._recvs, self._local = [], {}, {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         return {
@@ -232,8 +249,16 @@ class StageRuntime:
     def _payload(self, instruction: isa.Instruction) -> Any:
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SendActivation):
+            if self.check_data:
+                return buffer.outputs, self._fingerprint(instruction.micro_batch)
             return buffer.outputs
         return buffer.input_grads
+
+    def _fingerprint(self, micro_batch: int) -> torch.Tensor:
+        fp = self._fingerprints.get(micro_batch)
+        if fp is None:
+            fp = torch.zeros(2, dtype=torch.int64, device=self.transport.device)
+        return fp
 
     def _slot(self, instruction: isa.MicroBatchInstruction) -> Buffer:
         buffer = self.buffers[instruction.buffer]
@@ -263,7 +288,10 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        return self._channel(instruction).finish(pending)
+        obj = self._channel(instruction).finish(pending)
+        if self.check_data and isinstance(instruction, isa.RecvActivation):
+            obj, self._fingerprints[instruction.micro_batch] = obj
+        return obj
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
         index = self._advance(instruction)
@@ -299,6 +327,9 @@ class StageRuntime:
         if self.is_first and instruction.chunk == self.first_chunk:
             flatten(inputs, "inputs")
             buffer.inputs = _to(inputs, device)
+            if self.check_data:
+                self._fingerprints[instruction.micro_batch] = \
+                    fingerprint(labels).to(device, non_blocking=True)
         if self.is_last and labels is not None:
             flatten(labels, "labels")
             self.labels[instruction.micro_batch] = _to(labels, device)
@@ -316,9 +347,32 @@ class StageRuntime:
         if last:
             if self.keep_outputs:
                 self.outputs.append(buffer.outputs)
-            if self.compute_loss:
+            labels = self.labels.get(instruction.micro_batch)
+            if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
                 buffer.loss = self._loss(buffer, instruction.micro_batch)
                 self.losses.append(buffer.loss.detach())
+                self.loss_micro_batches.append(instruction.micro_batch)
+            if self.check_data:
+                self._check_labels(instruction.micro_batch, labels)
+
+    def _check_labels(self, micro_batch: int, labels: Any) -> None:
+        """Last stage, check steps: the labels read here are those the first stage read
+        with this micro-batch's inputs (one host synchronisation per micro-batch)."""
+        theirs = self._fingerprints.pop(micro_batch, None)
+        if theirs is None or labels is None:
+            return
+        theirs = theirs.cpu()
+        if not int(theirs[0]):
+            return  # the first stage read no labels (None): nothing to compare
+        if not torch.equal(theirs, fingerprint(labels).cpu()):
+            raise DataError(
+                f"micro-batch {micro_batch}: the labels the last stage read are not the ones "
+                f"the first stage read with that micro-batch's inputs (their fingerprints "
+                f"differ): the data iterators of the first and the last stage do not yield "
+                f"the same micro-batches in the same order",
+                hint="give both stages the same data in the same order (e.g. the same "
+                     "sampler seed, or shuffle=False); pass check_data_steps=0 to the engine "
+                     "to turn this check off")
 
     def _loss(self, buffer: Buffer, micro_batch: int) -> torch.Tensor:
         labels = self.labels.pop(micro_batch, None)

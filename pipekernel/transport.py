@@ -77,6 +77,19 @@ Contract for implementers
 * ``close()`` releases what the transport created (not a process group it
   found already initialised).
 
+Optional members (the core uses them when present)
+--------------------------------------------------
+* ``store``: a key-value store every rank of the world shares (``set(key,
+  value)``, ``get(key)``, ``check([keys])``, ``add(key, n)``, as
+  ``torch.distributed.Store``), or ``None``. The core uses it to tell the other
+  ranks that this one failed (:mod:`pipekernel.faults`); keys start with
+  ``pipekernel/``. The torch transports return the process group's store.
+* ``abort_check``: the core sets it to a callable (or ``None``) that raises when
+  another rank has failed. A wait that blocks calls it about once per
+  ``abort_interval`` seconds (default 0.5) and lets what it raises propagate, so
+  every rank ends within seconds of the first failure instead of after the
+  timeout. :func:`wait_sliced` implements such a wait.
+
 Proving it: :mod:`pipekernel.conformance` is a suite any transport runs
 against itself (``check_transport("my_transport")``); pipekernel runs it for
 gloo in its tests and for nccl on GPU machines. See
@@ -84,11 +97,39 @@ gloo in its tests and for nccl on GPU machines. See
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Transport", "Handle", "P2POp"]
+__all__ = ["Transport", "Handle", "P2POp", "wait_sliced"]
+
+
+def wait_sliced(wait: Callable[[float], bool], timeout: float,
+                check: Callable[[], None] | None = None, interval: float = 0.5) -> bool:
+    """Wait up to ``timeout`` seconds in slices; ``True`` once ``wait(seconds)`` is.
+
+    Every bounded wait of a transport can go through this one function:
+    ``wait(seconds)`` blocks at most that long and says whether the work finished
+    (e.g. ``threading.Event.wait``); between slices of ``interval`` seconds
+    ``check()`` runs and may raise to abort the wait (another rank failed). A
+    slice is a Python-level wait, so signal handlers (Ctrl-C, SIGTERM) run while
+    a rank is blocked, which they do not inside a C++ wait.
+
+    Why not slice the backend's own wait: a gloo ``Work.wait(timeout)`` that times
+    out closes the connection to the peer (it cannot be waited again), and a
+    gloo send/receive reports ``is_completed()`` only after ``wait()`` — so the
+    torch transports wait on a helper thread and slice the wait for its event.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if wait(max(0.0, min(interval, remaining))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        if check is not None:
+            check()
 
 
 @dataclass(frozen=True)

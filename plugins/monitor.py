@@ -436,7 +436,9 @@ class Monitor:
         if self._closed:
             return
         self._stop_positions()
-        if self.engine is None:
+        if self.engine is None or getattr(self.engine, "failed", None) is not None:
+            # after a failed batch the peers may be gone: no collective (no gather, no
+            # merged trace); what this rank measured stays in history/stage_summary()
             self._closed = True
             return
         if self._events:

@@ -266,7 +266,9 @@ def bubble_worker(micro_batches, steps, forward_s, backward_s):
     mon = Monitor(sinks=(), heartbeat=0, warmup_steps=1)
     engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=micro_batches,
                                schedule="1f1b", plugins=[mon], timeout=60)
-    data = [(torch.randn(2, 4), torch.randn(2, 4)) for _ in range(micro_batches)]
+    g = torch.Generator().manual_seed(0)  # the same micro-batches on both stages
+    data = [(torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g))
+            for _ in range(micro_batches)]
     for _ in range(steps):
         engine.train_batch(iter(data))
     return mon.stage_summary()
@@ -280,7 +282,9 @@ BUBBLE_TOLERANCE = 0.08
 
 @pytest.mark.parametrize("micro_batches", [4, 8])
 def test_measured_bubble_matches_simulator(micro_batches):
-    summaries = run_ranks(bubble_worker, 2, micro_batches, 3, 0.04, 0.08)
+    # long sleeps: a gloo hop costs milliseconds more on a loaded machine, a small part
+    # of a 0.3 s forward+backward
+    summaries = run_ranks(bubble_worker, 2, micro_batches, 3, 0.1, 0.2)
     calls = 2 * micro_batches * summaries[0]["steps"]
     forward = sum(s["forward_s"] for s in summaries) / calls
     backward = sum(s["backward_s"] for s in summaries) / calls
@@ -321,9 +325,14 @@ def stalled_module(num_stages, stall_s):
 
 def hang_worker(out_dir, num_stages, stall_s, timeout):
     mon = Monitor(out_dir=out_dir, sinks=(), heartbeat=0.1)
+    # built with a generous timeout (start-up collectives under load can take seconds);
+    # the short timeout applies to the training step only (a transport's timeout may
+    # change between waits)
     engine = pk.PipelineEngine(stalled_module(num_stages, stall_s), optimizer=sgd,
-                               micro_batches=2, plugins=[mon], timeout=timeout)
-    data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(2)]
+                               micro_batches=2, plugins=[mon], timeout=60)
+    engine.transport.timeout = timeout
+    g = torch.Generator().manual_seed(0)  # the same micro-batches on every stage
+    data = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2)]
     try:
         engine.train_batch(iter(data))
     except PipelineError as err:
@@ -337,7 +346,9 @@ def hang_worker(out_dir, num_stages, stall_s, timeout):
 
 def test_receive_timeout_names_instruction_peer_and_every_position(tmp_path):
     out = str(tmp_path)
-    results = run_ranks(hang_worker, 3, out, 3, 4.0, 1.5, timeout=120)
+    # the stall outlasts the 2 s timeout by 6 s: start-up skew between ranks under load
+    # stays far below that
+    results = run_ranks(hang_worker, 3, out, 3, 8.0, 2.0, timeout=120)
     first, stuck, last = results
     # stage 0 waits for stage 1's gradient, stage 2 for its activation: both time out
     assert first["type"] == TransportTimeout.__name__ and first["peer"] == 1
@@ -362,7 +373,8 @@ def signal_worker(out_dir, stall_s):
     mon = Monitor(out_dir=out_dir, sinks=(), heartbeat=0.1)
     engine = pk.PipelineEngine(stalled_module(2, stall_s), optimizer=sgd, micro_batches=2,
                                plugins=[mon], timeout=60)
-    data = [(torch.randn(2, 8), torch.randn(2, 8)) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)  # the same micro-batches on every stage
+    data = [(torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)) for _ in range(2)]
     if engine.rank == 0:  # poke ourselves while the main thread is blocked in a receive
         threading.Timer(stall_s / 2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
     engine.train_batch(iter(data))
@@ -372,7 +384,7 @@ def signal_worker(out_dir, stall_s):
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1 (POSIX)")
 def test_sigusr1_dumps_every_rank_position_while_blocked(tmp_path):
-    path = run_ranks(signal_worker, 2, str(tmp_path), 3.0, timeout=120)[0]
+    path = run_ranks(signal_worker, 2, str(tmp_path), 6.0, timeout=120)[0]
     text = open(path).read()
     assert "RECV_B0 (RecvGrad) waiting" in text  # written while rank 0 was blocked
     assert "rank 1 (stage 1" in text and "F0 (Forward) running" in text

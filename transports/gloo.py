@@ -15,13 +15,17 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import queue
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipekernel.errors import ConfigError, TransportError, TransportTimeout
+from pipekernel.errors import ConfigError, PeerAbort, TransportError, TransportTimeout
+from pipekernel.transport import wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
 
@@ -32,7 +36,8 @@ _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 class _Handle:
     __slots__ = ("_work", "_transport", "_peer", "_what", "_done")
 
-    def __init__(self, work: Any, transport: TorchDistributedTransport, peer: int, what: str):
+    def __init__(self, work: Any, transport: TorchDistributedTransport, peer: int | None,
+                 what: str):
         self._work, self._transport, self._peer, self._what = work, transport, peer, what
         self._done = False
 
@@ -40,25 +45,116 @@ class _Handle:
         return self._done or self._work.is_completed()
 
     def wait(self) -> None:
+        """Wait for the work, at most ``timeout`` seconds, checking ``abort_check`` about
+        every ``abort_interval`` seconds while blocked: the blocking gloo wait runs on
+        the transport's waiter thread (see :func:`pipekernel.transport.wait_sliced`)."""
         if self._done:
             return
-        timeout = self._transport.timeout
-        try:
-            self._work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as err:
-            rank = self._transport.rank
-            peer = (self._transport.describe(self._peer) if self._peer is not None
-                    else "its group")
-            if "imed out" in str(err) or "timeout" in str(err).lower():
+        transport = self._transport
+        timeout, rank = transport.timeout, transport.rank
+        peer = transport.describe(self._peer) if self._peer is not None else "its group"
+        if not transport.polls:  # e.g. NCCL: wait() only orders the device stream
+            self._wait_device(timeout, rank, peer)
+            return
+        if self._work.is_completed():
+            error = None
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                error = err
+        else:
+            box = transport._waiter().submit(self._work, timeout)
+            try:
+                # the waiter's gloo wait is bounded by ``timeout``; the slack only guards
+                # against a waiter that never reports
+                finished = wait_sliced(box.event.wait, timeout + 30.0,
+                                       getattr(transport, "abort_check", None),
+                                       getattr(transport, "abort_interval", 0.5))
+            except PeerAbort as err:
+                err.add_detail(f"rank {rank} was waiting to {self._what} {peer}")
+                raise
+            error = box.error if finished else RuntimeError("Timed out (the waiter thread "
+                                                            "never reported)")
+        if error is not None:
+            check = getattr(transport, "abort_check", None)
+            if check is not None:  # a closed connection or a timeout is usually a symptom:
+                try:               # report the failure another rank published, if any
+                    check()
+                except PeerAbort as err:
+                    err.add_detail(f"rank {rank} was waiting to {self._what} {peer} "
+                                   f"({type(error).__name__}: {str(error)[:200]})")
+                    raise err from error
+            text = str(error)
+            if "imed out" in text or "timeout" in text.lower():
                 raise TransportTimeout(
                     f"rank {rank} waited {timeout:g}s to {self._what} {peer} "
                     f"and gave up", peer=self._peer, rank=rank,
                     hint=f"check that rank {self._peer} is alive and runs the same schedule; "
-                         f"raise timeout= if it is just slow") from err
-            raise TransportError(f"rank {rank} failed to {self._what} {peer}: {err}",
-                                 rank=rank, hint=f"look at rank {self._peer}'s log: it "
-                                                 "probably failed first") from err
+                         f"raise timeout= if it is just slow" if self._peer is not None else
+                         "check that every member of the group is alive and calls the same "
+                         "collectives in the same order; raise timeout= if one is just "
+                         "slow") from error
+            died = "closed" in text or "reset" in text.lower()
+            raise TransportError(
+                f"rank {rank} failed to {self._what} {peer}: {error}", rank=rank,
+                peer=self._peer,
+                hint=(f"{peer}'s connection closed: it probably died or failed first; look "
+                      f"at its log" if died and self._peer is not None else
+                      f"look at the log of {peer}: it probably failed first")) from error
         self._done = True
+
+    def _wait_device(self, timeout: float, rank: int, peer: str) -> None:
+        try:
+            self._work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as err:
+            if "imed out" in str(err) or "timeout" in str(err).lower():
+                raise TransportTimeout(
+                    f"rank {rank} waited {timeout:g}s to {self._what} {peer} and gave up",
+                    peer=self._peer, rank=rank,
+                    hint="check that the peer is alive and runs the same schedule") from err
+            raise TransportError(f"rank {rank} failed to {self._what} {peer}: {err}",
+                                 rank=rank, peer=self._peer,
+                                 hint="look at the peer's log: it probably failed first") from err
+        self._done = True
+
+
+class _Box:
+    __slots__ = ("event", "error")
+
+    def __init__(self) -> None:
+        self.event, self.error = threading.Event(), None
+
+
+class _Waiter:
+    """One daemon thread that runs the blocking gloo waits of a transport, one after the
+    other, so that the caller can wait for an event in slices (and abort between them)."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self.thread.start()
+
+    def submit(self, work: Any, timeout: float) -> _Box:
+        box = _Box()
+        self._queue.put((work, timeout, box))
+        return box
+
+    def stop(self, join: float = 5.0) -> None:
+        self._queue.put(None)
+        self.thread.join(join)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, timeout, box = item
+            try:
+                work.wait(datetime.timedelta(seconds=timeout))
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                box.error = err
+            box.event.set()
+            del work, item, box
 
 
 class TorchDistributedTransport:
@@ -76,12 +172,19 @@ class TorchDistributedTransport:
     """
 
     backend = "gloo"
+    #: waits poll ``is_completed()`` on the host (bounded, abort-aware); a device
+    #: backend whose ``wait()`` only orders a stream sets this to ``False``
+    polls = True
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         if options:
             raise ConfigError(f"unknown {self.backend} transport options: {sorted(options)}",
                               hint="supported options: timeout, group")
         self.timeout = float(timeout)
+        #: see pipekernel.transport (optional members): set by the engine
+        self.abort_check: Any = None
+        self.abort_interval = 0.5
+        self._waiter_thread: _Waiter | None = None
         self.group = group
         self._groups: dict[tuple[int, ...], Any] = {}
         self._owns_group = not dist.is_initialized()
@@ -97,8 +200,13 @@ class TorchDistributedTransport:
                     hint="start the processes with torchrun or pipekernel.launch(), or call "
                          "torch.distributed.init_process_group() before creating the engine")
             _bind_defaults_before_init()
+            init = {}
+            if os.environ.get("PIPEKERNEL_INIT_METHOD"):  # pk.launch: a file store, no TCP port
+                init = {"init_method": os.environ["PIPEKERNEL_INIT_METHOD"],
+                        "rank": int(os.environ["RANK"]),
+                        "world_size": int(os.environ["WORLD_SIZE"])}
             dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=timeout),
-                                    **self._init_options())
+                                    **init, **self._init_options())
             _OWNED.add(self)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
@@ -108,6 +216,12 @@ class TorchDistributedTransport:
         # group rank -> global rank (torch.distributed's p2p and src arguments are global)
         self._global = dist.get_process_group_ranks(group) if group is not None else None
         self.device = self._device()
+
+    def _waiter(self) -> _Waiter:
+        if self._waiter_thread is None:
+            self._waiter_thread = _Waiter(f"pipekernel-wait-rank{self.rank}")
+            _WAITERS.add(self._waiter_thread)
+        return self._waiter_thread
 
     def global_rank(self, rank: int) -> int:
         """The global rank of this transport's ``rank`` (identity without ``group=``)."""
@@ -166,35 +280,42 @@ class TorchDistributedTransport:
                                  rank=self.rank, hint=f"look at rank {peer}'s log: it "
                                                       "probably failed first") from err
 
-    def _collective(self, what: str, group: Any, fn, *args, **kwargs) -> None:
+    def _collective(self, what: str, group: Any, fn, *args, **kwargs) -> _Handle:
+        """Start a collective; its handle waits like a transfer (bounded, abort-aware)."""
         group = self.group if group is None else group
         try:
-            fn(*args, group=group, **kwargs)
+            work = fn(*args, group=group, async_op=True, **kwargs)
         except RuntimeError as err:
             ranks = dist.get_process_group_ranks(group) if group is not None else "all ranks"
             raise TransportError(f"{what} over {ranks} failed on rank {self.rank}: {err}",
                                  rank=self.rank, hint="a peer in the group probably failed or "
                                  "timed out first; look at its log") from err
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        return _Handle(work, self, None, f"finish a {what} over ranks {ranks} with"
+                       if ranks is not None else f"finish a {what} with")
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
-        self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
+        self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op]).wait()
 
     def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> _Handle:
-        group = self.group if group is None else group
-        try:
-            work = dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True)
-        except RuntimeError as err:
-            ranks = dist.get_process_group_ranks(group) if group is not None else "all ranks"
-            raise TransportError(f"all_reduce over {ranks} failed on rank {self.rank}: {err}",
-                                 rank=self.rank, hint="a peer in the group probably failed or "
-                                 "timed out first; look at its log") from err
-        return _Handle(work, self, None, "finish an all_reduce with")
+        return self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
-        self._collective("broadcast", group, dist.broadcast, tensor, self.global_rank(src))
+        self._collective("broadcast", group, dist.broadcast, tensor,
+                         self.global_rank(src)).wait()
 
     def barrier(self, group: Any = None) -> None:
-        self._collective("barrier", group, dist.barrier)
+        self._collective("barrier", group, dist.barrier).wait()
+
+    @property
+    def store(self) -> Any:
+        """The process group's key-value store (shared by every rank of the job), or
+        ``None`` (see :mod:`pipekernel.transport`, optional members)."""
+        try:
+            from torch.distributed import distributed_c10d
+            return distributed_c10d._get_default_store() if dist.is_initialized() else None
+        except Exception:
+            return None
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         ranks = sorted(ranks)
@@ -220,6 +341,9 @@ class TorchDistributedTransport:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+        if self._waiter_thread is not None:  # its gloo wait (if any) ended with the group
+            self._waiter_thread.stop()
+            self._waiter_thread = None
 
 
 # Transports whose process group is not destroyed yet. A process that never closed its
@@ -228,11 +352,19 @@ class TorchDistributedTransport:
 _OWNED: set[TorchDistributedTransport] = set()
 
 
+_WAITERS: weakref.WeakSet[_Waiter] = weakref.WeakSet()
+
+
 @atexit.register
 def _close_at_exit() -> None:
     for transport in list(_OWNED):
         try:
             transport.close()
+        except Exception:
+            pass
+    for waiter in list(_WAITERS):  # waiters of transports over a host's group: idle ones end
+        try:
+            waiter.stop(join=1.0)
         except Exception:
             pass
 

@@ -23,6 +23,11 @@ class NcclTransport(TorchDistributedTransport):
     """GPU transport over NCCL (see :class:`TorchDistributedTransport` for options)."""
 
     backend = "nccl"
+    #: NCCL's wait() orders the current stream and does not block the host: keep it
+    #: (polling is_completed() would synchronise the device on every transfer). So on
+    #: NCCL an abort is seen only by waits that poll (a gloo host lane, when there is one);
+    #: otherwise a failure still ends every rank within the timeout.
+    polls = False
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         if not torch.cuda.is_available():
