@@ -54,7 +54,6 @@ import atexit
 import hashlib
 import json
 import os
-import pickle
 import select
 import signal
 import socket
@@ -712,23 +711,10 @@ def gather_objects(transport: Any, obj: Any) -> list[Any] | None:
     Uses only the Transport protocol's collectives (an all-reduce of the sizes,
     then one broadcast per rank), so it works on any transport.
     """
-    import torch
+    from pipekernel.faults import all_gather_objects
 
-    rank, world, device = transport.rank, transport.world_size, transport.device
-    data = pickle.dumps(obj)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    sizes[rank] = len(data)
-    transport.all_reduce(sizes)
-    out = []
-    for src, size in enumerate(sizes.tolist()):
-        if src == rank:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-        transport.broadcast(buf, src)
-        if rank == 0:
-            out.append(obj if src == 0 else pickle.loads(buf.cpu().numpy().tobytes()))
-    return out if rank == 0 else None
+    out = all_gather_objects(transport, obj)
+    return out if transport.rank == 0 else None
 
 
 def _default_store() -> Any:
