@@ -173,22 +173,18 @@ class StageRuntime:
             isa.Backward: self.backward, isa.BackwardInput: self.backward_input,
             isa.BackwardWeight: self.backward_weight, isa.SendActivation: self.send_activation,
             isa.RecvActivation: self.recv_activation, isa.SendGrad: self.send_grad,
-            isa.RecvGrad: self.recv_grad, isa.ReduceTiedGrads: self._reduce_tied_handler,
-            isa.ReduceGrads: self._reduce_grads_handler,
-            isa.OptimizerStep: self._optimizer_step_handler,
+            isa.RecvGrad: self.recv_grad,
+            isa.ReduceTiedGrads: self._after_posting(self._reduce_tied),
+            isa.ReduceGrads: self._after_posting(self._reduce_grads),
+            isa.OptimizerStep: self._after_posting(self._optimizer_step),
         }
 
-    def _reduce_tied_handler(self, instruction: isa.Instruction) -> None:
-        self._advance(instruction)
-        self._reduce_tied()
-
-    def _reduce_grads_handler(self, instruction: isa.Instruction) -> None:
-        self._advance(instruction)
-        self._reduce_grads()
-
-    def _optimizer_step_handler(self, instruction: isa.Instruction) -> None:
-        self._advance(instruction)
-        self._optimizer_step()
+    def _after_posting(self, action: Callable[[], None]) -> Callable[[isa.Instruction], None]:
+        """A handler that posts the groups due at its instruction, then runs ``action``."""
+        def handler(instruction: isa.Instruction) -> None:
+            self._advance(instruction)
+            action()
+        return handler
 
     # -- posting by the plan -------------------------------------------------
     def _advance(self, instruction: isa.Instruction) -> int:

@@ -121,7 +121,8 @@ def _fast_path_bytes():
     data = Counting(transport)
     channel = Channel(data, 1 - transport.rank)
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))  # 60 bytes: padded to 64
-    for _ in range(3):
+
+    def transfer():
         if transport.rank == 0:
             ops, _ = channel.send_ops(x)
             for h in data.batch_isend_irecv(ops):
@@ -129,18 +130,13 @@ def _fast_path_bytes():
         else:
             pending = channel.recv_ops()
             pending.handles = data.batch_isend_irecv(pending.ops)
-            got = channel.finish(pending)
-            assert torch.equal(got, x)
+            assert torch.equal(channel.finish(pending), x)
+
+    for _ in range(3):
+        transfer()
     first = data.bytes
     before = data.messages
-    if transport.rank == 0:
-        ops, _ = channel.send_ops(x)
-        for h in data.batch_isend_irecv(ops):
-            h.wait()
-    else:
-        pending = channel.recv_ops()
-        pending.handles = data.batch_isend_irecv(pending.ops)
-        channel.finish(pending)
+    transfer()
     result = (data.messages - before, data.bytes - first)
     transport.close()
     return result
