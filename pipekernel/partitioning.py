@@ -40,11 +40,15 @@ class Profile:
     :param sample: first-stage inputs of one micro-batch (tensor or tuple).
     :param repeats: timed repetitions per layer; the median is used.
     :param warmup: untimed repetitions before them.
+    :param clock: seconds now, called before and after each repetition (after the
+        device is synchronised); ``None`` is :func:`time.perf_counter`. Tests inject a
+        fake clock so a partition does not depend on the machine's load.
     """
 
     sample: Any
     repeats: int = 5
     warmup: int = 1
+    clock: Callable[[], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,10 @@ def balance(costs: Sequence[float] | Callable[[Any], float], unit: str = "cost")
     return Balance(costs, unit)
 
 
-def profile(sample: Any, repeats: int = 5, warmup: int = 1) -> Profile:
+def profile(sample: Any, repeats: int = 5, warmup: int = 1,
+            clock: Callable[[], float] | None = None) -> Profile:
     """``partition=pk.profile(sample_inputs)``: balance measured time (see :class:`Profile`)."""
-    return Profile(sample, repeats, warmup)
+    return Profile(sample, repeats, warmup, clock)
 
 
 def memory(sample: Any = None, optimizer_states: float | None = None) -> Memory:

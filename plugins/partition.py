@@ -81,7 +81,9 @@ def balance(weights: Sequence[float], num_stages: int,
     ``Σ weights[i:j] + in_flight[s] × Σ activations[i:j]`` (just ``Σ weights``
     without ``activations``). Exact dynamic program over stages: the best cost of
     the first ``s`` stages grows with the layers they cover while the next stage's
-    cost shrinks, so each cut is found by binary search — O(stages × layers × log layers).
+    cost shrinks, so each cut is found by binary search — O(stages × layers × log layers);
+    with in-flight counts that differ by stage that order does not hold and every cut
+    is tried (vectorised, O(stages × layers²)).
 
     :raises ConfigError: more stages than layers, or a negative / non-finite cost.
     """
@@ -109,23 +111,17 @@ def balance(weights: Sequence[float], num_stages: int,
 
     inf = math.inf
     best = [inf] + [cost(0, 0, j) for j in range(1, n + 1)]
+    # With one in-flight count for every stage, the best cost of the first s stages
+    # grows with the layers they cover, so each cut is a binary search. With counts
+    # that differ by stage it need not (moving a layer to an earlier stage can cost
+    # more there), so every cut is tried — vectorised, O(stages x layers^2).
+    uniform = all(x == k[0] for x in k)
     choices: list[list[int]] = []
     for s in range(1, num_stages):
-        new, arg = [inf] * (n + 1), [0] * (n + 1)
-        for j in range(s + 1, n - (num_stages - 1 - s) + 1):
-            lo, hi = s, j - 1  # stage s holds [i, j); the stages before it need i >= s layers
-            left, right = lo, hi + 1
-            while left < right:  # first i where the earlier stages dominate
-                mid = (left + right) // 2
-                if best[mid] >= cost(s, mid, j):
-                    right = mid
-                else:
-                    left = mid + 1
-            for i in (left - 1, left):
-                if lo <= i <= hi:
-                    value = max(best[i], cost(s, i, j))
-                    if value < new[j]:
-                        new[j], arg[j] = value, i
+        if uniform:
+            new, arg = _cuts_by_search(best, cost, s, n, num_stages)
+        else:
+            new, arg = _cuts_exhaustive(best, pw, pa, k[s], s, n, num_stages)
         best = new
         choices.append(arg)
     bounds, j = [n], n
@@ -134,6 +130,45 @@ def balance(weights: Sequence[float], num_stages: int,
         bounds.append(j)
     bounds.append(0)
     return bounds[::-1]
+
+
+def _cuts_by_search(best: list[float], cost: Callable[[int, int, int], float], s: int,
+                    n: int, num_stages: int) -> tuple[list[float], list[int]]:
+    """Best cut before stage ``s`` for every end ``j``, when ``best`` is non-decreasing."""
+    new, arg = [math.inf] * (n + 1), [0] * (n + 1)
+    for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+        lo, hi = s, j - 1  # stage s holds [i, j); the stages before it need i >= s layers
+        left, right = lo, hi + 1
+        while left < right:  # first i where the earlier stages dominate
+            mid = (left + right) // 2
+            if best[mid] >= cost(s, mid, j):
+                right = mid
+            else:
+                left = mid + 1
+        for i in (left - 1, left):
+            if lo <= i <= hi:
+                value = max(best[i], cost(s, i, j))
+                if value < new[j]:
+                    new[j], arg[j] = value, i
+    return new, arg
+
+
+def _cuts_exhaustive(best: list[float], pw: list[float], pa: list[float], k: float, s: int,
+                     n: int, num_stages: int) -> tuple[list[float], list[int]]:
+    """Best cut before stage ``s`` for every end ``j``, trying every cut ``i``."""
+    w, a = torch.tensor(pw, dtype=torch.float64), torch.tensor(pa, dtype=torch.float64)
+    b = torch.tensor(best, dtype=torch.float64)
+    cost = (w[None, :] - w[:, None]) + k * (a[None, :] - a[:, None])  # [i, j]
+    value = torch.maximum(b[:, None], cost)
+    i = torch.arange(n + 1)
+    valid = (i[:, None] >= s) & (i[:, None] < i[None, :])
+    value = value.masked_fill(~valid, math.inf)
+    low, where = value.min(dim=0)
+    new, arg = [math.inf] * (n + 1), [0] * (n + 1)
+    low_l, where_l = low.tolist(), where.tolist()
+    for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+        new[j], arg[j] = low_l[j], where_l[j]
+    return new, arg
 
 
 # ---------------------------------------------------------------------------
@@ -204,6 +239,7 @@ def _static_bytes(layer: Any, index: int, optimizer: Callable | None,
 
 def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
                    time_it: bool = True, repeats: int = 5, warmup: int = 1,
+                   clock: Callable[[], float] | None = None,
                    optimizer: Callable | None = None,
                    optimizer_states: float | None = None
                    ) -> tuple[list[float] | None, list[float], list[float]]:
@@ -211,6 +247,8 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
 
     Only one layer's parameters exist at a time; the activations of one
     micro-batch are kept until the end so storage is never counted twice.
+    ``clock`` (seconds, default :func:`time.perf_counter`) is read after the device
+    is synchronised, before and after each repetition.
 
     :returns: ``(seconds, static_bytes, activation_bytes)`` per layer: the median
         forward + backward time (``None`` unless ``time_it``); parameter +
@@ -226,6 +264,7 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
         raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
                           hint="use pk.profile(sample, repeats=5, warmup=1)")
     device = torch.device(device)
+    now = clock or time.perf_counter
     x = _to(sample, device)
     seconds: list[float] = []
     static: list[float] = []
@@ -272,12 +311,12 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
                 samples = []
                 for _ in range(warmup + repeats):
                     _sync(device)
-                    start = time.perf_counter()
+                    start = now()
                     grads = _grad_outputs(call(inp))
                     if grads:
                         torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
                     _sync(device)
-                    samples.append(time.perf_counter() - start)
+                    samples.append(now() - start)
                 seconds.append(statistics.median(samples[warmup:]))
                 if isinstance(layer, nn.Module):
                     layer.zero_grad(set_to_none=True)
@@ -404,7 +443,7 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
         def compute() -> tuple:
             seconds, static, act = measure_layers(
                 module, method.sample, context.device, repeats=method.repeats,
-                warmup=method.warmup, optimizer=context.optimizer)
+                warmup=method.warmup, optimizer=context.optimizer, clock=method.clock)
             return balance(seconds, num_stages), seconds, static, act
         bounds, costs, static, act = _agree(context, compute)
         context.layer_costs, context.cost_unit = costs, "seconds"

@@ -7,9 +7,10 @@ error is seen. Workers catch their error as a host framework would (the process 
 alive), record when they got it, close the engine and exit: a clean exit (code 0) shows
 that the process group was left in a state the host can leave.
 
-Timing: the engine's timeout is 30 s while every rank must have its error less than
+Timing: the engine's timeout is 60 s while every rank must have its error less than
 ``FAST`` seconds after the fault — only abort propagation gets there; a rank that waited
-for its timeout would take 30 s. The bound is generous so that load cannot break it.
+for its timeout would take 60 s. The bound is generous (idle: under 2 s) so that load
+cannot break it, and still four times below the timeout.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from torch import nn
 import pipekernel as pk
 from pipekernel.launch import free_port
 
-TIMEOUT = 30.0   # the engine's timeout: what a rank without abort propagation would wait
-FAST = 8.0       # fault -> last rank's error, with a wide margin for a loaded machine
+TIMEOUT = 60.0   # the engine's timeout: what a rank without abort propagation would wait
+FAST = 15.0      # fault -> last rank's error, with a wide margin for a loaded machine
 HARNESS = 120.0  # the harness kills everything after this
 
 #: figures for the report: (test, faults injected, ranks with a named error, worst seconds)
