@@ -2,6 +2,7 @@
 optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -39,7 +40,9 @@ class PipelineEngine:
         for low-precision policies) or an optimizer built over
         ``engine.module.parameters()`` (refused with ``ConfigError`` when the
         precision steps master copies); ``None`` for inference only.
-    :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
+    :param micro_batches: micro-batches per ``train_batch``/``eval_batch``; change it
+        later with :meth:`set_micro_batches` or per call (``train_batch(it, micro_batches=n)``),
+        every rank together.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
     :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
         forward only).
@@ -224,7 +227,8 @@ class PipelineEngine:
         self._last_step_taken = True
         #: Global gradient norm of the last step (before clipping), when clipping.
         self.last_grad_norm: float | None = None
-        self._steps_cache: dict[Any, tuple[list, int]] = {}
+        self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
+        self._checked_micro_batches = micro_batches  # agreed on by the check above
         self.pm.hook.pipekernel_configure(engine=self)
 
     # -- where this process sits ---------------------------------------------
@@ -407,25 +411,57 @@ class PipelineEngine:
                 p.grad.mul_(coef)
 
     # -- the public loop ------------------------------------------------------------
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """Run ``micro_batches`` micro-batches per ``train_batch``/``eval_batch`` from now on
+        (e.g. a batch-size ramp-up). Every rank must call it with the same value before the
+        same batch: the first batch with a new count checks that (one tiny all-reduce) and
+        raises ``ConfigError`` on every rank when they differ. Schedules and communication
+        plans are built once per count and cached; the loss is averaged over the current count.
+
+        :raises ConfigError: not a positive int, or a count the schedule refuses.
+        """
+        self._check_micro_batches(micro_batches)
+        self.micro_batches = micro_batches
+
+    def _check_micro_batches(self, micro_batches: Any) -> None:
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
+                or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
+                              rank=self.rank, stage=self.stage)
+        for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
+            cls(self.num_stages, self.stage, micro_batches, self.chunks)
+
+    def _agree_micro_batches(self) -> None:
+        """When the count changed since the last batch, check that every rank changed it."""
+        if self.micro_batches == self._checked_micro_batches:
+            return
+        check_consistency(self.transport, {"micro_batches": self.micro_batches},
+                          "micro-batch count (set_micro_batches(n) or train_batch(..., "
+                          "micro_batches=n) must change it on every rank for the same batch)")
+        self._checked_micro_batches = self.micro_batches
+
     def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
-        """The schedule's steps, buffer count and communication plan (built once)."""
-        if cls not in self._steps_cache:
+        """The schedule's steps, buffer count and communication plan for the current
+        micro-batch count (built once per schedule and count)."""
+        key = (cls, self.micro_batches)
+        if key not in self._steps_cache:
             schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
             steps = schedule.steps()
             plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
                                       chunks=self.chunks, placement=self.placement,
                                       trains=cls.trains)
-            self._steps_cache[cls] = (steps, schedule.num_buffers(), plan)
-        return self._steps_cache[cls]
+            self._steps_cache[key] = (steps, schedule.num_buffers(), plan)
+        return self._steps_cache[key]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
-        steps, num_buffers, plan = self._steps(cls)
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
         check = self._batches_run < self.check_data_steps and self.num_stages > 1
         self._batches_run += 1
         try:
+            self._agree_micro_batches()
+            steps, num_buffers, plan = self._steps(cls)
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check)
@@ -445,9 +481,12 @@ class PipelineEngine:
                               hint="pass PipelineModule(..., loss_fn=torch.nn.CrossEntropyLoss())",
                               rank=self.rank, stage=self.stage)
 
-    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+    def train_batch(self, data_iter: Iterator | None = None,
+                    micro_batches: int | None = None) -> torch.Tensor:
         """Train on ``micro_batches`` micro-batches from ``data_iter`` and step once.
 
+        :param micro_batches: this batch only, instead of ``engine.micro_batches``
+            (same value on every rank; see :meth:`set_micro_batches`).
         :returns: the mean loss over micro-batches and replicas, a 0-dim tensor with
             the same value on every rank.
         """
@@ -455,6 +494,23 @@ class PipelineEngine:
         if not self.schedule_cls.trains:
             raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
                               hint="use schedule='1f1b' or 'gpipe'")
+        with self._micro_batches_for(micro_batches):
+            return self._train_batch(data_iter)
+
+    @contextlib.contextmanager
+    def _micro_batches_for(self, micro_batches: int | None) -> Iterator[None]:
+        """``engine.micro_batches`` is ``micro_batches`` inside (unless ``None``)."""
+        if micro_batches is None:
+            yield
+            return
+        previous = self.micro_batches
+        self.set_micro_batches(micro_batches)
+        try:
+            yield
+        finally:
+            self.micro_batches = previous
+
+    def _train_batch(self, data_iter: Iterator | None) -> torch.Tensor:
         start = time.perf_counter()
         self.pm.hook.pipekernel_before_train_batch(engine=self)
         self.module.train()
@@ -469,9 +525,10 @@ class PipelineEngine:
         return loss  # type: ignore[return-value]
 
     def eval_batch(self, data_iter: Iterator | None = None, compute_loss: bool = True,
-                   return_outputs: bool = False) -> Any:
+                   return_outputs: bool = False, micro_batches: int | None = None) -> Any:
         """Run forward only over ``micro_batches`` micro-batches.
 
+        :param micro_batches: this batch only, instead of ``engine.micro_batches``.
         :returns: the mean loss (same 0-dim tensor on every rank) if
             ``compute_loss``; with ``return_outputs`` a pair ``(loss, outputs)``
             where ``outputs`` is the list of last-stage outputs per micro-batch on
@@ -480,7 +537,7 @@ class PipelineEngine:
         if compute_loss:
             self._check_loss_fn("eval_batch(compute_loss=True)")
         self.module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._micro_batches_for(micro_batches):
             loss = self._run(self.eval_schedule_cls, data_iter, compute_loss, return_outputs)
         self.module.train()
         if not return_outputs:

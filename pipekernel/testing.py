@@ -42,7 +42,7 @@ def _to(obj: Any, device: torch.device | str) -> Any:
 
 
 def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.optim.Optimizer],
-                    batches: Sequence[Sequence[Sequence[Any]]], micro_batches: int,
+                    batches: Sequence[Sequence[Sequence[Any]]], micro_batches: int | Sequence[int],
                     hook: Callable[[torch.nn.Module], None] | None = None,
                     device: torch.device | str | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -50,6 +50,7 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
     ``micro_batches`` items ``(inputs, labels)``; each step accumulates
     ``loss / (micro_batches * replicas)`` over every replica's micro-batches.
 
+    :param micro_batches: micro-batches per step, or one count per step (a ramp).
     :param hook: called with the model after backward, before the step (e.g. clipping).
     :param device: train there (model and batches moved; ``None``: where the model is
         built, the CPU); the returned ``state_dict`` stays on that device.
@@ -60,11 +61,12 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
         model = model.to(device)
     opt = optimizer(list(model.parameters()))
     losses = []
-    for replicas in batches:
+    counts = [micro_batches] * len(batches) if isinstance(micro_batches, int) else micro_batches
+    for replicas, count in zip(batches, counts):
         total = 0.0
-        scale = 1.0 / (micro_batches * len(replicas))
+        scale = 1.0 / (count * len(replicas))
         for items in replicas:
-            for item in list(items)[:micro_batches]:
+            for item in list(items)[:count]:
                 loss = _forward_loss(model, module.loss_fn, item, device)
                 (loss * scale).backward()
                 total += loss.item() * scale
