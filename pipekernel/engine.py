@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, NonFiniteLossError, PipelineError
+from pipekernel.errors import ConfigError, DataError, NonFiniteLossError, PipelineError
 from pipekernel.faults import AbortBoard, check_consistency
 from pipekernel.grad_reduce import GradReducer
 from pipekernel.kernel import Kernel
+from pipekernel.loss import TokenLoss, check_loss_reduction
 from pipekernel.module import PipelineModule
 from pipekernel.partitioning import PartitionContext, PartitionReport
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
@@ -80,6 +81,10 @@ class PipelineEngine:
         split into ``num_stages * chunks`` parts, placed by the schedule's
         ``placement`` (:mod:`pipekernel.schedules.placement`); explicit partition
         boundaries then list ``num_stages * chunks + 1`` entries.
+    :param loss_reduction: ``"mean"`` (default: ``loss_fn`` returns a scalar, the batch
+        loss is the mean over micro-batches and replicas) or ``"tokens"`` (``loss_fn``
+        returns ``(loss_sum, token_count)``; the gradient and the returned loss are the
+        mean over every token of every micro-batch and replica; see :mod:`pipekernel.loss`).
     :param grad_bucket_mb: size in MiB of the buckets in which gradients are averaged
         over data-parallel replicas (as DDP's ``bucket_cap_mb``); each bucket's
         all-reduce starts during the stage's last backward of the batch, as soon as
@@ -95,7 +100,8 @@ class PipelineEngine:
                  precision_options: dict | None = None, eval_schedule: str = "inference",
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
-                 nonfinite: str = "error", check_data_steps: int = 3) -> None:
+                 nonfinite: str = "error", check_data_steps: int = 3,
+                 loss_reduction: str = "mean") -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -126,7 +132,7 @@ class PipelineEngine:
                         precision_options=precision_options, eval_schedule=eval_schedule,
                         max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                         chunks=chunks, transport=transport, nonfinite=nonfinite,
-                        check_data_steps=check_data_steps)
+                        check_data_steps=check_data_steps, loss_reduction=loss_reduction)
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise
@@ -135,12 +141,17 @@ class PipelineEngine:
                schedule: str, precision: str, data_parallel_size: int | None,
                precision_options: dict | None, eval_schedule: str,
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
-               transport: str, nonfinite: str, check_data_steps: int) -> None:
+               transport: str, nonfinite: str, check_data_steps: int,
+               loss_reduction: str) -> None:
         if nonfinite not in ("error", "skip"):
             raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
             raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}")
         self.nonfinite, self.check_data_steps = nonfinite, check_data_steps
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        #: the ``loss_fn`` wrapper keeping token counts (``loss_reduction="tokens"``)
+        self.token_loss = TokenLoss(module.loss_fn) if loss_reduction == "tokens" \
+            and module.loss_fn is not None else None
         self._batches_run = 0
         world, rank = self.transport.world_size, self.transport.rank
         num_stages = module.num_stages or world // (data_parallel_size or 1)
@@ -172,7 +183,8 @@ class PipelineEngine:
                   "partition": module.partition_method
                   if isinstance(module.partition_method, (str, list, tuple)) else
                   type(module.partition_method).__name__,
-                  "nonfinite": nonfinite, "check_data_steps": check_data_steps}
+                  "nonfinite": nonfinite, "check_data_steps": check_data_steps,
+                  "loss_reduction": loss_reduction}
         check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
@@ -212,7 +224,8 @@ class PipelineEngine:
         self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
                              and not hasattr(lr_scheduler, "step") else lr_scheduler)
-        self.runtime = StageRuntime(self.module, self.topology, self.transport, module.loss_fn,
+        self.runtime = StageRuntime(self.module, self.topology, self.transport,
+                                    self.token_loss or module.loss_fn,
                                     self.precision, reduce_tied=self.reduce_tied_grads,
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
@@ -361,22 +374,30 @@ class PipelineEngine:
         found_inf = self.precision.unscale_(params)
         clip = self.max_grad_norm is not None
         skip_bad = self.nonfinite == "skip"
+        tokens = self.token_loss is not None
         skipped = overflow = False
-        if found_inf is not None or clip or skip_bad:
-            # One all-reduce over the world carries the overflow flags, the squared norm
-            # and the non-finite-loss flags, so every stage and replica takes the same
-            # decision.
+        scale = 1.0  # gradients are divided by the tokens per micro-batch and replica
+        if found_inf is not None or clip or skip_bad or tokens:
+            # One all-reduce over the world carries the overflow flags, the squared norm,
+            # the non-finite-loss flags and the token count, so every stage and replica
+            # takes the same decision.
+            device = self.transport.device
             stats = torch.tensor([float(bool(found_inf)), self._local_grad_norm_sq() if clip
-                                  else 0.0, self._bad_losses() if skip_bad else 0.0],
-                                 dtype=torch.float32, device=self.transport.device)
+                                  else 0.0, self._bad_losses() if skip_bad else 0.0, 0.0],
+                                 dtype=torch.float64, device=device)
+            if tokens:
+                stats[3] = self.token_loss.local_tokens(device)
             self.transport.all_reduce(stats)
             overflow = bool(stats[0] > 0)
             skipped = overflow or bool(stats[2] > 0)
+            if tokens:
+                scale = self._token_scale(float(stats[3]))
             if clip:
-                self.last_grad_norm = float(stats[1].sqrt())
+                self.last_grad_norm = float(stats[1].sqrt()) * scale  # after the rescale
         if not skipped:
-            if clip:
-                self._clip(params, self.last_grad_norm)  # type: ignore[arg-type]
+            coef = self._clip_coef(self.last_grad_norm) if clip else 1.0  # type: ignore[arg-type]
+            if scale * coef != 1.0:
+                self._scale_grads(params, scale * coef)
             self.precision.step(self.optimizer)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -404,11 +425,27 @@ class PipelineEngine:
                    if id(p) not in not_owner]
         return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
 
-    def _clip(self, params: list[torch.Tensor], norm: float) -> None:
-        coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
+    def _token_scale(self, total_tokens: float) -> float:
+        """The factor turning accumulated ``Σ loss_sum / micro_batches`` gradients
+        (averaged over replicas) into those of the loss averaged over all tokens."""
+        if total_tokens <= 0:
+            raise DataError(
+                f"train step {self.global_steps + 1}: the batch has {total_tokens:g} tokens "
+                f"over its {self.micro_batches} micro-batch(es) and "
+                f"{self.topology.data_size} replica(s) (loss_reduction='tokens')",
+                hint="the token_count loss_fn returns must be > 0 over the batch: check "
+                     "the padding mask of the labels", rank=self.rank, stage=self.stage,
+                step=self.global_steps + 1)
+        return self.micro_batches * self.topology.data_size / total_tokens
+
+    def _clip_coef(self, norm: float) -> float:
+        return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
+
+    @staticmethod
+    def _scale_grads(params: list[torch.Tensor], factor: float) -> None:
         for p in params:
             if p.grad is not None:
-                p.grad.mul_(coef)
+                p.grad.mul_(factor)
 
     # -- the public loop ------------------------------------------------------------
     def set_micro_batches(self, micro_batches: int) -> None:
@@ -462,6 +499,8 @@ class PipelineEngine:
         try:
             self._agree_micro_batches()
             steps, num_buffers, plan = self._steps(cls)
+            if self.token_loss is not None:
+                self.token_loss.reset()
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check)
@@ -546,38 +585,52 @@ class PipelineEngine:
         return loss, outputs
 
     def _mean_loss(self, training: bool = False) -> torch.Tensor:
+        """The batch's loss, the same on every rank: one all-reduce of the last stages'
+        loss sum (and token count), and, when training with ``nonfinite="error"``, of
+        which micro-batches and ranks had a NaN/inf loss."""
         losses = self.runtime.losses
-        total = torch.stack(losses).sum() if losses else torch.zeros(())
-        total = total.detach().to(torch.float32).reshape(1).to(self.transport.device)
-        if not (training and self.nonfinite == "error"):
-            self.transport.all_reduce(total)  # only last stages contribute
-            return (total / (self.micro_batches * self.topology.data_size)).reshape(()).cpu()
-        # the same all-reduce carries which micro-batches and ranks had a NaN/inf loss
         m, world = self.micro_batches, self.transport.world_size
-        flags = torch.zeros(1 + m + world, dtype=torch.float32, device=self.transport.device)
-        flags[0:1] = total
+        flagged = training and self.nonfinite == "error"
+        tokens = self.token_loss is not None
+        vec = torch.zeros(2 + (m + world if flagged else 0), device=self.transport.device,
+                          dtype=torch.float64 if tokens else torch.float32)
         if losses:
-            bad = (~torch.isfinite(torch.stack(losses).float())).float()
-            index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
-                                 device=bad.device)
-            flags[1:1 + m].index_add_(0, index.to(flags.device), bad.to(flags.device))
-            flags[1 + m + self.rank] = bad.max()
-        self.transport.all_reduce(flags)
-        out = flags.cpu()
-        if not torch.isfinite(out[0]):
-            values = out[1:].tolist()
-            mbs = [i for i in range(m) if values[i] > 0]
-            ranks = [r for r in range(world) if values[m + r] > 0]
-            raise NonFiniteLossError(
-                f"the loss is NaN/inf at train step {self.global_steps + 1} "
-                f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
-                f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
-                f"gradients were not finite either",
-                hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
-                     "data of those micro-batches, or pass nonfinite='skip' to skip such "
-                     "steps on every rank", rank=self.rank, stage=self.stage,
-                step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
-        return (out[0] / (self.micro_batches * self.topology.data_size)).reshape(())
+            stacked = torch.stack(losses)
+            vec[0] = stacked.sum().detach().to(vec.dtype)
+            if flagged:
+                bad = (~torch.isfinite(stacked.float())).to(vec.dtype)
+                index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
+                                     device=vec.device)
+                vec[2:2 + m].index_add_(0, index, bad.to(vec.device))
+                vec[2 + m + self.rank] = bad.max()
+        if tokens:
+            vec[1] = self.token_loss.local_tokens(vec.device)
+        self.transport.all_reduce(vec)  # only last stages contribute
+        out = vec.cpu()
+        if flagged and not torch.isfinite(out[0]):
+            self._raise_nonfinite(out[2:].tolist())
+        if not tokens:
+            return (out[0] / (m * self.topology.data_size)).reshape(())
+        if out[1] <= 0:
+            raise DataError(f"the batch has no tokens (loss_reduction='tokens'): the "
+                            f"token counts of its {m} micro-batch(es) sum to {float(out[1]):g}",
+                            hint="the token_count loss_fn returns must be > 0 over the batch",
+                            rank=self.rank, stage=self.stage)
+        return (out[0] / out[1]).to(torch.float32).reshape(())
+
+    def _raise_nonfinite(self, values: list[float]) -> None:
+        m, world = self.micro_batches, self.transport.world_size
+        mbs = [i for i in range(m) if values[i] > 0]
+        ranks = [r for r in range(world) if values[m + r] > 0]
+        raise NonFiniteLossError(
+            f"the loss is NaN/inf at train step {self.global_steps + 1} "
+            f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
+            f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
+            f"gradients were not finite either",
+            hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
+                 "data of those micro-batches, or pass nonfinite='skip' to skip such "
+                 "steps on every rank", rank=self.rank, stage=self.stage,
+            step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "
