@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipekernel import cli
+from pipekernel.apps import cli
 from pipekernel.launch import free_port
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
 

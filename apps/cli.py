@@ -1,4 +1,4 @@
-"""The ``pipekernel`` command.
+"""The ``pipekernel`` command (an application of the core: the core never imports it).
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its
 arguments and sets ``func``; :func:`main` calls every function in
