@@ -18,6 +18,7 @@ from pipekernel.kernel import Kernel
 from pipekernel.loss import TokenLoss, check_loss_reduction
 from pipekernel.module import PipelineModule
 from pipekernel.partitioning import PartitionContext, PartitionReport
+from pipekernel.planner import Auto, Plan, is_auto, plan_module
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.runtime import StageRuntime
@@ -28,6 +29,7 @@ from pipekernel.topology import Topology
 __all__ = ["PipelineEngine"]
 
 _partition_log = logging.getLogger("pipekernel.partition")
+_plan_log = logging.getLogger("pipekernel.plan")
 
 
 class PipelineEngine:
@@ -44,7 +46,10 @@ class PipelineEngine:
     :param micro_batches: micro-batches per ``train_batch``/``eval_batch``; change it
         later with :meth:`set_micro_batches` or per call (``train_batch(it, micro_batches=n)``),
         every rank together.
-    :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
+    :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...), or
+        ``"auto"`` / ``pk.auto(memory_budget=..., ...)``: profile the layers and choose
+        schedule, chunks, micro-batch count and partition by simulation (the choice
+        in ``engine.plan``; see :mod:`pipekernel.planner`).
     :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
         forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
@@ -93,7 +98,7 @@ class PipelineEngine:
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
-                 schedule: str = "1f1b", transport: str = "gloo", precision: str = "fp32",
+                 schedule: Any = "1f1b", transport: str = "gloo", precision: str = "fp32",
                  data_parallel_size: int | None = None, plugins: Iterable[Any] = (),
                  timeout: float = 300.0, autoload_plugins: bool | None = None,
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
@@ -138,7 +143,7 @@ class PipelineEngine:
             raise
 
     def _build(self, module: PipelineModule, optimizer: Any, *, micro_batches: int,
-               schedule: str, precision: str, data_parallel_size: int | None,
+               schedule: Any, precision: str, data_parallel_size: int | None,
                precision_options: dict | None, eval_schedule: str,
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
                transport: str, nonfinite: str, check_data_steps: int,
@@ -156,6 +161,13 @@ class PipelineEngine:
         world, rank = self.transport.world_size, self.transport.rank
         num_stages = module.num_stages or world // (data_parallel_size or 1)
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
+        #: The :class:`~pipekernel.planner.Plan` ``schedule="auto"`` chose (else ``None``).
+        self.plan: Plan | None = None
+        if is_auto(schedule):
+            self.plan = self._auto_plan(module, schedule, num_stages, micro_batches, optimizer)
+            schedule, chunks, micro_batches = (self.plan.schedule, self.plan.chunks,
+                                               self.plan.micro_batches)
+            self.micro_batches = micro_batches
         self.schedule_cls = resolve_schedule(self.pm, schedule)
         self.chunks = self.schedule_cls.default_chunks if chunks is None else chunks
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
@@ -198,7 +210,8 @@ class PipelineEngine:
             in_flight=[in_flight[s] for s in self.part_stages],
             optimizer=optimizer if callable(optimizer)
             and not isinstance(optimizer, torch.optim.Optimizer) else None)
-        self.bounds = module.partition(num_parts, self.pm, context)
+        self.bounds = list(self.plan.bounds) if self.plan is not None else \
+            module.partition(num_parts, self.pm, context)
         check_consistency(self.transport, {"partition bounds": list(self.bounds)},
                           "partition (a method that measures, e.g. profile, must "
                           "broadcast its result)")
@@ -243,6 +256,19 @@ class PipelineEngine:
         self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
         self._checked_micro_batches = micro_batches  # agreed on by the check above
         self.pm.hook.pipekernel_configure(engine=self)
+
+    def _auto_plan(self, module: PipelineModule, request: Any, num_stages: int,
+                   micro_batches: int, optimizer: Any) -> Plan:
+        """Profile and search (every rank, the same plan; see :mod:`pipekernel.planner`)."""
+        plan = plan_module(module, request if isinstance(request, Auto) else Auto(),
+                           num_stages=num_stages, micro_batches=micro_batches, pm=self.pm,
+                           transport=self.transport, device=self.transport.device,
+                           optimizer=optimizer if callable(optimizer)
+                           and not isinstance(optimizer, torch.optim.Optimizer) else None)
+        check_consistency(self.transport, plan.fields(), "plan (schedule='auto')")
+        if self.transport.rank == 0:
+            _plan_log.info("%s", plan.format())
+        return plan
 
     # -- where this process sits ---------------------------------------------
     @property

@@ -105,6 +105,8 @@ class PartitionContext:
     :param layer_costs: the cost the plugin balanced, and ``cost_unit`` its unit.
     :param layer_static_bytes: parameter + gradient + optimizer-state + buffer bytes.
     :param layer_activation_bytes: bytes saved for backward per micro-batch.
+    :param layer_forward_seconds: measured forward seconds (``pk.profile``; the rest of
+        ``layer_costs`` is the backward), for the schedule planner.
     """
 
     module: Any
@@ -119,6 +121,7 @@ class PartitionContext:
     cost_unit: str = ""
     layer_static_bytes: list[float] | None = None
     layer_activation_bytes: list[float] | None = None
+    layer_forward_seconds: list[float] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

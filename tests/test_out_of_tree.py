@@ -68,7 +68,7 @@ def test_the_third_party_transport_passes_the_conformance_suite(installed):
 
 
 def _plugins(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "pipekernel.cli", "plugins", *args],
+    return subprocess.run([sys.executable, "-m", "pipekernel.apps.cli", "plugins", *args],
                           check=True, capture_output=True, text=True).stdout
 
 
