@@ -121,6 +121,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="bytes per stage (suffixes KiB, MiB, GiB); default: no limit")
     p.add_argument("--transfer-ms", type=float, default=0.0,
                    help="milliseconds one activation/gradient transfer takes")
+    p.add_argument("--split-overhead", type=float, default=1.0,
+                   help="split backward (input + weight pass) time over one full backward")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per layer")
     p.add_argument("--top", type=int, default=None, help="show only the best N candidates")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
@@ -162,7 +164,8 @@ def plan_for_args(args: argparse.Namespace) -> object:
     request = pk.auto(memory_budget=args.memory_budget, sample=sample,
                       schedules=args.schedules.split(",") if args.schedules else None,
                       chunks=_ints(args.chunks), micro_batches=_ints(args.counts),
-                      transfer_s=args.transfer_ms / 1e3, repeats=args.repeats)
+                      transfer_s=args.transfer_ms / 1e3, repeats=args.repeats,
+                      split_overhead=args.split_overhead)
     return plan_module(module, request, num_stages=args.stages,
                        micro_batches=args.micro_batches, pm=pk.make_plugin_manager())
 
