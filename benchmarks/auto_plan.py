@@ -68,7 +68,29 @@ def worker(args: argparse.Namespace) -> dict | None:
     if planned.rank != 0:
         return None
     return {"plan": plan, "candidates": candidates,
-            "measured": [statistics.median(t) for t in times]}
+            "measured": [statistics.median(t) for t in times],
+            "spread": [(max(t) - min(t)) / statistics.median(t) for t in times]}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (ties get their mean rank)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else float("nan")
 
 
 def calibrated(plan: object, args: argparse.Namespace) -> dict:
@@ -127,6 +149,15 @@ def report(result: dict, args: argparse.Namespace) -> None:
           f"({candidates[best].schedule}, chunks {candidates[best].chunks}, "
           f"{candidates[best].micro_batches} micro-batches) {1e3 * measured[best]:.1f} ms; "
           f"the chosen one is {100 * chosen_gap:.0f}% slower")
+    predicted = [c.predicted_step_s for c in candidates]
+    scale = statistics.median(t / p for p, t in zip(predicted, measured))
+    scaled = [abs(p * scale - t) / t for p, t in zip(predicted, measured)]
+    print(f"rank correlation predicted vs measured (Spearman): "
+          f"{spearman(predicted, measured):.2f}; measured / predicted: median {scale:.2f}; "
+          f"error after that common factor: median {100 * statistics.median(scaled):.0f}%, "
+          f"max {100 * max(scaled):.0f}%")
+    print(f"noise: a candidate's step times vary by a median {100 * statistics.median(result['spread']):.0f}% "
+          f"(max - min over median, {args.rounds} rounds x {args.steps} steps)")
     ordered = sorted(measured)
     print(f"measured spread: fastest {1e3 * ordered[0]:.1f} ms, median "
           f"{1e3 * statistics.median(ordered):.1f} ms, slowest {1e3 * ordered[-1]:.1f} ms")

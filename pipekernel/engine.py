@@ -250,6 +250,8 @@ class PipelineEngine:
         self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage)
         self.global_steps = 0
         self.skipped_steps = 0
+        #: Micro-batches each replica trained on so far (the counts may change).
+        self.trained_micro_batches = 0
         self._last_step_taken = True
         #: Global gradient norm of the last step (before clipping), when clipping.
         self.last_grad_norm: float | None = None
@@ -581,6 +583,7 @@ class PipelineEngine:
         self.module.train()
         loss = self._run(self.schedule_cls, data_iter, True, False)
         self.global_steps += 1
+        self.trained_micro_batches += self.micro_batches
         self.skipped_steps += not self._last_step_taken
         metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
                    "skipped": not self._last_step_taken, **self.precision.metrics()}
