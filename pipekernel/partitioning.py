@@ -40,11 +40,14 @@ class Profile:
     :param sample: first-stage inputs of one micro-batch (tensor or tuple).
     :param repeats: timed repetitions per layer; the median is used.
     :param warmup: untimed repetitions before them.
+    :param split_backward: also time each layer's backward split into its input and
+        weight passes (zero-bubble schedules; for the schedule planner).
     """
 
     sample: Any
     repeats: int = 5
     warmup: int = 1
+    split_backward: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ class PartitionContext:
     :param layer_activation_bytes: bytes saved for backward per micro-batch.
     :param layer_forward_seconds: measured forward seconds (``pk.profile``; the rest of
         ``layer_costs`` is the backward), for the schedule planner.
+    :param layer_split_backward_seconds: ``(input pass, weight pass)`` seconds of the
+        split backward (``Profile(split_backward=True)``).
     """
 
     module: Any
@@ -122,6 +127,7 @@ class PartitionContext:
     layer_static_bytes: list[float] | None = None
     layer_activation_bytes: list[float] | None = None
     layer_forward_seconds: list[float] | None = None
+    layer_split_backward_seconds: list[tuple[float, float]] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -57,8 +57,8 @@ class Auto:
         ``micro_batches`` (default: the sample of ``partition=pk.profile(sample)``).
     :param transfer_s: seconds one activation or gradient transfer takes.
     :param split_overhead: how much longer a split backward (``BackwardInput`` +
-        ``BackwardWeight``) takes than one full backward (1.0: the same; see
-        ``benchmarks/RESULTS.md``, "Backward split", for measured ratios).
+        ``BackwardWeight``) takes than one full backward, where the profile did not time
+        the split itself (the built-in profiler does).
     :param repeats: timed repetitions per layer (median); :param warmup: untimed ones.
     """
 
@@ -90,12 +90,15 @@ class LayerCosts:
     :param forward_s: forward seconds. :param backward_s: backward seconds.
     :param static_bytes: parameter + gradient + optimizer-state + buffer bytes.
     :param activation_bytes: bytes saved for backward per micro-batch.
+    :param split_s: ``(input pass, weight pass)`` seconds of the split backward, when
+        measured (else half the backward each, times ``split_overhead``).
     """
 
     forward_s: Sequence[float]
     backward_s: Sequence[float]
     static_bytes: Sequence[float]
     activation_bytes: Sequence[float]
+    split_s: Sequence[tuple[float, float]] | None = None
 
 
 @dataclass(frozen=True)
@@ -252,8 +255,11 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
         stage, chunk = locate(p, num_stages, placement)
         lo, hi = bounds[p], bounds[p + 1]
         f, b = sum(costs.forward_s[lo:hi]), sum(costs.backward_s[lo:hi])
-        table[(stage, chunk)] = {Forward: f, Backward: b, BackwardInput: split * b / 2,
-                                 BackwardWeight: split * b / 2}
+        if costs.split_s is not None:
+            i, w = (sum(pair[k] for pair in costs.split_s[lo:hi]) for k in (0, 1))
+        else:
+            i = w = split * b / 2
+        table[(stage, chunk)] = {Forward: f, Backward: b, BackwardInput: i, BackwardWeight: w}
         static[stage] += sum(costs.static_bytes[lo:hi])
         act[stage] += sum(costs.activation_bytes[lo:hi]) / chunks
     transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
@@ -306,7 +312,8 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
                                    device=device, rank=getattr(transport, "rank", 0),
                                    micro_batches=n, optimizer=optimizer)
         pm.hook.pipekernel_partition(
-            method=Profile(_resize(sample, total // n), request.repeats, request.warmup),
+            method=Profile(_resize(sample, total // n), request.repeats, request.warmup,
+                           split_backward=True),
             layers=module.layers, num_stages=1, context=context)
         costs[n] = _layer_costs(context)
     table = registered_schedules(pm)
@@ -339,9 +346,11 @@ def _layer_costs(context: Any) -> LayerCosts:
                                              "a plugin replacing it must set them too")
     forward = context.layer_forward_seconds or [t / 3 for t in total]  # B ~ 2F if unknown
     act = context.layer_activation_bytes or [0.0] * len(total)
+    split = getattr(context, "layer_split_backward_seconds", None)
     return LayerCosts([float(f) for f in forward],
                       [max(float(t) - float(f), 0.0) for t, f in zip(total, forward)],
-                      [float(s) for s in context.layer_static_bytes], [float(a) for a in act])
+                      [float(s) for s in context.layer_static_bytes], [float(a) for a in act],
+                      [(float(i), float(w)) for i, w in split] if split else None)
 
 
 def _rows(sample: Any) -> int:

@@ -227,11 +227,15 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
 def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu", *,
                         time_it: bool = True, repeats: int = 5, warmup: int = 1,
                         optimizer: Callable | None = None,
-                        optimizer_states: float | None = None
+                        optimizer_states: float | None = None,
+                        split: list | None = None
                         ) -> tuple[list[float] | None, list[float] | None, list[float],
                                    list[float]]:
     """:func:`measure_layers`, with the forward timed on its own too.
 
+    :param split: a list to append, per layer, the median seconds of the split backward
+        (``(input pass, weight pass)``, :mod:`pipekernel.split_backward`) to; ``None``:
+        not timed.
     :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
         median forward + backward time and, of the same repetitions, the median
         forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
@@ -302,12 +306,42 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                     forward.append(middle - start)
                 seconds.append(statistics.median(samples[warmup:]))
                 forwards.append(min(statistics.median(forward[warmup:]), seconds[-1]))
+                if split is not None:
+                    split.append(_time_split(call, inp, layer, device, warmup, repeats))
                 if isinstance(layer, nn.Module):
                     layer.zero_grad(set_to_none=True)
             static.append(_static_bytes(layer, index, optimizer, optimizer_states))
             x = _leaf(out)
             del out, layer
     return (seconds if time_it else None), (forwards if time_it else None), static, act
+
+
+def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warmup: int,
+                repeats: int) -> tuple[float, float]:
+    """Median seconds of the input pass and of the weight pass of one layer's backward."""
+    from pipekernel.split_backward import backward_input, backward_weight
+
+    params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
+    inputs = _grad_outputs(inp)
+    first, second = [], []
+    for _ in range(warmup + repeats):
+        outputs = _grad_outputs(call(inp))
+        if not outputs:
+            return 0.0, 0.0
+        _sync(device)
+        start = time.perf_counter()
+        _, state = backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, params)
+        _sync(device)
+        middle = time.perf_counter()
+        backward_weight(state)
+        _sync(device)
+        first.append(middle - start)
+        second.append(time.perf_counter() - middle)
+    if isinstance(layer, nn.Module):
+        layer.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    return statistics.median(first[warmup:]), statistics.median(second[warmup:])
 
 
 def _meta_static_bytes(module: PipelineModule,
@@ -321,31 +355,29 @@ def _meta_static_bytes(module: PipelineModule,
     return out
 
 
-def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
-    """Run ``compute`` on global rank 0 only and broadcast
-    ``(bounds, costs, static, act, forward)``.
+def _agree(context: PartitionContext, compute: Callable[[], tuple], arrays: int = 4) -> tuple:
+    """Run ``compute`` on global rank 0 only and broadcast its ``(bounds, *arrays)``:
+    the boundaries, then ``arrays`` per-layer lists, each of which may be ``None``
+    (here: costs, static bytes, activation bytes, forward seconds, ...).
 
-    ``costs``, ``act`` and ``forward`` may be ``None``. A failure on rank 0 is reported
-    on every rank.
+    A failure on rank 0 is reported on every rank.
     """
     transport = context.transport
     if transport is None or transport.world_size == 1:
         return compute()
     n, stages = len(context.module.layers), context.num_stages
-    optional = (1, 3, 4)  # which fields may be None
-    buf = torch.zeros(4 + (stages + 1) + 4 * n, dtype=torch.float64)
-    base = 4 + stages + 1
+    base = 1 + arrays + stages + 1  # valid flag, one flag per array, the bounds
+    buf = torch.zeros(base + arrays * n, dtype=torch.float64)
     error = None
     if transport.rank == 0:
         try:
-            bounds, *arrays = compute()
+            bounds, *values = compute()
             buf[0] = 1.0
-            for flag, i in enumerate(optional, start=1):
-                buf[flag] = arrays[i - 1] is not None
-            buf[4:base] = torch.tensor(bounds, dtype=torch.float64)
-            for k, values in enumerate(arrays):
-                buf[base + k * n:base + (k + 1) * n] = torch.tensor(
-                    values if values is not None else [0.0] * n, dtype=torch.float64)
+            buf[1 + arrays:base] = torch.tensor(bounds, dtype=torch.float64)
+            for k, v in enumerate(values):
+                buf[1 + k] = v is not None
+                if v is not None:
+                    buf[base + k * n:base + (k + 1) * n] = torch.tensor(v, dtype=torch.float64)
         except Exception as err:  # tell the others before raising, so nobody waits
             error = err
     buf = buf.to(transport.device)
@@ -358,12 +390,10 @@ def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
         raise ConfigError(f"rank 0 failed to compute the partition {method!r}",
                           hint="look at rank 0's error: it says what went wrong",
                           rank=context.rank)
-    bounds = [int(v) for v in buf[4:base].tolist()]
-    arrays = [buf[base + k * n:base + (k + 1) * n].tolist() for k in range(4)]
-    for flag, i in enumerate(optional, start=1):
-        if not buf[flag]:
-            arrays[i - 1] = None
-    return (bounds, *arrays)
+    bounds = [int(v) for v in buf[1 + arrays:base].tolist()]
+    values = [buf[base + k * n:base + (k + 1) * n].tolist() if buf[1 + k] else None
+              for k in range(arrays)]
+    return (bounds, *values)
 
 
 # ---------------------------------------------------------------------------
@@ -429,13 +459,18 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
         method = Memory()
     if isinstance(method, Profile):
         def compute() -> tuple:
+            split: list | None = [] if method.split_backward else None
             seconds, forward, static, act = measure_layer_times(
                 module, method.sample, context.device, repeats=method.repeats,
-                warmup=method.warmup, optimizer=context.optimizer)
-            return balance(seconds, num_stages), seconds, static, act, forward
-        bounds, costs, static, act, forward = _agree(context, compute)
+                warmup=method.warmup, optimizer=context.optimizer, split=split)
+            first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
+                else (None, None)
+            return balance(seconds, num_stages), seconds, static, act, forward, first, second
+        bounds, costs, static, act, forward, first, second = _agree(context, compute, 6)
         context.layer_costs, context.cost_unit = costs, "seconds"
         context.layer_forward_seconds = forward
+        context.layer_split_backward_seconds = (list(zip(first, second))
+                                                if first is not None else None)
         context.layer_static_bytes, context.layer_activation_bytes = static, act
         context.notes.append(f"forward+backward seconds measured on rank 0 ({context.device}), "
                              f"median of {method.repeats}")
