@@ -190,7 +190,7 @@ class Timed(nn.Module):
 def test_profile_balances_the_seconds_its_clock_measures(spike):
     clock = FakeClock()
     if spike:
-        clock.spike_at = 4  # the end of layer 0's second timed repetition (warmup 1)
+        clock.spike_at = 6  # the end of layer 0's second timed repetition (warmup 1)
     costs = [0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
     layers = [pk.LayerSpec(Timed, clock, c) for c in costs]
     module = pk.PipelineModule(layers, loss_fn=nn.MSELoss(), seed=3,
@@ -200,7 +200,9 @@ def test_profile_balances_the_seconds_its_clock_measures(spike):
     # the median of three repetitions: one 100 s outlier does not move it
     assert context.layer_costs == pytest.approx(costs, abs=1e-12)
     assert bounds == [0, 1, 8]  # 0.9 | 0.9 + 6 x 0.1: the two slow layers apart
-    assert clock.calls == 2 * 4 * len(costs)  # before and after every repetition
+    # start, end of forward and end of backward of every repetition
+    assert clock.calls == 3 * 4 * len(costs)
+    assert context.layer_forward_seconds == pytest.approx([c / 2 for c in costs], abs=1e-12)
 
 
 def test_memory_gives_early_stages_fewer_layers_under_1f1b():
