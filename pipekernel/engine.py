@@ -21,6 +21,9 @@ from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make
 from pipekernel.runtime import StageRuntime
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.placement import check_placement, locate, parts_of
+from pipekernel.parallel import ParallelConfig
+from pipekernel.tensor_parallel import context as tp_context
+from pipekernel.tensor_parallel import make_group as make_tp_group
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
@@ -82,6 +85,18 @@ class PipelineEngine:
         all-reduce starts during the stage's last backward of the batch, as soon as
         its gradients are final (see :mod:`pipekernel.grad_reduce`). ``0``: no
         overlap, one flat all-reduce at ``ReduceGrads``.
+    :param tensor_parallel_size: tensor-parallel ranks per stage ``T`` (default 1): the
+        world is ``stages x replicas x T``; layers reach their group through
+        :mod:`pipekernel.tensor_parallel` while they are built (see ``docs/parallelism.md``).
+    :param rank_order: which rank is which, innermost axis first (default
+        ``"tp-dp-pp"``: tensor-parallel ranks adjacent, pipeline outermost; any
+        permutation of ``tp``, ``dp``, ``pp``; see :mod:`pipekernel.topology`).
+    :param partition_activations: with ``T > 1``, each tensor-parallel rank sends only
+        its ``1/T`` slice of the (replicated) floating-point activations and gradients
+        between stages and the receiver all-gathers them over its tensor-parallel group
+        (default ``True``; ``False`` sends the whole tensors from every rank).
+    :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
+        (ZeRO-1, :mod:`pipekernel.zero`); ``0`` (default) replicates it.
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
@@ -92,7 +107,9 @@ class PipelineEngine:
                  precision_options: dict | None = None, eval_schedule: str = "inference",
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
-                 nonfinite: str = "error", check_data_steps: int = 3) -> None:
+                 nonfinite: str = "error", check_data_steps: int = 3,
+                 tensor_parallel_size: int = 1, rank_order: str | None = None,
+                 partition_activations: bool = True, zero_stage: int = 0) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -123,7 +140,9 @@ class PipelineEngine:
                         precision_options=precision_options, eval_schedule=eval_schedule,
                         max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                         chunks=chunks, transport=transport, nonfinite=nonfinite,
-                        check_data_steps=check_data_steps)
+                        check_data_steps=check_data_steps,
+                        parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
+                                                     partition_activations, zero_stage))
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise
@@ -132,7 +151,8 @@ class PipelineEngine:
                schedule: str, precision: str, data_parallel_size: int | None,
                precision_options: dict | None, eval_schedule: str,
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
-               transport: str, nonfinite: str, check_data_steps: int) -> None:
+               transport: str, nonfinite: str, check_data_steps: int,
+               parallel: ParallelConfig) -> None:
         if nonfinite not in ("error", "skip"):
             raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
@@ -140,8 +160,11 @@ class PipelineEngine:
         self.nonfinite, self.check_data_steps = nonfinite, check_data_steps
         self._batches_run = 0
         world, rank = self.transport.world_size, self.transport.rank
-        num_stages = module.num_stages or world // (data_parallel_size or 1)
-        self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
+        self.parallel = parallel
+        tp = parallel.tensor_parallel_size
+        num_stages = module.num_stages or world // ((data_parallel_size or 1) * tp)
+        self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size, tp,
+                                            parallel.rank_order)
         self.schedule_cls = resolve_schedule(self.pm, schedule)
         self.chunks = self.schedule_cls.default_chunks if chunks is None else chunks
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
@@ -169,7 +192,8 @@ class PipelineEngine:
                   "partition": module.partition_method
                   if isinstance(module.partition_method, (str, list, tuple)) else
                   type(module.partition_method).__name__,
-                  "nonfinite": nonfinite, "check_data_steps": check_data_steps}
+                  "nonfinite": nonfinite, "check_data_steps": check_data_steps,
+                  **parallel.fields()}
         check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
@@ -192,10 +216,13 @@ class PipelineEngine:
         self.partition_report = PartitionReport.build(module, self.bounds, context)
         if rank == 0:
             _partition_log.info("%s", self.partition_report.format())
-        self.module = module.build_stage(
-            self.stage, self.bounds,
-            parts_of(self.stage, num_stages, self.chunks, self.placement)
-        ).to(self.transport.device)
+        #: This rank's :class:`~pipekernel.tensor_parallel.TensorParallelGroup`.
+        self.tp_group = make_tp_group(self.topology, self.transport)
+        with tp_context(self.tp_group):  # layers built here see their group
+            self.module = module.build_stage(
+                self.stage, self.bounds,
+                parts_of(self.stage, num_stages, self.chunks, self.placement)
+            ).to(self.transport.device)
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and max_grad_norm > 0):
