@@ -349,7 +349,15 @@ class PipelineEngine:
                     hint="pass a factory: optimizer=lambda params: torch.optim.AdamW(params, ...)",
                     rank=self.rank, stage=self.stage)
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer is not None and self.parallel.zero_stage:
+                raise ConfigError("zero_stage=1 needs an optimizer factory, got a built optimizer",
+                                  hint="pass optimizer=lambda params: torch.optim.AdamW(params, "
+                                       "...): ZeRO-1 builds it over this replica's shard")
             return optimizer
+        if callable(optimizer) and self.parallel.zero_stage and self.topology.data_size > 1:
+            from pipekernel.zero import ZeroOptimizer
+            return ZeroOptimizer(params, optimizer, self.transport, self.data_group,
+                                 self.topology.data_rank, self.topology.data_size)
         if callable(optimizer):
             return optimizer(params)
         raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",

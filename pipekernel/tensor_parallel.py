@@ -24,9 +24,7 @@ parameters without it are replicated over the group (and their gradients equal o
 every tensor-parallel rank, as in Megatron without sequence parallelism).
 
 **Collectives** go through the engine's transport: ``all_reduce``, and
-``all_gather`` when the transport has it (an optional member, see
-:mod:`pipekernel.transport`), else an all-reduce of a zero-padded buffer (exact,
-``T`` times the bytes).
+``all_gather`` (:func:`pipekernel.collectives.all_gather`).
 """
 from __future__ import annotations
 
@@ -39,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipekernel.collectives import all_gather
 from pipekernel.errors import ConfigError
 
 __all__ = ["TensorParallelGroup", "group", "rank", "size", "context", "make_group",
@@ -72,16 +71,7 @@ class TensorParallelGroup:
         (shape ``(size, *tensor.shape)``), in rank order."""
         if self.size == 1:
             return tensor.unsqueeze(0)
-        tensor = tensor.contiguous()
-        gather_fn = getattr(self.transport, "all_gather", None)
-        if gather_fn is not None:
-            out = tensor.new_empty((self.size, *tensor.shape))
-            gather_fn(out, tensor, self.handle)
-            return out
-        out = tensor.new_zeros((self.size, *tensor.shape))
-        out[self.rank].copy_(tensor)
-        self.transport.all_reduce(out, "sum", self.handle)
-        return out
+        return all_gather(self.transport, tensor, self.handle, self.rank, self.size)
 
     def __repr__(self) -> str:
         return f"TensorParallelGroup(rank={self.rank}, size={self.size}, ranks={self.ranks})"
