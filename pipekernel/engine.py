@@ -22,8 +22,10 @@ from pipekernel.runtime import StageRuntime
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.parallel import ParallelConfig
+from pipekernel.partitioned import ActivationPartitioner
 from pipekernel.tensor_parallel import context as tp_context
 from pipekernel.tensor_parallel import make_group as make_tp_group
+from pipekernel.tensor_parallel import sharded_dim
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
@@ -241,6 +243,8 @@ class PipelineEngine:
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
                                     chunks=self.chunks, placement=self.placement,
+                                    wire=ActivationPartitioner(self.tp_group)
+                                    if parallel.partitions else None,
                                     **self._backward_callbacks())
         handlers = self.runtime.handlers()
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
@@ -309,6 +313,11 @@ class PipelineEngine:
             if self.topology.data_size > 1:
                 for p in self.module.parameters():
                     self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
+            tp = self.tp_group
+            if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
+                for p in self.module.parameters():
+                    if sharded_dim(p) is None:
+                        self.transport.broadcast(p.data, tp.ranks[0], tp.handle)
 
     def _make_reducers(self) -> None:
         """One :class:`GradReducer` per tied group (a sum over stages, no overlap) and
@@ -424,15 +433,17 @@ class PipelineEngine:
 
     def _local_grad_norm_sq(self) -> float:
         """This rank's share of the global squared gradient norm: one replica counts
-        (gradients are equal after the data-parallel reduction) and a tied weight
-        counts on the first stage holding it only."""
+        (gradients are equal after the data-parallel reduction), a tied weight
+        counts on the first stage holding it only, and a parameter replicated over the
+        tensor-parallel group on its rank 0 only (shards count on every rank)."""
         if self.topology.data_rank != 0:
             return 0.0
+        replicated = self.topology.model_rank != 0  # counted on tensor-parallel rank 0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
         squares = [grad.detach().double().pow(2).sum()
                    for p, grad in self._master_grads(self.module.parameters())
-                   if id(p) not in not_owner]
+                   if id(p) not in not_owner and not (replicated and sharded_dim(p) is None)]
         return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
 
     def _clip(self, params: list[torch.Tensor], norm: float) -> None:
@@ -529,7 +540,7 @@ class PipelineEngine:
         total = total.detach().to(torch.float32).reshape(1).to(self.transport.device)
         if not (training and self.nonfinite == "error"):
             self.transport.all_reduce(total)  # only last stages contribute
-            return (total / (self.micro_batches * self.topology.data_size)).reshape(()).cpu()
+            return (total / (self.micro_batches * self._loss_copies())).reshape(()).cpu()
         # the same all-reduce carries which micro-batches and ranks had a NaN/inf loss
         m, world = self.micro_batches, self.transport.world_size
         flags = torch.zeros(1 + m + world, dtype=torch.float32, device=self.transport.device)
@@ -555,7 +566,11 @@ class PipelineEngine:
                      "data of those micro-batches, or pass nonfinite='skip' to skip such "
                      "steps on every rank", rank=self.rank, stage=self.stage,
                 step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
-        return (out[0] / (self.micro_batches * self.topology.data_size)).reshape(())
+        return (out[0] / (self.micro_batches * self._loss_copies())).reshape(())
+
+    def _loss_copies(self) -> int:
+        """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""
+        return self.topology.data_size * self.topology.model_size
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "
