@@ -42,7 +42,8 @@ from pipekernel.errors import ConfigError
 
 __all__ = ["TensorParallelGroup", "group", "rank", "size", "context", "make_group",
            "copy_to_region", "reduce_from_region", "gather_from_region", "scatter_to_region",
-           "ColumnParallelLinear", "RowParallelLinear", "shard", "gather"]
+           "ColumnParallelLinear", "RowParallelLinear", "shard", "gather", "sharded_dim",
+           "full_shape", "gather_layer_state", "shard_layer_state"]
 
 
 class TensorParallelGroup:
@@ -318,3 +319,58 @@ def full_shape(param: torch.Tensor, g: TensorParallelGroup) -> tuple[int, ...]:
     return tuple(shape)
 
 
+
+
+# -- checkpoints: whole tensors in the files, shards in memory ----------------------------
+
+def _shard_shaped(value: Any, shape: tuple[int, ...]) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == shape
+
+
+def gather_layer_state(layer: nn.Module, state: dict[str, Any], optim: dict[str, dict],
+                       g: TensorParallelGroup) -> tuple[dict[str, Any], dict[str, dict]]:
+    """``layer``'s ``state`` (``state_dict`` entries) and per-parameter optimizer state
+    with every shard gathered whole (collective over ``g``: every member calls it for
+    the same layers in the same order)."""
+    if g.size == 1:
+        return state, optim
+    state, optim = dict(state), {k: dict(v) for k, v in optim.items()}
+    for sub, param in layer.named_parameters():
+        dim = sharded_dim(param)
+        if dim is None:
+            continue
+        if sub in state:
+            state[sub] = gather(state[sub].contiguous(), dim, g)
+        for key, value in optim.get(sub, {}).items():
+            if _shard_shaped(value, tuple(param.shape)):
+                optim[sub][key] = gather(value.contiguous(), dim, g)
+    return state, optim
+
+
+def shard_layer_state(layer: nn.Module, state: dict[str, Any], optim: dict[str, dict],
+                      g: TensorParallelGroup) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The inverse of :func:`gather_layer_state`: whole tensors (as saved, at any
+    tensor-parallel size) cut to this rank's shards."""
+    if g.size == 1:
+        return state, optim
+    state, optim = dict(state), {k: dict(v) for k, v in optim.items()}
+    for sub, param in layer.named_parameters():
+        dim = sharded_dim(param)
+        if dim is None:
+            continue
+        whole = full_shape(param, g)
+        if sub in state and _shard_shaped(state[sub], whole):
+            state[sub] = shard(state[sub], dim, g)
+        for key, value in optim.get(sub, {}).items():
+            if _shard_shaped(value, whole):
+                optim[sub][key] = shard(value, dim, g)
+    return state, optim
+
+
+def full_shapes(layer: nn.Module, g: TensorParallelGroup) -> dict[str, list[int]]:
+    """``layer.state_dict()``'s shapes with every shard counted whole."""
+    shapes = {k: list(v.shape) for k, v in layer.state_dict().items()}
+    for sub, param in layer.named_parameters():
+        if sub in shapes:
+            shapes[sub] = list(full_shape(param, g))
+    return shapes
