@@ -41,22 +41,47 @@ import torch
 from pipekernel.errors import DataError
 from pipekernel.transport import P2POp
 
-__all__ = ["flatten", "unflatten", "encode", "decode", "Channel", "PendingRecv", "HEADER_BYTES"]
+__all__ = ["flatten", "unflatten", "encode", "decode", "Channel", "PendingRecv", "HEADER_BYTES",
+           "Partitioned", "PartitionSpec"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _NAMES = {dtype: str(dtype).replace("torch.", "") for dtype in _DTYPES}
 _TUPLE = -1
+_PARTITIONED = -2
 #: Size of the header of every transfer (two int64: changed flag, metadata length).
 HEADER_BYTES = 16
 _ALIGN = 16
+
+
+class PartitionSpec(tuple):
+    """Structure node of a :class:`Partitioned` tensor: ``(parts, full shape)``."""
+
+    __slots__ = ()
+
+    def __new__(cls, parts: int, shape: tuple[int, ...]) -> PartitionSpec:
+        return super().__new__(cls, (parts, tuple(shape)))
+
+
+class Partitioned:
+    """One rank's slice of a tensor that ``parts`` ranks hold whole (a tensor-parallel
+    group's replicated activation): ``part`` is 1-D, ``ceil(numel / parts)`` elements
+    (zero-padded at the end). The metadata carries ``parts`` and the full ``shape``, so
+    the receiver knows what to rebuild (:mod:`pipekernel.partitioned`)."""
+
+    __slots__ = ("part", "shape", "parts")
+
+    def __init__(self, part: torch.Tensor, shape: tuple[int, ...], parts: int) -> None:
+        self.part, self.shape, self.parts = part, tuple(shape), parts
 
 
 def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
     """Split a tensor or nested tuple/list of tensors into ``(tensors, structure)``."""
     if isinstance(obj, torch.Tensor):
         return [obj], None
+    if isinstance(obj, Partitioned):
+        return [obj.part], PartitionSpec(obj.parts, obj.shape)
     if isinstance(obj, (tuple, list)):
         tensors, parts = [], []
         for i, item in enumerate(obj):
@@ -74,6 +99,8 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
     """Inverse of :func:`flatten`."""
     if structure is None:
         return tensors[0]
+    if isinstance(structure, PartitionSpec):
+        return Partitioned(tensors[0], structure[1], structure[0])
     out, start = [], 0
     for count, part in structure:
         out.append(unflatten(tensors[start:start + count], part))
@@ -85,6 +112,9 @@ def _encode_structure(structure: Any, out: list[int]) -> None:
     if structure is None:
         out.append(0)
         return
+    if isinstance(structure, PartitionSpec):
+        out += [_PARTITIONED, structure[0], len(structure[1]), *structure[1]]
+        return
     out += [_TUPLE, len(structure)]
     for count, part in structure:
         out.append(count)
@@ -94,6 +124,9 @@ def _encode_structure(structure: Any, out: list[int]) -> None:
 def _decode_structure(data: list[int], pos: int) -> tuple[Any, int]:
     if data[pos] == 0:
         return None, pos + 1
+    if data[pos] == _PARTITIONED:
+        ndim = data[pos + 2]
+        return PartitionSpec(data[pos + 1], data[pos + 3:pos + 3 + ndim]), pos + 3 + ndim
     parts, pos = [], pos + 2
     for _ in range(data[pos - 1]):
         count = data[pos]
