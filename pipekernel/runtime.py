@@ -21,7 +21,7 @@ from pipekernel.faults import fingerprint
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import position
 from pipekernel.topology import Topology
-from pipekernel.wire import Channel, flatten
+from pipekernel.wire import Channel, flatten, map_tensors
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -47,9 +47,11 @@ class Buffer:
 
 
 def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    return tuple(_to(o, device) for o in obj)
+    return map_tensors(lambda t: t.to(device), obj)
+
+
+#: How a send names what it carries in errors (the kernel adds stage and micro-batch).
+_WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients"}
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -219,7 +221,7 @@ class StageRuntime:
             channel = self._channel(instruction)
             if isinstance(instruction, (isa.SendActivation, isa.SendGrad)):
                 pending = None
-                ops, ctrl = channel.send_ops(self._payload(instruction))
+                ops, ctrl = channel.send_ops(self._payload(instruction), _WHAT[type(instruction)])
             else:
                 pending = channel.recv_ops()
                 self._recvs[self._index[instruction]] = pending
@@ -246,6 +248,7 @@ class StageRuntime:
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SendActivation):
             if self.check_data:
+                flatten(buffer.outputs, "outputs")  # names the path without the wrapper
                 return buffer.outputs, self._fingerprint(instruction.micro_batch)
             return buffer.outputs
         return buffer.input_grads
@@ -471,9 +474,7 @@ class StageRuntime:
 
 def _detach_like(obj: Any) -> Any:
     """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().requires_grad_(obj.requires_grad)
-    return tuple(_detach_like(o) for o in obj)
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
 
 
 def _describe(obj: Any) -> str:
@@ -481,4 +482,6 @@ def _describe(obj: Any) -> str:
         return f"tensor{tuple(obj.shape)} {obj.dtype}"
     if isinstance(obj, (tuple, list)):
         return "(" + ", ".join(_describe(o) for o in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(o)}" for k, o in obj.items()) + "}"
     return type(obj).__name__

@@ -54,6 +54,37 @@ def masked(num_stages=None):
                              partition="uniform", seed=7)
 
 
+class MakeDict(nn.Module):
+    """float -> {"hidden": float, "mask": bool, "pos": int64}: a dict across the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return {"hidden": h, "mask": h > 0, "pos": torch.arange(h.shape[-1]).expand_as(h)}
+
+
+class UseDict(nn.Module):
+    """dict -> dict with the same keys; uses the mask and the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, inputs):
+        h = torch.tanh(self.lin(inputs["hidden"])) * inputs["mask"] + 0.01 * inputs["pos"]
+        return {"hidden": h, "mask": inputs["mask"], "pos": inputs["pos"]}
+
+
+def dicts(num_stages=None):
+    layers = [pk.LayerSpec(MakeDict), *[pk.LayerSpec(UseDict) for _ in range(6)],
+              lambda d: d["hidden"], pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="uniform", seed=11)
+
+
 VOCAB, DIM = 13, 8
 
 
@@ -92,7 +123,7 @@ def token_data(step, replica, micro_batches, batch=3, vary=False):
     return items
 
 
-MODELS = {"mlp": (mlp, mlp_data), "masked": (masked, mlp_data), "tied": (tied_lm, token_data),
+MODELS = {"mlp": (mlp, mlp_data), "masked": (masked, mlp_data), "dicts": (dicts, mlp_data), "tied": (tied_lm, token_data),
           "varlen": (tied_lm, lambda s, r, m: token_data(s, r, m, vary=True))}
 
 
