@@ -16,6 +16,7 @@ from pipekernel.launch import RankError, launch
 from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
 from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.plugin_manager import make_plugin_manager
+from pipekernel.skips import Skip, pop, skippable, stash
 from pipekernel.topology import Topology
 from pipekernel.transport import P2POp
 
@@ -30,5 +31,5 @@ __all__ = [
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
     "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
-    "PartitionReport", "P2POp",
+    "PartitionReport", "P2POp", "skippable", "Skip", "stash", "pop",
 ]

@@ -21,6 +21,8 @@ from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make
 from pipekernel.runtime import StageRuntime
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.placement import check_placement, locate, parts_of
+from pipekernel.schedules.skips import add_skip_transfers
+from pipekernel.skip_routing import check_schedules, router_for
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
@@ -196,6 +198,14 @@ class PipelineEngine:
             self.stage, self.bounds,
             parts_of(self.stage, num_stages, self.chunks, self.placement)
         ).to(self.transport.device)
+        positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
+        #: Skip connections between parts (:mod:`pipekernel.skips`), or ``None``.
+        self.skip_router = router_for(module, self.bounds, self.module, positions, self.stage)
+        self.skip_edges = self.skip_router.edges if self.skip_router is not None else []
+        if self.skip_edges:
+            check_schedules([self.schedule_cls, self.eval_schedule_cls], num_stages,
+                            micro_batches, self.chunks, self.skip_edges, self.transport,
+                            transport)
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and max_grad_norm > 0):
@@ -214,7 +224,7 @@ class PipelineEngine:
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
                                     chunks=self.chunks, placement=self.placement,
-                                    **self._backward_callbacks())
+                                    skips=self.skip_router, **self._backward_callbacks())
         handlers = self.runtime.handlers()
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
@@ -411,10 +421,12 @@ class PipelineEngine:
         """The schedule's steps, buffer count and communication plan (built once)."""
         if cls not in self._steps_cache:
             schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
-            steps = schedule.steps()
+            steps = add_skip_transfers(schedule.steps(), stage=self.stage,
+                                       num_stages=self.num_stages, chunks=self.chunks,
+                                       placement=self.placement, edges=self.skip_edges)
             plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
                                       chunks=self.chunks, placement=self.placement,
-                                      trains=cls.trains)
+                                      trains=cls.trains, skips=self.skip_edges)
             self._steps_cache[cls] = (steps, schedule.num_buffers(), plan)
         return self._steps_cache[cls]
 
