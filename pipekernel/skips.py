@@ -196,12 +196,15 @@ class SkipScope:
     :param where: how errors name the place (``"stage 1 micro-batch 3"``).
     :param replay: measuring mode (the partitioner runs each layer several times):
         a stash replaces, a pop does not consume.
+    :param keep: applied to each stashed value before it is kept (the partitioner
+        keeps detached leaves, as a receiving stage would).
     """
 
     def __init__(self, declarations: Mapping[int, Declaration],
                  incoming: Mapping[str, Any] | None = None, where: str = "",
-                 replay: bool = False) -> None:
+                 replay: bool = False, keep: Callable[[Any], Any] | None = None) -> None:
         self.declarations, self.where, self.replay = declarations, where, replay
+        self._keep = keep
         self.available: dict[str, Any] = dict(incoming or {})
         self.stashed: dict[str, Any] = {}  # stashed here and not popped here
         self.layer: int | None = None
@@ -234,6 +237,8 @@ class SkipScope:
             raise ConfigError(f"{self._where()} stashed {name!r} twice in one forward",
                               hint="stash each name once per forward")
         self._did.add((name, "stash"))
+        if self._keep is not None:
+            value = self._keep(value)
         self.available[name] = value
         self.stashed[name] = value
 

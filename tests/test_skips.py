@@ -217,3 +217,13 @@ def test_simulator_catches_skips_on_a_shared_lane():
 
     with pytest.raises(pk.ScheduleError, match="mismatched|deadlock"):
         simulate(BUILTIN_SCHEDULES["1f1b"], 2, 3, skips=[(0, 1)], posting=shared)
+
+
+def test_memory_model_counts_a_stash_at_both_ends_and_not_in_between():
+    from pipekernel.plugins.partition import measure_layers
+
+    module = pk.PipelineModule([Stasher(), nn.Identity(), nn.Identity(), Popper()])
+    _, _, act = measure_layers(module, torch.ones(4, 16), time_it=False)
+    # x * 2 (4 x 16 float32 = 256 bytes) is held by the stashing layer and the popping
+    # one until backward; scalar multiply and add save nothing for backward themselves
+    assert act == [256.0, 0.0, 0.0, 256.0]
