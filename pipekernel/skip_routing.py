@@ -191,7 +191,8 @@ def check_schedules(schedules: list[Any], num_stages: int, micro_batches: int, c
         raise ConfigError(
             f"transport {transport_name!r} offers {getattr(transport, 'max_tags', 1)} lane(s) "
             f"(tags) and {chunks} chunk(s) with {len(edges)} skip edge(s) need {lanes}",
-            hint="each skip edge needs two lanes of its own; use a transport with more tags")
+            hint="each skip edge needs two lanes of its own; use a transport with more tags "
+                 f"(nccl: transport_options={{'lanes': {lanes}}})")
     for cls in schedules:
         try:
             simulate(cls, num_stages, micro_batches, chunks, skips=edges)

@@ -32,15 +32,15 @@ class Recording:
         return self.inner.batch_isend_irecv(ops)
 
 
-def worker(stages, micro_batches, schedule, chunks):
+def worker(stages, micro_batches, schedule, chunks, dp=1):
     torch.set_num_threads(1)
     build, data = MODELS["skips"]
     engine = pk.PipelineEngine(build(num_stages=stages), optimizer=sgd,
                                micro_batches=micro_batches, schedule=schedule, chunks=chunks,
-                               timeout=60, check_data_steps=0)
+                               timeout=60, check_data_steps=0, data_parallel_size=dp)
     recording = engine.runtime.transport = Recording(engine.runtime.transport)
-    losses = [engine.train_batch(iter(data(step, 0, micro_batches))).item()
-              for step in range(STEPS)]
+    losses = [engine.train_batch(iter(data(step, engine.data_parallel_rank, micro_batches)))
+              .item() for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     eval_loss = engine.eval_batch(iter(data(99, 0, micro_batches))).item()
     edges = engine.skip_edges
@@ -48,10 +48,11 @@ def worker(stages, micro_batches, schedule, chunks):
     return losses, state, eval_loss, engine.stage, recording.ops, edges
 
 
-def check(stages, micro_batches, schedule="1f1b", chunks=None):
-    results = run_ranks(worker, stages, stages, micro_batches, schedule, chunks, timeout=240)
+def check(stages, micro_batches, schedule="1f1b", chunks=None, dp=1):
+    results = run_ranks(worker, stages * dp, stages, micro_batches, schedule, chunks, dp,
+                        timeout=240)
     build, data = MODELS["skips"]
-    batches = [[data(step, 0, micro_batches)] for step in range(STEPS)]
+    batches = [[data(step, r, micro_batches) for r in range(dp)] for step in range(STEPS)]
     ref_losses, ref_state = reference_train(build(), sgd, batches, micro_batches)
     ref_eval, _ = reference_eval(build(), ref_state, data(99, 0, micro_batches))
     covered = set()
@@ -101,6 +102,10 @@ def test_zbv_skips():
 
 def test_gpipe_skips():
     check(2, 3, "gpipe")
+
+
+def test_skips_with_data_parallel_replicas():
+    check(2, 2, dp=2)
 
 
 # -- one process: stash/pop within a stage -------------------------------------------------
