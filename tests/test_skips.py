@@ -232,3 +232,18 @@ def test_memory_model_counts_a_stash_at_both_ends_and_not_in_between():
     # x * 2 (4 x 16 float32 = 256 bytes) is held by the stashing layer and the popping
     # one until backward; scalar multiply and add save nothing for backward themselves
     assert act == [256.0, 0.0, 0.0, 256.0]
+
+
+@pytest.mark.parametrize("schedule,stages,chunks", [("1f1b", 4, None), ("zbv", 2, None)])
+def test_skips_train_under_rendezvous_semantics(schedule, stages, chunks):
+    # NCCL's rules on CPU (sends rendezvous, lanes in order): the runtime posts the
+    # plan's groups, skip transfers included, and trains to parity
+    from test_comm_model import _train
+
+    results = run_ranks(_train, stages, "skips", stages, 4, schedule, chunks, timeout=240)
+    build, data = MODELS["skips"]
+    ref_losses, ref_state = reference_train(build(), sgd, [[data(s, 0, 4)] for s in range(2)], 4)
+    for losses, state, posted, expected in results:
+        assert_parity(losses, ref_losses, state, ref_state)
+        want = [[kind for kind, _ in g] for g in expected]
+        assert [[kind for kind, _ in g] for g in posted][-len(want):] == want
