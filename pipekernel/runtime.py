@@ -233,7 +233,8 @@ class StageRuntime:
             channel = self._channel(instruction)
             if isinstance(instruction, SENDS):
                 pending = None
-                ops, ctrl = channel.send_ops(self._payload(instruction), _WHAT[type(instruction)])
+                ops, ctrl = channel.send_ops(self._payload(instruction),
+                                            _WHAT.get(type(instruction), "value"))
             else:
                 pending = channel.recv_ops()
                 self._recvs[self._index[instruction]] = pending

@@ -281,3 +281,37 @@ def test_structure_metadata_round_trips():
     assert _equal(unflatten(tensors, decoded), obj)
     assert map_tensors(lambda t: t.shape, {"a": (torch.ones(2),), "b": 1}) == \
         {"a": (torch.Size([2]),), "b": 1}
+
+
+class _Notes(torch.nn.Linear):
+    def forward(self, x):
+        return {"hidden": super().forward(x), "note": "not a tensor"}
+
+
+class _Pick(torch.nn.Linear):
+    def __init__(self, n):
+        super().__init__(n, n)
+
+    def forward(self, d):
+        return super().forward(d["hidden"])
+
+
+def _bad_boundary_worker():
+    import pipekernel as pk
+
+    torch.set_num_threads(1)
+    module = pk.PipelineModule([_Notes(3, 3), pk.LayerSpec(_Pick, 3)], loss_fn=torch.nn.MSELoss(),
+                               num_stages=2, partition=[0, 1, 2])
+    engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                               micro_batches=2, timeout=30)
+    engine.train_batch(iter([(torch.ones(2, 3), torch.zeros(2, 3))] * 2))
+
+
+def test_a_value_that_cannot_cross_names_stage_micro_batch_and_key():
+    import pipekernel as pk
+
+    with pytest.raises(pk.RankError) as info:
+        run_ranks(_bad_boundary_worker, 2, timeout=90)
+    text = str(info.value.original)
+    assert "outputs['note'] is a str" in text
+    assert "stage 0" in text and "micro-batch 0" in text and "SEND_F0" in text
