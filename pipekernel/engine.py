@@ -171,7 +171,8 @@ class PipelineEngine:
                   "partition": module.partition_method
                   if isinstance(module.partition_method, (str, list, tuple)) else
                   type(module.partition_method).__name__,
-                  "nonfinite": nonfinite, "check_data_steps": check_data_steps}
+                  "nonfinite": nonfinite, "check_data_steps": check_data_steps,
+                  "skip connections": sorted(module.skip_names.items())}
         check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()

@@ -6,7 +6,9 @@ and posts communication by the :class:`~pipekernel.schedules.comm.CommPlan` of
 the stream it runs: each posting point's sends and receives go out as one group
 (``batch_isend_irecv``), receives ahead of the compute that needs them, and a
 receive is waited on only at its own instruction. Sends never block compute:
-their handles are kept until the batch ends.
+their handles are kept until the batch ends. Skip connections between parts are
+transfers like the others; what they carry and where it goes is
+:mod:`pipekernel.skip_routing`'s business.
 """
 from __future__ import annotations
 

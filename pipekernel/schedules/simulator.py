@@ -57,6 +57,13 @@ receive blocks until its message was sent, collectives are free.
 Virtual stages: pipeline positions and peers come from the schedule's
 ``placement`` (:mod:`pipekernel.schedules.placement`).
 
+Skip connections: with ``skips=[(producer, consumer), ...]`` (pipeline positions)
+each stage's steps get the skip transfers the engine inserts
+(:func:`~pipekernel.schedules.skips.add_skip_transfers`) and the plan gives each
+edge its lanes; they are matched, posted and checked like the activations and
+gradients (local hand-offs included). An edge whose consumer does not come after
+its producer is rejected before simulating.
+
 All problems are collected and raised as one :class:`ScheduleError`.
 """
 from __future__ import annotations
