@@ -247,3 +247,35 @@ def test_skips_train_under_rendezvous_semantics(schedule, stages, chunks):
         assert_parity(losses, ref_losses, state, ref_state)
         want = [[kind for kind, _ in g] for g in expected]
         assert [[kind for kind, _ in g] for g in posted][-len(want):] == want
+
+
+class ForwardsOutOfOrder(BUILTIN_SCHEDULES["gpipe"]):
+    """Valid without skips: the last stage receives micro-batches 0 and 1 in order but
+    forwards 1 before 0, so it would pop 0's skips into micro-batch 1."""
+
+    name = "forwards-out-of-order"
+
+    def steps(self):
+        steps = super().steps()
+        if self.is_last and self.micro_batches == 2:
+            (l0, r0, f0), (l1, r1, f1) = steps[0], steps[1]
+            steps[0], steps[1] = [l0, r0, l1, r1], [f1, f0]
+        return steps
+
+
+def test_a_schedule_that_cannot_route_skips_is_refused_before_the_first_batch():
+    from pipekernel.skip_routing import check_schedules
+
+    simulate(ForwardsOutOfOrder, 2, 2)  # fine without skips
+    with pytest.raises(pk.ScheduleError, match="mismatched skip"):
+        simulate(ForwardsOutOfOrder, 2, 2, skips=[(0, 1)])
+
+    class Transport:
+        max_tags = 1 << 16
+
+    with pytest.raises(pk.ConfigError, match=r"'forwards-out-of-order' cannot route the skip "
+                                             r"connections \[\(0, 1\)\]"):
+        check_schedules([ForwardsOutOfOrder], 2, 2, 1, [(0, 1)], Transport(), "gloo")
+    Transport.max_tags = 4
+    with pytest.raises(pk.ConfigError, match="offers 4 lane.*need 6"):
+        check_schedules([BUILTIN_SCHEDULES["1f1b"]], 2, 2, 1, [(0, 1)], Transport(), "nccl")
