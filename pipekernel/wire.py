@@ -50,7 +50,8 @@ import torch
 from pipekernel.errors import DataError
 from pipekernel.transport import P2POp
 
-__all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv", "HEADER_BYTES"]
+__all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv",
+           "HEADER_BYTES"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]

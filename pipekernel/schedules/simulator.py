@@ -157,8 +157,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         transfers the engine inserts, and the plan their lanes, before simulating.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
-        producer (or outside the pipeline); then listing every problem found (mismatched sends and
-        receives, deadlock with the stuck stages, the cycle and the grid so far,
+        producer (or outside the pipeline); then listing every problem found
+        (mismatched sends and receives, deadlock with the stuck stages, the cycle and the grid so far,
         missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
@@ -1017,7 +1017,8 @@ class _Rendezvous(_Simulation):
 
     def _check_complete(self) -> None:
         for (stage, channel), queue in self.local.items():
-            kind = channel if isinstance(channel, str) else f"{channel[0]} {channel[1][0]}->{channel[1][1]}"
+            kind = channel if isinstance(channel, str) else \
+                f"{channel[0]} {channel[1][0]}->{channel[1][1]}"
             for micro_batch, chunk, _, sender in queue:
                 self.problems.append(f"{sender}: the {kind} of micro-batch {micro_batch} handed "
                                      f"to chunk {chunk} of the same stage is never received")
