@@ -45,10 +45,6 @@ class Buffer:
         self.split: Any = None          # BackwardInput's state, until BackwardWeight
         self.skips: SkipState | None = None  # skip connections in and out (skip_routing)
 
-    @property
-    def labels(self) -> Any:  # kept for plugins written against the old buffer
-        return None
-
 
 def _to(obj: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), obj)
