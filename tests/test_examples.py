@@ -57,3 +57,10 @@ def test_quickstart_trains_and_the_loss_falls():
     first, final = (float(x) for x in last.split()[1:4:2])
     assert "over 20 steps on 2 stages" in last
     assert final < 0.5 * first, last
+
+
+def test_skip_connections_example_matches_one_process():
+    import skip_connections
+
+    for losses in run_ranks(skip_connections.worker, 2):
+        assert losses == pytest.approx(skip_connections.reference(), rel=1e-5, abs=1e-6)

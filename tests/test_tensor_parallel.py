@@ -133,3 +133,35 @@ def test_tensor_layers_build_whole_outside_a_context_and_check_divisibility():
     full = nn.Linear(8, 3)
     torch.testing.assert_close(row.weight, full.weight[:, 2:4])
     assert tp.size() == 1
+
+
+class _Pair:
+    """Two in-process tensor-parallel ranks: ``all_gather`` stacks the parts both hold."""
+
+    def __init__(self, rank, parts):
+        self.rank, self.size, self.parts = rank, 2, parts
+
+    def all_gather(self, tensor):
+        return torch.stack([self.parts[r][tensor.data_ptr()] if r != self.rank else tensor
+                            for r in range(2)])
+
+
+def test_partitioner_slices_float_leaves_of_nested_dicts_and_rebuilds_them():
+    from pipekernel.partitioned import ActivationPartitioner
+    from pipekernel.wire import Partitioned, flatten, unflatten
+
+    value = {"hidden": torch.randn(3, 5), "mask": torch.rand(3) > 0.5,
+             "extra": [torch.arange(4), (torch.randn(7),)]}
+    split = [ActivationPartitioner(_Pair(r, None)).split(value) for r in range(2)]
+    assert isinstance(split[0]["hidden"], Partitioned) and split[0]["hidden"].part.numel() == 8
+    assert isinstance(split[0]["extra"][1][0], Partitioned)  # padded: 7 -> 2 x 4
+    assert split[0]["mask"] is value["mask"] and split[0]["extra"][0] is value["extra"][0]
+    # what rank 0 receives: its own parts, the peer's by position (as a gather does)
+    tensors, structure = flatten(split[0])
+    received = unflatten(tensors, structure)
+    peer = {t.data_ptr(): p for t, p in zip(tensors, flatten(split[1])[0])}
+    joined = ActivationPartitioner(_Pair(0, {1: peer})).join(received)
+    assert list(joined) == ["hidden", "mask", "extra"] and isinstance(joined["extra"], list)
+    assert torch.equal(joined["hidden"], value["hidden"])
+    assert torch.equal(joined["extra"][1][0], value["extra"][1][0])
+    assert torch.equal(joined["mask"], value["mask"])
