@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pipekernel import instructions as isa
+from pipekernel.device import to_device
 from pipekernel.errors import DataError, PipelineError
 from pipekernel.faults import fingerprint
 from pipekernel.schedules.comm import CommPlan
@@ -48,7 +49,7 @@ class Buffer:
 
 def _to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return to_device(obj, device)  # pinned, non-blocking to a GPU
     return tuple(_to(o, device) for o in obj)
 
 
