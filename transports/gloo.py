@@ -205,7 +205,8 @@ class TorchDistributedTransport:
                 init = {"init_method": os.environ["PIPEKERNEL_INIT_METHOD"],
                         "rank": int(os.environ["RANK"]),
                         "world_size": int(os.environ["WORLD_SIZE"])}
-            dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=timeout),
+            dist.init_process_group(self.backend,
+                                    timeout=datetime.timedelta(seconds=self._group_timeout()),
                                     **init, **self._init_options())
             _OWNED.add(self)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -235,6 +236,10 @@ class TorchDistributedTransport:
 
     def _init_options(self) -> dict[str, Any]:
         return {}
+
+    def _group_timeout(self) -> float:
+        """Seconds given to the process groups this transport creates."""
+        return self.timeout
 
     def _device(self) -> torch.device:
         return torch.device("cpu")
@@ -321,7 +326,7 @@ class TorchDistributedTransport:
         ranks = sorted(ranks)
         if len(ranks) == self.world_size:
             return None  # the world itself
-        timeout = datetime.timedelta(seconds=self.timeout)
+        timeout = datetime.timedelta(seconds=self._group_timeout())
         if self._global is None:
             return dist.new_group(ranks, timeout=timeout)
         # Ranks outside self.group never call this, so synchronise among members only;
