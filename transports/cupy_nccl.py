@@ -391,7 +391,6 @@ class CupyNcclTransport:
             return None
         key = tuple(ranks)
         if key not in self._groups:
-            self.control.new_group(ranks)  # keep the host side's groups in step
             self._groups[key] = self._communicator(ranks) if self.rank in ranks else None
             if self.rank not in ranks:
                 self._comms.append(None)  # type: ignore[arg-type]  # same index everywhere
