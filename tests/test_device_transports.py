@@ -314,6 +314,16 @@ def test_the_watch_names_the_peer_of_an_overdue_transfer_and_expires_once():
         watch.check()
 
 
+def test_a_wait_drops_finished_work_at_the_head_so_nothing_is_kept_alive_long():
+    watch = DeviceWatch(0, lambda w: w.done, clock=Clock(), thread=False)
+    works = [Work() for _ in range(3)]
+    for work in works:
+        watch.watch(work, 10.0, "send to", 1)
+    works[0].done = works[1].done = True
+    watch.watch(Work(), 10.0, "send to", 1)
+    assert [item.work for item in watch._items] == [works[2], watch._items[-1].work]
+
+
 def test_synchronize_blocks_until_done_or_the_deadline():
     clock = Clock()
     watch = DeviceWatch(0, lambda w: w.done, clock=clock, thread=False)
