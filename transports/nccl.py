@@ -134,14 +134,16 @@ class NcclTransport(TorchDistributedTransport):
         is collective)."""
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None \
             else list(range(dist.get_world_size()))
-        timeout = self._timedelta()
+        # on a host's subgroup only its members get here: they synchronise among themselves
+        kwargs = {"timeout": self._timedelta(),
+                  **({"use_local_synchronization": True} if self.group is not None else {})}
         # lanes apart from self.group: a collective never queues behind a posted receive
-        self._lanes = [dist.new_group(ranks, timeout=timeout) for _ in range(count)]
+        self._lanes = [dist.new_group(ranks, **kwargs) for _ in range(count)]
         self.max_tags = count
         from pipekernel.transports.gloo import GlooTransport
 
         self.control = GlooTransport(timeout=self.timeout,
-                                     group=dist.new_group(ranks, backend="gloo", timeout=timeout))
+                                     group=dist.new_group(ranks, backend="gloo", **kwargs))
 
     def _timedelta(self) -> Any:
         import datetime
