@@ -292,6 +292,14 @@ class CupyNcclTransport:
         self.rank, self.world_size = self.control.rank, self.control.world_size
         self._nccl = nccl
         self._comms: list[_Comm] = []
+        try:
+            self._set_up(nccl, lanes, watch_interval)
+        except BaseException:
+            self.control.close()  # no gloo group left behind by a failed start
+            raise
+
+    def _set_up(self, nccl: Any, lanes: int, watch_interval: float) -> None:
+        """The device side: the watch, then the world's and the lanes' communicators."""
         self._watch = DeviceWatch(self.rank, lambda event: bool(event.query()),
                                   describe=self.describe,
                                   on_expire=lambda _: self._abort(), interval=watch_interval)
