@@ -268,7 +268,6 @@ class CupyNcclTransport:
     """
 
     backend = "cupy-nccl"
-    polls = False
 
     def __init__(self, timeout: float = 300.0, group: Any = None, lanes: int = 8,
                  watch_interval: float = 1.0, **options: Any) -> None:

@@ -53,9 +53,6 @@ class _Handle:
         transport = self._transport
         timeout, rank = transport.timeout, transport.rank
         peer = transport.describe(self._peer) if self._peer is not None else "its group"
-        if not transport.polls:  # e.g. NCCL: wait() only orders the device stream
-            self._wait_device(timeout, rank, peer)
-            return
         if self._work.is_completed():
             error = None
             try:
@@ -101,20 +98,6 @@ class _Handle:
                 hint=(f"{peer}'s connection closed: it probably died or failed first; look "
                       f"at its log" if died and self._peer is not None else
                       f"look at the log of {peer}: it probably failed first")) from error
-        self._done = True
-
-    def _wait_device(self, timeout: float, rank: int, peer: str) -> None:
-        try:
-            self._work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as err:
-            if "imed out" in str(err) or "timeout" in str(err).lower():
-                raise TransportTimeout(
-                    f"rank {rank} waited {timeout:g}s to {self._what} {peer} and gave up",
-                    peer=self._peer, rank=rank,
-                    hint="check that the peer is alive and runs the same schedule") from err
-            raise TransportError(f"rank {rank} failed to {self._what} {peer}: {err}",
-                                 rank=rank, peer=self._peer,
-                                 hint="look at the peer's log: it probably failed first") from err
         self._done = True
 
 
@@ -172,9 +155,6 @@ class TorchDistributedTransport:
     """
 
     backend = "gloo"
-    #: waits poll ``is_completed()`` on the host (bounded, abort-aware); a device
-    #: backend whose ``wait()`` only orders a stream sets this to ``False``
-    polls = True
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         if options:

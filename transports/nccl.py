@@ -112,8 +112,6 @@ class NcclTransport(TorchDistributedTransport):
     """
 
     backend = "nccl"
-    #: waits order the stream and do not block the host (see the module docstring)
-    polls = False
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         self._cuda = cuda_device_from_env("nccl")
