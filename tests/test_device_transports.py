@@ -214,6 +214,9 @@ class FakeComm:
     def bcast(self, ptr, count, dtype, root, stream):
         self.log.append(("bcast", count, dtype, root, stream))
 
+    def allGather(self, send, recv, count, dtype, stream):  # noqa: N802
+        self.log.append(("allGather", count, dtype, stream))
+
 
 def fake_ops():
     log = Log()
@@ -265,9 +268,13 @@ def test_collectives_use_the_dtype_map_and_the_communicator_stream():
     ops.all_reduce(comm, torch.zeros(6, dtype=torch.bfloat16), "max")
     ops.all_reduce(comm, torch.zeros(3, dtype=torch.complex64), "sum")
     ops.broadcast(comm, torch.zeros(4, dtype=torch.bool), 2)
-    calls = [entry for entry in log if entry[0] in ("allReduce", "bcast")]
+    ops.all_gather(comm, torch.zeros(3, 2, dtype=torch.bfloat16),
+                   torch.zeros(2, dtype=torch.bfloat16))
+    calls = [entry for entry in log if entry[0] in ("allReduce", "bcast", "allGather")]
     assert calls == [("allReduce", True, 6, 9, 2, 77), ("allReduce", True, 6, 7, 0, 77),
-                     ("bcast", 4, 1, 2, 77)]
+                     ("bcast", 4, 1, 2, 77), ("allGather", 4, 1, 77)]  # 2 bf16 = 4 bytes
+    with pytest.raises(TransportError, match="output of 3 x the input"):
+        ops.all_gather(comm, torch.zeros(2, 2), torch.zeros(2))
     with pytest.raises(ConfigError, match="all_reduce op"):
         ops.all_reduce(comm, torch.zeros(1), "prod")
 
@@ -392,3 +399,22 @@ def test_split_by_lane_keeps_order_within_lanes_and_lanes_by_first_use():
         split_by_lane([P2POp("send", x, 1, 4)], 4)
     with pytest.raises(ConfigError, match="'send' or 'recv'"):
         split_by_lane([P2POp("put", x, 1)], 4)
+
+
+# -- the staged transport's all_gather (the optional member tensor parallelism uses) ----
+def staged_all_gather_worker():
+    from pipekernel.transports.staged import StagedTransport
+
+    t = StagedTransport(timeout=30)
+    mine = torch.tensor([[t.rank, 10 + t.rank]], dtype=torch.int64)
+    out = torch.full((t.world_size, 1, 2), -1, dtype=torch.int64)
+    t.all_gather(out, mine)
+    t.close()
+    return out.tolist()
+
+
+def test_staged_all_gather_fills_every_rank_in_order():
+    from pipekernel.testing import run_ranks
+
+    for got in run_ranks(staged_all_gather_worker, 2, timeout=120):
+        assert got == [[[0, 10]], [[1, 11]]]

@@ -236,6 +236,19 @@ class _Ops:
         return self._collective(comm, tensor, "broadcast", lambda ptr, n, h: comm.comm.bcast(
             ptr, n * factor, code, root, h))
 
+    def all_gather(self, comm: _Comm, out: torch.Tensor, tensor: torch.Tensor) -> _EventHandle:
+        """``out`` (``len(comm.ranks) * tensor.numel()`` elements) gets every member's
+        ``tensor`` in rank order; carried as bytes, so any dtype works."""
+        send, recv = _bytes(tensor.contiguous()), _bytes(out)
+        if recv.numel() != send.numel() * len(comm.ranks):
+            raise TransportError(f"all_gather needs an output of {len(comm.ranks)} x the "
+                                 f"input ({send.numel()} bytes), got {recv.numel()} bytes",
+                                 hint="shape the output (group size, *tensor.shape)")
+        uint8 = NCCL_TYPES["NCCL_UINT8"]
+        self.record_stream(send, comm.stream)
+        return self._collective(comm, out, "all_gather", lambda _, __, h: comm.comm.allGather(
+            send.data_ptr(), recv.data_ptr(), send.numel(), uint8, h))
+
     def _collective(self, comm: _Comm, tensor: torch.Tensor, what: str,
                     call: Callable[[int, int, int], None]) -> _EventHandle:
         if not tensor.is_contiguous():
@@ -382,6 +395,12 @@ class CupyNcclTransport:
         self._watch.check()
         comm = self._group(group)
         self._ops.broadcast(comm, tensor, comm.local(src)).wait()
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+        """Optional member: every member's ``tensor`` into ``out`` (shape ``(group size,
+        *tensor.shape)``) in group-rank order."""
+        self._watch.check()
+        self._ops.all_gather(self._group(group), out, tensor).wait()
 
     def barrier(self, group: Any = None) -> None:
         """An all-reduce of one element, waited on by the host (bounded)."""

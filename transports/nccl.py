@@ -211,6 +211,12 @@ class NcclTransport(TorchDistributedTransport):
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         self._start("broadcast", group, dist.broadcast, tensor, self.global_rank(src)).wait()
 
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+        """Optional member: every member's ``tensor`` into ``out`` (shape ``(group size,
+        *tensor.shape)``) in group-rank order; ordered on the stream like the others."""
+        self._start("all_gather", group, dist.all_gather_into_tensor, out.view(-1),
+                    tensor.contiguous().view(-1)).wait()
+
     def barrier(self, group: Any = None) -> None:
         """An all-reduce of one element, waited on by the host (bounded): torch's NCCL
         barrier would block in an unbounded stream synchronisation instead."""

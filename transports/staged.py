@@ -93,6 +93,18 @@ class StagedTransport(GlooTransport):
         super().broadcast(host, src, group)
         tensor.copy_(host)
 
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+        """Optional member: every member's ``tensor`` into ``out`` (shape ``(group size,
+        *tensor.shape)``) in group-rank order; blocking; through host copies."""
+        import torch.distributed as dist
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        host_out = torch.empty(out.shape, dtype=out.dtype)
+        # flat views: gloo checks each chunk of the output against the input's shape
+        self._collective("all_gather", group, gather, host_out.view(-1),
+                         self._host(tensor).view(-1)).wait()
+        out.copy_(host_out)
+
 
 def _pick_device(device: Any) -> torch.device:
     if device is None:
