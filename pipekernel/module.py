@@ -19,6 +19,26 @@ from pipekernel.errors import ConfigError
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
 
 
+def seeded_cuda_devices() -> list[int]:
+    """The CUDA devices whose generators :func:`seed_generators` reseeds: every device
+    once CUDA is initialised in this process, none before (see there)."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
+def seed_generators(seed: int) -> None:
+    """``torch.manual_seed(seed)`` without touching CUDA before CUDA is initialised.
+
+    ``torch.manual_seed`` on a process whose CUDA is not initialised yet queues the
+    seed and applies it when CUDA starts, long after the layers were built: the CUDA
+    generator (dropout on the GPU) would then start from the last layer's seed. So
+    the CPU generator is seeded always, CUDA's only once initialised; the caller
+    forks and restores both (:func:`seeded_cuda_devices`).
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 class LayerSpec:
     """A layer to construct later: ``typename(*args, **kwargs)``.
 
@@ -245,7 +265,7 @@ class PipelineModule:
             return layer
         seed = self._seed_for(index)
         if seed is not None:
-            torch.manual_seed(seed)
+            seed_generators(seed)
         return layer.build()
 
     def parameter_counts(self) -> list[int]:
@@ -301,7 +321,7 @@ class PipelineModule:
         """
         tied: dict[str, nn.Module] = {}
         built, sizes = [], []
-        with torch.random.fork_rng(devices=[], enabled=self.seed is not None):
+        with torch.random.fork_rng(devices=seeded_cuda_devices(), enabled=self.seed is not None):
             for pos in (positions if positions is not None else [stage]):
                 sizes.append(bounds[pos + 1] - bounds[pos])
                 for index in range(bounds[pos], bounds[pos + 1]):

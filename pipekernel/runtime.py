@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipekernel import instructions as isa
+from pipekernel.device import to_device
 from pipekernel.errors import DataError, PipelineError
 from pipekernel.faults import fingerprint
 from pipekernel.schedules.comm import SENDS, CommPlan
@@ -47,7 +48,7 @@ class Buffer:
 
 
 def _to(obj: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device), obj)
+    return map_tensors(lambda t: to_device(t, device), obj)  # pinned, non-blocking to a GPU
 
 
 #: How a send names what it carries in errors (the kernel adds stage and micro-batch).
