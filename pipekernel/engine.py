@@ -190,6 +190,10 @@ class PipelineEngine:
         #: The :class:`~pipekernel.planner.Plan` ``schedule="auto"`` chose (else ``None``).
         self.plan: Plan | None = None
         if is_auto(schedule):
+            if chunks is not None:
+                raise ConfigError(f"chunks={chunks!r} with schedule='auto': the planner "
+                                  "chooses the chunks", hint="give the chunks to try as "
+                                  "schedule=pk.auto(chunks=[1, 2])", rank=rank)
             self.plan = self._auto_plan(module, schedule, num_stages, micro_batches, optimizer)
             schedule, chunks, micro_batches = (self.plan.schedule, self.plan.chunks,
                                                self.plan.micro_batches)

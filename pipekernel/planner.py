@@ -306,6 +306,10 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
                               f"the batch of {total} rows ({micro_batches} micro-batches x "
                               f"{rows} rows of the sample)",
                               hint="give micro-batch counts that divide the batch")
+    if transport is not None:  # every rank profiles the same sizes, in the same order
+        from pipekernel.faults import check_consistency
+        check_consistency(transport, {"sample rows": rows, "micro-batch counts": counts},
+                          "schedule='auto' request")
     costs = {}
     for n in counts:
         context = PartitionContext(module=module, num_stages=1, transport=transport,
