@@ -80,6 +80,7 @@ def test_eval_batch_takes_a_per_call_count():
 def test_set_micro_batches_refuses_bad_counts_without_communicating():
     class Fake:  # only what the check reads
         num_stages, stage, rank, chunks = 2, 0, 0, 2
+        skip_edges = ()  # no skip connections to re-prove
         schedule_cls = pk.PipelineEngine  # placeholder, replaced below
 
     from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
