@@ -5,6 +5,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
+from pipekernel import tensor_parallel
 from pipekernel.checkpoint import load_sequential
 from pipekernel.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
@@ -30,5 +31,5 @@ __all__ = [
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
     "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
-    "PartitionReport", "P2POp",
+    "PartitionReport", "P2POp", "tensor_parallel",
 ]

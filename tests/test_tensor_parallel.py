@@ -228,3 +228,12 @@ def test_one_stage_two_replicas_two_tensor_ranks_zero1_matches_one_process():
                                                                              r[1]["dims"][k], g)
                     for k in r[1]["state"]}
         assert_parity(r[1]["losses"], ref_losses, r[1]["state"], expected)
+
+
+def test_two_stages_two_replicas_two_tensor_ranks_on_eight_processes():
+    """2 x 2 x 2, ZeRO-1 and partitioned activations together, against one process."""
+    results = run_ranks(tp_worker, 8, 2, 2, adam, True, "fp32", 1, 3, timeout=300)
+    assert sorted((r["stage"], r["tp_rank"]) for r in results) == \
+        sorted([(s, t) for s in range(2) for t in range(2)] * 2)
+    ref_losses, ref_state = _reference(2, adam)
+    _check(results, ref_losses, ref_state)
