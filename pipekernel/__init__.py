@@ -16,6 +16,7 @@ from pipekernel.kernel import Kernel
 from pipekernel.launch import RankError, launch
 from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
 from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
+from pipekernel.planner import Plan, auto
 from pipekernel.plugin_manager import make_plugin_manager
 from pipekernel.topology import Topology
 from pipekernel.transport import P2POp
@@ -31,5 +32,5 @@ __all__ = [
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
     "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
-    "PartitionReport", "P2POp", "tensor_parallel",
+    "PartitionReport", "P2POp", "auto", "Plan", "tensor_parallel",
 ]

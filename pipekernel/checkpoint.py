@@ -344,7 +344,7 @@ def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
         "rank": engine.rank, "stage": engine.stage,
         "data_parallel_rank": engine.data_parallel_rank,
         "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
-        "data_position": engine.global_steps * engine.micro_batches,
+        "data_position": engine.trained_micro_batches,
         "rng": _rng_state(torch.device(engine.transport.device)),
         "precision": precision_state,
         "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -555,7 +555,7 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
                                f"{meta['topology']['data_parallel_size']} replicas")
     return {"directory": directory, "tag": tag_name, "global_steps": meta["global_steps"],
             "skipped_steps": meta["skipped_steps"],
-            "data_position": meta["global_steps"] * engine.micro_batches,
+            "data_position": engine.trained_micro_batches,
             "client_state": mine.get("client_state"),
             "exact": exact, "meta": meta}
 
@@ -597,6 +597,8 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
         engine.lr_scheduler.load_state_dict(scheduler_state)
     engine.global_steps = int(meta["global_steps"])
     engine.skipped_steps = int(meta["skipped_steps"])
+    engine.trained_micro_batches = int(mine.get("data_position",
+                                                meta["global_steps"] * engine.micro_batches))
     if exact:
         rng = mine["rng"]
         torch.set_rng_state(rng["cpu"])

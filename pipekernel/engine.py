@@ -2,6 +2,7 @@
 optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -10,12 +11,14 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, NonFiniteLossError, PipelineError
+from pipekernel.errors import ConfigError, DataError, NonFiniteLossError, PipelineError
 from pipekernel.faults import AbortBoard, check_consistency
 from pipekernel.grad_reduce import GradReducer
 from pipekernel.kernel import Kernel
+from pipekernel.loss import TokenLoss, check_loss_reduction
 from pipekernel.module import PipelineModule
 from pipekernel.partitioning import PartitionContext, PartitionReport
+from pipekernel.planner import Auto, Plan, is_auto, plan_module
 from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.runtime import StageRuntime
@@ -31,6 +34,7 @@ from pipekernel.topology import Topology
 __all__ = ["PipelineEngine"]
 
 _partition_log = logging.getLogger("pipekernel.partition")
+_plan_log = logging.getLogger("pipekernel.plan")
 
 
 class PipelineEngine:
@@ -44,8 +48,13 @@ class PipelineEngine:
         for low-precision policies) or an optimizer built over
         ``engine.module.parameters()`` (refused with ``ConfigError`` when the
         precision steps master copies); ``None`` for inference only.
-    :param micro_batches: micro-batches per ``train_batch``/``eval_batch``.
-    :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...).
+    :param micro_batches: micro-batches per ``train_batch``/``eval_batch``; change it
+        later with :meth:`set_micro_batches` or per call (``train_batch(it, micro_batches=n)``),
+        every rank together.
+    :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...), or
+        ``"auto"`` / ``pk.auto(memory_budget=..., ...)``: profile the layers and choose
+        schedule, chunks, micro-batch count and partition by simulation (the choice
+        in ``engine.plan``; see :mod:`pipekernel.planner`).
     :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
         forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
@@ -82,6 +91,10 @@ class PipelineEngine:
         split into ``num_stages * chunks`` parts, placed by the schedule's
         ``placement`` (:mod:`pipekernel.schedules.placement`); explicit partition
         boundaries then list ``num_stages * chunks + 1`` entries.
+    :param loss_reduction: ``"mean"`` (default: ``loss_fn`` returns a scalar, the batch
+        loss is the mean over micro-batches and replicas) or ``"tokens"`` (``loss_fn``
+        returns ``(loss_sum, token_count)``; the gradient and the returned loss are the
+        mean over every token of every micro-batch and replica; see :mod:`pipekernel.loss`).
     :param grad_bucket_mb: size in MiB of the buckets in which gradients are averaged
         over data-parallel replicas (as DDP's ``bucket_cap_mb``); each bucket's
         all-reduce starts during the stage's last backward of the batch, as soon as
@@ -102,7 +115,7 @@ class PipelineEngine:
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
-                 schedule: str = "1f1b", transport: str = "gloo", precision: str = "fp32",
+                 schedule: Any = "1f1b", transport: str = "gloo", precision: str = "fp32",
                  data_parallel_size: int | None = None, plugins: Iterable[Any] = (),
                  timeout: float = 300.0, autoload_plugins: bool | None = None,
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
@@ -110,8 +123,9 @@ class PipelineEngine:
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
                  nonfinite: str = "error", check_data_steps: int = 3,
-                 tensor_parallel_size: int = 1, rank_order: str | None = None,
-                 partition_activations: bool = True, zero_stage: int = 0) -> None:
+                 loss_reduction: str = "mean", tensor_parallel_size: int = 1,
+                 rank_order: str | None = None, partition_activations: bool = True,
+                 zero_stage: int = 0) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -142,7 +156,7 @@ class PipelineEngine:
                         precision_options=precision_options, eval_schedule=eval_schedule,
                         max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                         chunks=chunks, transport=transport, nonfinite=nonfinite,
-                        check_data_steps=check_data_steps,
+                        check_data_steps=check_data_steps, loss_reduction=loss_reduction,
                         parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                                      partition_activations, zero_stage))
         except BaseException as err:
@@ -150,16 +164,20 @@ class PipelineEngine:
             raise
 
     def _build(self, module: PipelineModule, optimizer: Any, *, micro_batches: int,
-               schedule: str, precision: str, data_parallel_size: int | None,
+               schedule: Any, precision: str, data_parallel_size: int | None,
                precision_options: dict | None, eval_schedule: str,
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
                transport: str, nonfinite: str, check_data_steps: int,
-               parallel: ParallelConfig) -> None:
+               loss_reduction: str, parallel: ParallelConfig) -> None:
         if nonfinite not in ("error", "skip"):
             raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
             raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}")
         self.nonfinite, self.check_data_steps = nonfinite, check_data_steps
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        #: the ``loss_fn`` wrapper keeping token counts (``loss_reduction="tokens"``)
+        self.token_loss = TokenLoss(module.loss_fn) if loss_reduction == "tokens" \
+            and module.loss_fn is not None else None
         self._batches_run = 0
         world, rank = self.transport.world_size, self.transport.rank
         self.parallel = parallel
@@ -167,6 +185,13 @@ class PipelineEngine:
         num_stages = module.num_stages or world // ((data_parallel_size or 1) * tp)
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size, tp,
                                             parallel.rank_order)
+        #: The :class:`~pipekernel.planner.Plan` ``schedule="auto"`` chose (else ``None``).
+        self.plan: Plan | None = None
+        if is_auto(schedule):
+            self.plan = self._auto_plan(module, schedule, num_stages, micro_batches, optimizer)
+            schedule, chunks, micro_batches = (self.plan.schedule, self.plan.chunks,
+                                               self.plan.micro_batches)
+            self.micro_batches = micro_batches
         self.schedule_cls = resolve_schedule(self.pm, schedule)
         self.chunks = self.schedule_cls.default_chunks if chunks is None else chunks
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
@@ -195,7 +220,7 @@ class PipelineEngine:
                   if isinstance(module.partition_method, (str, list, tuple)) else
                   type(module.partition_method).__name__,
                   "nonfinite": nonfinite, "check_data_steps": check_data_steps,
-                  **parallel.fields()}
+                  "loss_reduction": loss_reduction, **parallel.fields()}
         check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
@@ -209,7 +234,8 @@ class PipelineEngine:
             in_flight=[in_flight[s] for s in self.part_stages],
             optimizer=optimizer if callable(optimizer)
             and not isinstance(optimizer, torch.optim.Optimizer) else None)
-        self.bounds = module.partition(num_parts, self.pm, context)
+        self.bounds = list(self.plan.bounds) if self.plan is not None else \
+            module.partition(num_parts, self.pm, context)
         check_consistency(self.transport, {"partition bounds": list(self.bounds)},
                           "partition (a method that measures, e.g. profile, must "
                           "broadcast its result)")
@@ -238,7 +264,8 @@ class PipelineEngine:
         self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
                              and not hasattr(lr_scheduler, "step") else lr_scheduler)
-        self.runtime = StageRuntime(self.module, self.topology, self.transport, module.loss_fn,
+        self.runtime = StageRuntime(self.module, self.topology, self.transport,
+                                    self.token_loss or module.loss_fn,
                                     self.precision, reduce_tied=self.reduce_tied_grads,
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
@@ -252,11 +279,27 @@ class PipelineEngine:
         self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage)
         self.global_steps = 0
         self.skipped_steps = 0
+        #: Micro-batches each replica trained on so far (the counts may change).
+        self.trained_micro_batches = 0
         self._last_step_taken = True
         #: Global gradient norm of the last step (before clipping), when clipping.
         self.last_grad_norm: float | None = None
-        self._steps_cache: dict[Any, tuple[list, int]] = {}
+        self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
+        self._checked_micro_batches = micro_batches  # agreed on by the check above
         self.pm.hook.pipekernel_configure(engine=self)
+
+    def _auto_plan(self, module: PipelineModule, request: Any, num_stages: int,
+                   micro_batches: int, optimizer: Any) -> Plan:
+        """Profile and search (every rank, the same plan; see :mod:`pipekernel.planner`)."""
+        plan = plan_module(module, request if isinstance(request, Auto) else Auto(),
+                           num_stages=num_stages, micro_batches=micro_batches, pm=self.pm,
+                           transport=self.transport, device=self.transport.device,
+                           optimizer=optimizer if callable(optimizer)
+                           and not isinstance(optimizer, torch.optim.Optimizer) else None)
+        check_consistency(self.transport, plan.fields(), "plan (schedule='auto')")
+        if self.transport.rank == 0:
+            _plan_log.info("%s", plan.format())
+        return plan
 
     # -- where this process sits ---------------------------------------------
     @property
@@ -401,22 +444,30 @@ class PipelineEngine:
         found_inf = self.precision.unscale_(params)
         clip = self.max_grad_norm is not None
         skip_bad = self.nonfinite == "skip"
+        tokens = self.token_loss is not None
         skipped = overflow = False
-        if found_inf is not None or clip or skip_bad:
-            # One all-reduce over the world carries the overflow flags, the squared norm
-            # and the non-finite-loss flags, so every stage and replica takes the same
-            # decision.
+        scale = 1.0  # gradients are divided by the tokens per micro-batch and replica
+        if found_inf is not None or clip or skip_bad or tokens:
+            # One all-reduce over the world carries the overflow flags, the squared norm,
+            # the non-finite-loss flags and the token count, so every stage and replica
+            # takes the same decision.
+            device = self.transport.device
             stats = torch.tensor([float(bool(found_inf)), self._local_grad_norm_sq() if clip
-                                  else 0.0, self._bad_losses() if skip_bad else 0.0],
-                                 dtype=torch.float32, device=self.transport.device)
+                                  else 0.0, self._bad_losses() if skip_bad else 0.0, 0.0],
+                                 dtype=torch.float64, device=device)
+            if tokens:
+                stats[3] = self.token_loss.local_tokens(device)
             self.transport.all_reduce(stats)
             overflow = bool(stats[0] > 0)
             skipped = overflow or bool(stats[2] > 0)
+            if tokens:
+                scale = self._token_scale(float(stats[3]))
             if clip:
-                self.last_grad_norm = float(stats[1].sqrt())
+                self.last_grad_norm = float(stats[1].sqrt()) * scale  # after the rescale
         if not skipped:
-            if clip:
-                self._clip(params, self.last_grad_norm)  # type: ignore[arg-type]
+            coef = self._clip_coef(self.last_grad_norm) if clip else 1.0  # type: ignore[arg-type]
+            if scale * coef != 1.0:
+                self._scale_grads(params, scale * coef)
             self.precision.step(self.optimizer)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -446,32 +497,83 @@ class PipelineEngine:
                    if id(p) not in not_owner and not (replicated and sharded_dim(p) is None)]
         return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
 
-    def _clip(self, params: list[torch.Tensor], norm: float) -> None:
-        coef = min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
+    def _token_scale(self, total_tokens: float) -> float:
+        """The factor turning accumulated ``Σ loss_sum / micro_batches`` gradients
+        (averaged over replicas) into those of the loss averaged over all tokens."""
+        if total_tokens <= 0:
+            raise DataError(
+                f"train step {self.global_steps + 1}: the batch has {total_tokens:g} tokens "
+                f"over its {self.micro_batches} micro-batch(es) and "
+                f"{self.topology.data_size} replica(s) (loss_reduction='tokens')",
+                hint="the token_count loss_fn returns must be > 0 over the batch: check "
+                     "the padding mask of the labels", rank=self.rank, stage=self.stage,
+                step=self.global_steps + 1)
+        # every tensor-parallel rank of a last stage counts the same tokens
+        return self.micro_batches * self._loss_copies() / total_tokens
+
+    def _clip_coef(self, norm: float) -> float:
+        return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
+
+    @staticmethod
+    def _scale_grads(params: list[torch.Tensor], factor: float) -> None:
         for p in params:
             if p.grad is not None:
-                p.grad.mul_(coef)
+                p.grad.mul_(factor)
 
     # -- the public loop ------------------------------------------------------------
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """Run ``micro_batches`` micro-batches per ``train_batch``/``eval_batch`` from now on
+        (e.g. a batch-size ramp-up). Every rank must call it with the same value before the
+        same batch: the first batch with a new count checks that (one tiny all-reduce) and
+        raises ``ConfigError`` on every rank when they differ. Schedules and communication
+        plans are built once per count and cached; the loss is averaged over the current count.
+
+        :raises ConfigError: not a positive int, or a count the schedule refuses.
+        """
+        self._check_micro_batches(micro_batches)
+        self.micro_batches = micro_batches
+
+    def _check_micro_batches(self, micro_batches: Any) -> None:
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
+                or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
+                              rank=self.rank, stage=self.stage)
+        for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
+            cls(self.num_stages, self.stage, micro_batches, self.chunks)
+
+    def _agree_micro_batches(self) -> None:
+        """When the count changed since the last batch, check that every rank changed it."""
+        if self.micro_batches == self._checked_micro_batches:
+            return
+        check_consistency(self.transport, {"micro_batches": self.micro_batches},
+                          "micro-batch count (set_micro_batches(n) or train_batch(..., "
+                          "micro_batches=n) must change it on every rank for the same batch)")
+        self._checked_micro_batches = self.micro_batches
+
     def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
-        """The schedule's steps, buffer count and communication plan (built once)."""
-        if cls not in self._steps_cache:
+        """The schedule's steps, buffer count and communication plan for the current
+        micro-batch count (built once per schedule and count)."""
+        key = (cls, self.micro_batches)
+        if key not in self._steps_cache:
             schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
             steps = schedule.steps()
             plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
                                       chunks=self.chunks, placement=self.placement,
                                       trains=cls.trains)
-            self._steps_cache[cls] = (steps, schedule.num_buffers(), plan)
-        return self._steps_cache[cls]
+            self._steps_cache[key] = (steps, schedule.num_buffers(), plan)
+        return self._steps_cache[key]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
-        steps, num_buffers, plan = self._steps(cls)
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
         check = self._batches_run < self.check_data_steps and self.num_stages > 1
         self._batches_run += 1
         try:
+            self._agree_micro_batches()
+            steps, num_buffers, plan = self._steps(cls)
+            if self.token_loss is not None:
+                self.token_loss.reset()
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check)
@@ -491,9 +593,12 @@ class PipelineEngine:
                               hint="pass PipelineModule(..., loss_fn=torch.nn.CrossEntropyLoss())",
                               rank=self.rank, stage=self.stage)
 
-    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+    def train_batch(self, data_iter: Iterator | None = None,
+                    micro_batches: int | None = None) -> torch.Tensor:
         """Train on ``micro_batches`` micro-batches from ``data_iter`` and step once.
 
+        :param micro_batches: this batch only, instead of ``engine.micro_batches``
+            (same value on every rank; see :meth:`set_micro_batches`).
         :returns: the mean loss over micro-batches and replicas, a 0-dim tensor with
             the same value on every rank.
         """
@@ -501,11 +606,29 @@ class PipelineEngine:
         if not self.schedule_cls.trains:
             raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
                               hint="use schedule='1f1b' or 'gpipe'")
+        with self._micro_batches_for(micro_batches):
+            return self._train_batch(data_iter)
+
+    @contextlib.contextmanager
+    def _micro_batches_for(self, micro_batches: int | None) -> Iterator[None]:
+        """``engine.micro_batches`` is ``micro_batches`` inside (unless ``None``)."""
+        if micro_batches is None:
+            yield
+            return
+        previous = self.micro_batches
+        self.set_micro_batches(micro_batches)
+        try:
+            yield
+        finally:
+            self.micro_batches = previous
+
+    def _train_batch(self, data_iter: Iterator | None) -> torch.Tensor:
         start = time.perf_counter()
         self.pm.hook.pipekernel_before_train_batch(engine=self)
         self.module.train()
         loss = self._run(self.schedule_cls, data_iter, True, False)
         self.global_steps += 1
+        self.trained_micro_batches += self.micro_batches
         self.skipped_steps += not self._last_step_taken
         metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
                    "skipped": not self._last_step_taken, **self.precision.metrics()}
@@ -515,9 +638,10 @@ class PipelineEngine:
         return loss  # type: ignore[return-value]
 
     def eval_batch(self, data_iter: Iterator | None = None, compute_loss: bool = True,
-                   return_outputs: bool = False) -> Any:
+                   return_outputs: bool = False, micro_batches: int | None = None) -> Any:
         """Run forward only over ``micro_batches`` micro-batches.
 
+        :param micro_batches: this batch only, instead of ``engine.micro_batches``.
         :returns: the mean loss (same 0-dim tensor on every rank) if
             ``compute_loss``; with ``return_outputs`` a pair ``(loss, outputs)``
             where ``outputs`` is the list of last-stage outputs per micro-batch on
@@ -526,7 +650,7 @@ class PipelineEngine:
         if compute_loss:
             self._check_loss_fn("eval_batch(compute_loss=True)")
         self.module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._micro_batches_for(micro_batches):
             loss = self._run(self.eval_schedule_cls, data_iter, compute_loss, return_outputs)
         self.module.train()
         if not return_outputs:
@@ -535,38 +659,52 @@ class PipelineEngine:
         return loss, outputs
 
     def _mean_loss(self, training: bool = False) -> torch.Tensor:
+        """The batch's loss, the same on every rank: one all-reduce of the last stages'
+        loss sum (and token count), and, when training with ``nonfinite="error"``, of
+        which micro-batches and ranks had a NaN/inf loss."""
         losses = self.runtime.losses
-        total = torch.stack(losses).sum() if losses else torch.zeros(())
-        total = total.detach().to(torch.float32).reshape(1).to(self.transport.device)
-        if not (training and self.nonfinite == "error"):
-            self.transport.all_reduce(total)  # only last stages contribute
-            return (total / (self.micro_batches * self._loss_copies())).reshape(()).cpu()
-        # the same all-reduce carries which micro-batches and ranks had a NaN/inf loss
         m, world = self.micro_batches, self.transport.world_size
-        flags = torch.zeros(1 + m + world, dtype=torch.float32, device=self.transport.device)
-        flags[0:1] = total
+        flagged = training and self.nonfinite == "error"
+        tokens = self.token_loss is not None
+        vec = torch.zeros(2 + (m + world if flagged else 0), device=self.transport.device,
+                          dtype=torch.float64 if tokens else torch.float32)
         if losses:
-            bad = (~torch.isfinite(torch.stack(losses).float())).float()
-            index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
-                                 device=bad.device)
-            flags[1:1 + m].index_add_(0, index.to(flags.device), bad.to(flags.device))
-            flags[1 + m + self.rank] = bad.max()
-        self.transport.all_reduce(flags)
-        out = flags.cpu()
-        if not torch.isfinite(out[0]):
-            values = out[1:].tolist()
-            mbs = [i for i in range(m) if values[i] > 0]
-            ranks = [r for r in range(world) if values[m + r] > 0]
-            raise NonFiniteLossError(
-                f"the loss is NaN/inf at train step {self.global_steps + 1} "
-                f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
-                f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
-                f"gradients were not finite either",
-                hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
-                     "data of those micro-batches, or pass nonfinite='skip' to skip such "
-                     "steps on every rank", rank=self.rank, stage=self.stage,
-                step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
-        return (out[0] / (self.micro_batches * self._loss_copies())).reshape(())
+            stacked = torch.stack(losses)
+            vec[0] = stacked.sum().detach().to(vec.dtype)
+            if flagged:
+                bad = (~torch.isfinite(stacked.float())).to(vec.dtype)
+                index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
+                                     device=vec.device)
+                vec[2:2 + m].index_add_(0, index, bad.to(vec.device))
+                vec[2 + m + self.rank] = bad.max()
+        if tokens:
+            vec[1] = self.token_loss.local_tokens(vec.device)
+        self.transport.all_reduce(vec)  # only last stages contribute
+        out = vec.cpu()
+        if flagged and not torch.isfinite(out[0]):
+            self._raise_nonfinite(out[2:].tolist())
+        if not tokens:
+            return (out[0] / (m * self._loss_copies())).reshape(())
+        if out[1] <= 0:
+            raise DataError(f"the batch has no tokens (loss_reduction='tokens'): the "
+                            f"token counts of its {m} micro-batch(es) sum to {float(out[1]):g}",
+                            hint="the token_count loss_fn returns must be > 0 over the batch",
+                            rank=self.rank, stage=self.stage)
+        return (out[0] / out[1]).to(torch.float32).reshape(())
+
+    def _raise_nonfinite(self, values: list[float]) -> None:
+        m, world = self.micro_batches, self.transport.world_size
+        mbs = [i for i in range(m) if values[i] > 0]
+        ranks = [r for r in range(world) if values[m + r] > 0]
+        raise NonFiniteLossError(
+            f"the loss is NaN/inf at train step {self.global_steps + 1} "
+            f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
+            f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
+            f"gradients were not finite either",
+            hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
+                 "data of those micro-batches, or pass nonfinite='skip' to skip such "
+                 "steps on every rank", rank=self.rank, stage=self.stage,
+            step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
 
     def _loss_copies(self) -> int:
         """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""

@@ -32,12 +32,17 @@ class Kernel:
         are used, and only if some plugin implements them.
     :param rank: global rank, for error messages.
     :param stage: pipeline stage, for error messages and hooks.
+    :param clock: host seconds now (default :func:`time.perf_counter`), read before and
+        after each handler for ``pipekernel_after_instruction``'s ``seconds``; handlers
+        that launch device work return before it ends, so on a GPU this is host time.
     """
 
     def __init__(self, handlers: Mapping[type, Handler], *, hook: Any = None,
-                 rank: int | None = None, stage: int | None = None) -> None:
+                 rank: int | None = None, stage: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.handlers: Mapping[type, Handler] = MappingProxyType(dict(handlers))
         self.hook, self.rank, self.stage = hook, rank, stage
+        self.clock = clock
         self.position: tuple[int, Instruction] | None = None  # where the loop is now
 
     def _handler(self, instruction: Instruction) -> Handler:
@@ -71,7 +76,7 @@ class Kernel:
     def run(self, steps: Iterable[Sequence[Instruction]]) -> None:
         """Execute every instruction of every step, in order."""
         before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
-        stage = self.stage
+        stage, clock = self.stage, self.clock
         for step_id, step in enumerate(steps):
             for instruction in step:
                 self.position = (step_id, instruction)
@@ -79,10 +84,10 @@ class Kernel:
                     handler = self._handler(instruction)
                     if before is not None:
                         before(instruction, stage)
-                    start = time.perf_counter()
+                    start = clock()
                     handler(instruction)
                     if after is not None:
-                        after(instruction, stage, time.perf_counter() - start)
+                        after(instruction, stage, clock() - start)
                 except PipelineError as err:
                     raise self._failed(err.locate(
                         rank=self.rank, stage=stage, step=step_id,

@@ -40,11 +40,18 @@ class Profile:
     :param sample: first-stage inputs of one micro-batch (tensor or tuple).
     :param repeats: timed repetitions per layer; the median is used.
     :param warmup: untimed repetitions before them.
+    :param split_backward: also time each layer's backward split into its input and
+        weight passes (zero-bubble schedules; for the schedule planner).
+    :param clock: seconds now, read after the device is synchronised around each timed
+        part of a repetition; ``None`` is :func:`time.perf_counter`. Tests inject a
+        fake clock so a partition does not depend on the machine's load.
     """
 
     sample: Any
     repeats: int = 5
     warmup: int = 1
+    split_backward: bool = False
+    clock: Callable[[], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,10 @@ def balance(costs: Sequence[float] | Callable[[Any], float], unit: str = "cost")
     return Balance(costs, unit)
 
 
-def profile(sample: Any, repeats: int = 5, warmup: int = 1) -> Profile:
+def profile(sample: Any, repeats: int = 5, warmup: int = 1,
+            clock: Callable[[], float] | None = None) -> Profile:
     """``partition=pk.profile(sample_inputs)``: balance measured time (see :class:`Profile`)."""
-    return Profile(sample, repeats, warmup)
+    return Profile(sample, repeats, warmup, clock=clock)
 
 
 def memory(sample: Any = None, optimizer_states: float | None = None) -> Memory:
@@ -105,6 +113,10 @@ class PartitionContext:
     :param layer_costs: the cost the plugin balanced, and ``cost_unit`` its unit.
     :param layer_static_bytes: parameter + gradient + optimizer-state + buffer bytes.
     :param layer_activation_bytes: bytes saved for backward per micro-batch.
+    :param layer_forward_seconds: measured forward seconds (``pk.profile``; the rest of
+        ``layer_costs`` is the backward), for the schedule planner.
+    :param layer_split_backward_seconds: ``(input pass, weight pass)`` seconds of the
+        split backward (``Profile(split_backward=True)``).
     """
 
     module: Any
@@ -119,6 +131,8 @@ class PartitionContext:
     cost_unit: str = ""
     layer_static_bytes: list[float] | None = None
     layer_activation_bytes: list[float] | None = None
+    layer_forward_seconds: list[float] | None = None
+    layer_split_backward_seconds: list[tuple[float, float]] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

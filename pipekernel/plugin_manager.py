@@ -206,11 +206,17 @@ def _available(pm: pluggy.PluginManager, kind: str) -> str:
     return ", ".join(sorted(provided_names(pm, kind))) or "none"
 
 
-def resolve_schedule(pm: pluggy.PluginManager, name: str) -> Any:
-    """The schedule class registered as ``name``."""
+def registered_schedules(pm: pluggy.PluginManager) -> dict[str, Any]:
+    """Every schedule the plugins register, ``{name: class}`` (a later plugin wins)."""
     table: dict[str, Any] = {}
     for contribution in reversed(pm.hook.pipekernel_register_schedules()):
         table.update(contribution or {})
+    return table
+
+
+def resolve_schedule(pm: pluggy.PluginManager, name: str) -> Any:
+    """The schedule class registered as ``name``."""
+    table = registered_schedules(pm)
     if name not in table:
         raise UnknownNameError(f"unknown schedule {name!r}",
                                hint=f"available schedules: {', '.join(sorted(table))}; add one "

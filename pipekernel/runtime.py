@@ -41,10 +41,6 @@ class Buffer:
         self.input_grads: Any = None    # gradients computed for ``inputs``
         self.split: Any = None          # BackwardInput's state, until BackwardWeight
 
-    @property
-    def labels(self) -> Any:  # kept for plugins written against the old buffer
-        return None
-
 
 def _to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):

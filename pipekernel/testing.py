@@ -42,15 +42,19 @@ def _to(obj: Any, device: torch.device | str) -> Any:
 
 
 def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.optim.Optimizer],
-                    batches: Sequence[Sequence[Sequence[Any]]], micro_batches: int,
+                    batches: Sequence[Sequence[Sequence[Any]]], micro_batches: int | Sequence[int],
                     hook: Callable[[torch.nn.Module], None] | None = None,
-                    device: torch.device | str | None = None
+                    device: torch.device | str | None = None, loss_reduction: str = "mean"
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train all layers on one process: ``batches[step][replica]`` is a list of
     ``micro_batches`` items ``(inputs, labels)``; each step accumulates
     ``loss / (micro_batches * replicas)`` over every replica's micro-batches.
 
+    :param micro_batches: micro-batches per step, or one count per step (a ramp).
     :param hook: called with the model after backward, before the step (e.g. clipping).
+    :param loss_reduction: ``"tokens"``: ``loss_fn`` returns ``(loss_sum, token_count)``
+        and each step backwards ``loss_sum / (tokens of the whole step)`` per micro-batch
+        (every forward of the step first); the step's loss is that token mean.
     :param device: train there (model and batches moved; ``None``: where the model is
         built, the CPU); the returned ``state_dict`` stays on that device.
     :returns: per-step mean losses and the final ``state_dict``.
@@ -60,11 +64,19 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
         model = model.to(device)
     opt = optimizer(list(model.parameters()))
     losses = []
-    for replicas in batches:
+    counts = [micro_batches] * len(batches) if isinstance(micro_batches, int) else micro_batches
+    for replicas, count in zip(batches, counts):
+        if loss_reduction == "tokens":
+            losses.append(_token_step(model, module.loss_fn, replicas, count, device))
+            if hook is not None:
+                hook(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            continue
         total = 0.0
-        scale = 1.0 / (micro_batches * len(replicas))
+        scale = 1.0 / (count * len(replicas))
         for items in replicas:
-            for item in list(items)[:micro_batches]:
+            for item in list(items)[:count]:
                 loss = _forward_loss(model, module.loss_fn, item, device)
                 (loss * scale).backward()
                 total += loss.item() * scale
@@ -74,6 +86,17 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
         opt.zero_grad(set_to_none=True)
         losses.append(total)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _token_step(model: torch.nn.Module, loss_fn: Callable, replicas: Sequence[Sequence[Any]],
+                count: int, device: torch.device | str | None) -> float:
+    """One reference step of ``loss_reduction="tokens"``: forwards, then backwards."""
+    results = [_forward_loss(model, loss_fn, item, device)
+               for items in replicas for item in list(items)[:count]]
+    tokens = sum(float(n) for _, n in results)
+    for loss_sum, _ in results:
+        (loss_sum / tokens).backward()
+    return sum(loss_sum.item() for loss_sum, _ in results) / tokens
 
 
 def reference_eval(module: PipelineModule, state: dict[str, torch.Tensor],

@@ -33,7 +33,7 @@ from pipekernel.hookspecs import hookimpl
 from pipekernel.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.partitioning import Balance, Memory, PartitionContext, Profile
 
-__all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers"]
+__all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers", "measure_layer_times"]
 
 #: optimizer-state bytes per trainable parameter byte when nothing better is known (Adam)
 DEFAULT_OPTIMIZER_STATES = 2.0
@@ -81,7 +81,9 @@ def balance(weights: Sequence[float], num_stages: int,
     ``Σ weights[i:j] + in_flight[s] × Σ activations[i:j]`` (just ``Σ weights``
     without ``activations``). Exact dynamic program over stages: the best cost of
     the first ``s`` stages grows with the layers they cover while the next stage's
-    cost shrinks, so each cut is found by binary search — O(stages × layers × log layers).
+    cost shrinks, so each cut is found by binary search — O(stages × layers × log layers);
+    with in-flight counts that differ by stage that order does not hold and every cut
+    is tried (vectorised, O(stages × layers²)).
 
     :raises ConfigError: more stages than layers, or a negative / non-finite cost.
     """
@@ -109,23 +111,17 @@ def balance(weights: Sequence[float], num_stages: int,
 
     inf = math.inf
     best = [inf] + [cost(0, 0, j) for j in range(1, n + 1)]
+    # With one in-flight count for every stage, the best cost of the first s stages
+    # grows with the layers they cover, so each cut is a binary search. With counts
+    # that differ by stage it need not (moving a layer to an earlier stage can cost
+    # more there), so every cut is tried — vectorised, O(stages x layers^2).
+    uniform = all(x == k[0] for x in k)
     choices: list[list[int]] = []
     for s in range(1, num_stages):
-        new, arg = [inf] * (n + 1), [0] * (n + 1)
-        for j in range(s + 1, n - (num_stages - 1 - s) + 1):
-            lo, hi = s, j - 1  # stage s holds [i, j); the stages before it need i >= s layers
-            left, right = lo, hi + 1
-            while left < right:  # first i where the earlier stages dominate
-                mid = (left + right) // 2
-                if best[mid] >= cost(s, mid, j):
-                    right = mid
-                else:
-                    left = mid + 1
-            for i in (left - 1, left):
-                if lo <= i <= hi:
-                    value = max(best[i], cost(s, i, j))
-                    if value < new[j]:
-                        new[j], arg[j] = value, i
+        if uniform:
+            new, arg = _cuts_by_search(best, cost, s, n, num_stages)
+        else:
+            new, arg = _cuts_exhaustive(best, pw, pa, k[s], s, n, num_stages)
         best = new
         choices.append(arg)
     bounds, j = [n], n
@@ -134,6 +130,45 @@ def balance(weights: Sequence[float], num_stages: int,
         bounds.append(j)
     bounds.append(0)
     return bounds[::-1]
+
+
+def _cuts_by_search(best: list[float], cost: Callable[[int, int, int], float], s: int,
+                    n: int, num_stages: int) -> tuple[list[float], list[int]]:
+    """Best cut before stage ``s`` for every end ``j``, when ``best`` is non-decreasing."""
+    new, arg = [math.inf] * (n + 1), [0] * (n + 1)
+    for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+        lo, hi = s, j - 1  # stage s holds [i, j); the stages before it need i >= s layers
+        left, right = lo, hi + 1
+        while left < right:  # first i where the earlier stages dominate
+            mid = (left + right) // 2
+            if best[mid] >= cost(s, mid, j):
+                right = mid
+            else:
+                left = mid + 1
+        for i in (left - 1, left):
+            if lo <= i <= hi:
+                value = max(best[i], cost(s, i, j))
+                if value < new[j]:
+                    new[j], arg[j] = value, i
+    return new, arg
+
+
+def _cuts_exhaustive(best: list[float], pw: list[float], pa: list[float], k: float, s: int,
+                     n: int, num_stages: int) -> tuple[list[float], list[int]]:
+    """Best cut before stage ``s`` for every end ``j``, trying every cut ``i``."""
+    w, a = torch.tensor(pw, dtype=torch.float64), torch.tensor(pa, dtype=torch.float64)
+    b = torch.tensor(best, dtype=torch.float64)
+    cost = (w[None, :] - w[:, None]) + k * (a[None, :] - a[:, None])  # [i, j]
+    value = torch.maximum(b[:, None], cost)
+    i = torch.arange(n + 1)
+    valid = (i[:, None] >= s) & (i[:, None] < i[None, :])
+    value = value.masked_fill(~valid, math.inf)
+    low, where = value.min(dim=0)
+    new, arg = [math.inf] * (n + 1), [0] * (n + 1)
+    low_l, where_l = low.tolist(), where.tolist()
+    for j in range(s + 1, n - (num_stages - 1 - s) + 1):
+        new[j], arg[j] = low_l[j], where_l[j]
+    return new, arg
 
 
 # ---------------------------------------------------------------------------
@@ -204,6 +239,7 @@ def _static_bytes(layer: Any, index: int, optimizer: Callable | None,
 
 def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
                    time_it: bool = True, repeats: int = 5, warmup: int = 1,
+                   clock: Callable[[], float] | None = None,
                    optimizer: Callable | None = None,
                    optimizer_states: float | None = None
                    ) -> tuple[list[float] | None, list[float], list[float]]:
@@ -211,12 +247,37 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
 
     Only one layer's parameters exist at a time; the activations of one
     micro-batch are kept until the end so storage is never counted twice.
+    ``clock`` (seconds, default :func:`time.perf_counter`) is read after the device
+    is synchronised, before and after each repetition.
 
     :returns: ``(seconds, static_bytes, activation_bytes)`` per layer: the median
         forward + backward time (``None`` unless ``time_it``); parameter +
         gradient + optimizer-state + buffer bytes; bytes of the non-parameter
         tensors autograd saves for backward, each storage counted at the first
         layer that saves it.
+    """
+    seconds, _, static, act = measure_layer_times(
+        module, sample, device, time_it=time_it, repeats=repeats, warmup=warmup,
+        optimizer=optimizer, optimizer_states=optimizer_states, clock=clock)
+    return seconds, static, act
+
+
+def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu", *,
+                        time_it: bool = True, repeats: int = 5, warmup: int = 1,
+                        optimizer: Callable | None = None,
+                        optimizer_states: float | None = None,
+                        split: list | None = None,
+                        clock: Callable[[], float] | None = None
+                        ) -> tuple[list[float] | None, list[float] | None, list[float],
+                                   list[float]]:
+    """:func:`measure_layers`, with the forward timed on its own too.
+
+    :param split: a list to append, per layer, the median seconds of the split backward
+        (``(input pass, weight pass)``, :mod:`pipekernel.split_backward`) to; ``None``:
+        not timed.
+    :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
+        median forward + backward time and, of the same repetitions, the median
+        forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
     """
     if sample is None:
         raise ConfigError("measuring layers needs a sample micro-batch",
@@ -226,8 +287,10 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
         raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
                           hint="use pk.profile(sample, repeats=5, warmup=1)")
     device = torch.device(device)
+    now = clock or time.perf_counter
     x = _to(sample, device)
     seconds: list[float] = []
+    forwards: list[float] = []
     static: list[float] = []
     act: list[float] = []
     seen: set[int] = set()
@@ -269,22 +332,56 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
                 nbytes += storage.nbytes()
             act.append(float(nbytes))
             if time_it:
-                samples = []
+                samples, forward = [], []
                 for _ in range(warmup + repeats):
                     _sync(device)
-                    start = time.perf_counter()
+                    start = now()
                     grads = _grad_outputs(call(inp))
+                    _sync(device)
+                    middle = now()
                     if grads:
                         torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
                     _sync(device)
-                    samples.append(time.perf_counter() - start)
+                    samples.append(now() - start)
+                    forward.append(middle - start)
                 seconds.append(statistics.median(samples[warmup:]))
+                forwards.append(min(statistics.median(forward[warmup:]), seconds[-1]))
+                if split is not None:
+                    split.append(_time_split(call, inp, layer, device, warmup, repeats, now))
                 if isinstance(layer, nn.Module):
                     layer.zero_grad(set_to_none=True)
             static.append(_static_bytes(layer, index, optimizer, optimizer_states))
             x = _leaf(out)
             del out, layer
-    return (seconds if time_it else None), static, act
+    return (seconds if time_it else None), (forwards if time_it else None), static, act
+
+
+def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warmup: int,
+                repeats: int, now: Callable[[], float]) -> tuple[float, float]:
+    """Median seconds of the input pass and of the weight pass of one layer's backward."""
+    from pipekernel.split_backward import backward_input, backward_weight
+
+    params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
+    inputs = _grad_outputs(inp)
+    first, second = [], []
+    for _ in range(warmup + repeats):
+        outputs = _grad_outputs(call(inp))
+        if not outputs:
+            return 0.0, 0.0
+        _sync(device)
+        start = now()
+        _, state = backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, params)
+        _sync(device)
+        middle = now()
+        backward_weight(state)
+        _sync(device)
+        first.append(middle - start)
+        second.append(now() - middle)
+    if isinstance(layer, nn.Module):
+        layer.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    return statistics.median(first[warmup:]), statistics.median(second[warmup:])
 
 
 def _meta_static_bytes(module: PipelineModule,
@@ -298,27 +395,29 @@ def _meta_static_bytes(module: PipelineModule,
     return out
 
 
-def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
-    """Run ``compute`` on global rank 0 only and broadcast ``(bounds, costs, static, act)``.
+def _agree(context: PartitionContext, compute: Callable[[], tuple], arrays: int = 4) -> tuple:
+    """Run ``compute`` on global rank 0 only and broadcast its ``(bounds, *arrays)``:
+    the boundaries, then ``arrays`` per-layer lists, each of which may be ``None``
+    (here: costs, static bytes, activation bytes, forward seconds, ...).
 
-    ``costs`` and ``act`` may be ``None``. A failure on rank 0 is reported on every rank.
+    A failure on rank 0 is reported on every rank.
     """
     transport = context.transport
     if transport is None or transport.world_size == 1:
         return compute()
     n, stages = len(context.module.layers), context.num_stages
-    buf = torch.zeros(3 + (stages + 1) + 3 * n, dtype=torch.float64)
+    base = 1 + arrays + stages + 1  # valid flag, one flag per array, the bounds
+    buf = torch.zeros(base + arrays * n, dtype=torch.float64)
     error = None
     if transport.rank == 0:
         try:
-            bounds, costs, static, act = compute()
+            bounds, *values = compute()
             buf[0] = 1.0
-            buf[1], buf[2] = costs is not None, act is not None
-            buf[3:4 + stages] = torch.tensor(bounds, dtype=torch.float64)
-            base = 4 + stages
-            buf[base:base + n] = torch.tensor(costs or [0.0] * n, dtype=torch.float64)
-            buf[base + n:base + 2 * n] = torch.tensor(static, dtype=torch.float64)
-            buf[base + 2 * n:] = torch.tensor(act or [0.0] * n, dtype=torch.float64)
+            buf[1 + arrays:base] = torch.tensor(bounds, dtype=torch.float64)
+            for k, v in enumerate(values):
+                buf[1 + k] = v is not None
+                if v is not None:
+                    buf[base + k * n:base + (k + 1) * n] = torch.tensor(v, dtype=torch.float64)
         except Exception as err:  # tell the others before raising, so nobody waits
             error = err
     buf = buf.to(transport.device)
@@ -331,12 +430,10 @@ def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
         raise ConfigError(f"rank 0 failed to compute the partition {method!r}",
                           hint="look at rank 0's error: it says what went wrong",
                           rank=context.rank)
-    base = 4 + stages
-    bounds = [int(v) for v in buf[3:base].tolist()]
-    costs = buf[base:base + n].tolist() if buf[1] else None
-    static = buf[base + n:base + 2 * n].tolist()
-    act = buf[base + 2 * n:].tolist() if buf[2] else None
-    return bounds, costs, static, act
+    bounds = [int(v) for v in buf[1 + arrays:base].tolist()]
+    values = [buf[base + k * n:base + (k + 1) * n].tolist() if buf[1 + k] else None
+              for k in range(arrays)]
+    return (bounds, *values)
 
 
 # ---------------------------------------------------------------------------
@@ -402,12 +499,19 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
         method = Memory()
     if isinstance(method, Profile):
         def compute() -> tuple:
-            seconds, static, act = measure_layers(
+            split: list | None = [] if method.split_backward else None
+            seconds, forward, static, act = measure_layer_times(
                 module, method.sample, context.device, repeats=method.repeats,
-                warmup=method.warmup, optimizer=context.optimizer)
-            return balance(seconds, num_stages), seconds, static, act
-        bounds, costs, static, act = _agree(context, compute)
+                warmup=method.warmup, optimizer=context.optimizer, split=split,
+                clock=method.clock)
+            first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
+                else (None, None)
+            return balance(seconds, num_stages), seconds, static, act, forward, first, second
+        bounds, costs, static, act, forward, first, second = _agree(context, compute, 6)
         context.layer_costs, context.cost_unit = costs, "seconds"
+        context.layer_forward_seconds = forward
+        context.layer_split_backward_seconds = (list(zip(first, second))
+                                                if first is not None else None)
         context.layer_static_bytes, context.layer_activation_bytes = static, act
         context.notes.append(f"forward+backward seconds measured on rank 0 ({context.device}), "
                              f"median of {method.repeats}")
@@ -425,8 +529,8 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
                     module, method.sample, context.device, time_it=False,
                     optimizer=context.optimizer, optimizer_states=method.optimizer_states)
             bounds = balance(static, num_stages, act, in_flight)
-            return bounds, stage_layer_costs(static, act, bounds, in_flight), static, act
-        bounds, costs, static, act = _agree(context, compute)
+            return bounds, stage_layer_costs(static, act, bounds, in_flight), static, act, None
+        bounds, costs, static, act, _ = _agree(context, compute)
         context.layer_costs, context.cost_unit = costs, "bytes"
         context.layer_static_bytes, context.layer_activation_bytes = static, act
         context.notes.append("memory = params + grads + optimizer state + buffers"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipekernel import cli
+from pipekernel.apps import cli
 from pipekernel.launch import free_port
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
 
@@ -25,7 +25,7 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240.0
          ) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "pipekernel.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipekernel.apps.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env={**clean, **(env or {})})
 
 
@@ -155,7 +155,7 @@ def test_train_under_torchrun_runs_only_its_rank(tmp_path):
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         clean = {k: v for k, v in os.environ.items() if k not in env}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "pipekernel.cli", "train", "--steps", "20", "--out", str(out),
+            [sys.executable, "-m", "pipekernel.apps.cli", "train", "--steps", "20", "--out", str(out),
              *SMALL, "--no-progress", "--every", "5", "--partition", "0,3,4"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**clean, **env}))
@@ -188,7 +188,7 @@ def test_train_under_torchrun_with_the_wrong_world_size_says_so(tmp_path):
 
 def test_import_pipekernel_does_not_load_the_command_or_its_extras():
     # (not tqdm: torch itself imports it when it is installed)
-    code = ("import sys, pipekernel; bad = [m for m in ('pipekernel.cli', 'pipekernel.apps', "
+    code = ("import sys, pipekernel; bad = [m for m in ('pipekernel.apps.cli', 'pipekernel.apps', "
             "'matplotlib') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
@@ -218,3 +218,29 @@ def test_timeline_rows_from_a_trace(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     assert draw_trace(path, tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# -- pipekernel plan -------------------------------------------------------------------------
+
+PLAN_SMALL = ["--dim", "16", "--layers", "2", "--heads", "2", "--context", "8",
+              "--micro-batch-size", "2", "--micro-batches", "2", "--repeats", "1",
+              "--counts", "1,2,4", "--schedules", "1f1b,gpipe,zbv"]
+
+
+def test_plan_prints_the_ranked_candidates(capsys):
+    assert cli.main(["plan", *PLAN_SMALL]) == 0
+    out = capsys.readouterr().out.splitlines()
+    plan_line = next(line for line in out if line.startswith("plan: "))
+    table = [line for line in out if line[:1] in ("*", " ") and line[1:5].strip().isdigit()]
+    rows = [line[2:].split() for line in table]  # #, schedule, chunks, micro, partition, ms
+    assert table[0].startswith("*") and f"plan: {rows[0][1]}, chunks {rows[0][2]}, " \
+        f"{rows[0][3]} micro-batches" in plan_line  # the choice is ranked first
+    predicted = [float(r[5]) for r in rows if r[5] != "-"]
+    assert predicted == sorted(predicted) and len(predicted) >= 9  # 3 schedules x 3 counts
+    assert {r[1] for r in rows} == {"1f1b", "gpipe", "zbv"}
+
+
+def test_plan_with_a_budget_nothing_fits_is_a_clean_error(capsys):
+    assert cli.main(["plan", *PLAN_SMALL, "--memory-budget", "1KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "no candidate fits memory_budget=1.0 KiB" in err and "Traceback" not in err

@@ -43,7 +43,6 @@ def test_plugin_instruction_and_schedule_train_with_parity():
         assert [name for name, _ in seen["before"]] == expected * STEPS
         assert [name for name, _, _ in seen["after"]] == expected * STEPS
         assert expected.count("SCALE") == 1
-        assert all(seconds >= 0 for _, _, seconds in seen["after"])
         assert [m["step"] for _, m in seen["batches"]] == [1, 2, 3]
 
 

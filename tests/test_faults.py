@@ -7,9 +7,10 @@ error is seen. Workers catch their error as a host framework would (the process 
 alive), record when they got it, close the engine and exit: a clean exit (code 0) shows
 that the process group was left in a state the host can leave.
 
-Timing: the engine's timeout is 30 s while every rank must have its error less than
+Timing: the engine's timeout is 60 s while every rank must have its error less than
 ``FAST`` seconds after the fault — only abort propagation gets there; a rank that waited
-for its timeout would take 30 s. The bound is generous so that load cannot break it.
+for its timeout would take 60 s. The bound is generous (idle: under 2 s) so that load
+cannot break it, and still four times below the timeout.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from torch import nn
 import pipekernel as pk
 from pipekernel.launch import free_port
 
-TIMEOUT = 30.0   # the engine's timeout: what a rank without abort propagation would wait
-FAST = 8.0       # fault -> last rank's error, with a wide margin for a loaded machine
+TIMEOUT = 60.0   # the engine's timeout: what a rank without abort propagation would wait
+FAST = 15.0      # fault -> last rank's error, with a wide margin for a loaded machine
 HARNESS = 120.0  # the harness kills everything after this
 
 #: figures for the report: (test, faults injected, ranks with a named error, worst seconds)
@@ -325,7 +326,7 @@ def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240  # two workers importing torch on a loaded machine
         while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.1)
@@ -339,9 +340,23 @@ def test_sigterm_to_the_launcher_ends_every_worker(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert "terminated by SIGTERM" in err and "stopped ranks [0, 1]" in err, err[-3000:]
-    assert took < 20, took
-    for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the launcher"
+    assert took < 30, took  # the launcher gives its workers 5 s, then kills them
+    # a killed worker may take a moment to be reaped on a loaded machine; a zombie holds
+    # nothing but its process-table entry
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.1)
+    assert not alive, f"workers {alive} outlived the launcher"
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _listening_sockets():

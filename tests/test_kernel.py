@@ -20,20 +20,30 @@ class Recorder:
 
     @pk.hookimpl
     def pipekernel_after_instruction(self, instruction, seconds):
-        self.seen.append(("after", str(instruction), seconds >= 0))
+        self.seen.append(("after", str(instruction), seconds))
 
 
 def test_kernel_dispatches_in_order_and_calls_hooks():
     done = []
     recorder = Recorder()
     pm = pk.make_plugin_manager([recorder], autoload=False)
-    kernel = pk.Kernel({isa.Forward: lambda i: done.append(f"f{i.micro_batch}"),
-                        isa.MicroBatchInstruction: lambda i: done.append(f"any:{i}")},
-                       hook=pm.hook, rank=3, stage=1)
+    clock = [0.0]  # seconds pass only inside handlers: 2 per forward, 0.5 per send
+
+    def forward(i):
+        clock[0] += 2.0
+        done.append(f"f{i.micro_batch}")
+
+    def other(i):
+        clock[0] += 0.5
+        done.append(f"any:{i}")
+
+    kernel = pk.Kernel({isa.Forward: forward, isa.MicroBatchInstruction: other},
+                       hook=pm.hook, rank=3, stage=1, clock=lambda: clock[0])
     kernel.run([[isa.Forward(0), isa.SendActivation(0)], [isa.Forward(1)]])
     assert done == ["f0", "any:SEND_F0", "f1"]  # MRO lookup serves subclasses
-    assert recorder.seen[:2] == [("before", "F0", 1), ("after", "F0", True)]
-    assert len(recorder.seen) == 6
+    assert recorder.seen == [("before", "F0", 1), ("after", "F0", 2.0),
+                             ("before", "SEND_F0", 1), ("after", "SEND_F0", 0.5),
+                             ("before", "F1", 1), ("after", "F1", 2.0)]
     assert kernel.position is None
 
 

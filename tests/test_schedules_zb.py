@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipekernel import cli
+from pipekernel.apps import cli
 from pipekernel.errors import ConfigError
 from pipekernel.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,

@@ -64,7 +64,7 @@ def test_auto_selects_nccl_on_cuda_and_trains():
 
 def test_pipekernel_plugins_lists_without_importing_transports():
     code = ("import sys, io, contextlib\n"
-            "from pipekernel.cli import main\n"
+            "from pipekernel.apps.cli import main\n"
             "out = io.StringIO()\n"
             "with contextlib.redirect_stdout(out):\n"
             "    assert main(['plugins', '--json']) == 0\n"

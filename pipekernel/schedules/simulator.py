@@ -125,7 +125,9 @@ class SimulationResult:
 def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: int,
              chunks: int = 1, costs: Mapping[type, float] | None = None,
              semantics: str = "rendezvous",
-             posting: Callable[..., CommPlan] | None = None) -> SimulationResult:
+             posting: Callable[..., CommPlan] | None = None,
+             stage_costs: Mapping[tuple[int, int], Mapping[type, float]] | None = None
+             ) -> SimulationResult:
     """Simulate ``schedule`` on every stage of a pipeline and check it.
 
     :param schedule: a :class:`~pipekernel.schedules.base.Schedule` subclass, or
@@ -137,6 +139,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         :data:`DEFAULT_COSTS` (compute 1, everything else 0). Under rendezvous,
         the costs of a send's and a receive's classes add up to the duration of
         their transfer and do not occupy either stage.
+    :param stage_costs: ``{(stage, chunk): {instruction class: duration}}``: compute
+        costs of one stage's chunk (e.g. measured, for a partition whose stages
+        differ), overriding ``costs`` for the classes listed there.
     :param semantics: ``"rendezvous"`` (default) or ``"buffered"``; see the
         module docstring.
     :param posting: rendezvous only: the function that computes each stage's
@@ -162,6 +167,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
     if posting is not None:
         sim.posting = posting
+    if stage_costs:
+        sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
     sim.run()
     if sim.problems:
         raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
@@ -202,8 +209,9 @@ def _check_sizes(num_stages: int, micro_batches: int, chunks: int) -> None:
                               hint=f"pass {what}=1 or more")
 
 
-def _cost_table(costs: Mapping[type, float] | None) -> dict[type, float]:
-    table = dict(DEFAULT_COSTS)
+def _cost_table(costs: Mapping[type, float] | None,
+                base: Mapping[type, float] = DEFAULT_COSTS) -> dict[type, float]:
+    table = dict(base)
     for cls, cost in (costs or {}).items():
         if not (isinstance(cls, type) and issubclass(cls, Instruction)):
             raise ConfigError(f"simulate: cost key {cls!r} is not an instruction class",
@@ -280,6 +288,8 @@ class _Simulation:
     """What both semantics share: setup, instruction checks, buffers, final checks."""
 
     semantics = ""
+    #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's ``stage_costs``)
+    stage_costs: dict[tuple[int, int], dict[type, float]] = {}
 
     def __init__(self, num_stages, micro_batches, chunks, costs, objects, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
@@ -351,10 +361,16 @@ class _Simulation:
     def _where(stage: int, index: int, instruction: object) -> _Where:
         return _Where(stage, index, instruction)
 
+    def _compute_cost(self, stage: int, instruction: Instruction) -> float:
+        table = self.stage_costs.get((stage, getattr(instruction, "chunk", 0)))
+        if table is not None and type(instruction) in table:
+            return table[type(instruction)]
+        return self.costs.get(type(instruction), 0.0)
+
     def _tick(self, stage: int, start: float, instruction: Instruction,
               cost: float | None = None) -> float:
         st = self.stages[stage]
-        end = start + (self.costs.get(type(instruction), 0.0) if cost is None else cost)
+        end = start + (self._compute_cost(stage, instruction) if cost is None else cost)
         if isinstance(instruction, COMPUTE):
             st.timeline.append((start, end, instruction))
         st.clock = end

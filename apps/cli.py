@@ -1,4 +1,4 @@
-"""The ``pipekernel`` command.
+"""The ``pipekernel`` command (an application of the core: the core never imports it).
 
 Each subcommand is one ``_add_<name>(subparsers)`` function that declares its
 arguments and sets ``func``; :func:`main` calls every function in
@@ -97,6 +97,94 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- pipekernel plan -----------------------------------------------------------------------
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from pipekernel.apps.config import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "plan", help="profile the train model and rank schedule x chunks x micro-batches x "
+                     "partition by simulated step time",
+        description="What schedule='auto' does, in one process: profile the layers of the "
+                    "`pipekernel train` model (one micro-batch size per candidate count, the "
+                    "batch fixed), simulate every candidate under the measured costs and "
+                    "print them ranked by predicted step time, with the predicted memory of "
+                    "the largest stage. Nothing is trained.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
+    p.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                   help="the base count: the batch is this x --micro-batch-size sequences")
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="sequences per micro-batch at the base count")
+    p.add_argument("--counts", default=None, metavar="M,M,...",
+                   help="micro-batch counts to consider (default: half, 1x, 2x, 4x the base)")
+    p.add_argument("--schedules", default=None, metavar="NAME,...",
+                   help="schedules to consider (default: every training schedule)")
+    p.add_argument("--chunks", default="1,2", metavar="C,C,...", help="chunks per stage")
+    p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
+                   help="bytes per stage (suffixes KiB, MiB, GiB); default: no limit")
+    p.add_argument("--transfer-ms", type=float, default=0.0,
+                   help="milliseconds one activation/gradient transfer takes")
+    p.add_argument("--split-overhead", type=float, default=1.0,
+                   help="split backward (input + weight pass) time over one full backward")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per layer")
+    p.add_argument("--top", type=int, default=None, help="show only the best N candidates")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and the sample")
+    g = p.add_argument_group("model")
+    g.add_argument("--dim", type=int, default=d.dim, help="model width")
+    g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
+    g.add_argument("--heads", type=int, default=d.heads, help="attention heads")
+    g.add_argument("--context", type=int, default=d.context, help="sequence length in bytes")
+    p.set_defaults(func=_run_plan)
+
+
+def _size(text: str) -> float:
+    units = {"kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "b": 1}
+    lowered = text.strip().lower()
+    for unit, factor in units.items():
+        if lowered.endswith(unit):
+            return float(lowered[:-len(unit)]) * factor
+    return float(lowered)
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return None if text is None else [int(v) for v in text.split(",") if v.strip()]
+
+
+def plan_for_args(args: argparse.Namespace) -> object:
+    """The :class:`~pipekernel.planner.Plan` ``pipekernel plan`` prints."""
+    import torch
+
+    import pipekernel as pk
+    from pipekernel.apps.gpt import gpt_module
+    from pipekernel.planner import plan_module
+
+    torch.set_num_threads(args.threads)
+    module = gpt_module(args.dim, args.layers, args.heads, args.context,
+                        num_stages=args.stages, seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    sample = torch.randint(0, 256, (args.micro_batch_size, args.context), generator=g)
+    request = pk.auto(memory_budget=args.memory_budget, sample=sample,
+                      schedules=args.schedules.split(",") if args.schedules else None,
+                      chunks=_ints(args.chunks), micro_batches=_ints(args.counts),
+                      transfer_s=args.transfer_ms / 1e3, repeats=args.repeats,
+                      split_overhead=args.split_overhead)
+    return plan_module(module, request, num_stages=args.stages,
+                       micro_batches=args.micro_batches, pm=pk.make_plugin_manager())
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    plan = plan_for_args(args)
+    print(f"model: byte-level GPT, width {args.dim}, {args.layers} blocks, context "
+          f"{args.context}; batch {args.micro_batches * args.micro_batch_size} sequences "
+          f"per replica; {args.stages} stages")
+    print(plan.format(top=args.top))  # type: ignore[attr-defined]
+    return 0
+
+
 # -- pipekernel schedule -------------------------------------------------------------------
 
 
@@ -189,7 +277,7 @@ def _run_plugins(args: argparse.Namespace) -> int:
 # -- the command -----------------------------------------------------------------------------
 
 #: One function per subcommand; each adds its parser and sets ``func``.
-SUBCOMMANDS = [_add_train, _add_schedule, _add_plugins]
+SUBCOMMANDS = [_add_train, _add_plan, _add_schedule, _add_plugins]
 
 
 def build_parser() -> argparse.ArgumentParser:

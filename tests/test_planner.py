@@ -1,0 +1,153 @@
+"""``schedule="auto"``: the planner's search under injected costs, the memory budget,
+and every rank of an engine choosing the same plan. No timing is asserted."""
+from __future__ import annotations
+
+import pytest
+import torch
+from models import mlp, mlp_data, sgd
+
+import pipekernel as pk
+from pipekernel.errors import ConfigError
+from pipekernel.planner import Auto, LayerCosts, search
+from pipekernel.plugins.partition import balance
+from pipekernel.schedules import BUILTIN_SCHEDULES, simulate
+from pipekernel.instructions import Backward, BackwardInput, BackwardWeight, Forward
+from pipekernel.testing import run_ranks
+
+TRAINING = {k: v for k, v in BUILTIN_SCHEDULES.items() if v.trains}
+
+
+def fixed_batch_costs(layers=8, counts=(1, 2, 4, 8), batch=8.0, overhead=0.05,
+                      act=100.0, static=1000.0):
+    """A fixed batch split into m micro-batches: each costs batch/m units plus an overhead."""
+    out = {}
+    for m in counts:
+        f = batch / m / layers + overhead
+        out[m] = LayerCosts([f] * layers, [2 * f] * layers, [static] * layers,
+                            [act * batch / m] * layers)
+    return out
+
+
+def test_auto_picks_the_predicted_fastest_and_ranks_every_candidate():
+    costs = fixed_batch_costs()
+    plan = search(costs, 2, TRAINING, balance=balance)
+    runnable = [c for c in plan.candidates if c.predicted_step_s is not None]
+    assert plan.predicted_step_s == min(c.predicted_step_s for c in runnable)
+    assert [c.predicted_step_s for c in runnable] == sorted(c.predicted_step_s for c in runnable)
+    first = plan.candidates[0]
+    assert (first.schedule, first.chunks, first.micro_batches, first.bounds) == \
+        (plan.schedule, plan.chunks, plan.micro_batches, plan.bounds)
+    # every (schedule, chunks, micro-batches) the schedules allow was considered
+    seen = {(c.schedule, c.chunks, c.micro_batches) for c in plan.candidates}
+    for name, cls in TRAINING.items():
+        for chunks in {c for c in (1, 2) if cls.min_chunks <= c <= cls.max_chunks}:
+            assert {(name, chunks, m) for m in costs} <= seen
+    # the prediction is the simulator's makespan under the per-stage costs
+    cls, m, c = TRAINING[plan.schedule], plan.micro_batches, plan.chunks
+    layer = costs[m].forward_s[0]
+    table = {}
+    from pipekernel.schedules.placement import locate
+    for p in range(2 * c):
+        n = plan.bounds[p + 1] - plan.bounds[p]
+        table[locate(p, 2, cls.placement)] = {Forward: n * layer, Backward: 2 * n * layer,
+                                              BackwardInput: n * layer, BackwardWeight: n * layer}
+    assert simulate(cls, 2, m, c, stage_costs=table).makespan == pytest.approx(
+        plan.predicted_step_s)
+
+
+def test_a_known_winner_one_schedule_many_counts():
+    # 1f1b only: with no overhead more micro-batches shrink the bubble; with a large
+    # per-micro-batch overhead one micro-batch wins
+    only = {"1f1b": TRAINING["1f1b"]}
+    assert search(fixed_batch_costs(overhead=0.0), 2, only, balance=balance).micro_batches == 8
+    assert search(fixed_batch_costs(overhead=10.0), 2, only, balance=balance).micro_batches == 1
+    # F=1, B=2 per stage, 2 stages, 4 micro-batches: (m + S - 1) * (F + B) = 15
+    costs = {4: LayerCosts([1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0])}
+    assert search(costs, 2, only, balance=balance).predicted_step_s == pytest.approx(15.0)
+
+
+def test_ties_break_by_name_then_fewer_chunks():
+    costs = {4: LayerCosts([1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0])}
+    # 1f1b and gpipe take the same time with unit costs and 2 stages; "1f1b" < "gpipe"
+    plan = search(costs, 2, {"gpipe": TRAINING["gpipe"], "1f1b": TRAINING["1f1b"]},
+                  balance=balance)
+    tied = [c for c in plan.candidates if c.predicted_step_s == plan.predicted_step_s]
+    assert len(tied) == 2 and plan.schedule == "1f1b"
+
+
+def test_a_memory_budget_excludes_the_fastest_candidate():
+    costs = fixed_batch_costs(overhead=0.02, act=10_000.0, counts=(2, 4, 8))
+    free = search(costs, 2, TRAINING, balance=balance)
+    budget = free.candidates[0].peak_bytes - 1
+    bounded = search(costs, 2, TRAINING, balance=balance, memory_budget=budget)
+    assert (bounded.schedule, bounded.chunks, bounded.micro_batches, bounded.bounds) != \
+        (free.schedule, free.chunks, free.micro_batches, free.bounds)
+    excluded = [c for c in bounded.candidates if c.bounds == free.bounds
+                and (c.schedule, c.chunks, c.micro_batches) ==
+                (free.schedule, free.chunks, free.micro_batches)]
+    assert len(excluded) == 1 and not excluded[0].fits
+    assert max(bounded.candidates[0].stage_bytes) <= budget
+    assert bounded.predicted_step_s >= free.predicted_step_s
+    assert "over budget" in bounded.format()
+    with pytest.raises(ConfigError, match="no candidate fits memory_budget"):
+        search(costs, 2, TRAINING, balance=balance, memory_budget=1.0)
+
+
+def test_candidates_that_cannot_run_are_listed_with_the_reason():
+    costs = {2: LayerCosts([1.0] * 3, [2.0] * 3, [0.0] * 3, [0.0] * 3)}
+    plan = search(costs, 2, TRAINING, balance=balance)  # 2 stages x 2 chunks > 3 layers
+    notes = {c.schedule: c.note for c in plan.candidates if c.predicted_step_s is None}
+    assert "4 parts > 3 layers" in notes["zbv"]
+    with pytest.raises(ConfigError, match="no runnable candidate"):
+        search(costs, 2, {"zbv": TRAINING["zbv"]}, balance=balance)
+
+
+class FakeProfile:
+    """Answers pk.profile with injected per-layer costs, different on every rank (the
+    rank-0-and-broadcast rule is what the real profiler follows; this one does not)."""
+
+    def __init__(self, skew):
+        self.skew = skew
+
+    @pk.hookimpl(tryfirst=True)
+    def pipekernel_partition(self, method, layers, num_stages, context):
+        from pipekernel.partitioning import Profile
+        if not isinstance(method, Profile):
+            return None
+        rows = method.sample.shape[0]
+        rank = context.rank if self.skew else 0
+        n = len(layers)
+        seconds = [(rows + 0.5 + 50 * rank * (i == 0)) * 1e-3 for i in range(n)]
+        context.layer_costs, context.layer_forward_seconds = seconds, [s / 3 for s in seconds]
+        context.layer_static_bytes = [1000.0 * (1 + 50 * rank * (i == 0)) for i in range(n)]
+        context.layer_activation_bytes = [float(rows)] * n
+        return [0, n] if num_stages == 1 else None
+
+
+def _auto_worker(skew):
+    engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=sgd, micro_batches=4,
+                               schedule=pk.auto(sample=torch.randn(4, 8)),
+                               plugins=[FakeProfile(skew)], timeout=60)
+    loss = engine.train_batch(iter(mlp_data(0, 0, engine.micro_batches))).item()
+    return (engine.plan.fields(), engine.schedule_cls.name, engine.chunks, engine.micro_batches,
+            list(engine.bounds), loss)
+
+
+def test_every_rank_picks_the_same_plan_and_trains_with_it():
+    results = run_ranks(_auto_worker, 2, False)
+    fields, name, chunks, m, bounds, loss = results[0]
+    assert all(r[0] == fields for r in results)
+    assert (name, chunks, m, bounds) == (fields["schedule"], fields["chunks"],
+                                         fields["micro_batches"], fields["bounds"])
+    assert results[0][5] == results[1][5]
+
+
+def test_ranks_measuring_different_costs_are_caught():
+    with pytest.raises(Exception, match="ranks disagree on their plan"):
+        run_ranks(_auto_worker, 2, True)
+
+
+def test_auto_without_a_sample_says_how_to_give_one():
+    from pipekernel.planner import plan_module
+    with pytest.raises(ConfigError, match="needs a sample micro-batch"):
+        plan_module(mlp(), Auto(), num_stages=2, micro_batches=4, pm=pk.make_plugin_manager())
