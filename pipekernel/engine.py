@@ -123,9 +123,9 @@ class PipelineEngine:
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
                  nonfinite: str = "error", check_data_steps: int = 3,
-                 loss_reduction: str = "mean", tensor_parallel_size: int = 1,
-                 rank_order: str | None = None, partition_activations: bool = True,
-                 zero_stage: int = 0) -> None:
+                 loss_reduction: str = "mean",
+                 tensor_parallel_size: int = 1, rank_order: str | None = None,
+                 partition_activations: bool = True, zero_stage: int = 0) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
