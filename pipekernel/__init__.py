@@ -18,6 +18,7 @@ from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerS
 from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.planner import Plan, auto
 from pipekernel.plugin_manager import make_plugin_manager
+from pipekernel.skips import Skip, pop, skippable, stash
 from pipekernel.topology import Topology
 from pipekernel.transport import P2POp
 
@@ -32,5 +33,6 @@ __all__ = [
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
     "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
     "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
-    "PartitionReport", "P2POp", "auto", "Plan", "tensor_parallel",
+    "PartitionReport", "P2POp", "auto", "Plan", "skippable", "Skip", "stash", "pop",
+    "tensor_parallel",
 ]

@@ -26,6 +26,8 @@ from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.parallel import ParallelConfig
 from pipekernel.partitioned import ActivationPartitioner
+from pipekernel.schedules.skips import add_skip_transfers
+from pipekernel.skip_routing import check_schedules, router_for
 from pipekernel.tensor_parallel import context as tp_context
 from pipekernel.tensor_parallel import make_group as make_tp_group
 from pipekernel.tensor_parallel import sharded_dim
@@ -220,7 +222,8 @@ class PipelineEngine:
                   if isinstance(module.partition_method, (str, list, tuple)) else
                   type(module.partition_method).__name__,
                   "nonfinite": nonfinite, "check_data_steps": check_data_steps,
-                  "loss_reduction": loss_reduction, **parallel.fields()}
+                  "loss_reduction": loss_reduction, **parallel.fields(),
+                  "skip connections": sorted(module.skip_names.items())}
         check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
@@ -246,11 +249,18 @@ class PipelineEngine:
             _partition_log.info("%s", self.partition_report.format())
         #: This rank's :class:`~pipekernel.tensor_parallel.TensorParallelGroup`.
         self.tp_group = make_tp_group(self.topology, self.transport)
+        positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
         with tp_context(self.tp_group):  # layers built here see their group
-            self.module = module.build_stage(
-                self.stage, self.bounds,
-                parts_of(self.stage, num_stages, self.chunks, self.placement)
-            ).to(self.transport.device)
+            self.module = module.build_stage(self.stage, self.bounds, positions
+                                             ).to(self.transport.device)
+        #: Skip connections between parts (:mod:`pipekernel.skips`), or ``None``.
+        self.skip_router = router_for(module, self.bounds, self.module, positions, self.stage)
+        self.skip_edges = self.skip_router.edges if self.skip_router is not None else []
+        if self.skip_edges:
+            check_schedules([self.schedule_cls, self.eval_schedule_cls], num_stages,
+                            micro_batches, self.chunks, self.skip_edges, self.transport,
+                            transport)
+        self._skips_proven = {micro_batches}  # counts whose skip routing was simulated
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and max_grad_norm > 0):
@@ -272,7 +282,7 @@ class PipelineEngine:
                                     chunks=self.chunks, placement=self.placement,
                                     wire=ActivationPartitioner(self.tp_group)
                                     if parallel.partitions else None,
-                                    **self._backward_callbacks())
+                                    skips=self.skip_router, **self._backward_callbacks())
         handlers = self.runtime.handlers()
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
@@ -540,6 +550,11 @@ class PipelineEngine:
                               rank=self.rank, stage=self.stage)
         for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
             cls(self.num_stages, self.stage, micro_batches, self.chunks)
+        if self.skip_edges and micro_batches not in self._skips_proven:
+            # the skips' routing proven for the new count too (once per count)
+            check_schedules([self.schedule_cls, self.eval_schedule_cls], self.num_stages,
+                            micro_batches, self.chunks, self.skip_edges, self.transport, "")
+            self._skips_proven.add(micro_batches)
 
     def _agree_micro_batches(self) -> None:
         """When the count changed since the last batch, check that every rank changed it."""
@@ -556,10 +571,12 @@ class PipelineEngine:
         key = (cls, self.micro_batches)
         if key not in self._steps_cache:
             schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
-            steps = schedule.steps()
+            steps = add_skip_transfers(schedule.steps(), stage=self.stage,
+                                       num_stages=self.num_stages, chunks=self.chunks,
+                                       placement=self.placement, edges=self.skip_edges)
             plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
                                       chunks=self.chunks, placement=self.placement,
-                                      trains=cls.trains)
+                                      trains=cls.trains, skips=self.skip_edges)
             self._steps_cache[key] = (steps, schedule.num_buffers(), plan)
         return self._steps_cache[key]
 

@@ -25,7 +25,8 @@ from typing import ClassVar
 __all__ = [
     "Instruction", "MicroBatchInstruction", "LoadMicroBatch", "Forward", "Backward",
     "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
-    "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "parse",
+    "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "SkipInstruction",
+    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "parse",
 ]
 
 
@@ -118,6 +119,52 @@ class RecvGrad(MicroBatchInstruction):
 
 
 @dataclass(frozen=True, slots=True)
+class SkipInstruction(MicroBatchInstruction):
+    """A transfer of a skip connection (:mod:`pipekernel.skips`): the tensors layers of
+    one pipeline position stash for a later one, sent straight between the two.
+
+    ``peer`` is the pipeline position at the other end (the consumer for
+    ``SendSkip``/``RecvSkipGrad``, the producer for ``RecvSkip``/``SendSkipGrad``);
+    ``str()`` appends it: ``SEND_S3@5``. Schedules never emit these: they are inserted
+    by :func:`pipekernel.schedules.skips.add_skip_transfers` once the layers are placed.
+    """
+
+    peer: int = -1
+
+    def __str__(self) -> str:
+        chunk = f"c{self.chunk}" if self.chunk else ""
+        return f"{self.short}{self.micro_batch}{chunk}@{self.peer}"
+
+
+@dataclass(frozen=True, slots=True)
+class SendSkip(SkipInstruction):
+    """Send what the forward in ``buffer`` stashed for position ``peer`` (asynchronous)."""
+
+    short: ClassVar[str] = "SEND_S"
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSkip(SkipInstruction):
+    """Receive what position ``peer`` stashed for this chunk's forward."""
+
+    short: ClassVar[str] = "RECV_S"
+
+
+@dataclass(frozen=True, slots=True)
+class SendSkipGrad(SkipInstruction):
+    """Send the gradients of the skip tensors received from position ``peer``."""
+
+    short: ClassVar[str] = "SEND_SG"
+
+
+@dataclass(frozen=True, slots=True)
+class RecvSkipGrad(SkipInstruction):
+    """Receive the gradients of the tensors this chunk stashed for position ``peer``."""
+
+    short: ClassVar[str] = "RECV_SG"
+
+
+@dataclass(frozen=True, slots=True)
 class ReduceTiedGrads(Instruction):
     """Sum the gradients of tied weights across the stages that hold them."""
 
@@ -140,8 +187,9 @@ class OptimizerStep(Instruction):
 
 _BY_SHORT = {cls.short: cls for cls in (
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
-    RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep)}
-_PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?$")
+    RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep,
+    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad)}
+_PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?(?:@(\d+))?$")
 
 
 def parse(text: str, buffer: int = 0) -> Instruction:
@@ -157,6 +205,9 @@ def parse(text: str, buffer: int = 0) -> Instruction:
     if issubclass(cls, MicroBatchInstruction):
         if match.group(2) is None:
             raise ValueError(f"instruction {text!r} needs a micro-batch number, e.g. {cls.short}0")
+        if issubclass(cls, SkipInstruction):
+            return cls(int(match.group(2)), buffer, int(match.group(3) or 0),
+                       int(match.group(4) or 0))
         return cls(int(match.group(2)), buffer, int(match.group(3) or 0))
     return cls()
 

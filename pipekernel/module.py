@@ -13,9 +13,30 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from pipekernel import skips
 from pipekernel.errors import ConfigError
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
+
+
+def seeded_cuda_devices() -> list[int]:
+    """The CUDA devices whose generators :func:`seed_generators` reseeds: every device
+    once CUDA is initialised in this process, none before (see there)."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+
+def seed_generators(seed: int) -> None:
+    """``torch.manual_seed(seed)`` without touching CUDA before CUDA is initialised.
+
+    ``torch.manual_seed`` on a process whose CUDA is not initialised yet queues the
+    seed and applies it when CUDA starts, long after the layers were built: the CUDA
+    generator (dropout on the GPU) would then start from the last layer's seed. So
+    the CPU generator is seeded always, CUDA's only once initialised; the caller
+    forks and restores both (:func:`seeded_cuda_devices`).
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
 
 
 class LayerSpec:
@@ -72,15 +93,18 @@ class StageModule(nn.Module):
     def __init__(self, layers: Sequence[tuple[int, Any, Callable | None]],
                  tied: dict[str, nn.Module], stage: int = 0,
                  activation_checkpoint_interval: int = 0,
-                 parts: Sequence[int] | None = None) -> None:
+                 parts: Sequence[int] | None = None,
+                 skip_declarations: dict[int, Any] | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.activation_checkpoint_interval = activation_checkpoint_interval
-        self._calls: list[tuple[Any, Callable | None]] = []
+        #: ``{global layer index: (stash names, pop names)}`` of this stage's layers.
+        self.skip_declarations = dict(skip_declarations or {})
+        self._calls: list[tuple[int, Any, Callable | None]] = []
         for index, layer, forward_fn in layers:
             if isinstance(layer, nn.Module) and str(index) not in self._modules:
                 self.add_module(str(index), layer)
-            self._calls.append((layer, forward_fn))
+            self._calls.append((index, layer, forward_fn))
         self.tied_modules = dict(tied)  # key -> module (not registered twice)
         self.first_index = layers[0][0] if layers else 0
         sizes = list(parts) if parts is not None else [len(layers)]
@@ -104,7 +128,14 @@ class StageModule(nn.Module):
                                "stage.part(chunk)(x)")
         return self._run(self._calls, x)
 
-    def _run(self, calls: Sequence[tuple[Any, Callable | None]], x: Any) -> Any:
+    def _run(self, calls: Sequence[tuple[int, Any, Callable | None]], x: Any) -> Any:
+        if self.skip_declarations:
+            scope = skips.active()  # the runtime's, with what other parts sent
+            if scope is None:       # one process: stash and pop stay local
+                with skips.SkipScope(self.skip_declarations,
+                                     where=f"stage {self.stage}") as scope:
+                    return _run_scoped(calls, x, scope)
+            return _run_scoped(calls, x, scope)
         k = self.activation_checkpoint_interval
         if not k or not torch.is_grad_enabled():
             return _run_calls(calls, x)
@@ -138,9 +169,17 @@ class _Part:
         return out
 
 
-def _run_calls(calls: Sequence[tuple[Any, Callable | None]], x: Any) -> Any:
-    for layer, forward_fn in calls:
+def _run_calls(calls: Sequence[tuple[int, Any, Callable | None]], x: Any) -> Any:
+    for _, layer, forward_fn in calls:
         x = layer(x) if forward_fn is None else forward_fn(layer, x)
+    return x
+
+
+def _run_scoped(calls: Sequence[tuple[int, Any, Callable | None]], x: Any,
+                scope: skips.SkipScope) -> Any:
+    for index, layer, forward_fn in calls:
+        x = scope.run(index, layer if forward_fn is None else
+                      (lambda v, layer=layer, fn=forward_fn: fn(layer, v)), x)
     return x
 
 
@@ -157,6 +196,11 @@ class PipelineModule:
     :param seed: if set, layer ``i`` is built right after ``torch.manual_seed(seed + i)``
         (a tied layer with the seed of its first occurrence), so weights do not
         depend on the partitioning.
+    Layers may be wrapped in :class:`~pipekernel.skips.Skip` (or have a class decorated
+    with :func:`~pipekernel.skips.skippable`) to pass tensors to a later layer by name
+    (skip connections, :mod:`pipekernel.skips`); the wrapper is removed from ``layers``
+    and its names kept in ``skip_declarations``.
+
     :param activation_checkpoint_interval: ``k > 0`` keeps only the input of every
         run of ``k`` consecutive layers of a stage during a forward with grad
         enabled and recomputes the run in backward (non-reentrant
@@ -167,7 +211,11 @@ class PipelineModule:
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
                  num_stages: int | None = None, partition: Any = "parameters",
                  seed: int | None = None, activation_checkpoint_interval: int = 0) -> None:
-        self.layers = list(layers)
+        self.layers = [layer.layer if isinstance(layer, skips.Skip) else layer
+                       for layer in layers]
+        #: ``{layer index: (stash names, pop names)}`` for the layers that declare skips.
+        self.skip_declarations = {i: skips.declared(layer) for i, layer in enumerate(layers)
+                                  if skips.declared(layer) != ((), ())}
         if not self.layers:
             raise ConfigError("PipelineModule got an empty layer list",
                               hint="pass at least one layer per stage")
@@ -186,6 +234,9 @@ class PipelineModule:
                               hint="use 0 to store all activations or k > 0 to recompute "
                                    "every k layers")
         self.activation_checkpoint_interval = activation_checkpoint_interval
+        #: ``{name: (stashing layer, popping layer)}`` of every skip connection.
+        self.skip_names = skips.check_declarations(self.skip_declarations, len(self.layers),
+                                                   activation_checkpoint_interval > 0)
         self.loss_fn, self.num_stages = loss_fn, num_stages
         self.partition_method, self.seed = partition, seed
         self._first_tied = {}
@@ -214,7 +265,7 @@ class PipelineModule:
             return layer
         seed = self._seed_for(index)
         if seed is not None:
-            torch.manual_seed(seed)
+            seed_generators(seed)
         return layer.build()
 
     def parameter_counts(self) -> list[int]:
@@ -270,7 +321,7 @@ class PipelineModule:
         """
         tied: dict[str, nn.Module] = {}
         built, sizes = [], []
-        with torch.random.fork_rng(devices=[], enabled=self.seed is not None):
+        with torch.random.fork_rng(devices=seeded_cuda_devices(), enabled=self.seed is not None):
             for pos in (positions if positions is not None else [stage]):
                 sizes.append(bounds[pos + 1] - bounds[pos])
                 for index in range(bounds[pos], bounds[pos + 1]):
@@ -281,7 +332,15 @@ class PipelineModule:
                         built.append((index, tied[spec.key], spec.forward_fn))
                     else:
                         built.append((index, self.build_layer(index), None))
-        return StageModule(built, tied, stage, self.activation_checkpoint_interval, parts=sizes)
+        mine = {index for index, _, _ in built}
+        return StageModule(built, tied, stage, self.activation_checkpoint_interval, parts=sizes,
+                           skip_declarations={i: d for i, d in self.skip_declarations.items()
+                                              if i in mine})
+
+    def skip_layout(self, bounds: Sequence[int]) -> skips.SkipLayout:
+        """Where the skip connections go for part boundaries ``bounds``: the edges
+        ``(producer position, consumer position)`` and the names each carries."""
+        return skips.SkipLayout(self.skip_names, bounds)
 
     def tied_stages(self, bounds: Sequence[int],
                     stage_of: Callable[[int], int] | None = None) -> dict[str, list[int]]:

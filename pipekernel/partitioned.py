@@ -42,7 +42,9 @@ class ActivationPartitioner:
         if isinstance(obj, torch.Tensor):
             return self._slice(obj) if obj.is_floating_point() else obj
         if isinstance(obj, (tuple, list)):
-            return tuple(self.split(item) for item in obj)
+            return type(obj)(self.split(item) for item in obj)
+        if isinstance(obj, dict):  # keys and their order travel in the metadata
+            return {key: self.split(item) for key, item in obj.items()}
         return obj
 
     def join(self, obj: Any) -> Any:
@@ -50,8 +52,10 @@ class ActivationPartitioner:
         (collective over the tensor-parallel group, in the order of the tensors)."""
         if isinstance(obj, Partitioned):
             return self._gather(obj)
-        if isinstance(obj, tuple):
-            return tuple(self.join(item) for item in obj)
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(self.join(item) for item in obj)
+        if isinstance(obj, dict):
+            return {key: self.join(item) for key, item in obj.items()}
         return obj
 
     def _slice(self, t: torch.Tensor) -> Partitioned:

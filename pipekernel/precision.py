@@ -46,13 +46,15 @@ REQUIRED = ("prepare", "optimizer_parameters", "master", "forward", "scale_loss"
 
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """``obj`` (a tensor or nested tuple/list of tensors) with every floating-point
+    """``obj`` (a tensor or nested tuple/list/dict of tensors) with every floating-point
     tensor cast to ``dtype``; other tensors and values unchanged. The cast is part
     of the autograd graph, and a tensor already of ``dtype`` is returned as is."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, (tuple, list)):
         return type(obj)(cast_floats(item, dtype) for item in obj)
+    if isinstance(obj, dict):
+        return {key: cast_floats(item, dtype) for key, item in obj.items()}
     return obj
 
 

@@ -6,7 +6,9 @@ and posts communication by the :class:`~pipekernel.schedules.comm.CommPlan` of
 the stream it runs: each posting point's sends and receives go out as one group
 (``batch_isend_irecv``), receives ahead of the compute that needs them, and a
 receive is waited on only at its own instruction. Sends never block compute:
-their handles are kept until the batch ends.
+their handles are kept until the batch ends. Skip connections between parts are
+transfers like the others; what they carry and where it goes is
+:mod:`pipekernel.skip_routing`'s business.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from typing import Any
 import torch
 
 from pipekernel import instructions as isa
+from pipekernel.device import to_device
 from pipekernel.errors import DataError, PipelineError
 from pipekernel.faults import fingerprint
-from pipekernel.schedules.comm import CommPlan
+from pipekernel.schedules.comm import SENDS, CommPlan
 from pipekernel.schedules.placement import position
+from pipekernel.skip_routing import SkipRouter, SkipState
 from pipekernel.topology import Topology
-from pipekernel.wire import Channel, flatten
+from pipekernel.wire import Channel, flatten, map_tensors
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -30,7 +34,7 @@ class Buffer:
     """One in-flight micro-batch of one chunk on this stage."""
 
     __slots__ = ("micro_batch", "chunk", "inputs", "outputs", "loss", "output_grads",
-                 "input_grads", "split")
+                 "input_grads", "split", "skips")
 
     def __init__(self, micro_batch: int = -1, chunk: int = 0) -> None:
         self.micro_batch, self.chunk = micro_batch, chunk
@@ -40,12 +44,19 @@ class Buffer:
         self.output_grads: Any = None   # gradients received for ``outputs``
         self.input_grads: Any = None    # gradients computed for ``inputs``
         self.split: Any = None          # BackwardInput's state, until BackwardWeight
+        self.skips: SkipState | None = None  # skip connections in and out (skip_routing)
 
 
 def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    return tuple(_to(o, device) for o in obj)
+    return map_tensors(lambda t: to_device(t, device), obj)  # pinned, non-blocking to a GPU
+
+
+#: How a send names what it carries in errors (the kernel adds stage and micro-batch).
+_WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
+         isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
+#: The receive a local hand-off of each send fills.
+_RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
+            isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -76,6 +87,9 @@ class StageRuntime:
     :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
         ``join(obj)`` (what a received object stands for), e.g. the partitioned
         activations of :mod:`pipekernel.partitioned`; ``None``: objects travel as they are.
+        Skip connections travel as they are.
+    :param skips: the :class:`~pipekernel.skip_routing.SkipRouter` of a model with skip
+        connections between parts (``None``: none).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -84,7 +98,7 @@ class StageRuntime:
                  optimizer_step: Callable[[], None], chunks: int = 1, placement: str = "loop",
                  before_last_backward: Callable[[], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 wire: Any = None) -> None:
+                 wire: Any = None, skips: SkipRouter | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.loss_fn, self.precision = loss_fn, precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -103,7 +117,8 @@ class StageRuntime:
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else _same
         self._join = wire.join if wire is not None else _same
-        self._channels: dict[tuple[type, int], Channel] = {}
+        self._skips = skips
+        self._channels: dict[tuple[type, int, int | None], Channel] = {}
         self.buffers: list[Buffer] = []
         self.labels: dict[int, Any] = {}
         self.data_iter: Iterator | None = None
@@ -120,7 +135,7 @@ class StageRuntime:
         self._posted = 0          # posts[:_posted] are out
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[Any] = []        # handles of sends in flight
-        self._local: dict[tuple[type, int, int], Any] = {}  # hand-offs to this stage
+        self._local: dict[tuple, Any] = {}  # hand-offs to this stage
         self._last_backward = -1
 
     # -- batch lifecycle ---------------------------------------------------
@@ -175,7 +190,9 @@ class StageRuntime:
             isa.Backward: self.backward, isa.BackwardInput: self.backward_input,
             isa.BackwardWeight: self.backward_weight, isa.SendActivation: self.send_activation,
             isa.RecvActivation: self.recv_activation, isa.SendGrad: self.send_grad,
-            isa.RecvGrad: self.recv_grad,
+            isa.RecvGrad: self.recv_grad, isa.SendSkip: self.send_skip,
+            isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
+            isa.RecvSkipGrad: self.recv_skip,
             isa.ReduceTiedGrads: self._after_posting(self._reduce_tied),
             isa.ReduceGrads: self._after_posting(self._reduce_grads),
             isa.OptimizerStep: self._after_posting(self._optimizer_step),
@@ -201,7 +218,7 @@ class StageRuntime:
         return index
 
     def _channel(self, instruction: isa.MicroBatchInstruction) -> Channel:
-        key = (type(instruction), instruction.chunk)
+        key = (type(instruction), instruction.chunk, getattr(instruction, "peer", None))
         channel = self._channels.get(key)
         if channel is None:
             index = self._index[instruction]
@@ -219,9 +236,10 @@ class StageRuntime:
         spans = []
         for instruction in group:
             channel = self._channel(instruction)
-            if isinstance(instruction, (isa.SendActivation, isa.SendGrad)):
+            if isinstance(instruction, SENDS):
                 pending = None
-                ops, ctrl = channel.send_ops(self._payload(instruction))
+                ops, ctrl = channel.send_ops(self._payload(instruction),
+                                            _WHAT.get(type(instruction), "value"))
             else:
                 pending = channel.recv_ops()
                 self._recvs[self._index[instruction]] = pending
@@ -246,8 +264,11 @@ class StageRuntime:
 
     def _payload(self, instruction: isa.Instruction) -> Any:
         buffer = self._slot(instruction)
+        if isinstance(instruction, isa.SkipInstruction):
+            return self._skips.payload(instruction, buffer.skips)
         if isinstance(instruction, isa.SendActivation):
             if self.check_data:
+                flatten(buffer.outputs, "outputs")  # names the path without the wrapper
                 return self._split((buffer.outputs, self._fingerprint(instruction.micro_batch)))
             return self._split(buffer.outputs)
         return self._split(buffer.input_grads)
@@ -279,7 +300,8 @@ class StageRuntime:
     def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
         index = self._advance(instruction)
         if self._plan.local[index]:
-            key = (type(instruction), instruction.chunk, instruction.micro_batch)
+            key = (type(instruction), instruction.chunk, instruction.micro_batch,
+                   getattr(instruction, "peer", None))
             if key not in self._local:
                 raise PipelineError(f"{instruction} on stage {self.stage} comes before the "
                                     "matching send on this stage",
@@ -295,9 +317,11 @@ class StageRuntime:
         index = self._advance(instruction)
         if self._plan.local[index]:
             peer_chunk = self._plan.peers[index][1]
-            kind = isa.RecvActivation if isinstance(instruction, isa.SendActivation) \
-                else isa.RecvGrad
-            self._local[(kind, peer_chunk, instruction.micro_batch)] = _detach_like(obj)
+            # a skip hand-off is found by the position it comes from
+            source = self.positions[instruction.chunk] \
+                if isinstance(instruction, isa.SkipInstruction) else None
+            self._local[(_RECV_OF[type(instruction)], peer_chunk, instruction.micro_batch,
+                         source)] = _detach_like(obj)
 
     # -- handlers ----------------------------------------------------------
     def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
@@ -340,8 +364,11 @@ class StageRuntime:
                                 hint="the schedule must load or receive before Forward")
         chunk = instruction.chunk
         last = chunk == self.last_chunk
-        buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
-                                                first=chunk == self.first_chunk, last=last)
+        if self._skips is None:
+            buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
+                                                    first=chunk == self.first_chunk, last=last)
+        else:
+            buffer.outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
         if last:
             if self.keep_outputs:
                 self.outputs.append(buffer.outputs)
@@ -352,6 +379,18 @@ class StageRuntime:
                 self.loss_micro_batches.append(instruction.micro_batch)
             if self.check_data:
                 self._check_labels(instruction.micro_batch, labels)
+
+    def _forward_with_skips(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
+        """The forward inside the skip scope: pops find what ``RecvSkip`` brought, and
+        what the layers stash for later parts is kept for ``SendSkip``."""
+        if buffer.skips is None:
+            buffer.skips = SkipState()
+        with self._skips.scope(buffer.skips, micro_batch) as scope:
+            outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
+                                             first=chunk == self.first_chunk,
+                                             last=chunk == self.last_chunk)
+        self._skips.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
+        return outputs
 
     def _check_labels(self, micro_batch: int, labels: Any) -> None:
         """Last stage, check steps: the labels read here are those the first stage read
@@ -407,16 +446,27 @@ class StageRuntime:
             scaled = self.precision.scale_loss(buffer.loss / self.micro_batches)
             scaled.backward()
         else:
-            outputs = _grad_tensors(buffer.outputs)
+            outputs, grads = self._roots(buffer)
             if outputs:
-                torch.autograd.backward(outputs, list(buffer.output_grads))
+                torch.autograd.backward(outputs, grads)
         self.precision.after_backward(self.module)
         self._after_weights(instruction)
         if chunk != self.first_chunk:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                        for t in inputs)
+        if self._skips is not None:
+            self._skips.set_grads(buffer.skips, self._skips.leaves(buffer.skips))
         buffer.outputs = buffer.loss = buffer.output_grads = None
+
+    def _roots(self, buffer: Buffer) -> tuple[list[torch.Tensor], list[Any]]:
+        """What a backward not at the last position starts from: the outputs and the
+        stashed skip tensors that require grad, with their received gradients."""
+        outputs, grads = _grad_tensors(buffer.outputs), list(buffer.output_grads)
+        if self._skips is not None:
+            stashed, theirs = self._skips.roots(buffer.skips)
+            outputs, grads = outputs + stashed, grads + theirs
+        return outputs, grads
 
     def backward_input(self, instruction: isa.BackwardInput) -> None:
         from pipekernel.split_backward import backward_input
@@ -425,16 +475,22 @@ class StageRuntime:
         buffer = self._slot(instruction)
         chunk = instruction.chunk
         inputs = _grad_tensors(buffer.inputs) if chunk != self.first_chunk else []
+        count = len(inputs)
+        leaves = self._skips.leaves(buffer.skips) if self._skips is not None else []
+        for _, tensors in leaves:
+            inputs += tensors
         if chunk == self.last_chunk:
             loss = self.precision.scale_loss(buffer.loss / self.micro_batches)
             grads, buffer.split = backward_input([], [], inputs, self._part_params[chunk],
                                                  loss=loss)
         else:
-            outputs = _grad_tensors(buffer.outputs)
-            grads, buffer.split = backward_input(outputs, list(buffer.output_grads), inputs,
+            outputs, output_grads = self._roots(buffer)
+            grads, buffer.split = backward_input(outputs, output_grads, inputs,
                                                  self._part_params[chunk])
+        if leaves:
+            self._skips.set_grads(buffer.skips, leaves, grads[count:])
         if chunk != self.first_chunk:
-            buffer.input_grads = tuple(grads)
+            buffer.input_grads = tuple(grads[:count])
         buffer.outputs = buffer.loss = buffer.output_grads = None
 
     def backward_weight(self, instruction: isa.BackwardWeight) -> None:
@@ -470,6 +526,21 @@ class StageRuntime:
         obj = self._receive(instruction)
         self._slot(instruction).output_grads = obj
 
+    def send_skip(self, instruction: isa.SkipInstruction) -> None:
+        """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
+        the gradients of what an earlier part sent (:mod:`pipekernel.skip_routing`)."""
+        state = self._slot(instruction).skips
+        self._send(instruction, self._skips.payload(instruction, state))
+        self._skips.sent(instruction, state, torch.is_grad_enabled())
+
+    def recv_skip(self, instruction: isa.SkipInstruction) -> None:
+        """``RecvSkip`` / ``RecvSkipGrad``: keep what arrived for the forward or backward."""
+        obj = self._receive(instruction)
+        buffer = self._fill(instruction)
+        if buffer.skips is None:
+            buffer.skips = SkipState()
+        self._skips.deliver(instruction, buffer.skips, obj)
+
 
 def _same(obj: Any) -> Any:
     return obj
@@ -477,9 +548,7 @@ def _same(obj: Any) -> Any:
 
 def _detach_like(obj: Any) -> Any:
     """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().requires_grad_(obj.requires_grad)
-    return tuple(_detach_like(o) for o in obj)
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
 
 
 def _describe(obj: Any) -> str:
@@ -487,4 +556,6 @@ def _describe(obj: Any) -> str:
         return f"tensor{tuple(obj.shape)} {obj.dtype}"
     if isinstance(obj, (tuple, list)):
         return "(" + ", ".join(_describe(o) for o in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(o)}" for k, o in obj.items()) + "}"
     return type(obj).__name__

@@ -88,6 +88,12 @@ Optional members (the core uses them when present)
   size, *tensor.shape)`` receives every member's ``tensor`` in group-rank order.
   Tensor parallelism and ZeRO-1 use it (:mod:`pipekernel.collectives`); without it
   they fall back to an all-reduce of a zero-padded buffer.
+* ``synchronize()``: a transport whose ``wait()`` only orders a device stream
+  (nccl, cupy-nccl: the host never blocks on the hot path) offers it to block the
+  host until everything waited on so far finished, raising ``TransportTimeout``
+  naming the peer after ``timeout``; such a transport bounds its waits with a
+  watch thread instead (:mod:`pipekernel.transports.device_watch`), and raises an
+  overdue transfer's timeout at its next call.
 * ``abort_check``: the core sets it to a callable (or ``None``) that raises when
   another rank has failed. A wait that blocks calls it about once per
   ``abort_interval`` seconds (default 0.5) and lets what it raises propagate, so

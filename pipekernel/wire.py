@@ -1,8 +1,16 @@
-"""The wire protocol between stages: nested tuples of tensors of any dtype.
+"""The wire protocol between stages: nested tuples, lists and dicts of tensors of any dtype.
+
+What crosses: a tensor, or tuples, lists and dicts (``str`` keys) of tensors nested
+to any depth; small Python scalars (``None``, ``bool``, ``int``, ``float``) may sit
+among them and travel *in the metadata* (:func:`flatten`). The receiver gets the
+same object back: dicts with the same keys in the same order, lists as lists,
+tuples as tuples, scalars as the same values.
 
 A *channel* is one stream of transfers in one direction with one peer (the
 activations of one chunk, or its gradients); it remembers the metadata
-(structure, dtypes, shapes, requires_grad flags) of its last transfer. Receives
+(structure — containers, dict keys, scalar values —, dtypes, shapes,
+requires_grad flags) of its last transfer. A changed key set, a new scalar value or
+a new shape is a metadata change like any other. Receives
 are posted *before* the data exists (see :mod:`pipekernel.schedules.comm`), so
 the receiver sizes them from that remembered metadata, and the fast path — the
 metadata did not change — is **one message per transfer and no round trip**:
@@ -34,6 +42,7 @@ is needed.
 """
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import torch
@@ -41,15 +50,18 @@ import torch
 from pipekernel.errors import DataError
 from pipekernel.transport import P2POp
 
-__all__ = ["flatten", "unflatten", "encode", "decode", "Channel", "PendingRecv", "HEADER_BYTES",
-           "Partitioned", "PartitionSpec"]
+__all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv",
+           "HEADER_BYTES", "Partitioned", "PartitionSpec"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _NAMES = {dtype: str(dtype).replace("torch.", "") for dtype in _DTYPES}
-_TUPLE = -1
-_PARTITIONED = -2
+# structure codes in the metadata (a tensor leaf is 0)
+_TUPLE, _DICT, _LIST, _NONE, _BOOL, _INT, _FLOAT = -1, -2, -3, -4, -5, -6, -7
+_PARTITIONED = -8
+_CONTAINERS = {_TUPLE: "tuple", _LIST: "list"}
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 #: Size of the header of every transfer (two int64: changed flag, metadata length).
 HEADER_BYTES = 16
 _ALIGN = 16
@@ -77,7 +89,17 @@ class Partitioned:
 
 
 def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
-    """Split a tensor or nested tuple/list of tensors into ``(tensors, structure)``."""
+    """Split ``obj`` into ``(tensors, structure)``.
+
+    ``obj`` is a tensor, a small Python scalar (``None``, ``bool``, ``int``, ``float``:
+    carried in the structure, so in the metadata), or a tuple, list or dict (``str``
+    keys) of those, nested to any depth. The structure is hashable and compares equal
+    for objects of the same shape, keys and scalar values.
+
+    :param where: how to name ``obj`` in an error (``"outputs"``); nested values are
+        named by their path (``outputs["mask"][1]``).
+    :raises DataError: for any other value (naming its path) or a non-``str`` key.
+    """
     if isinstance(obj, torch.Tensor):
         return [obj], None
     if isinstance(obj, Partitioned):
@@ -88,10 +110,25 @@ def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
             flat, part = flatten(item, f"{where}[{i}]")
             tensors += flat
             parts.append((len(flat), part))
-        return tensors, tuple(parts)
-    raise DataError(f"{where} is a {type(obj).__name__}; only tensors and (nested) tuples of "
-                    "tensors can cross a stage boundary",
-                    hint="return tensors (or tuples of them) from the layers at stage "
+        return tensors, ("tuple" if isinstance(obj, tuple) else "list", tuple(parts))
+    if isinstance(obj, dict):
+        tensors, parts = [], []
+        for key, item in obj.items():
+            if not isinstance(key, str):
+                raise DataError(f"{where} has the key {key!r} ({type(key).__name__}); only str "
+                                "keys can cross a stage boundary",
+                                hint="use str keys in dicts that layers return")
+            flat, part = flatten(item, f"{where}[{key!r}]")
+            tensors += flat
+            parts.append((len(flat), part))
+        return tensors, ("dict", tuple(obj), tuple(parts))
+    if obj is None or isinstance(obj, (bool, float)) or (
+            isinstance(obj, int) and _INT64[0] <= obj <= _INT64[1]):
+        return [], ("value", obj)
+    raise DataError(f"{where} is a {type(obj).__name__}; only tensors, None, bool, int (64-bit), "
+                    "float and (nested) tuples, lists and dicts of them can cross a stage "
+                    "boundary",
+                    hint="return tensors (or tuples/dicts of them) from the layers at stage "
                          "boundaries; encode other values as tensors")
 
 
@@ -101,11 +138,28 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
         return tensors[0]
     if isinstance(structure, PartitionSpec):
         return Partitioned(tensors[0], structure[1], structure[0])
+    kind = structure[0]
+    if kind == "value":
+        return structure[1]
     out, start = [], 0
-    for count, part in structure:
+    for count, part in structure[-1]:
         out.append(unflatten(tensors[start:start + count], part))
         start += count
-    return tuple(out)
+    if kind == "dict":
+        return dict(zip(structure[1], out))
+    return tuple(out) if kind == "tuple" else out
+
+
+def map_tensors(fn: Any, obj: Any) -> Any:
+    """``obj`` with every tensor ``t`` replaced by ``fn(t)``: tuples, lists and dicts
+    keep their type and keys, other values are kept as they are."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(fn, item) for item in obj)
+    if isinstance(obj, dict):
+        return {key: map_tensors(fn, item) for key, item in obj.items()}
+    return obj
 
 
 def _encode_structure(structure: Any, out: list[int]) -> None:
@@ -115,28 +169,63 @@ def _encode_structure(structure: Any, out: list[int]) -> None:
     if isinstance(structure, PartitionSpec):
         out += [_PARTITIONED, structure[0], len(structure[1]), *structure[1]]
         return
-    out += [_TUPLE, len(structure)]
-    for count, part in structure:
+    kind = structure[0]
+    if kind == "value":
+        _encode_value(structure[1], out)
+        return
+    parts = structure[-1]
+    out += [_DICT if kind == "dict" else _TUPLE if kind == "tuple" else _LIST, len(parts)]
+    keys = structure[1] if kind == "dict" else None
+    for i, (count, part) in enumerate(parts):
+        if keys is not None:
+            raw = keys[i].encode()
+            out += [len(raw), *raw]
         out.append(count)
         _encode_structure(part, out)
 
 
+def _encode_value(value: Any, out: list[int]) -> None:
+    if value is None:
+        out.append(_NONE)
+    elif isinstance(value, bool):
+        out += [_BOOL, int(value)]
+    elif isinstance(value, int):
+        out += [_INT, value]
+    else:
+        out += [_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]]
+
+
 def _decode_structure(data: list[int], pos: int) -> tuple[Any, int]:
-    if data[pos] == 0:
+    code = data[pos]
+    if code == 0:
         return None, pos + 1
-    if data[pos] == _PARTITIONED:
+    if code == _PARTITIONED:
         ndim = data[pos + 2]
         return PartitionSpec(data[pos + 1], data[pos + 3:pos + 3 + ndim]), pos + 3 + ndim
-    parts, pos = [], pos + 2
+    if code == _NONE:
+        return ("value", None), pos + 1
+    if code in (_BOOL, _INT, _FLOAT):
+        raw = data[pos + 1]
+        value = bool(raw) if code == _BOOL else raw if code == _INT else \
+            struct.unpack("<d", struct.pack("<q", raw))[0]
+        return ("value", value), pos + 2
+    parts, keys, pos = [], [], pos + 2
     for _ in range(data[pos - 1]):
+        if code == _DICT:
+            length = data[pos]
+            keys.append(bytes(data[pos + 1:pos + 1 + length]).decode())
+            pos += 1 + length
         count = data[pos]
         part, pos = _decode_structure(data, pos + 1)
         parts.append((count, part))
-    return tuple(parts), pos
+    if code == _DICT:
+        return ("dict", tuple(keys), tuple(parts)), pos
+    return (_CONTAINERS[code], tuple(parts)), pos
 
 
 def encode(tensors: list[torch.Tensor], structure: Any) -> list[int]:
-    """Metadata as ints: structure, then per tensor dtype, requires_grad, ndim, shape."""
+    """Metadata as ints: structure (keys and scalar values included), then per tensor
+    dtype, requires_grad, ndim, shape."""
     out: list[int] = []
     _encode_structure(structure, out)
     out.append(len(tensors))
@@ -232,10 +321,11 @@ class Channel:
         self.payload: dict[str, int] = {}
 
     # -- sending -----------------------------------------------------------------------
-    def send_ops(self, obj: Any) -> tuple[list[P2POp], list[P2POp]]:
+    def send_ops(self, obj: Any, where: str = "value") -> tuple[list[P2POp], list[P2POp]]:
         """``(data-lane ops, control-lane ops)`` that carry ``obj``; the caller posts them
-        (in this order within its group) and keeps them alive until waited on."""
-        tensors, structure = flatten(obj)
+        (in this order within its group) and keeps them alive until waited on.
+        ``where`` names ``obj`` in the error a value that cannot cross raises."""
+        tensors, structure = flatten(obj, where)
         meta = encode(tensors, structure)
         device, start = self.transport.device, self._start
         payload = self.payload

@@ -47,20 +47,24 @@ out), the monitor adds every rank's position to the error and writes it to
 ``out_dir/hang-rank{R}.txt``; ``kill -USR1 <pid>`` makes a rank print every
 rank's position to stderr and ``out_dir/positions-rank{R}.txt`` at once, even
 while it is blocked in a receive.
+
+Timing on a GPU: instructions are timed with CUDA events on the current stream
+(the work's own time, read once at the end of each step), on the CPU with
+``time.perf_counter`` (:mod:`pipekernel.plugins.monitor_clock`).
+
+One job per module: this one is the plugin (hooks, state, summaries, close);
+``monitor_clock`` the timers, ``monitor_stats`` the arithmetic,
+``monitor_trace`` the Chrome trace, ``monitor_positions`` the hang diagnostics.
 """
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
 import os
-import select
 import signal
 import socket
 import sys
-import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -69,18 +73,14 @@ from pipekernel import instructions as isa
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.hookspecs import hookimpl
 
+from pipekernel.plugins.monitor_clock import CudaTimer, HostTimer, make_timer
+from pipekernel.plugins.monitor_positions import PositionBoard, format_positions
+from pipekernel.plugins.monitor_stats import (VECTOR, WAITS, Totals, derive, merge_record,
+                                              step_numbers)
+from pipekernel.plugins.monitor_trace import TraceBuffer, chrome_events
 from pipekernel.plugins.sinks import make_sink
 
 __all__ = ["Monitor", "format_positions", "gather_objects"]
-
-_WAITS = ("RecvActivation", "RecvGrad")
-_GROUPS = {
-    "forward_s": ("Forward",), "backward_s": ("Backward", "BackwardInput", "BackwardWeight"),
-    "wait_s": _WAITS, "send_s": ("SendActivation", "SendGrad"), "load_s": ("LoadMicroBatch",),
-    "reduce_s": ("ReduceTiedGrads", "ReduceGrads"), "optimizer_s": ("OptimizerStep",),
-}
-# per-rank numbers carried by the per-step all-reduce, before the per-class seconds
-_VECTOR = ("step_s", "drain_s", "peak_memory_mb", "samples", "tokens", "other_instr_s")
 
 
 class Monitor:
@@ -139,28 +139,25 @@ class Monitor:
         self.history: deque[dict[str, Any]] = deque(maxlen=keep_steps)
         #: rank 0: the merged records of the last ``keep_steps`` steps (when sinks are on)
         self.records: deque[dict[str, Any]] = deque(maxlen=keep_steps)
-        self._all, self._measured = _Totals(), _Totals()
+        self._all, self._measured = Totals(), Totals()
         self.engine: Any = None
         self.summaries: list[dict[str, Any]] | None = None  # set by close() (rank 0)
         self.trace_events: list[dict[str, Any]] | None = None  # merged trace, after close()
         self.rank, self.world_size, self.stage = 0, 1, 0
         self._closed = False
         # hot-path state
-        self._events: list[tuple[float, float, Any]] = []  # (start, seconds, instruction)
-        self._trace: list[tuple] = []
-        self._trace_dropped = 0
-        self._current: tuple[float, Any] | None = None
+        self._timer: HostTimer | CudaTimer = HostTimer()  # CUDA events on a GPU (configure)
+        # (host start, start mark, end mark, instruction) of the instructions since the step began
+        self._events: list[tuple[float, Any, Any, Any]] = []
+        self._trace = TraceBuffer(trace_max_events)
+        self._current: tuple[float, Any, Any] | None = None  # (host start, instruction, mark)
         self._last_end = time.perf_counter()
         self._in_train = False
         self._step_start = 0.0
+        self._step_mark: Any = None
         self._samples = self._tokens = 0
         self._count_inputs = False
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._wake_r = self._wake_w = None
-        self._old_wakeup_fd: int | None = None
-        self._old_handler: Any = None
-        self._store: Any = None
+        self._board = PositionBoard(self)
         self._key = "pipekernel/monitor"
 
     # ------------------------------------------------------------------ set-up
@@ -175,6 +172,7 @@ class Monitor:
         self._count_inputs = engine.is_first_stage()
         self._classes = sorted({cls.__name__ for cls in engine.kernel.handlers})
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
+        self._timer = make_timer(engine.transport.device)
         self._epoch = time.perf_counter()
         if self.world_size > 1:
             self._align(engine.transport)
@@ -183,7 +181,7 @@ class Monitor:
             for sink in self.sinks:
                 sink.open(self)
         if self.heartbeat and self.heartbeat > 0:
-            self._start_positions()
+            self._board.start()
 
     def _align(self, transport: Any) -> None:
         """Agree on a key prefix and a common time zero for the trace.
@@ -209,7 +207,7 @@ class Monitor:
     @hookimpl
     def pipekernel_before_train_batch(self, engine: Any) -> None:
         if self._events:  # instructions since the last step ran outside train_batch (eval)
-            self._keep_trace(self._events, None)
+            self._keep_loose(self._events)
             self._events = []
         self._in_train = True
         self._samples = self._tokens = 0
@@ -217,15 +215,21 @@ class Monitor:
             import torch
             torch.cuda.reset_peak_memory_stats(engine.transport.device)
         self._step_start = time.perf_counter()
+        self._step_mark = self._timer.mark()
 
     @hookimpl
     def pipekernel_before_instruction(self, instruction: Any) -> None:
-        self._current = (time.perf_counter(), instruction)
+        now = time.perf_counter()
+        self._current = (now, instruction, self._timer.start(now))
 
     @hookimpl
     def pipekernel_after_instruction(self, instruction: Any, seconds: float) -> None:
-        start = self._current[0] if self._current is not None else time.perf_counter() - seconds
-        self._events.append((start, seconds, instruction))
+        current = self._current
+        if current is None:  # no before hook seen (e.g. a plugin registered mid-step)
+            now = time.perf_counter() - seconds
+            current = (now, instruction, self._timer.start(now))
+        start, _, mark = current
+        self._events.append((start, mark, self._timer.stop(mark, seconds), instruction))
         self._current = None
         self._last_end = start + seconds
         if self._count_inputs and type(instruction) is isa.LoadMicroBatch and self._in_train:
@@ -251,14 +255,17 @@ class Monitor:
     # ------------------------------------------------------------- per step
     @hookimpl
     def pipekernel_after_train_batch(self, engine: Any, loss: Any, metrics: Mapping) -> None:
-        end = time.perf_counter()
+        end_mark = self._timer.mark()
         if self._closed:  # sinks are closed; a new Monitor sees later steps
             self._events = []
             return
         step = int(metrics.get("step", self._all.steps + 1))
         events, self._events = self._events, []
         self._in_train = False
-        mine = self._step_numbers(events, end, step)
+        spans, step_s = self._resolve(self._step_mark, events, end_mark)
+        mine = step_numbers(self._classes, spans, step_s, step,
+                            peak_memory_mb=self._peak_memory_mb(), samples=self._samples,
+                            tokens=self._tokens)
         mine["loss"] = float(loss) if loss is not None else float("nan")
         mine["skipped"] = bool(metrics.get("skipped", False))
         # other numbers the engine reports for the step (e.g. the precision's loss_scale)
@@ -269,32 +276,34 @@ class Monitor:
         self._all.add(mine)
         if self._all.steps > self.warmup_steps:
             self._measured.add(mine)
-        self._keep_trace(events, step)
+        if self.needs_trace:
+            start = self._step_start
+            self._trace.keep([(start + o, s, ins) for o, s, ins in spans], step, self._epoch,
+                             start)
         if self.sinks:  # every rank knows the same sink list, so all join or none do
             rows = self._gather_step(mine)
             if self.rank == 0:
-                record = self._record(step, mine, rows)
+                record = merge_record(step, mine, [self._rank_dict(r, row)
+                                                   for r, row in enumerate(rows)])
                 self.records.append(record)
                 for sink in self.sinks:
                     sink.write(record)
 
-    def _step_numbers(self, events: list, end: float, step: int) -> dict[str, Any]:
-        per_class = dict.fromkeys(self._classes, 0.0)
-        other_instr = 0.0
-        for _, seconds, instruction in events:
-            name = type(instruction).__name__
-            if name in per_class:
-                per_class[name] += seconds
-            else:
-                other_instr += seconds
-        step_s = end - self._step_start
-        last = events[-1][0] + events[-1][1] if events else self._step_start
-        drain = max(0.0, end - last)
-        numbers = {"step": step, "step_s": step_s, "drain_s": drain,
-                   "peak_memory_mb": self._peak_memory_mb(), "samples": self._samples,
-                   "tokens": self._tokens, "other_instr_s": other_instr,
-                   "instructions": per_class}
-        return numbers
+    def _resolve(self, anchor: Any, events: list, end: Any
+                 ) -> tuple[list[tuple[float, float, Any]], float]:
+        """``([(offset, seconds, instruction)], total)`` from the timer's marks: offsets
+        from ``anchor``, which is where the instructions' work ran (GPU or host)."""
+        times, total = self._timer.resolve(anchor, [(s, e) for _, s, e, _ in events], end)
+        return [(o, s, ev[3]) for (o, s), ev in zip(times, events)], total
+
+    def _keep_loose(self, events: list) -> None:
+        """Trace instructions that ran outside a training step (eval), on the host axis
+        anchored at the first one's start."""
+        if not self.needs_trace or not events:
+            return
+        spans, _ = self._resolve(events[0][1], events, events[-1][2])
+        start = events[0][0]
+        self._trace.keep([(start + o, s, ins) for o, s, ins in spans], None, self._epoch)
 
     def _peak_memory_mb(self) -> float:
         if self._cuda:
@@ -308,7 +317,7 @@ class Monitor:
             return float("nan")
 
     def _vector(self, mine: dict[str, Any]) -> list[float]:
-        return [float(mine[k]) for k in _VECTOR] + [mine["instructions"][c] for c in self._classes]
+        return [float(mine[k]) for k in VECTOR] + [mine["instructions"][c] for c in self._classes]
 
     def _gather_step(self, mine: dict[str, Any]) -> list[list[float]]:
         row = self._vector(mine)
@@ -322,28 +331,10 @@ class Monitor:
         return table.cpu().tolist()
 
     def _rank_dict(self, rank: int, row: list[float]) -> dict[str, Any]:
-        numbers = dict(zip(_VECTOR, row))
-        classes = dict(zip(self._classes, row[len(_VECTOR):]))
+        numbers = dict(zip(VECTOR, row))
+        classes = dict(zip(self._classes, row[len(VECTOR):]))
         data, stage, _ = self.topology.coords(rank) if self.world_size > 1 else (0, 0, 0)
-        return _derive(rank, stage, data, numbers, classes)
-
-    def _record(self, step: int, mine: dict[str, Any], rows: list[list[float]]) -> dict[str, Any]:
-        ranks = [self._rank_dict(r, row) for r, row in enumerate(rows)]
-        step_s = max(r["step_s"] for r in ranks)
-        samples = sum(r["samples"] for r in ranks)
-        tokens = sum(r["tokens"] for r in ranks)
-        memory = [r["peak_memory_mb"] for r in ranks if r["peak_memory_mb"] == r["peak_memory_mb"]]
-        return {
-            "step": step, "loss": mine["loss"], "skipped": mine["skipped"], "step_s": step_s,
-            "samples": samples, "tokens": tokens,
-            "samples_per_s": samples / step_s if step_s > 0 else 0.0,
-            "tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
-            "bubble_fraction": sum(r["bubble_fraction"] for r in ranks) / len(ranks),
-            "wait_fraction": sum(r["wait_fraction"] for r in ranks) / len(ranks),
-            "peak_memory_mb": max(memory) if memory else None,
-            **mine["extra"],
-            "ranks": ranks,
-        }
+        return derive(rank, stage, data, numbers, classes)
 
     # ------------------------------------------------------------- summaries
     def stage_summary(self) -> dict[str, Any]:
@@ -361,7 +352,7 @@ class Monitor:
         """
         totals = self._measured if self._measured.steps else self._all
         data, stage = (self.topology.data_rank, self.stage) if self.engine else (0, 0)
-        summary = _derive(self.rank, stage, data, totals.numbers, totals.classes)
+        summary = derive(self.rank, stage, data, totals.numbers, totals.classes)
         summary.update(steps=totals.steps, skipped_steps=totals.skipped,
                        losses=[h["loss"] for h in self.history])
         return summary
@@ -379,47 +370,6 @@ class Monitor:
             return [summary]
         return gather_objects(self.transport, summary)
 
-    # ------------------------------------------------------------------ trace
-    def _keep_trace(self, events: list, step: int | None) -> None:
-        if not self.needs_trace or not events:
-            return
-        room = self.trace_max_events - len(self._trace)
-        if room < len(events):
-            self._trace_dropped += len(events) - max(room, 0)
-            events = events[:max(room, 0)]
-        epoch = self._epoch
-        for start, seconds, ins in events:
-            self._trace.append(((start - epoch) * 1e6, seconds * 1e6, str(ins), type(ins).__name__,
-                                getattr(ins, "micro_batch", None), step))
-        if step is not None and events:
-            self._trace.append(((self._step_start - epoch) * 1e6,
-                                (events[-1][0] + events[-1][1] - self._step_start) * 1e6,
-                                f"step {step}", "step", None, step))
-
-    def _trace_events(self, parts: list[tuple[int, int, list, int]]) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for rank, stage, events, dropped in parts:
-            out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
-                        "args": {"name": f"rank {rank} (stage {stage})"}})
-            out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0,
-                        "args": {"sort_index": rank}})
-            out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 0,
-                        "args": {"name": "instructions"}})
-            out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": 1,
-                        "args": {"name": "steps"}})
-            for ts, dur, name, cat, micro_batch, step in events:
-                args = {"stage": stage, "micro_batch": micro_batch, "step": step}
-                if step is None:
-                    args["phase"] = "eval"
-                out.append({"name": name, "cat": cat, "ph": "X", "ts": round(ts, 3),
-                            "dur": round(dur, 3), "pid": rank, "tid": 1 if cat == "step" else 0,
-                            "args": args})
-            if dropped:
-                out.append({"name": f"{dropped} instructions not traced (trace_max_events)",
-                            "ph": "i", "s": "p", "ts": events[-1][0] if events else 0,
-                            "pid": rank, "tid": 0})
-        return out
-
     # ------------------------------------------------------------------ close
     @hookimpl
     def pipekernel_unconfigure(self, engine: Any) -> None:
@@ -434,24 +384,24 @@ class Monitor:
         """
         if self._closed:
             return
-        self._stop_positions()
+        self._board.stop()
         if self.engine is None or getattr(self.engine, "failed", None) is not None:
             # after a failed batch the peers may be gone: no collective (no gather, no
             # merged trace); what this rank measured stays in history/stage_summary()
             self._closed = True
             return
         if self._events:
-            self._keep_trace(self._events, None)
+            self._keep_loose(self._events)
             self._events = []
         summaries = self.gather()
         self.summaries, self._closed = summaries, True
         parts = None
         if self.needs_trace:
-            mine = (self.rank, self.stage, self._trace, self._trace_dropped)
+            mine = (self.rank, self.stage, self._trace.events, self._trace.dropped)
             parts = [mine] if self.world_size == 1 else gather_objects(self.transport, mine)
         if self.rank != 0:
             return
-        trace = self._trace_events(parts) if parts is not None else None
+        trace = chrome_events(parts) if parts is not None else None
         self.trace_events = trace
         for sink in self.sinks:
             sink.close(self, trace)
@@ -485,7 +435,7 @@ class Monitor:
             kind = type(instruction).__name__
             pos.update(instruction=str(instruction), type=kind,
                        micro_batch=getattr(instruction, "micro_batch", None),
-                       state="waiting" if kind in _WAITS else "running",
+                       state="waiting" if kind in WAITS else "running",
                        seconds=now - current[0])
         else:
             pos.update(instruction=None, type=None, micro_batch=None,
@@ -496,39 +446,18 @@ class Monitor:
     def positions(self) -> dict[int, dict[str, Any]]:
         """Every rank's last published position (this rank's is live); ranks that never
         published are missing."""
-        found = {}
-        if self._store is not None:
-            for rank in range(self.world_size):
-                key = f"{self._key}/pos/{rank}"
-                try:
-                    if rank != self.rank and self._store.check([key]):
-                        found[rank] = json.loads(self._store.get(key).decode())
-                except Exception:  # the store is gone (peer died): report what we have
-                    continue
-        found[self.rank] = self.position()
-        return dict(sorted(found.items()))
+        return self._board.positions()
 
     def dump_positions(self, file: Any = None, filename: str | None = None) -> str:
         """Format every rank's position, print it to ``file`` (stderr by default) and
         write it to ``out_dir/positions-rank{R}.txt`` (or ``filename``); returns the text."""
-        text = format_positions(self.positions(), seen_from=self.rank,
-                                world_size=self.world_size)
-        print(text, file=file or sys.stderr, flush=True)
-        path = os.path.join(self.out_dir, filename or f"positions-rank{self.rank}.txt")
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text + "\n")
-            self.paths[f"positions-rank{self.rank}"] = path
-        except OSError:
-            pass
-        return text
+        return self._board.dump(file, filename)
 
     @hookimpl
     def pipekernel_instruction_error(self, instruction: Any, stage: int, error: Any) -> None:
         if not isinstance(error, TransportError):
             return
-        self._publish()
+        self._board.publish()
         text = format_positions(self.positions(), seen_from=self.rank,
                                 world_size=self.world_size)
         error.add_detail(text)
@@ -539,170 +468,6 @@ class Monitor:
         except OSError:
             pass
 
-    def _publish(self) -> None:
-        # never after a stop: the store may be on its way down with the process group
-        if self._store is not None and not self._stop.is_set():
-            try:
-                self._store.set(f"{self._key}/pos/{self.rank}", json.dumps(self.position()))
-            except Exception:
-                pass
-
-    def _start_positions(self) -> None:
-        self._store = _default_store() if self.world_size > 1 else None
-        if self.dump_signal is not None and threading.current_thread() is threading.main_thread():
-            self._install_signal()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
-                                        name=f"pipekernel-monitor-rank{self.rank}")
-        self._thread.start()
-        _RUNNING.add(self)
-
-    def _install_signal(self) -> None:
-        # A Python signal handler runs only when the main thread gets back to the
-        # interpreter, which a rank blocked in a receive does not do. The wakeup fd is
-        # written by the C-level handler at once, so the position thread reacts instead.
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        os.set_blocking(r, False)
-        try:
-            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        except (ValueError, OSError):
-            os.close(r), os.close(w)
-            return
-        if old != -1:  # someone else (an event loop) owns the wakeup fd: leave it to them
-            signal.set_wakeup_fd(old)
-            os.close(r), os.close(w)
-            return
-        self._wake_r, self._wake_w, self._old_wakeup_fd = r, w, old
-        self._old_handler = signal.signal(self.dump_signal, lambda *_: None)
-
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.is_set():
-            self._publish()
-            if self._wake_r is None:
-                self._stop.wait(self.heartbeat)
-                continue
-            ready, _, _ = select.select([self._wake_r], [], [], self.heartbeat)
-            if ready:
-                try:
-                    data = os.read(self._wake_r, 512)
-                except (BlockingIOError, OSError):
-                    data = b""
-                if self.dump_signal in data and not self._stop.is_set():
-                    try:
-                        self.dump_positions()
-                    except Exception as err:  # never kill the thread
-                        print(f"pipekernel monitor: position dump failed: {err!r}",
-                              file=sys.stderr)
-
-    def _stop_positions(self) -> None:
-        _RUNNING.discard(self)
-        self._stop.set()
-        if self._wake_w is not None:
-            try:
-                os.write(self._wake_w, b"\0")
-            except OSError:
-                pass
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self._wake_r is not None:
-            try:
-                if threading.current_thread() is threading.main_thread():
-                    signal.set_wakeup_fd(self._old_wakeup_fd if self._old_wakeup_fd is not None
-                                         else -1)
-                    signal.signal(self.dump_signal, self._old_handler or signal.SIG_DFL)
-            finally:
-                os.close(self._wake_r), os.close(self._wake_w)
-                self._wake_r = self._wake_w = None
-        self._store = None  # the thread is gone; keep no handle into torch.distributed
-
-
-# Monitors whose position thread runs. A daemon thread that is inside a store call
-# (GIL released) when the interpreter starts finalizing is torn down as it tries to
-# take the GIL back, through C++ frames: "terminate called without an active
-# exception". So a run that never closed its engine still stops and joins the
-# thread here, before finalization (atexit hooks run first).
-_RUNNING: weakref.WeakSet[Monitor] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_running_monitors() -> None:
-    for monitor in list(_RUNNING):
-        try:
-            monitor._stop_positions()
-        except Exception:
-            pass
-
-
-class _Totals:
-    """Running sums of a rank's per-step numbers."""
-
-    def __init__(self) -> None:
-        self.numbers = dict.fromkeys(_VECTOR, 0.0)
-        self.classes: dict[str, float] = {}
-        self.steps = self.skipped = 0
-
-    def add(self, step: Mapping[str, Any]) -> None:
-        for key in _VECTOR:
-            if key == "peak_memory_mb":
-                self.numbers[key] = max(self.numbers[key], step[key])
-            else:
-                self.numbers[key] += step[key]
-        for cls, seconds in step["instructions"].items():
-            self.classes[cls] = self.classes.get(cls, 0.0) + seconds
-        self.steps += 1
-        self.skipped += bool(step["skipped"])
-
-
-def _derive(rank: int, stage: int, data: int, numbers: Mapping[str, float],
-            classes: Mapping[str, float]) -> dict[str, Any]:
-    """A rank's dict from raw sums: grouped times, other, fractions, rates."""
-    out: dict[str, Any] = {"rank": rank, "stage": stage, "data_parallel_rank": data}
-    step_s = numbers["step_s"]
-    for key, names in _GROUPS.items():
-        out[key] = sum(classes.get(n, 0.0) for n in names)
-    out["step_s"], out["drain_s"] = step_s, numbers["drain_s"]
-    out["other_s"] = max(0.0, step_s - sum(classes.values()) - numbers["other_instr_s"]
-                         - numbers["drain_s"])
-    out["bubble_fraction"] = (out["wait_s"] + out["drain_s"]) / step_s if step_s > 0 else 0.0
-    out["wait_fraction"] = out["wait_s"] / step_s if step_s > 0 else 0.0
-    out["samples"], out["tokens"] = int(numbers["samples"]), int(numbers["tokens"])
-    out["samples_per_s"] = out["samples"] / step_s if step_s > 0 else 0.0
-    out["tokens_per_s"] = out["tokens"] / step_s if step_s > 0 else 0.0
-    out["peak_memory_mb"] = numbers["peak_memory_mb"]
-    out["instructions"] = dict(classes)
-    return out
-
-
-def format_positions(positions: Mapping[int, Mapping[str, Any]], seen_from: int | None = None,
-                     world_size: int | None = None) -> str:
-    """A table of where each rank is, one line per rank (see :meth:`Monitor.positions`)."""
-    now = time.time()
-    head = "pipeline positions" + (f" (seen from rank {seen_from})" if seen_from is not None
-                                   else "") + ":"
-    lines = [head]
-    for rank, p in sorted(positions.items()):
-        where = [f"rank {rank} (stage {p.get('stage')}, {p.get('host')} pid {p.get('pid')}):"]
-        if p.get("train_step") is not None:
-            where.append(f"train step {p['train_step']},")
-        if p.get("schedule_step") is not None:
-            where.append(f"schedule step {p['schedule_step']},")
-        if p.get("instruction"):
-            where.append(f"{p['instruction']} ({p['type']}) {p['state']} for "
-                         f"{p['seconds']:.1f}s")
-        else:
-            where.append(f"{p['state']} for {p['seconds']:.1f}s")
-        age = now - p.get("updated", now)
-        if age > 0.05:
-            where.append(f"[as of {age:.1f}s ago]")
-        lines.append("  " + " ".join(where))
-    if world_size is not None:
-        missing = sorted(set(range(world_size)) - set(positions))
-        if missing:
-            lines.append(f"  ranks {missing}: no position available (the store went away with "
-                         "a failed rank, or that rank has no monitor)")
-    return "\n".join(lines)
 
 
 def gather_objects(transport: Any, obj: Any) -> list[Any] | None:
@@ -716,14 +481,3 @@ def gather_objects(transport: Any, obj: Any) -> list[Any] | None:
     out = all_gather_objects(transport, obj)
     return out if transport.rank == 0 else None
 
-
-def _default_store() -> Any:
-    """The key-value store of torch.distributed's default group, if there is one."""
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            from torch.distributed import distributed_c10d
-            return distributed_c10d._get_default_store()
-    except Exception:
-        pass
-    return None

@@ -9,6 +9,11 @@
 * ``pk.profile(sample)``: measured forward + backward seconds per layer;
 * ``pk.memory(sample)`` / ``"memory"``: estimated bytes, with activations
   multiplied by the micro-batches the schedule keeps in flight on each stage.
+  A skip connection's stashed value (:mod:`pipekernel.skips`) counts as an
+  activation of the layer that stashes it (unless autograd saves it there anyway)
+  *and* of the layer that pops it: each end holds it until the micro-batch's
+  backward. The stages in between hold nothing (the value is routed past them).
+  When both ends land on one stage the value is counted twice: an upper estimate.
 
 Every weighted method calls :func:`balance`, which is exact: it minimises the
 largest stage cost over all contiguous splits with no empty stage.
@@ -32,6 +37,7 @@ from pipekernel.errors import ConfigError
 from pipekernel.hookspecs import hookimpl
 from pipekernel.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.partitioning import Balance, Memory, PartitionContext, Profile
+from pipekernel.skips import SkipScope
 
 __all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers", "measure_layer_times"]
 
@@ -180,6 +186,8 @@ def _to(obj: Any, device: torch.device) -> Any:
         return obj.to(device)
     if isinstance(obj, (tuple, list)):
         return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(o, device) for k, o in obj.items()}
     return obj
 
 
@@ -190,6 +198,8 @@ def _leaf(obj: Any) -> Any:
         return t.requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
     if isinstance(obj, (tuple, list)):
         return type(obj)(_leaf(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _leaf(o) for k, o in obj.items()}
     return obj
 
 
@@ -198,6 +208,8 @@ def _grad_outputs(obj: Any) -> list[torch.Tensor]:
         return [obj] if obj.requires_grad else []
     if isinstance(obj, (tuple, list)):
         return [t for o in obj for t in _grad_outputs(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _grad_outputs(o)]
     return []
 
 
@@ -254,7 +266,8 @@ def measure_layers(module: PipelineModule, sample: Any, device: Any = "cpu", *,
         forward + backward time (``None`` unless ``time_it``); parameter +
         gradient + optimizer-state + buffer bytes; bytes of the non-parameter
         tensors autograd saves for backward, each storage counted at the first
-        layer that saves it.
+        layer that saves it, plus the bytes of the skip values a layer stashes (when
+        autograd does not save them already) or pops.
     """
     seconds, _, static, act = measure_layer_times(
         module, sample, device, time_it=time_it, repeats=repeats, warmup=warmup,
@@ -296,6 +309,11 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     seen: set[int] = set()
     keep: list[torch.Tensor] = []  # keeps saved storages alive so addresses stay unique
     cuda = [device.index or 0] if device.type == "cuda" else []
+    # layers that stash and pop run in one scope: a pop finds what an earlier layer
+    # stashed (a detached leaf, as a receiving stage holds it), every repeat alike
+    scope = SkipScope(module.skip_declarations, where="the partitioner's measurement",
+                      replay=True, keep=_leaf) if module.skip_declarations else None
+    skip_bytes: dict[str, int] = {}
     with torch.random.fork_rng(devices=cuda):  # layer seeding and dropout leave no trace
         for index, spec in enumerate(module.layers):
             layer = module.build_layer(index)
@@ -305,8 +323,14 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                 layer = layer.to(device)
             forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
 
-            def call(inp: Any, layer: Any = layer, forward_fn: Any = forward_fn) -> Any:
+            def run(inp: Any, layer: Any = layer, forward_fn: Any = forward_fn) -> Any:
                 return layer(inp) if forward_fn is None else forward_fn(layer, inp)
+
+            def call(inp: Any, index: int = index, run: Any = run) -> Any:
+                if scope is None:
+                    return run(inp)
+                with scope:
+                    return scope.run(index, run, inp)
 
             params = ({p.untyped_storage().data_ptr() for p in layer.parameters()}
                       if isinstance(layer, nn.Module) else set())
@@ -330,6 +354,9 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                 seen.add(key)
                 keep.append(t)
                 nbytes += storage.nbytes()
+            if scope is not None:
+                nbytes += _skip_bytes(module.skip_declarations.get(index, ((), ())), scope,
+                                      skip_bytes, seen)
             act.append(float(nbytes))
             if time_it:
                 samples, forward = [], []
@@ -382,6 +409,30 @@ def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warm
     for t in inputs:
         t.grad = None
     return statistics.median(first[warmup:]), statistics.median(second[warmup:])
+
+
+def _skip_bytes(declaration: tuple, scope: SkipScope, known: dict[str, int],
+                seen: set[int]) -> int:
+    """Bytes one layer holds for skip connections: what it stashes (unless autograd
+    already saved that storage) and what it pops (the received copy)."""
+    stash_names, pop_names = declaration
+    total = 0
+    for name in stash_names:
+        tensors = [t for t in _tensors(scope.available.get(name)) if t.device.type != "meta"]
+        known[name] = sum(t.untyped_storage().nbytes() for t in tensors)
+        total += sum(t.untyped_storage().nbytes() for t in tensors
+                     if t.untyped_storage().data_ptr() not in seen)
+    return total + sum(known.get(name, 0) for name in pop_names)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
 
 
 def _meta_static_bytes(module: PipelineModule,

@@ -1,8 +1,8 @@
 """Built-in precision policies: ``fp32``, ``bf16``, ``fp16`` and ``amp-bf16``.
 
 * ``fp32``: everything in float32 (the identity policy).
-* ``bf16`` / ``fp16``: the stage's parameters and activations in the low
-  dtype, so activations and gradients cross stage boundaries at half the bytes;
+* ``bf16`` / ``fp16``: the stage's parameters, float buffers and activations
+  in the low dtype (integer and bool buffers unchanged), so activations and gradients cross stage boundaries at half the bytes;
   fp32 **master weights** that the optimizer steps (its state is fp32 too);
   gradients moved into fp32 accumulators after every micro-batch, so summing
   many micro-batches loses nothing to low-precision addition; the loss is
@@ -66,6 +66,18 @@ class LowPrecision(Precision):
             param.data = param.data.to(self.dtype)
             self._masters[id(param)] = master
             self._pairs.append((name, param, master))
+        self._cast_buffers(module)
+
+    def _cast_buffers(self, module: torch.nn.Module) -> None:
+        """Float buffers (e.g. running statistics, rotary tables) go to ``dtype`` like the
+        parameters, so the forward sees one dtype; integer and bool buffers (counters,
+        masks, token ids) stay as they are. Buffers of submodules kept in fp32 stay fp32."""
+        for name, sub in module.named_modules():
+            if self.keeps_fp32(name, sub):
+                continue
+            for key, buf in sub._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != self.dtype:
+                    sub._buffers[key] = buf.to(self.dtype)
 
     def optimizer_parameters(self, module: torch.nn.Module) -> list[torch.Tensor]:
         return [self.master(p) for p in module.parameters()]

@@ -54,6 +54,37 @@ def masked(num_stages=None):
                              partition="uniform", seed=7)
 
 
+class MakeDict(nn.Module):
+    """float -> {"hidden": float, "mask": bool, "pos": int64}: a dict across the boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return {"hidden": h, "mask": h > 0, "pos": torch.arange(h.shape[-1]).expand_as(h)}
+
+
+class UseDict(nn.Module):
+    """dict -> dict with the same keys; uses the mask and the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, inputs):
+        h = torch.tanh(self.lin(inputs["hidden"])) * inputs["mask"] + 0.01 * inputs["pos"]
+        return {"hidden": h, "mask": inputs["mask"], "pos": inputs["pos"]}
+
+
+def dicts(num_stages=None):
+    layers = [pk.LayerSpec(MakeDict), *[pk.LayerSpec(UseDict) for _ in range(6)],
+              lambda d: d["hidden"], pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="uniform", seed=11)
+
+
 VOCAB, DIM = 13, 8
 
 
@@ -92,7 +123,59 @@ def token_data(step, replica, micro_batches, batch=3, vary=False):
     return items
 
 
-MODELS = {"mlp": (mlp, mlp_data), "masked": (masked, mlp_data), "tied": (tied_lm, token_data),
+@pk.skippable(stash=["enc", "mask", "near"])
+class Encoder(nn.Module):
+    """Stashes its output for the decoder (3 stages on), a bool mask for layer 5 and a
+    tensor the next layer of the same stage pops."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        pk.stash("enc", h)
+        pk.stash("mask", h > 0)
+        pk.stash("near", torch.tanh(h))
+        return h * 0.5
+
+
+@pk.skippable(pop=["near"])
+class PopNear(Block):
+    def forward(self, h):
+        return super().forward(h) + pk.pop("near")
+
+
+class PopMask(Block):  # declared per entry with pk.Skip
+    def forward(self, h):
+        return super().forward(h) * pk.pop("mask")
+
+
+@pk.skippable(pop=["enc"])
+class Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.gate = nn.Linear(16, 16)
+
+    def forward(self, h):
+        enc = pk.pop("enc")
+        return self.lin(h) + torch.sigmoid(self.gate(enc)) * enc
+
+
+def skips(num_stages=None):
+    """8 layers, 2 per part: part 0 stashes for part 3 ("enc") and part 2 ("mask", bool)
+    and for itself ("near")."""
+    layers = [pk.LayerSpec(Encoder), pk.LayerSpec(PopNear, 16), pk.LayerSpec(Block, 16),
+              pk.LayerSpec(Block, 16), pk.LayerSpec(Block, 16),
+              pk.Skip(pk.LayerSpec(PopMask, 16), pop=["mask"]), pk.LayerSpec(Decoder),
+              pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="uniform", seed=5)
+
+
+MODELS = {"mlp": (mlp, mlp_data), "masked": (masked, mlp_data), "dicts": (dicts, mlp_data),
+          "skips": (skips, mlp_data), "tied": (tied_lm, token_data),
           "varlen": (tied_lm, lambda s, r, m: token_data(s, r, m, vary=True))}
 
 

@@ -3,8 +3,9 @@ single-process reference trained on the same GPU. Skipped without CUDA; run by
 ``gpu/check.sh`` (``pytest -m cuda``).
 
 One GPU allows one NCCL rank only (NCCL refuses two ranks on the same device), so
-these engines have one stage; multi-GPU pipelines are covered by the nccl
-conformance test in ``tests/test_transports.py`` where there are two GPUs or more.
+these engines have one stage; several stages on one GPU run through the staged
+transport in ``tests/test_cuda_pipeline.py``, and the nccl conformance test in
+``tests/test_transports.py`` uses every GPU there is (up to 4).
 """
 from __future__ import annotations
 

@@ -67,3 +67,10 @@ def test_tensor_parallel_example_matches_its_one_process_oracle():
     expected = example.reference()
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_skip_connections_example_matches_one_process():
+    import skip_connections
+
+    for losses in run_ranks(skip_connections.worker, 2):
+        assert losses == pytest.approx(skip_connections.reference(), rel=1e-5, abs=1e-6)

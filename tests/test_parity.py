@@ -67,3 +67,10 @@ def test_tied_layers_with_a_middle_stage():
 
 def test_sequence_length_changes_between_steps():
     check_parity("varlen", 2, 1, 3)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_dict_activations_float_bool_int64(stages):
+    # {"hidden": float, "mask": bool, "pos": int64} crosses every boundary; only hidden
+    # gets a gradient
+    check_parity("dicts", stages, 1, 4)

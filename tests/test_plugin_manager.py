@@ -109,7 +109,8 @@ def test_unknown_transport_lists_installed_names_and_how_to_publish():
     with pytest.raises(UnknownNameError) as err:
         make_transport(make_plugin_manager(), "carrier-pigeon", {"timeout": 1})
     text = str(err.value)
-    assert "unknown transport 'carrier-pigeon'; installed transports: gloo, nccl" in text
+    assert ("unknown transport 'carrier-pigeon'; installed transports: cupy-nccl, gloo, nccl, "
+            "staged") in text
     assert '[project.entry-points."pipekernel.transports"]' in text
     assert 'carrier-pigeon = "your_package.module:MyTransport"' in text
 

@@ -150,7 +150,7 @@ class _FakeGroup:
 
 def test_partitioned_slices_round_trip_through_the_wire_metadata_with_padding():
     from pipekernel.partitioned import ActivationPartitioner
-    from pipekernel.wire import Partitioned, PartitionSpec, decode, encode, flatten, unflatten
+    from pipekernel.wire import Partitioned, decode, encode, flatten, unflatten
 
     x = torch.randn(3, 5, requires_grad=True)   # 15 elements: 8 + 7, one of padding
     mask = torch.tensor([True, False])
@@ -162,8 +162,10 @@ def test_partitioned_slices_round_trip_through_the_wire_metadata_with_padding():
     # what the wire carries: the slice, with T and the full shape in the metadata
     tensors, structure = flatten(splits[1])
     specs, decoded = decode(encode(tensors, structure))
-    assert decoded[0][1] == PartitionSpec(2, (3, 5)) and specs[0][2] == (8,) and specs[0][1]
+    assert specs[0][2] == (8,) and specs[0][1]  # the slice, flagged requires_grad
     received = unflatten(tensors, decoded)
+    assert isinstance(received[0], Partitioned)
+    assert (received[0].parts, received[0].shape) == (2, (3, 5))  # from the metadata alone
     joined = ActivationPartitioner(_FakeGroup(1, 2, {0: part0.part.detach()})).join(received)
     assert torch.equal(joined[0], x.detach()) and joined[0].requires_grad and joined[0].is_leaf
     assert torch.equal(joined[1][1], torch.arange(3))
@@ -237,3 +239,35 @@ def test_two_stages_two_replicas_two_tensor_ranks_on_eight_processes():
         sorted([(s, t) for s in range(2) for t in range(2)] * 2)
     ref_losses, ref_state = _reference(2, adam)
     _check(results, ref_losses, ref_state)
+
+
+class _Pair:
+    """Two in-process tensor-parallel ranks: ``all_gather`` stacks the parts both hold."""
+
+    def __init__(self, rank, parts):
+        self.rank, self.size, self.parts = rank, 2, parts
+
+    def all_gather(self, tensor):
+        return torch.stack([self.parts[r][tensor.data_ptr()] if r != self.rank else tensor
+                            for r in range(2)])
+
+
+def test_partitioner_slices_float_leaves_of_nested_dicts_and_rebuilds_them():
+    from pipekernel.partitioned import ActivationPartitioner
+    from pipekernel.wire import Partitioned, flatten, unflatten
+
+    value = {"hidden": torch.randn(3, 5), "mask": torch.rand(3) > 0.5,
+             "extra": [torch.arange(4), (torch.randn(7),)]}
+    split = [ActivationPartitioner(_Pair(r, None)).split(value) for r in range(2)]
+    assert isinstance(split[0]["hidden"], Partitioned) and split[0]["hidden"].part.numel() == 8
+    assert isinstance(split[0]["extra"][1][0], Partitioned)  # padded: 7 -> 2 x 4
+    assert split[0]["mask"] is value["mask"] and split[0]["extra"][0] is value["extra"][0]
+    # what rank 0 receives: its own parts, the peer's by position (as a gather does)
+    tensors, structure = flatten(split[0])
+    received = unflatten(tensors, structure)
+    peer = {t.data_ptr(): p for t, p in zip(tensors, flatten(split[1])[0])}
+    joined = ActivationPartitioner(_Pair(0, {1: peer})).join(received)
+    assert list(joined) == ["hidden", "mask", "extra"] and isinstance(joined["extra"], list)
+    assert torch.equal(joined["hidden"], value["hidden"])
+    assert torch.equal(joined["extra"][1][0], value["extra"][1][0])
+    assert torch.equal(joined["mask"], value["mask"])

@@ -1,7 +1,9 @@
-"""Transports: the conformance suite on gloo (and nccl with GPUs), a transport that
+"""Transports: the conformance suite on every installed transport (gloo and staged here,
+nccl and cupy-nccl with GPUs), a transport that
 breaks the contract is caught, gloo on a subgroup, and nothing is imported early."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,14 +12,43 @@ import pytest
 import torch
 
 import pipekernel as pk
-from pipekernel.conformance import CHECKS, check_transport
+from pipekernel.conformance import CHECKS, SOLO_CHECKS, check_transport
 from pipekernel.transports.gloo import GlooTransport
 
 ALL_CHECKS = [*CHECKS, "timeout"]
 
 
-def test_gloo_passes_the_conformance_suite():
-    assert check_transport("gloo", nprocs=3) == ALL_CHECKS
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+GPUS = torch.cuda.device_count()
+
+
+def _on_gpus(name, gpus):
+    """A device transport's case on ``gpus`` ranks, one GPU each: skipped, with the
+    reason, where it cannot run."""
+    marks = [pytest.mark.cuda,
+             pytest.mark.skipif(not torch.cuda.is_available(), reason=f"{name} needs CUDA"),
+             pytest.mark.skipif(GPUS < gpus, reason=f"{name} on {gpus} ranks needs {gpus} "
+                                                    "GPUs (NCCL refuses two ranks on one GPU)")]
+    if name == "cupy-nccl":
+        marks.append(pytest.mark.skipif(not HAS_CUPY,
+                                        reason='cupy-nccl needs CuPy: pip install '
+                                               '"pipekernel[cupy]"'))
+    return pytest.param(name, gpus, marks=marks, id=f"{name}-{gpus}gpu")
+
+
+@pytest.mark.parametrize("name,nprocs", [
+    pytest.param("gloo", 3, id="gloo"),
+    pytest.param("staged", 3, id="staged"),  # CPU tensors without CUDA, one shared GPU with it
+    # every GPU there is, up to 4 (at least 2: one rank is the next test)
+    _on_gpus("nccl", min(max(GPUS, 2), 4)), _on_gpus("cupy-nccl", min(max(GPUS, 2), 4)),
+])
+def test_every_installed_transport_passes_the_conformance_suite(name, nprocs):
+    assert check_transport(name, nprocs=nprocs) == ALL_CHECKS
+
+
+@pytest.mark.parametrize("name,nprocs", [_on_gpus("nccl", 1), _on_gpus("cupy-nccl", 1)])
+def test_device_transports_on_one_gpu_pass_the_one_rank_checks(name, nprocs):
+    assert check_transport(name, nprocs=1) == list(SOLO_CHECKS)
 
 
 class LossyBoolTransport(GlooTransport):
@@ -34,12 +65,6 @@ def test_the_suite_catches_a_transport_that_loses_bools():
         check_transport(LossyBoolTransport, nprocs=2, timeout_check=None)
     text = str(err.value)
     assert "conformance check 'dtypes' failed" in text and "torch.bool" in text
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nccl conformance needs 2 GPUs")
-def test_nccl_passes_the_conformance_suite():
-    assert check_transport("nccl", nprocs=min(4, torch.cuda.device_count())) == ALL_CHECKS
 
 
 def nccl_engine_worker(transport):
@@ -76,7 +101,7 @@ def test_pipekernel_plugins_lists_without_importing_transports():
     listing, imported = out.rsplit("\n", 2)[0], out.rsplit("\n", 2)[1]
     assert imported == "[]"
     found = json.loads(listing)
-    assert {e["name"] for e in found["transports"]} >= {"gloo", "nccl"}
+    assert {e["name"] for e in found["transports"]} >= {"gloo", "nccl", "cupy-nccl", "staged"}
     gloo = next(e for e in found["transports"] if e["name"] == "gloo")
     assert gloo["distribution"] == "pipekernel" and gloo["version"] == pk.__version__
     assert {e["name"] for e in found["schedules"]} >= {"1f1b", "gpipe", "inference"}
@@ -89,7 +114,8 @@ def test_pipekernel_plugins_text_and_disable():
     from pipekernel.inventory import format_inventory, inventory
 
     text = format_inventory(inventory(disabled=["precision"]))
-    assert "transports:\n  gloo" in text
+    listed = text.split("transports:\n")[1].split("plugins:")[0]
+    assert "\n  gloo " in listed and listed.startswith("  cupy-nccl ")  # sorted by name
     assert "[disabled]" in text.split("plugins:")[1].split("schedules:")[0]
     assert "precisions: none" in text
 

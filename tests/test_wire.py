@@ -7,7 +7,8 @@ import torch
 
 from pipekernel.testing import run_ranks
 from pipekernel.transport import P2POp
-from pipekernel.wire import HEADER_BYTES, Channel
+from pipekernel.errors import DataError
+from pipekernel.wire import HEADER_BYTES, Channel, decode, encode, flatten, map_tensors, unflatten
 
 
 class Counting:
@@ -150,3 +151,167 @@ def test_fast_path_is_one_message_with_a_16_byte_header():
 def test_p2pop_is_a_plain_record():
     op = P2POp("send", torch.zeros(1), 3)
     assert (op.op, op.peer) == ("send", 3)
+
+
+# -- structures: dicts, lists, scalars (in one process, over a loopback pair) -------------
+
+class _Loopback:
+    """Both ends of a pair in one process: FIFO per (src, dst, tag), receives matched lazily
+    at wait(), sizes checked (what a real transport would truncate or hang on)."""
+
+    class _Handle:
+        def __init__(self, fn=None):
+            self.fn = fn
+
+        def wait(self):
+            if self.fn is not None:
+                self.fn()
+                self.fn = None
+
+        def is_completed(self):
+            return self.fn is None
+
+    def __init__(self, rank, queues, counts):
+        self.rank, self.world_size, self.device = rank, 2, torch.device("cpu")
+        self.queues, self.counts = queues, counts
+
+    def batch_isend_irecv(self, ops):
+        return [self.isend(op.tensor, op.peer, op.tag) if op.op == "send"
+                else self.irecv(op.tensor, op.peer, op.tag) for op in ops]
+
+    def isend(self, tensor, dst, tag=0):
+        self.queues.setdefault((self.rank, dst, tag), []).append(tensor.clone())
+        self.counts["messages"] += 1
+        return self._Handle()
+
+    def irecv(self, tensor, src, tag=0):
+        def fill():
+            sent = self.queues[(src, self.rank, tag)].pop(0)
+            assert sent.shape == tensor.shape and sent.dtype == tensor.dtype, (sent, tensor)
+            tensor.copy_(sent)
+        return self._Handle(fill)
+
+
+def _pair():
+    queues, counts = {}, {"messages": 0}
+    a, b = _Loopback(0, queues, counts), _Loopback(1, queues, counts)
+    return Channel(a, 1), Channel(b, 0), counts
+
+
+def _transfer(sender, receiver, obj):
+    ops, _ = sender.send_ops(obj)
+    handles = sender.transport.batch_isend_irecv(ops)
+    pending = receiver.recv_ops()
+    pending.handles = receiver.transport.batch_isend_irecv(pending.ops)
+    got = receiver.finish(pending)
+    for h in handles:
+        h.wait()
+    return got
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.detach(), b.detach()) and a.requires_grad == b.requires_grad)
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and list(a) == list(b)
+                and all(_equal(a[k], b[k]) for k in a))
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _nested(length=6, extra=False):
+    g = torch.Generator().manual_seed(length)
+    h = torch.randn(2, length, generator=g).requires_grad_()
+    obj = {"hidden": h, "aux": {"mask": h.detach() > 0, "pos": torch.arange(length)},
+           "layers": [torch.randn(3, generator=g, dtype=torch.float64), (torch.ones(1),)],
+           "scale": 0.5, "step": 3, "causal": True, "cache": None}
+    if extra:
+        obj["aux"]["segment"] = torch.zeros(length, dtype=torch.int32)
+    return obj
+
+
+def test_nested_dicts_lists_and_scalars_round_trip_with_keys_in_order():
+    sender, receiver, _ = _pair()
+    want = _nested()
+    got = _transfer(sender, receiver, want)
+    assert _equal(got, want), got
+    assert list(got) == ["hidden", "aux", "layers", "scale", "step", "causal", "cache"]
+    assert isinstance(got["layers"], list) and isinstance(got["layers"][1], tuple)
+    assert got["hidden"].requires_grad and not got["aux"]["mask"].requires_grad
+
+
+def test_a_key_set_change_is_a_metadata_change_and_only_it_costs_extra_messages():
+    sender, receiver, counts = _pair()
+    sequence = [_nested(), _nested(), _nested(extra=True), _nested(extra=True), _nested(),
+                {**_nested(), "step": 4}, {**_nested(), "step": 4}]
+    per_transfer = []
+    for obj in sequence:
+        before = counts["messages"]
+        assert _equal(_transfer(sender, receiver, obj), obj)
+        per_transfer.append(counts["messages"] - before)
+    # fused headers: a change is void + metadata + data (3 messages), the fast path 1
+    assert per_transfer == [3, 1, 3, 1, 3, 3, 1]
+
+
+def test_renamed_key_with_the_same_tensors_is_detected():
+    sender, receiver, counts = _pair()
+    x = torch.ones(2, 2)
+    _transfer(sender, receiver, {"a": x})
+    got = _transfer(sender, receiver, {"b": x})
+    assert list(got) == ["b"]
+
+
+@pytest.mark.parametrize("value,path", [({"a": {"b": "text"}}, r"outputs\['a'\]\['b'\] is a str"),
+                                        ({"a": [torch.ones(1), object()]}, r"outputs\['a'\]\[1\]"),
+                                        ({1: torch.ones(1)}, r"outputs has the key 1 \(int\)"),
+                                        ({"big": 1 << 70}, r"outputs\['big'\] is a int")])
+def test_values_that_cannot_cross_name_their_path(value, path):
+    sender, _, _ = _pair()
+    with pytest.raises(DataError, match=path):
+        sender.send_ops(value, "outputs")
+
+
+def test_structure_metadata_round_trips():
+    obj = _nested(extra=True)
+    tensors, structure = flatten(obj)
+    specs, decoded = decode(encode(tensors, structure))
+    assert decoded == structure
+    assert _equal(unflatten(tensors, decoded), obj)
+    assert map_tensors(lambda t: t.shape, {"a": (torch.ones(2),), "b": 1}) == \
+        {"a": (torch.Size([2]),), "b": 1}
+
+
+class _Notes(torch.nn.Linear):
+    def forward(self, x):
+        return {"hidden": super().forward(x), "note": "not a tensor"}
+
+
+class _Pick(torch.nn.Linear):
+    def __init__(self, n):
+        super().__init__(n, n)
+
+    def forward(self, d):
+        return super().forward(d["hidden"])
+
+
+def _bad_boundary_worker():
+    import pipekernel as pk
+
+    torch.set_num_threads(1)
+    module = pk.PipelineModule([_Notes(3, 3), pk.LayerSpec(_Pick, 3)], loss_fn=torch.nn.MSELoss(),
+                               num_stages=2, partition=[0, 1, 2])
+    engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                               micro_batches=2, timeout=30)
+    engine.train_batch(iter([(torch.ones(2, 3), torch.zeros(2, 3))] * 2))
+
+
+def test_a_value_that_cannot_cross_names_stage_micro_batch_and_key():
+    import pipekernel as pk
+
+    with pytest.raises(pk.RankError) as info:
+        run_ranks(_bad_boundary_worker, 2, timeout=90)
+    text = str(info.value.original)
+    assert "outputs['note'] is a str" in text
+    assert "stage 0" in text and "micro-batch 0" in text and "SEND_F0" in text

@@ -53,9 +53,6 @@ class _Handle:
         transport = self._transport
         timeout, rank = transport.timeout, transport.rank
         peer = transport.describe(self._peer) if self._peer is not None else "its group"
-        if not transport.polls:  # e.g. NCCL: wait() only orders the device stream
-            self._wait_device(timeout, rank, peer)
-            return
         if self._work.is_completed():
             error = None
             try:
@@ -101,20 +98,6 @@ class _Handle:
                 hint=(f"{peer}'s connection closed: it probably died or failed first; look "
                       f"at its log" if died and self._peer is not None else
                       f"look at the log of {peer}: it probably failed first")) from error
-        self._done = True
-
-    def _wait_device(self, timeout: float, rank: int, peer: str) -> None:
-        try:
-            self._work.wait(datetime.timedelta(seconds=timeout))
-        except RuntimeError as err:
-            if "imed out" in str(err) or "timeout" in str(err).lower():
-                raise TransportTimeout(
-                    f"rank {rank} waited {timeout:g}s to {self._what} {peer} and gave up",
-                    peer=self._peer, rank=rank,
-                    hint="check that the peer is alive and runs the same schedule") from err
-            raise TransportError(f"rank {rank} failed to {self._what} {peer}: {err}",
-                                 rank=rank, peer=self._peer,
-                                 hint="look at the peer's log: it probably failed first") from err
         self._done = True
 
 
@@ -172,9 +155,6 @@ class TorchDistributedTransport:
     """
 
     backend = "gloo"
-    #: waits poll ``is_completed()`` on the host (bounded, abort-aware); a device
-    #: backend whose ``wait()`` only orders a stream sets this to ``False``
-    polls = True
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         if options:
@@ -205,7 +185,8 @@ class TorchDistributedTransport:
                 init = {"init_method": os.environ["PIPEKERNEL_INIT_METHOD"],
                         "rank": int(os.environ["RANK"]),
                         "world_size": int(os.environ["WORLD_SIZE"])}
-            dist.init_process_group(self.backend, timeout=datetime.timedelta(seconds=timeout),
+            dist.init_process_group(self.backend,
+                                    timeout=datetime.timedelta(seconds=self._group_timeout()),
                                     **init, **self._init_options())
             _OWNED.add(self)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -235,6 +216,10 @@ class TorchDistributedTransport:
 
     def _init_options(self) -> dict[str, Any]:
         return {}
+
+    def _group_timeout(self) -> float:
+        """Seconds given to the process groups this transport creates."""
+        return self.timeout
 
     def _device(self) -> torch.device:
         return torch.device("cpu")
@@ -329,7 +314,7 @@ class TorchDistributedTransport:
         ranks = sorted(ranks)
         if len(ranks) == self.world_size:
             return None  # the world itself
-        timeout = datetime.timedelta(seconds=self.timeout)
+        timeout = datetime.timedelta(seconds=self._group_timeout())
         if self._global is None:
             return dist.new_group(ranks, timeout=timeout)
         # Ranks outside self.group never call this, so synchronise among members only;

@@ -1,77 +1,252 @@
 """The nccl transport: CUDA tensors over ``torch.distributed`` with the NCCL backend.
 
-Each process uses the GPU ``cuda:LOCAL_RANK`` (torchrun's contract). Point-to-
-point transfers carry a byte view of the tensor, as for gloo, so bool and every
-other dtype cross stages bit-exactly although NCCL has no bool type — the
-conversion lives here, never in the core.
+Device: each process uses ``cuda:LOCAL_RANK`` (torchrun's contract), set as the
+current device before the process group exists; tensors live on
+``torch.cuda.current_device()``.
+
+Point to point: each posting group of :meth:`batch_isend_irecv` becomes one
+``torch.distributed.batch_isend_irecv`` call per lane, i.e. one NCCL group
+call, so a send to and a receive from the same peer in one group never
+deadlock. NCCL has no tags and runs a communicator's operations in order, so
+each lane (tag) is its own process group, hence its own communicators and
+streams. Transfers carry a byte view of the tensor, so bool, complex and every
+other dtype cross bit-exactly although NCCL has no bool type — the conversion
+lives here, never in the core; a byte view costs nothing.
+
+No host synchronisation on the hot path: ``Handle.wait()`` calls
+``Work.wait()`` *without* a timeout, which makes torch's current stream wait
+for NCCL's stream and returns at once (given a timeout, torch's NCCL work busy-
+waits on the host instead). Collectives run on NCCL's stream ordered the same
+way; only :meth:`barrier` and :meth:`synchronize` block the host, by design.
+
+Timeouts, two layers:
+
+1. :class:`~pipekernel.transports.device_watch.DeviceWatch`: every waited-on
+   transfer is registered with its deadline; a daemon thread queries
+   ``Work.is_completed()`` (an event query, no device sync) once per
+   ``watch_interval`` seconds and turns an overdue one into a
+   ``TransportTimeout`` naming the peer, raised by the next transport call
+   (and by :meth:`synchronize`). A peer that died is usually seen earlier, on
+   the gloo control lane, whose waits are bounded and abort-aware.
+2. The process group's own NCCL watchdog, with the groups' timeout set to
+   ``timeout + backstop`` seconds (default backstop 60): it aborts a
+   communicator whose operation never finishes, which ends kernels stuck in
+   NCCL (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` decides whether the process is torn
+   down too). The backstop lets layer 1 report first, with the peer's name.
+
+The wire's headers and metadata changes ride on ``control``, a gloo transport
+over the same ranks (host memory), so the hot path never reads device memory.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipekernel.errors import ConfigError
-from pipekernel.transports.gloo import TorchDistributedTransport
+from pipekernel.errors import ConfigError, TransportError
+from pipekernel.transport import P2POp
+from pipekernel.transports.device_watch import DeviceWatch
+from pipekernel.transports.gloo import _OPS, TorchDistributedTransport
+from pipekernel.transports.lanes import split_by_lane
 
-__all__ = ["NcclTransport"]
+__all__ = ["NcclTransport", "cuda_device_from_env"]
+
+
+def cuda_device_from_env(name: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` (torchrun's contract), checked; raises ``ConfigError`` naming
+    transport ``name`` when CUDA or that GPU is missing."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"transport {name!r} needs CUDA, and torch.cuda.is_available() is "
+                          "False",
+                          hint="use transport='gloo' (or 'auto') on machines without a GPU")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if local >= torch.cuda.device_count():
+        raise ConfigError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s) "
+                          "are visible",
+                          hint="start at most one process per GPU on each node (NCCL refuses "
+                               "two ranks on one GPU; transport='staged' shares one)")
+    return torch.device("cuda", local)
+
+
+class _DeviceHandle:
+    """A transfer or collective on NCCL's stream; ``wait()`` orders the current stream
+    after it and registers it with the transport's watch (no host block)."""
+
+    __slots__ = ("_work", "_transport", "_peer", "_what", "_done")
+
+    def __init__(self, work: Any, transport: NcclTransport, peer: int | None, what: str):
+        self._work, self._transport, self._peer, self._what = work, transport, peer, what
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self) -> None:
+        transport = self._transport
+        transport._watch.check()
+        if self._done:
+            return
+        try:
+            self._work.wait()  # no timeout: stream ordering only (see the module docstring)
+        except RuntimeError as err:
+            peer = transport.describe(self._peer) if self._peer is not None else "its group"
+            raise TransportError(f"rank {transport.rank} failed to {self._what} {peer}: {err}",
+                                 rank=transport.rank, peer=self._peer,
+                                 hint="look at the peer's log: it probably failed first") \
+                from err
+        transport._watch.watch(self._work, transport.timeout, self._what, self._peer)
+        self._done = True
 
 
 class NcclTransport(TorchDistributedTransport):
-    """GPU transport over NCCL (see :class:`TorchDistributedTransport` for options)."""
+    """GPU transport over NCCL (see the module docstring; options of
+    :class:`TorchDistributedTransport` plus these).
+
+    :param lanes: independent lanes (tags), one process group each (default 8).
+    :param watch_interval: seconds between the device watch's rounds (default 1).
+    :param backstop: seconds the process groups' own NCCL watchdog waits beyond
+        ``timeout`` before it aborts a communicator (default 60).
+    """
 
     backend = "nccl"
-    #: NCCL's wait() orders the current stream and does not block the host: keep it
-    #: (polling is_completed() would synchronise the device on every transfer). So on
-    #: NCCL an abort is seen only by waits that poll (a gloo host lane, when there is one);
-    #: otherwise a failure still ends every rank within the timeout.
-    polls = False
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
-        if not torch.cuda.is_available():
-            raise ConfigError("transport 'nccl' needs CUDA, and torch.cuda.is_available() is False",
-                              hint="use transport='gloo' (or 'auto') on machines without a GPU")
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local >= torch.cuda.device_count():
-            raise ConfigError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} GPU(s) "
-                              "are visible",
-                              hint="start at most one process per GPU on each node")
-        self._cuda = torch.device("cuda", local)
+        self._cuda = cuda_device_from_env("nccl")
         torch.cuda.set_device(self._cuda)
         lanes = int(options.pop("lanes", 8))
+        interval = float(options.pop("watch_interval", 1.0))
+        self._backstop = float(options.pop("backstop", 60.0))
+        if lanes < 1:
+            raise ConfigError(f"nccl transport option lanes={lanes} must be >= 1")
+        self.timeout = float(timeout)
         super().__init__(timeout, group, **options)
+        self._watch = DeviceWatch(self.rank, lambda work: work.is_completed(),
+                                  describe=self.describe, interval=interval)
         self._make_lanes(lanes)
 
     def _make_lanes(self, count: int) -> None:
-        """NCCL has no tags and runs a communicator's operations in order, so each lane
-        (tag) is its own process group, hence its own communicators and streams. Every
-        rank creates them at construction, in the same order (``new_group`` is
-        collective); NCCL initialises a pair's communicator lazily at its first use."""
+        """Every rank creates the lanes at construction, in the same order (``new_group``
+        is collective)."""
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None \
             else list(range(dist.get_world_size()))
-        self._lanes = [self.group] + [dist.new_group(ranks) for _ in range(count - 1)]
+        # on a host's subgroup only its members get here: they synchronise among themselves
+        kwargs = {"timeout": self._timedelta(),
+                  **({"use_local_synchronization": True} if self.group is not None else {})}
+        # lanes apart from self.group: a collective never queues behind a posted receive
+        self._lanes = [dist.new_group(ranks, **kwargs) for _ in range(count)]
         self.max_tags = count
-        # The wire's headers and metadata changes ride on a host lane, so the hot path
-        # never reads device memory (see pipekernel.wire).
         from pipekernel.transports.gloo import GlooTransport
 
         self.control = GlooTransport(timeout=self.timeout,
-                                     group=dist.new_group(ranks, backend="gloo"))
+                                     group=dist.new_group(ranks, backend="gloo", **kwargs))
 
-    def _post(self, fn, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:
-        if not 0 <= tag < self.max_tags:
-            raise ConfigError(f"nccl transport has {self.max_tags} lanes, tag {tag} asked for",
-                              hint="raise transport_options={'lanes': ...}")
-        group, self.group = self.group, self._lanes[tag]
-        try:
-            return super()._post(fn, tensor, peer, what, 0)
-        finally:
-            self.group = group
+    def _timedelta(self) -> Any:
+        import datetime
+
+        return datetime.timedelta(seconds=self._group_timeout())
+
+    def _group_timeout(self) -> float:
+        return self.timeout + self._backstop
 
     def _init_options(self) -> dict[str, Any]:
         return {"device_id": self._cuda}  # binds the communicator to this GPU eagerly
 
     def _device(self) -> torch.device:
         return self._cuda
+
+    # -- point to point ----------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _DeviceHandle:
+        return self.batch_isend_irecv([P2POp("send", tensor, dst, tag)])[0]
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> _DeviceHandle:
+        return self.batch_isend_irecv([P2POp("recv", tensor, src, tag)])[0]
+
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[_DeviceHandle]:
+        """One ``torch.distributed.batch_isend_irecv`` (an NCCL group) per lane the ops use,
+        lanes in order of first use; one handle per op (ops of one lane share the group's
+        work: NCCL completes a group together)."""
+        self._watch.check()
+        by_lane = split_by_lane(ops, self.max_tags)
+        handles: list[Any] = [None] * len(ops)
+        for tag, entries in by_lane.items():
+            group = self._lanes[tag]
+            p2p = [dist.P2POp(dist.isend if op.op == "send" else dist.irecv, self._bytes(op.tensor),
+                              self.global_rank(op.peer), group=group) for _, op in entries]
+            try:
+                works = dist.batch_isend_irecv(p2p)
+            except RuntimeError as err:
+                peers = sorted({op.peer for _, op in entries})
+                raise TransportError(f"rank {self.rank} failed to post a group with ranks "
+                                     f"{peers} on lane {tag}: {err}", rank=self.rank,
+                                     hint="look at the peers' logs: one probably failed "
+                                          "first") from err
+            for k, (index, op) in enumerate(entries):
+                work = works[k] if len(works) == len(entries) else works[-1]
+                handles[index] = _DeviceHandle(work, self, op.peer,
+                                               "send to" if op.op == "send" else "receive from")
+        return handles
+
+    # -- collectives ---------------------------------------------------------------------
+    def _start(self, what: str, group: Any, fn: Any, *args: Any, **kwargs: Any) -> _DeviceHandle:
+        self._watch.check()
+        group = self.group if group is None else group
+        try:
+            work = fn(*args, group=group, async_op=True, **kwargs)
+        except RuntimeError as err:
+            raise TransportError(f"{what} failed on rank {self.rank}: {err}", rank=self.rank,
+                                 hint="a peer in the group probably failed or timed out "
+                                      "first; look at its log") from err
+        return _DeviceHandle(work, self, None, f"finish a {what} with")
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
+        self._start("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op]).wait()
+
+    def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None
+                    ) -> _DeviceHandle:
+        return self._start("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
+        self._start("broadcast", group, dist.broadcast, tensor, self.global_rank(src)).wait()
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+        """Optional member: every member's ``tensor`` into ``out`` (shape ``(group size,
+        *tensor.shape)``) in group-rank order; ordered on the stream like the others."""
+        self._start("all_gather", group, dist.all_gather_into_tensor, out.view(-1),
+                    tensor.contiguous().view(-1)).wait()
+
+    def barrier(self, group: Any = None) -> None:
+        """An all-reduce of one element, waited on by the host (bounded): torch's NCCL
+        barrier would block in an unbounded stream synchronisation instead."""
+        flag = torch.zeros(1, device=self._cuda)
+        handle = self._start("barrier", group, dist.all_reduce, flag)
+        self._watch.wait_for(handle._work, self.timeout, "finish a barrier with", None,
+                             abort_check=getattr(self, "abort_check", None))
+
+    def synchronize(self) -> None:
+        """Block the host until every transfer waited on so far finished on the GPU, each
+        within ``timeout`` of its wait; ``TransportTimeout`` naming the peer otherwise.
+        Off the hot path: for the end of a run, tests, and before reading results on
+        the host without the stream."""
+        self._watch.synchronize(abort_check=getattr(self, "abort_check", None))
+
+    def close(self) -> None:
+        """As for gloo; after a timeout the communicators are aborted first (destroying one
+        with a transfer still pending could block forever)."""
+        self._watch.stop()
+        control = getattr(self, "control", None)
+        if control is not None:
+            control.close()
+        if self._watch.error is not None or self._watch.pending():
+            self._abort_lanes()
+        super().close()
+
+    def _abort_lanes(self) -> None:
+        for group in self._lanes:
+            try:
+                group.abort()
+            except Exception:  # noqa: BLE001 - already broken or not abortable
+                pass
+

@@ -37,6 +37,8 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
   its own instruction, a send only when the batch ends (or its buffer is needed).
 * A transfer whose peer is the stage itself (one stage holding consecutive
   positions, e.g. the turn of a V) is a **local hand-off**: never posted.
+* Skip connections (:mod:`pipekernel.schedules.skips`) are two more channels per
+  edge, each with its own lane, planned by the same rules.
 """
 from __future__ import annotations
 
@@ -44,22 +46,32 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pipekernel.instructions import (
-    Instruction, MicroBatchInstruction, RecvActivation, RecvGrad, SendActivation, SendGrad,
+    Instruction, MicroBatchInstruction, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
+    SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
 )
+from pipekernel.schedules.placement import locate
 from pipekernel.schedules.placement import peer as placement_peer
+from pipekernel.schedules.skips import skip_edge_of, skip_lane
 
 __all__ = ["CommPlan", "plan_communication", "peer_of", "lane_of", "lanes_needed", "SENDS",
            "RECVS", "P2P"]
 
-SENDS = (SendActivation, SendGrad)
-RECVS = (RecvActivation, RecvGrad)
+SENDS = (SendActivation, SendGrad, SendSkip, SendSkipGrad)
+RECVS = (RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad)
 P2P = SENDS + RECVS
+#: The send whose transfer a gradient receive answers (posted no earlier than it).
+_ANSWERS = {RecvGrad: SendActivation, RecvSkipGrad: SendSkip}
 
 
 def peer_of(instruction: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
             placement: str = "loop") -> tuple[int, int] | None:
     """``(stage, chunk)`` a point-to-point instruction talks to, or ``None`` if none exists
-    (a send past the last position, a receive before the first)."""
+    (a send past the last position, a receive before the first; a skip instruction whose
+    ``peer`` position does not exist)."""
+    if isinstance(instruction, SkipInstruction):
+        if not 0 <= instruction.peer < num_stages * chunks:
+            return None
+        return locate(instruction.peer, num_stages, placement)
     forward = isinstance(instruction, (SendActivation, RecvGrad))
     return placement_peer(stage, instruction.chunk, 1 if forward else -1, num_stages, chunks,
                           placement)
@@ -77,9 +89,10 @@ def lane_of(instruction: MicroBatchInstruction, stage: int, peer: tuple[int, int
     return 4 * sender_chunk + 2 * kind + (0 if sender_stage < receiver_stage else 1)
 
 
-def lanes_needed(chunks: int) -> int:
-    """How many lanes (``Transport.max_tags``) a schedule with ``chunks`` needs."""
-    return 4 * chunks
+def lanes_needed(chunks: int, skip_edges: int = 0) -> int:
+    """How many lanes (``Transport.max_tags``) a schedule with ``chunks`` needs, plus
+    two per skip edge (:func:`pipekernel.schedules.skips.skip_lane`)."""
+    return 4 * chunks + 2 * skip_edges
 
 
 @dataclass(frozen=True)
@@ -117,11 +130,18 @@ class CommPlan:
 
 def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, num_stages: int,
                        chunks: int = 1, placement: str = "loop",
-                       trains: bool | None = None) -> CommPlan:
+                       trains: bool | None = None,
+                       skips: Sequence[tuple[int, int]] = ()) -> CommPlan:
     """The :class:`CommPlan` of ``stage`` for ``steps`` (see the module docstring).
 
     ``trains`` is accepted so that every posting policy (the simulator's
     ``posting=`` hook) has one signature; this policy does not need it.
+    ``skips``: the sorted skip edges ``(producer, consumer)`` of the model
+    (:func:`pipekernel.schedules.skips.check_skip_edges`); each gets two lanes of
+    its own, and its instructions (inserted by
+    :func:`~pipekernel.schedules.skips.add_skip_transfers`) are planned like the
+    activations and gradients: a skip receive at once, a skip-gradient receive once
+    the skip it answers was sent.
 
     Instructions the plan cannot place (a receive from no peer, a micro-batch
     instruction with an invalid chunk) are left to the simulator and the
@@ -141,9 +161,16 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             peers[i] = peer_of(ins, stage, num_stages, chunks, placement)
             local[i] = peers[i] is not None and peers[i][0] == stage
             if peers[i] is not None and not local[i]:
-                lanes[i] = lane_of(ins, stage, peers[i])
-    sent_at = {(type(ins), ins.chunk, ins.micro_batch): i for i, ins in enumerate(stream)
-               if isinstance(ins, SendActivation)}
+                if isinstance(ins, SkipInstruction):
+                    lanes[i] = skip_lane(list(skips), skip_edge_of(ins, stage, num_stages,
+                                                                   placement),
+                                         isinstance(ins, (SendSkipGrad, RecvSkipGrad)), chunks)
+                    if lanes[i] is None:  # an edge nobody declared: no peer to talk to
+                        peers[i] = None
+                else:
+                    lanes[i] = lane_of(ins, stage, peers[i])
+    sent_at = {(type(ins), ins.chunk, ins.micro_batch, getattr(ins, "peer", None)): i
+               for i, ins in enumerate(stream) if isinstance(ins, (SendActivation, SendSkip))}
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
     for i, ins in enumerate(stream):
@@ -151,10 +178,12 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             posts[i].append(i)
         if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
             continue
-        if isinstance(ins, RecvActivation):
+        answers = _ANSWERS.get(type(ins))
+        if answers is None:
             earliest = 0
         else:
-            earliest = sent_at.get((SendActivation, ins.chunk, ins.micro_batch), i)
+            earliest = sent_at.get((answers, ins.chunk, ins.micro_batch,
+                                    getattr(ins, "peer", None)), i)
         channel = (peers[i][0], lanes[i])
         previous = last_recv_on.get(channel)
         if previous is not None:

@@ -57,23 +57,31 @@ receive blocks until its message was sent, collectives are free.
 Virtual stages: pipeline positions and peers come from the schedule's
 ``placement`` (:mod:`pipekernel.schedules.placement`).
 
+Skip connections: with ``skips=[(producer, consumer), ...]`` (pipeline positions)
+each stage's steps get the skip transfers the engine inserts
+(:func:`~pipekernel.schedules.skips.add_skip_transfers`) and the plan gives each
+edge its lanes; they are matched, posted and checked like the activations and
+gradients (local hand-offs included). An edge whose consumer does not come after
+its producer is rejected before simulating.
+
 All problems are collected and raised as one :class:`ScheduleError`.
 """
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
-    MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad,
-    ReduceTiedGrads, SendActivation, SendGrad,
+    MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
+    ReduceTiedGrads, SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
 )
 from pipekernel.schedules.comm import CommPlan, peer_of, plan_communication
 from pipekernel.schedules.placement import check_placement
+from pipekernel.schedules.skips import add_skip_transfers, check_skip_edges, skip_edge_of
 
 __all__ = ["simulate", "SimulationResult", "format_grid", "COMPUTE", "DEFAULT_COSTS",
            "SEMANTICS", "WORLD_COLLECTIVES"]
@@ -89,8 +97,8 @@ WORLD_COLLECTIVES = (ReduceTiedGrads, OptimizerStep)
 
 _BACKWARDS = (Backward, BackwardInput, BackwardWeight)
 _WRITES = (LoadMicroBatch, RecvActivation, Forward)
-_SENDS = (SendActivation, SendGrad)
-_RECVS = (RecvActivation, RecvGrad)
+_SENDS = (SendActivation, SendGrad, SendSkip, SendSkipGrad)
+_RECVS = (RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad)
 _END = "the end-of-batch loss all-reduce"
 
 
@@ -126,8 +134,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
              chunks: int = 1, costs: Mapping[type, float] | None = None,
              semantics: str = "rendezvous",
              posting: Callable[..., CommPlan] | None = None,
-             stage_costs: Mapping[tuple[int, int], Mapping[type, float]] | None = None
-             ) -> SimulationResult:
+             stage_costs: Mapping[tuple[int, int], Mapping[type, float]] | None = None,
+             skips: Sequence[Sequence[int]] = ()) -> SimulationResult:
     """Simulate ``schedule`` on every stage of a pipeline and check it.
 
     :param schedule: a :class:`~pipekernel.schedules.base.Schedule` subclass, or
@@ -148,10 +156,14 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         :class:`~pipekernel.schedules.comm.CommPlan`, called like
         :func:`~pipekernel.schedules.comm.plan_communication` (the default, the
         plan the runtime executes) — to check another posting policy.
+    :param skips: skip edges ``(producer position, consumer position)``
+        (:mod:`pipekernel.schedules.skips`): each stage's steps get the skip
+        transfers the engine inserts, and the plan their lanes, before simulating.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
-    :raises ScheduleError: listing every problem found (mismatched sends and
-        receives, deadlock with the stuck stages, the cycle and the grid so far,
-        missing or repeated forwards/backwards, overwritten live buffers).
+    :raises ScheduleError: for a skip edge whose consumer does not come after its
+        producer (or outside the pipeline); then listing every problem found
+        (mismatched sends and receives, deadlock with the stuck stages, the cycle and
+        the grid so far, missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
     if semantics not in SEMANTICS:
@@ -163,8 +175,13 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
+    edges = check_skip_edges(skips, num_stages * chunks)
+    if edges:
+        objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
+                   for s, obj in enumerate(objects)]
     cls = _Rendezvous if semantics == "rendezvous" else _Buffered
     sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
+    sim.skips = edges
     if posting is not None:
         sim.posting = posting
     if stage_costs:
@@ -173,6 +190,21 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     if sim.problems:
         raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
     return sim.result()
+
+
+class _WithSkips:
+    """A stage's schedule object whose ``steps()`` carry the skip transfers."""
+
+    def __init__(self, obj, stage, num_stages, chunks, placement, edges) -> None:
+        self._obj, self._args = obj, (stage, num_stages, chunks, placement, edges)
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+    def steps(self):
+        stage, num_stages, chunks, placement, edges = self._args
+        return add_skip_transfers(self._obj.steps(), stage=stage, num_stages=num_stages,
+                                  chunks=chunks, placement=placement, edges=edges)
 
 
 def format_grid(result: SimulationResult) -> str:
@@ -238,6 +270,8 @@ def _error(schedule, num_stages, micro_batches, chunks, problems, semantics) -> 
 
 
 def _kind(instruction: Instruction) -> str:
+    if isinstance(instruction, SkipInstruction):
+        return "skip" if isinstance(instruction, (SendSkip, RecvSkip)) else "skip grad"
     return "activation" if isinstance(instruction, (SendActivation, RecvActivation)) else "grad"
 
 
@@ -290,6 +324,8 @@ class _Simulation:
     semantics = ""
     #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's ``stage_costs``)
     stage_costs: dict[tuple[int, int], dict[type, float]] = {}
+    #: the skip edges (simulate's ``skips``), sorted
+    skips: list[tuple[int, int]] = []
 
     def __init__(self, num_stages, micro_batches, chunks, costs, objects, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
@@ -344,10 +380,26 @@ class _Simulation:
         return self._peers[key]
 
     def _peer_of(self, stage: int, i: MicroBatchInstruction) -> tuple[int, int] | None:
+        if isinstance(i, SkipInstruction):
+            if skip_edge_of(i, stage, self.S, self.placement) not in self.skips:
+                return None
+            return peer_of(i, stage, self.S, self.C, self.placement)
         return self._peer(stage, i.chunk, 1 if isinstance(i, (SendActivation, RecvGrad)) else -1)
+
+    def _channel(self, stage: int, i: MicroBatchInstruction) -> object:
+        """What a transfer is matched within: its kind, and a skip's edge."""
+        if isinstance(i, SkipInstruction):
+            return (_kind(i), skip_edge_of(i, stage, self.S, self.placement))
+        return _kind(i)
 
     def _no_peer(self, where: str, i: MicroBatchInstruction) -> None:
         kind = _kind(i)
+        if isinstance(i, SkipInstruction):
+            producer, consumer = skip_edge_of(i, where.stage, self.S,
+                                              self.placement)
+            self.problems.append(f"{where}: no skip edge {producer} -> {consumer} was "
+                                 f"declared (edges: {self.skips})")
+            return
         if isinstance(i, _SENDS):
             end = "last" if kind == "activation" else "first"
             self.problems.append(f"{where}: the {end} pipeline position has no peer to send "
@@ -579,7 +631,7 @@ class _Buffered(_Simulation):
         if peer is None:
             self._no_peer(where, i)
             return
-        queue = self.channels.setdefault((stage, peer[0], _kind(i)), deque())
+        queue = self.channels.setdefault((stage, peer[0], self._channel(stage, i)), deque())
         cost = self.costs.get(type(i), 0.0)
         queue.append((i.micro_batch, peer[1], self.stages[stage].clock + cost, where))
 
@@ -588,7 +640,7 @@ class _Buffered(_Simulation):
         if peer is None:
             self._no_peer(where, i)
             return True
-        queue = self.channels.get((peer[0], stage, kind))
+        queue = self.channels.get((peer[0], stage, self._channel(stage, i)))
         if not queue:
             return False
         micro_batch, chunk, posted, sender = queue.popleft()
@@ -621,7 +673,8 @@ class _Buffered(_Simulation):
                 f"to send the {kind} of micro-batch {i.micro_batch} chunk {i.chunk}")
 
     def _check_complete(self) -> None:
-        for (src, dst, kind), queue in self.channels.items():
+        for (src, dst, channel), queue in self.channels.items():
+            kind = channel if isinstance(channel, str) else channel[0]
             for micro_batch, chunk, _, sender in queue:
                 self.problems.append(f"{sender}: the {kind} of micro-batch {micro_batch} sent to "
                                      f"stage {dst} chunk {chunk} is never received")
@@ -669,7 +722,7 @@ class _Rendezvous(_Simulation):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.local: dict[tuple[int, str], deque] = {}
+        self.local: dict[tuple[int, object], deque] = {}
         self.world: list[dict[int, tuple[float, object, str]]] = []  # k -> {stage: arrival}
         self.released: list[float | None] = []
 
@@ -694,8 +747,9 @@ class _Rendezvous(_Simulation):
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
             steps = [[i for i in step if isinstance(i, Instruction)] for step in self.steps[s]]
+            extra = {"skips": self.skips} if self.skips else {}
             plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
-                                placement=self.placement, trains=self.trains)
+                                placement=self.placement, trains=self.trains, **extra)
             self.plans.append(plan)
             groups, op_at = self._place_posts(s, plan)
             self.groups.append(groups)
@@ -730,7 +784,7 @@ class _Rendezvous(_Simulation):
                                 f"instruction(s), the stream has {n}",
                                 hint="a posting= function must plan the steps it is given",
                                 stage=stage)
-        p2p = (SendActivation, SendGrad, RecvActivation, RecvGrad)
+        p2p = _SENDS + _RECVS
         remote = [i for i, (_, ins) in enumerate(stream)
                   if isinstance(ins, p2p) and 0 <= ins.chunk < self.C
                   and plan.peers[i] is not None and not plan.local[i]]
@@ -900,7 +954,7 @@ class _Rendezvous(_Simulation):
             return
         self._run(stage, where, i)
         if peer[0] == stage:  # a local hand-off: done at once
-            queue = self.local.setdefault((stage, _kind(i)), deque())
+            queue = self.local.setdefault((stage, self._channel(stage, i)), deque())
             queue.append((i.micro_batch, peer[1], self.stages[stage].clock, where))
 
     def _receive(self, stage: int, pc: int, where: str, i: MicroBatchInstruction) -> bool:
@@ -910,7 +964,7 @@ class _Rendezvous(_Simulation):
             return True
         st = self.stages[stage]
         if peer[0] == stage:
-            queue = self.local.get((stage, _kind(i)))
+            queue = self.local.get((stage, self._channel(stage, i)))
             if not queue:
                 return False
             micro_batch, chunk, ready, sender = queue.popleft()
@@ -978,7 +1032,9 @@ class _Rendezvous(_Simulation):
         return True
 
     def _check_complete(self) -> None:
-        for (stage, kind), queue in self.local.items():
+        for (stage, channel), queue in self.local.items():
+            kind = channel if isinstance(channel, str) else \
+                f"{channel[0]} {channel[1][0]}->{channel[1][1]}"
             for micro_batch, chunk, _, sender in queue:
                 self.problems.append(f"{sender}: the {kind} of micro-batch {micro_batch} handed "
                                      f"to chunk {chunk} of the same stage is never received")
