@@ -5,6 +5,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
+from pipekernel import tensor_parallel
 from pipekernel.checkpoint import load_sequential
 from pipekernel.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
@@ -33,4 +34,5 @@ __all__ = [
     "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
     "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
     "PartitionReport", "P2POp", "auto", "Plan", "skippable", "Skip", "stash", "pop",
+    "tensor_parallel",
 ]

@@ -522,6 +522,7 @@ class PipelineEngine:
                 hint="the token_count loss_fn returns must be > 0 over the batch: check "
                      "the padding mask of the labels", rank=self.rank, stage=self.stage,
                 step=self.global_steps + 1)
+        # every tensor-parallel rank of a last stage counts the same tokens
         return self.micro_batches * self._loss_copies() / total_tokens
 
     def _clip_coef(self, norm: float) -> float:

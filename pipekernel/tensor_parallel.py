@@ -11,7 +11,8 @@ functions, and a Megatron-style column/row-parallel linear pair (no Megatron nee
 Outside a context (a single process, the parity reference, a meta-device build
 for partitioning or checkpoint metadata) the group is the trivial one of size 1,
 so the same layer list builds the whole model. A layer keeps the group it saw in
-``__init__`` for its forward.
+``__init__`` for its forward. The current group is a ``contextvars.ContextVar`` set only inside
+:func:`context` (like ``torch.device`` as a context manager), never process-wide state.
 
 **Initialisation makes parity possible.** :class:`ColumnParallelLinear` and
 :class:`RowParallelLinear` build the *full* ``nn.Linear`` (same random draws as a

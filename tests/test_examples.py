@@ -59,6 +59,16 @@ def test_quickstart_trains_and_the_loss_falls():
     assert final < 0.5 * first, last
 
 
+def test_tensor_parallel_example_matches_its_one_process_oracle():
+    import pipe_tensor_parallel as example
+    results = run_ranks(example.train, 4)
+    assert [(r["stage"], r["tp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {s for r in results for s in r["shards"]} == {2}  # the blocks saw their group
+    expected = example.reference()
+    for r in results:
+        assert r["losses"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_skip_connections_example_matches_one_process():
     import skip_connections
 

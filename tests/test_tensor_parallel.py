@@ -16,7 +16,7 @@ from pipekernel.testing import assert_parity, reference_train, run_ranks
 MB, STEPS = 3, 3
 
 
-def tp_mlp(num_stages=None, width=16, hidden=32):
+def tp_mlp(num_stages=None, width=16, hidden=32, partition=None):
     """Megatron-style blocks: column-parallel up, tanh on the shards, row-parallel down."""
     def block():
         return [pk.LayerSpec(tp.ColumnParallelLinear, width, hidden), torch.tanh,
@@ -24,7 +24,7 @@ def tp_mlp(num_stages=None, width=16, hidden=32):
     layers = [pk.LayerSpec(nn.Linear, 8, width), *block(), torch.tanh, *block(),
               pk.LayerSpec(nn.Linear, width, 4)]
     return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
-                             partition=[0, 5, len(layers)], seed=7)
+                             partition=partition or [0, 5, len(layers)], seed=7)
 
 
 class Counting:
@@ -133,6 +133,112 @@ def test_tensor_layers_build_whole_outside_a_context_and_check_divisibility():
     full = nn.Linear(8, 3)
     torch.testing.assert_close(row.weight, full.weight[:, 2:4])
     assert tp.size() == 1
+
+
+# -- partitioned wire objects, without processes ------------------------------------------
+
+class _FakeGroup:
+    """Rank ``rank`` of a group whose members' slices are known in advance."""
+
+    def __init__(self, rank, size, slices=None):
+        self.rank, self.size, self.slices = rank, size, slices
+
+    def all_gather(self, tensor):
+        return torch.stack([tensor if r == self.rank else self.slices[r]
+                            for r in range(self.size)])
+
+
+def test_partitioned_slices_round_trip_through_the_wire_metadata_with_padding():
+    from pipekernel.partitioned import ActivationPartitioner
+    from pipekernel.wire import Partitioned, decode, encode, flatten, unflatten
+
+    x = torch.randn(3, 5, requires_grad=True)   # 15 elements: 8 + 7, one of padding
+    mask = torch.tensor([True, False])
+    obj = (x, (mask, torch.arange(3)))
+    splits = [ActivationPartitioner(_FakeGroup(r, 2)).split(obj) for r in range(2)]
+    part0 = splits[0][0]
+    assert isinstance(part0, Partitioned) and part0.part.shape == (8,) and part0.shape == (3, 5)
+    assert splits[0][1][0] is mask  # integer / bool tensors travel whole
+    # what the wire carries: the slice, with T and the full shape in the metadata
+    tensors, structure = flatten(splits[1])
+    specs, decoded = decode(encode(tensors, structure))
+    assert specs[0][2] == (8,) and specs[0][1]  # the slice, flagged requires_grad
+    received = unflatten(tensors, decoded)
+    assert isinstance(received[0], Partitioned)
+    assert (received[0].parts, received[0].shape) == (2, (3, 5))  # from the metadata alone
+    joined = ActivationPartitioner(_FakeGroup(1, 2, {0: part0.part.detach()})).join(received)
+    assert torch.equal(joined[0], x.detach()) and joined[0].requires_grad and joined[0].is_leaf
+    assert torch.equal(joined[1][1], torch.arange(3))
+
+
+def gather_fallback_worker():
+    """pipekernel.collectives.all_gather with and without the transport's all_gather."""
+    from pipekernel.collectives import all_gather
+    from pipekernel.transports.gloo import GlooTransport
+
+    class Without:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            if name == "all_gather":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    transport = GlooTransport(timeout=30)
+    mine = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * transport.rank
+    native = all_gather(transport, mine, None, transport.rank, transport.world_size)
+    fallback = all_gather(Without(transport), mine, None, transport.rank, transport.world_size)
+    transport.close()
+    return native, fallback
+
+
+def test_all_gather_falls_back_to_an_all_reduce_exactly():
+    for native, fallback in run_ranks(gather_fallback_worker, 2):
+        expected = torch.stack([torch.arange(6.).view(2, 3), torch.arange(6.).view(2, 3) + 10])
+        assert torch.equal(native, expected) and torch.equal(fallback, expected)
+
+
+# -- tensor x data parallelism x ZeRO-1 --------------------------------------------------
+
+def tp_dp_zero_worker(precision):
+    out = {}
+    for zero in (0, 1):
+        engine = pk.PipelineEngine(tp_mlp(num_stages=1, partition="uniform"), optimizer=adam,
+                                   micro_batches=MB, tensor_parallel_size=2,
+                                   data_parallel_size=2, zero_stage=zero, precision=precision,
+                                   max_grad_norm=0.5, timeout=60)
+        losses = [engine.train_batch(iter(mlp_data(s, engine.data_parallel_rank, MB))).item()
+                  for s in range(STEPS)]
+        out[zero] = {"losses": losses, "norm": engine.last_grad_norm,
+                     "state": {k: engine.precision.master(p).detach().clone()
+                               for k, p in engine.module.named_parameters()},
+                     "dims": {k: tp.sharded_dim(p) for k, p in engine.module.named_parameters()},
+                     "where": (engine.data_parallel_rank, engine.topology.model_rank)}
+    return out
+
+
+def test_one_stage_two_replicas_two_tensor_ranks_zero1_matches_one_process():
+    results = run_ranks(tp_dp_zero_worker, 4, "fp32")
+    assert [r[1]["where"] for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ref_losses, ref_state = _reference(2, adam)
+    for r in results:
+        assert r[1]["losses"] == pytest.approx(r[0]["losses"], rel=1e-6)
+        assert r[1]["norm"] == pytest.approx(r[0]["norm"], rel=1e-6)
+        g = tp.TensorParallelGroup(r[1]["where"][1], 2)
+        expected = {k: ref_state[k] if r[1]["dims"][k] is None else tp.shard(ref_state[k],
+                                                                             r[1]["dims"][k], g)
+                    for k in r[1]["state"]}
+        assert_parity(r[1]["losses"], ref_losses, r[1]["state"], expected)
+
+
+def test_two_stages_two_replicas_two_tensor_ranks_on_eight_processes():
+    """2 x 2 x 2, ZeRO-1 and partitioned activations together, against one process."""
+    results = run_ranks(tp_worker, 8, 2, 2, adam, True, "fp32", 1, 3, timeout=300)
+    assert sorted((r["stage"], r["tp_rank"]) for r in results) == \
+        sorted([(s, t) for s in range(2) for t in range(2)] * 2)
+    ref_losses, ref_state = _reference(2, adam)
+    _check(results, ref_losses, ref_state)
 
 
 class _Pair:

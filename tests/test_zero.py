@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from models import adam, mlp, mlp_data
+from models import MODELS, adam, mlp, mlp_data
 
 import pipekernel as pk
 from pipekernel.testing import run_ranks
@@ -28,15 +28,21 @@ def _run(engine, steps):
             for s in steps]
 
 
-def zero_vs_replicated_worker(stages, dp, precision, kw):
+def zero_vs_replicated_worker(stages, dp, precision, kw, model="mlp"):
     out = {}
+    build, data = MODELS[model]
     for zero in (0, 1):
-        engine = _engine(stages, dp, zero, precision, **kw)
-        losses = _run(engine, range(STEPS))
+        engine = pk.PipelineEngine(
+            build(num_stages=stages), optimizer=adam, micro_batches=MB, data_parallel_size=dp,
+            precision=precision, zero_stage=zero, timeout=60,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), **kw)
+        losses = [engine.train_batch(iter(data(s, engine.data_parallel_rank, MB))).item()
+                  for s in range(STEPS)]
         out[zero] = {"losses": losses, "masters": _masters(engine),
                      "state_bytes": optimizer_state_bytes(engine.optimizer),
                      "zero": isinstance(engine.optimizer, ZeroOptimizer),
-                     "norm": engine.last_grad_norm, "metrics": engine.precision.metrics()}
+                     "norm": engine.last_grad_norm, "metrics": engine.precision.metrics(),
+                     "lr": engine.optimizer.param_groups[0]["lr"]}
 
     return out
 
@@ -44,7 +50,8 @@ def zero_vs_replicated_worker(stages, dp, precision, kw):
 def one_process_worker(dp, precision):
     """The same data on one process: every replica's micro-batches accumulated."""
     engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=adam, micro_batches=MB * dp,
-                               precision=precision, timeout=60)
+                               precision=precision, timeout=60,
+                               lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     losses = [engine.train_batch(iter([item for r in range(dp) for item in mlp_data(s, r, MB)]))
               .item() for s in range(STEPS)]
     return losses, _masters(engine)
@@ -58,6 +65,7 @@ def test_zero1_two_stages_two_replicas_matches_replicated_and_one_process(precis
     for rank_result in results:
         plain, zero = rank_result[0], rank_result[1]
         assert zero["zero"] and not plain["zero"]
+        assert zero["lr"] == plain["lr"] == pytest.approx(1e-2 * 0.5 ** STEPS)
         # same gradients, element-wise AdamW on shards: the same numbers as replicated
         assert zero["losses"] == pytest.approx(plain["losses"], rel=1e-6)
         for name, value in zero["masters"].items():
@@ -72,6 +80,15 @@ def test_zero1_two_stages_two_replicas_matches_replicated_and_one_process(precis
         if "max_grad_norm" in kw:
             assert zero["norm"] == pytest.approx(plain["norm"], rel=1e-6)
             assert zero["metrics"] == plain["metrics"]  # the same loss scale
+
+
+def test_zero1_with_tied_weights_across_stages_matches_replicated():
+    for rank_result in run_ranks(zero_vs_replicated_worker, 4, 2, 2, "fp32", {}, "tied"):
+        plain, zero = rank_result[0], rank_result[1]
+        assert zero["zero"] and zero["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        for name, value in zero["masters"].items():
+            torch.testing.assert_close(value, plain["masters"][name], rtol=1e-6, atol=1e-7)
+        assert zero["state_bytes"] < plain["state_bytes"]
 
 
 def state_dict_worker():
