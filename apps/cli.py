@@ -32,6 +32,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
     g.add_argument("--data-parallel", type=int, default=d.data_parallel,
                    help="pipeline replicas (data parallelism)")
+    g.add_argument("--rank-order", default=d.rank_order,
+                   help="which rank is which, innermost axis first (tp-dp-pp: tensor-parallel "
+                        "ranks adjacent, replicas next, pipeline stages outermost; any "
+                        "permutation of tp, dp, pp); the mapping is printed at start")
+    g.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=(0, 1),
+                   help="1: shard the optimizer state over the replicas (ZeRO-1)")
     g.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="micro-batches per step")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,

@@ -38,6 +38,8 @@ class TrainConfig:
     save_every: int = 0
     resume: bool = False
     checkpoint_dir: str | None = None
+    rank_order: str = "tp-dp-pp"  # innermost axis first; see pipekernel.topology
+    zero_stage: int = 0
 
     @property
     def checkpoints(self) -> str:

@@ -54,6 +54,8 @@ def _positive(cfg: TrainConfig) -> None:
             f"{cfg.layers + 2} layers (embedding, {cfg.layers} blocks, head) cannot fill "
             f"{cfg.stages} stages",
             hint=f"pass --layers {cfg.stages - 2} or more, or fewer --stages")
+    from pipekernel.parallel import ParallelConfig
+    ParallelConfig.make(rank_order=cfg.rank_order, zero_stage=cfg.zero_stage)  # clear errors
 
 
 # -- data -------------------------------------------------------------------------------
@@ -175,6 +177,21 @@ def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -
     return float(engine.eval_batch(iter(batch)))
 
 
+def _describe_ranks(engine: pk.PipelineEngine) -> list[str]:
+    """The rank order and which rank is which stage and replica (nodes by
+    ``LOCAL_WORLD_SIZE`` under torchrun); a summary line for more than 32 ranks."""
+    from pipekernel.topology import format_rank_map
+
+    topo = engine.topology
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
+    zero = ", ZeRO-1 optimizer state" if engine.parallel.zero_stage else ""
+    head = f"ranks (order {topo.order}, innermost first{zero}):"
+    lines = format_rank_map(topo, per_node)
+    if len(lines) > 32:
+        lines = lines[:4] + [f"... ({len(lines) - 8} more)"] + lines[-4:]
+    return [head, *("  " + line for line in lines)]
+
+
 def _describe_partition(module: pk.PipelineModule, bounds: list[int],
                         part_stages: list[int] | None = None) -> list[str]:
     counts = module.parameter_counts()
@@ -248,7 +265,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         micro_batches=cfg.micro_batches, schedule=cfg.schedule, chunks=cfg.chunks,
         transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
-        timeout=cfg.timeout,
+        timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
             (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))))
@@ -265,6 +282,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
                f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
                f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
                f"tokens per step",
+               *_describe_ranks(engine),
                f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
                                                                  engine.part_stages))
     held_before = _eval_loss(engine, held_ids, cfg)

@@ -16,8 +16,16 @@ checkpoint root, plus a ``latest`` pointer::
                              precision policy's own state (loss scale, ...), the LR
                              scheduler, the data-parallel rank and data position
 
+Tensor parallelism and ZeRO-1 shard tensors in memory, never in the files: on save
+the shards are put together (tensor-parallel shards all-gathered over the
+tensor-parallel group, ZeRO-1 optimizer state by its collective ``state_dict``) and
+data-parallel and tensor-parallel rank 0 writes the whole tensors; on load each rank
+cuts its own shards (:func:`pipekernel.tensor_parallel.shard_layer_state`,
+:meth:`pipekernel.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
+tensor-parallel size and any D, with or without ZeRO, and as one plain model.
+
 Why not ``torch.distributed.checkpoint`` (DCP): DCP reshards *tensors* through a
-global plan, but pipekernel never shards a tensor — a layer lives whole on one stage —
+global plan, but in the files pipekernel never shards a tensor — a layer is whole —
 so resharding is just "each rank reads the layers it holds", which one file per layer
 gives for free, with no planner, no collective at load beyond one agreement, files a
 user can open with ``torch.load`` and no coupling to DCP's changing APIs. DCP would
@@ -37,8 +45,8 @@ What a caller may rely on:
   the failing rank's message, and nothing is half-applied.
 * **Partitioning-independent.** Weights are keyed by global layer index and optimizer
   state by parameter name (``"{layer}.{name}"``, a tied weight under its first
-  layer), so a checkpoint saved at P stages x D replicas (any schedule, any chunks)
-  loads at P' x D', and :func:`load_sequential` loads it as one plain model.
+  layer), so a checkpoint saved at P stages x D replicas x T tensor-parallel ranks
+  (any schedule, any chunks, ZeRO-1 or not) loads at P' x D' x T', and :func:`load_sequential` loads it as one plain model.
 * **Bit-exact resume at the same shape.** Loading into the same stages, replicas,
   schedule placement, chunks and bounds restores every rank's RNG states too, so
   training continues exactly as if never stopped (fp32 with dropout, fp16 with its
@@ -63,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipekernel import tensor_parallel as tp
 from pipekernel.errors import ConfigError, DataError, PipelineError
 
 __all__ = ["FORMAT_VERSION", "save", "load", "load_sequential", "read_meta", "latest_tag"]
@@ -288,11 +297,14 @@ def _cpu(obj: Any) -> Any:
 
 
 def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
-    """The layer files this rank writes (data-parallel rank 0, canonical layers only)."""
-    if engine.data_parallel_rank != 0:
-        return {}
+    """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
+    canonical layers only), with whole tensors: ZeRO-1 shards (a collective
+    ``state_dict``) and tensor-parallel shards (gathered) put together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
+    if engine.data_parallel_rank != 0:
+        return {}
+    tp_group = getattr(engine, "tp_group", None) or tp.group()
     index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
                 if optimizer is not None else {})
     groups = _group_of(optimizer) if optimizer is not None else {}
@@ -311,9 +323,10 @@ def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
                 hyper[sub] = groups[id(master)]
                 if i in opt_state:
                     optim[sub] = opt_state[i]
+        state, optim = tp.gather_layer_state(layer, state, optim, tp_group)
         payloads[index] = _cpu({"layer": index, "state": state, "optimizer": optim,
                                 "param_groups": hyper})
-    return payloads
+    return payloads if tp_group.rank == 0 else {}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -340,9 +353,21 @@ def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
 
 
 def _layout(engine: Any) -> dict[str, Any]:
+    topo = engine.topology
     return {"num_stages": engine.num_stages, "data_parallel_size": engine.data_parallel_size,
             "world_size": engine.transport.world_size, "chunks": engine.chunks,
-            "placement": engine.placement, "bounds": list(engine.bounds)}
+            "placement": engine.placement, "bounds": list(engine.bounds),
+            "tensor_parallel_size": topo.model_size, "rank_order": topo.order}
+
+
+def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
+    """Same shape and the same rank for every position (then RNG states are restored).
+    Checkpoints from before the rank order existed used ``"tp-pp-dp"``; with one
+    replica and one tensor-parallel rank every order is the same."""
+    saved = {"tensor_parallel_size": 1, "rank_order": "tp-pp-dp", **saved}
+    if ours["data_parallel_size"] == 1 and ours["tensor_parallel_size"] == 1:
+        saved, ours = ({k: v for k, v in d.items() if k != "rank_order"} for d in (saved, ours))
+    return saved == ours
 
 
 def _meta(engine: Any) -> dict[str, Any]:
@@ -461,15 +486,17 @@ def _wrap(error: BaseException | None, root: str, phase: str) -> BaseException |
 # -- load --------------------------------------------------------------------------------
 
 def _check_model(meta: dict, module: Any, directory: str,
-                 layers: Iterable[tuple[int, nn.Module]]) -> None:
-    """``ConfigError`` naming the first layer whose tensors differ from the checkpoint's."""
+                 layers: Iterable[tuple[int, nn.Module]], shapes_of: Any = None) -> None:
+    """``ConfigError`` naming the first layer whose tensors differ from the checkpoint's
+    (``shapes_of(layer)``: the whole shapes of its ``state_dict``; default: as they are)."""
     if meta["num_layers"] != len(module.layers):
         raise ConfigError(f"checkpoint {directory} holds a model of {meta['num_layers']} "
                           f"layers and this PipelineModule has {len(module.layers)}",
                           hint="load it with the layer list it was saved from")
     for index, layer in layers:
         saved = meta["layers"][index]
-        ours = {k: list(v.shape) for k, v in layer.state_dict().items()}
+        ours = (shapes_of(layer) if shapes_of is not None
+                else {k: list(v.shape) for k, v in layer.state_dict().items()})
         theirs = saved.get("shapes", {})
         for key in [*ours, *(k for k in theirs if k not in ours)]:
             if ours.get(key) != theirs.get(key):
@@ -500,6 +527,7 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
     root = os.fspath(root)
     rank, transport = engine.rank, engine.transport
     local = _local_layers(engine.module, engine.pipeline_module)
+    tp_group = getattr(engine, "tp_group", None) or tp.group()
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
@@ -508,9 +536,10 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
         for name, index, layer in local:
             canonical_layers.setdefault(index, layer)
         _check_model(meta, engine.pipeline_module, directory,
-                     [(i, canonical_layers[i]) for i in needed])
+                     [(i, canonical_layers[i]) for i in needed],
+                     lambda layer: tp.full_shapes(layer, tp_group))
         payloads = {i: _read_layer(directory, meta, i) for i in needed}
-        exact = meta["topology"] == _layout(engine)
+        exact = _same_layout(meta["topology"], _layout(engine))
         mine = _read_rank(directory, rank if exact else 0)
         return directory, meta, payloads, mine, exact
 
@@ -542,6 +571,9 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
             payload = payloads.get(index)
             if payload is None:
                 continue
+            state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
+                                                getattr(engine, "tp_group", None) or tp.group())
+            payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)
             except RuntimeError as err:

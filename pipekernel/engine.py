@@ -24,8 +24,13 @@ from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make
 from pipekernel.runtime import StageRuntime
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.placement import check_placement, locate, parts_of
+from pipekernel.parallel import ParallelConfig
+from pipekernel.partitioned import ActivationPartitioner
 from pipekernel.schedules.skips import add_skip_transfers
 from pipekernel.skip_routing import check_schedules, router_for
+from pipekernel.tensor_parallel import context as tp_context
+from pipekernel.tensor_parallel import make_group as make_tp_group
+from pipekernel.tensor_parallel import sharded_dim
 from pipekernel.topology import Topology
 
 __all__ = ["PipelineEngine"]
@@ -97,6 +102,18 @@ class PipelineEngine:
         all-reduce starts during the stage's last backward of the batch, as soon as
         its gradients are final (see :mod:`pipekernel.grad_reduce`). ``0``: no
         overlap, one flat all-reduce at ``ReduceGrads``.
+    :param tensor_parallel_size: tensor-parallel ranks per stage ``T`` (default 1): the
+        world is ``stages x replicas x T``; layers reach their group through
+        :mod:`pipekernel.tensor_parallel` while they are built (see ``docs/parallelism.md``).
+    :param rank_order: which rank is which, innermost axis first (default
+        ``"tp-dp-pp"``: tensor-parallel ranks adjacent, pipeline outermost; any
+        permutation of ``tp``, ``dp``, ``pp``; see :mod:`pipekernel.topology`).
+    :param partition_activations: with ``T > 1``, each tensor-parallel rank sends only
+        its ``1/T`` slice of the (replicated) floating-point activations and gradients
+        between stages and the receiver all-gathers them over its tensor-parallel group
+        (default ``True``; ``False`` sends the whole tensors from every rank).
+    :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
+        (ZeRO-1, :mod:`pipekernel.zero`); ``0`` (default) replicates it.
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
@@ -108,7 +125,9 @@ class PipelineEngine:
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
                  nonfinite: str = "error", check_data_steps: int = 3,
-                 loss_reduction: str = "mean") -> None:
+                 loss_reduction: str = "mean",
+                 tensor_parallel_size: int = 1, rank_order: str | None = None,
+                 partition_activations: bool = True, zero_stage: int = 0) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -139,7 +158,9 @@ class PipelineEngine:
                         precision_options=precision_options, eval_schedule=eval_schedule,
                         max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                         chunks=chunks, transport=transport, nonfinite=nonfinite,
-                        check_data_steps=check_data_steps, loss_reduction=loss_reduction)
+                        check_data_steps=check_data_steps, loss_reduction=loss_reduction,
+                        parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
+                                                     partition_activations, zero_stage))
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise
@@ -149,7 +170,7 @@ class PipelineEngine:
                precision_options: dict | None, eval_schedule: str,
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
                transport: str, nonfinite: str, check_data_steps: int,
-               loss_reduction: str) -> None:
+               loss_reduction: str, parallel: ParallelConfig) -> None:
         if nonfinite not in ("error", "skip"):
             raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
@@ -161,8 +182,11 @@ class PipelineEngine:
             and module.loss_fn is not None else None
         self._batches_run = 0
         world, rank = self.transport.world_size, self.transport.rank
-        num_stages = module.num_stages or world // (data_parallel_size or 1)
-        self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size)
+        self.parallel = parallel
+        tp = parallel.tensor_parallel_size
+        num_stages = module.num_stages or world // ((data_parallel_size or 1) * tp)
+        self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size, tp,
+                                            parallel.rank_order)
         #: The :class:`~pipekernel.planner.Plan` ``schedule="auto"`` chose (else ``None``).
         self.plan: Plan | None = None
         if is_auto(schedule):
@@ -198,7 +222,7 @@ class PipelineEngine:
                   if isinstance(module.partition_method, (str, list, tuple)) else
                   type(module.partition_method).__name__,
                   "nonfinite": nonfinite, "check_data_steps": check_data_steps,
-                  "loss_reduction": loss_reduction,
+                  "loss_reduction": loss_reduction, **parallel.fields(),
                   "skip connections": sorted(module.skip_names.items())}
         check_consistency(self.transport, fields)
         # every rank partitions here, before any group exists: plugins may broadcast
@@ -223,11 +247,12 @@ class PipelineEngine:
         self.partition_report = PartitionReport.build(module, self.bounds, context)
         if rank == 0:
             _partition_log.info("%s", self.partition_report.format())
-        self.module = module.build_stage(
-            self.stage, self.bounds,
-            parts_of(self.stage, num_stages, self.chunks, self.placement)
-        ).to(self.transport.device)
+        #: This rank's :class:`~pipekernel.tensor_parallel.TensorParallelGroup`.
+        self.tp_group = make_tp_group(self.topology, self.transport)
         positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
+        with tp_context(self.tp_group):  # layers built here see their group
+            self.module = module.build_stage(self.stage, self.bounds, positions
+                                             ).to(self.transport.device)
         #: Skip connections between parts (:mod:`pipekernel.skips`), or ``None``.
         self.skip_router = router_for(module, self.bounds, self.module, positions, self.stage)
         self.skip_edges = self.skip_router.edges if self.skip_router is not None else []
@@ -255,6 +280,8 @@ class PipelineEngine:
                                     reduce_grads=self.reduce_grads,
                                     optimizer_step=self._optimizer_step,
                                     chunks=self.chunks, placement=self.placement,
+                                    wire=ActivationPartitioner(self.tp_group)
+                                    if parallel.partitions else None,
                                     skips=self.skip_router, **self._backward_callbacks())
         handlers = self.runtime.handlers()
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
@@ -339,6 +366,11 @@ class PipelineEngine:
             if self.topology.data_size > 1:
                 for p in self.module.parameters():
                     self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
+            tp = self.tp_group
+            if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
+                for p in self.module.parameters():
+                    if sharded_dim(p) is None:
+                        self.transport.broadcast(p.data, tp.ranks[0], tp.handle)
 
     def _make_reducers(self) -> None:
         """One :class:`GradReducer` per tied group (a sum over stages, no overlap) and
@@ -379,7 +411,15 @@ class PipelineEngine:
                     hint="pass a factory: optimizer=lambda params: torch.optim.AdamW(params, ...)",
                     rank=self.rank, stage=self.stage)
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer is not None and self.parallel.zero_stage:
+                raise ConfigError("zero_stage=1 needs an optimizer factory, got a built optimizer",
+                                  hint="pass optimizer=lambda params: torch.optim.AdamW(params, "
+                                       "...): ZeRO-1 builds it over this replica's shard")
             return optimizer
+        if callable(optimizer) and self.parallel.zero_stage and self.topology.data_size > 1:
+            from pipekernel.zero import ZeroOptimizer
+            return ZeroOptimizer(params, optimizer, self.transport, self.data_group,
+                                 self.topology.data_rank, self.topology.data_size)
         if callable(optimizer):
             return optimizer(params)
         raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",
@@ -454,15 +494,17 @@ class PipelineEngine:
 
     def _local_grad_norm_sq(self) -> float:
         """This rank's share of the global squared gradient norm: one replica counts
-        (gradients are equal after the data-parallel reduction) and a tied weight
-        counts on the first stage holding it only."""
+        (gradients are equal after the data-parallel reduction), a tied weight
+        counts on the first stage holding it only, and a parameter replicated over the
+        tensor-parallel group on its rank 0 only (shards count on every rank)."""
         if self.topology.data_rank != 0:
             return 0.0
+        replicated = self.topology.model_rank != 0  # counted on tensor-parallel rank 0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
         squares = [grad.detach().double().pow(2).sum()
                    for p, grad in self._master_grads(self.module.parameters())
-                   if id(p) not in not_owner]
+                   if id(p) not in not_owner and not (replicated and sharded_dim(p) is None)]
         return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
 
     def _token_scale(self, total_tokens: float) -> float:
@@ -476,7 +518,7 @@ class PipelineEngine:
                 hint="the token_count loss_fn returns must be > 0 over the batch: check "
                      "the padding mask of the labels", rank=self.rank, stage=self.stage,
                 step=self.global_steps + 1)
-        return self.micro_batches * self.topology.data_size / total_tokens
+        return self.micro_batches * self._loss_copies() / total_tokens
 
     def _clip_coef(self, norm: float) -> float:
         return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
@@ -658,7 +700,7 @@ class PipelineEngine:
         if flagged and not torch.isfinite(out[0]):
             self._raise_nonfinite(out[2:].tolist())
         if not tokens:
-            return (out[0] / (m * self.topology.data_size)).reshape(())
+            return (out[0] / (m * self._loss_copies())).reshape(())
         if out[1] <= 0:
             raise DataError(f"the batch has no tokens (loss_reduction='tokens'): the "
                             f"token counts of its {m} micro-batch(es) sum to {float(out[1]):g}",
@@ -679,6 +721,10 @@ class PipelineEngine:
                  "data of those micro-batches, or pass nonfinite='skip' to skip such "
                  "steps on every rank", rank=self.rank, stage=self.stage,
             step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
+
+    def _loss_copies(self) -> int:
+        """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""
+        return self.topology.data_size * self.topology.model_size
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "

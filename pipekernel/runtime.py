@@ -83,6 +83,10 @@ class StageRuntime:
         batch that produces weight gradients on this stage (to start reductions).
     :param after_last_backward: called right after that instruction and the
         precision's ``after_backward`` (gradients are final there, fp32 masters included).
+    :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
+        ``join(obj)`` (what a received object stands for), e.g. the partitioned
+        activations of :mod:`pipekernel.partitioned`; ``None``: objects travel as they are.
+        Skip connections travel as they are.
     :param skips: the :class:`~pipekernel.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     """
@@ -93,7 +97,7 @@ class StageRuntime:
                  optimizer_step: Callable[[], None], chunks: int = 1, placement: str = "loop",
                  before_last_backward: Callable[[], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 skips: SkipRouter | None = None) -> None:
+                 wire: Any = None, skips: SkipRouter | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.loss_fn, self.precision = loss_fn, precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -110,6 +114,8 @@ class StageRuntime:
         self._optimizer_step = optimizer_step
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
+        self._split = wire.split if wire is not None else _same
+        self._join = wire.join if wire is not None else _same
         self._skips = skips
         self._channels: dict[tuple[type, int, int | None], Channel] = {}
         self.buffers: list[Buffer] = []
@@ -262,9 +268,9 @@ class StageRuntime:
         if isinstance(instruction, isa.SendActivation):
             if self.check_data:
                 flatten(buffer.outputs, "outputs")  # names the path without the wrapper
-                return buffer.outputs, self._fingerprint(instruction.micro_batch)
-            return buffer.outputs
-        return buffer.input_grads
+                return self._split((buffer.outputs, self._fingerprint(instruction.micro_batch)))
+            return self._split(buffer.outputs)
+        return self._split(buffer.input_grads)
 
     def _fingerprint(self, micro_batch: int) -> torch.Tensor:
         fp = self._fingerprints.get(micro_batch)
@@ -301,7 +307,7 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        obj = self._channel(instruction).finish(pending)
+        obj = self._join(self._channel(instruction).finish(pending))
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
@@ -533,6 +539,10 @@ class StageRuntime:
         if buffer.skips is None:
             buffer.skips = SkipState()
         self._skips.deliver(instruction, buffer.skips, obj)
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 def _detach_like(obj: Any) -> Any:

@@ -1,11 +1,27 @@
-"""Where each process sits: a (data, pipe, model) grid of ranks.
+"""Where each process sits: a (pipe, data, model) grid of ranks, in a chosen rank order.
 
-Rank order: ``rank = (data * pipe_size + stage) * model_size + model``. With
-``model_size == 1`` (the default) adjacent ranks are consecutive stages of the
-same pipeline, so a pipeline's point-to-point traffic stays on one node when
-``pipe_size`` divides the GPUs per node. The model (tensor-parallel) axis is
-kept in the type for later; it is innermost, as tensor parallelism needs the
-fastest links.
+The **rank order** names the axes from the innermost (neighbouring ranks differ in
+it) to the outermost, Megatron-style: ``"tp-dp-pp"`` (the default) means
+
+    rank = (stage * data_size + data) * model_size + model
+
+so a tensor-parallel group is a run of consecutive ranks, the replicas of one stage
+come next, and the pipeline axis is outermost. On a job of nodes with ``G`` GPUs each
+(ranks ``n*G .. n*G+G-1`` on node ``n``), this keeps the tensor-parallel collectives
+(every layer) and then the data-parallel all-reduce (the whole gradient, every step)
+on the fast intra-node links whenever ``T * D`` divides ``G``, and puts the smallest
+traffic — point-to-point activations between stages — across nodes. Per step and rank,
+with ``p`` parameters per stage, gradients of ``g`` bytes, ``m`` micro-batches of
+``a`` activation bytes: the ring all-reduce moves ``2 * p * g * (D-1)/D`` bytes, the
+pipeline ``2 * m * a`` (one activation forward, one gradient back). For a 7B model on
+2 stages in bf16 (``p = 3.5e9``, ``g = 2``) that is ~7 GB per rank per step for the
+all-reduce at D=2, against ~0.5 GB of activations for ``m = 8`` micro-batches of
+``4096 x 4096`` bf16 — the all-reduce is the one to keep off the network
+(``docs/parallelism.md`` works a 2-node example).
+
+Any permutation of ``tp``, ``dp`` and ``pp`` is accepted; ``"tp-pp-dp"`` is the
+order pipekernel used before (stages of one pipeline on adjacent ranks). With
+``data_size == model_size == 1`` every order gives ``rank == stage``.
 """
 from __future__ import annotations
 
@@ -13,17 +29,58 @@ from dataclasses import dataclass
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "DEFAULT_RANK_ORDER", "parse_rank_order", "rank_map", "format_rank_map"]
+
+#: The default rank order, innermost axis first (see the module docstring).
+DEFAULT_RANK_ORDER = "tp-dp-pp"
+_AXES = ("tp", "dp", "pp")
+
+
+def parse_rank_order(order: str) -> tuple[str, str, str]:
+    """``"tp-dp-pp"`` -> ``("tp", "dp", "pp")``, innermost axis first; ``ConfigError``
+    unless ``order`` names each of ``tp``, ``dp`` and ``pp`` once."""
+    parts = tuple(order.lower().split("-")) if isinstance(order, str) else ()
+    if sorted(parts) != sorted(_AXES):
+        raise ConfigError(f"rank_order={order!r} is not an order of the axes tp, dp and pp",
+                          hint="name each axis once, innermost first, e.g. rank_order='tp-dp-pp' "
+                               "(the default) or 'tp-pp-dp'")
+    return parts  # type: ignore[return-value]
+
+
+def rank_map(order: str, pipe_size: int, data_size: int = 1, model_size: int = 1
+             ) -> list[tuple[int, int, int]]:
+    """``(stage, data, model)`` of every rank ``0 .. P*D*T-1`` under ``order``."""
+    topo = Topology(pipe_size, data_size, model_size, 0, order)
+    return [(s, d, m) for d, s, m in (topo.coords(r) for r in range(topo.world_size))]
+
+
+def format_rank_map(topology: Topology, ranks_per_node: int | None = None) -> list[str]:
+    """One line per rank: ``"rank 5: stage 1, replica 0, tp 1 (node 0)"``."""
+    lines = []
+    for rank in range(topology.world_size):
+        data, stage, model = topology.coords(rank)
+        node = f" (node {rank // ranks_per_node})" if ranks_per_node else ""
+        tp = f", tp {model}" if topology.model_size > 1 else ""
+        lines.append(f"rank {rank}: stage {stage}, replica {data}{tp}{node}")
+    return lines
 
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """An immutable view of the grid and of one rank's coordinates in it."""
+    """An immutable view of the grid and of one rank's coordinates in it.
+
+    :param pipe_size: pipeline stages ``P``.
+    :param data_size: data-parallel replicas ``D``.
+    :param model_size: tensor-parallel ranks ``T`` per stage.
+    :param rank: this process's rank.
+    :param order: the rank order, innermost axis first (default ``"tp-dp-pp"``).
+    """
 
     pipe_size: int
     data_size: int = 1
     model_size: int = 1
     rank: int = 0
+    order: str = DEFAULT_RANK_ORDER
 
     def __post_init__(self) -> None:
         for name in ("pipe_size", "data_size", "model_size"):
@@ -31,38 +88,50 @@ class Topology:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} ranks")
+        object.__setattr__(self, "order", "-".join(parse_rank_order(self.order)))
 
     @classmethod
     def from_world(cls, world_size: int, rank: int, num_stages: int,
-                   data_parallel_size: int | None = None, model_size: int = 1) -> Topology:
-        """Build the grid for ``world_size`` ranks split into ``num_stages`` stages."""
+                   data_parallel_size: int | None = None, model_size: int = 1,
+                   order: str = DEFAULT_RANK_ORDER) -> Topology:
+        """Build the grid for ``world_size`` ranks split into ``num_stages`` stages of
+        ``model_size`` tensor-parallel ranks each."""
         if num_stages < 1 or world_size % (num_stages * model_size):
             raise ConfigError(
                 f"world size {world_size} is not divisible by {num_stages} pipeline stages"
-                + (f" x {model_size} model-parallel ranks" if model_size > 1 else ""),
-                hint="launch a multiple of num_stages processes, or change num_stages",
-                rank=rank)
+                + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else ""),
+                hint="launch a multiple of num_stages * tensor_parallel_size processes, or "
+                     "change num_stages", rank=rank)
         dp = world_size // (num_stages * model_size)
         if data_parallel_size is not None and data_parallel_size != dp:
             raise ConfigError(
                 f"data_parallel_size={data_parallel_size} does not match world size {world_size} "
-                f"with {num_stages} stages (which gives {dp})",
+                f"with {num_stages} stages"
+                + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else "")
+                + f" (which gives {dp})",
                 hint=f"launch {num_stages * data_parallel_size * model_size} processes or "
                      f"omit data_parallel_size", rank=rank)
-        return cls(num_stages, dp, model_size, rank)
+        return cls(num_stages, dp, model_size, rank, order)
 
     @property
     def world_size(self) -> int:
         return self.pipe_size * self.data_size * self.model_size
 
+    def _sizes(self) -> dict[str, int]:
+        return {"tp": self.model_size, "dp": self.data_size, "pp": self.pipe_size}
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         """``(data, stage, model)`` of ``rank``."""
-        model = rank % self.model_size
-        stage = (rank // self.model_size) % self.pipe_size
-        return rank // (self.model_size * self.pipe_size), stage, model
+        sizes, at = self._sizes(), {}
+        for axis in self.order.split("-"):
+            rank, at[axis] = divmod(rank, sizes[axis])
+        return at["dp"], at["pp"], at["tp"]
 
     def rank_of(self, data: int, stage: int, model: int = 0) -> int:
-        return (data * self.pipe_size + stage) * self.model_size + model
+        at, sizes, rank = {"dp": data, "pp": stage, "tp": model}, self._sizes(), 0
+        for axis in reversed(self.order.split("-")):
+            rank = rank * sizes[axis] + at[axis]
+        return rank
 
     @property
     def stage(self) -> int:
@@ -98,6 +167,11 @@ class Topology:
         """The replicas of every (stage, model) position: data-parallel reduction groups."""
         return [[self.rank_of(d, s, m) for d in range(self.data_size)]
                 for s in range(self.pipe_size) for m in range(self.model_size)]
+
+    def model_groups(self) -> list[list[int]]:
+        """The tensor-parallel ranks of every (stage, replica): tensor-parallel groups."""
+        return [[self.rank_of(d, s, m) for m in range(self.model_size)]
+                for s in range(self.pipe_size) for d in range(self.data_size)]
 
     def stage_groups(self, stages: list[int]) -> list[list[int]]:
         """For each pipeline, the ranks holding ``stages`` (e.g. a tied weight's stages)."""

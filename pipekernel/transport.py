@@ -84,6 +84,10 @@ Optional members (the core uses them when present)
   ``torch.distributed.Store``), or ``None``. The core uses it to tell the other
   ranks that this one failed (:mod:`pipekernel.faults`); keys start with
   ``pipekernel/``. The torch transports return the process group's store.
+* ``all_gather(out, tensor, group=None)``: blocking; ``out`` of shape ``(group
+  size, *tensor.shape)`` receives every member's ``tensor`` in group-rank order.
+  Tensor parallelism and ZeRO-1 use it (:mod:`pipekernel.collectives`); without it
+  they fall back to an all-reduce of a zero-padded buffer.
 * ``abort_check``: the core sets it to a callable (or ``None``) that raises when
   another rank has failed. A wait that blocks calls it about once per
   ``abort_interval`` seconds (default 0.5) and lets what it raises propagate, so

@@ -89,6 +89,8 @@ def test_train_rejects_bad_sizes_before_starting_processes(capsys):
     assert "--dim 30 is not divisible by --heads 4" in err and "how to fix" in err
     assert cli.main(["train", "--stages", "5", "--layers", "2"]) == 1
     assert "cannot fill 5 stages" in capsys.readouterr().err
+    assert cli.main(["train", "--rank-order", "tp-pp"]) == 1
+    assert "rank_order='tp-pp' is not an order" in capsys.readouterr().err
 
 
 def _losses_from_csv(path: str) -> list[float]:
@@ -121,6 +123,9 @@ def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
     assert Path(summary["paths"]["timeline"]).read_bytes()[:8] == PNG_MAGIC
     # the report names the partition, every stage, and the files
     assert "partition (" in stdout and "stage 1: layer" in stdout
+    # which rank is which (the rank order, innermost first)
+    assert "ranks (order tp-dp-pp, innermost first" in stdout
+    assert "rank 1: stage 1, replica 0" in stdout
     assert summary["bounds"][0] == 0 and summary["bounds"][-1] == 4
     for rank in range(ranks):
         assert any(line.split()[:1] == [str(rank)] for line in stdout.splitlines()), stdout

@@ -27,7 +27,8 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False):
         naive_plan = CommPlan(plan.stage, plan.stream, plan.step_of, posts, plan.peers,
                               plan.local, tuple(0 if lane is not None else None
                                                 for lane in plan.lanes))
-        engine._steps_cache[engine.schedule_cls] = (steps, buffers, naive_plan)
+        engine._steps_cache[engine.schedule_cls, engine.micro_batches] = (steps, buffers,
+                                                                          naive_plan)
     losses = [engine.train_batch(iter(data(step, 0, micro_batches))).item()
               for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

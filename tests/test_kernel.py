@@ -102,7 +102,7 @@ def test_wire_rejects_non_tensor_values_with_a_fix():
 
 
 def test_topology_rank_order_keeps_pipelines_adjacent():
-    topo = Topology.from_world(8, rank=5, num_stages=4)
+    topo = Topology.from_world(8, rank=5, num_stages=4, order="tp-pp-dp")
     assert (topo.pipe_size, topo.data_size) == (4, 2)
     assert (topo.data_rank, topo.stage) == (1, 1)
     assert topo.pipe_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]

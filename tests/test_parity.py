@@ -32,7 +32,8 @@ def check_parity(model, stages, dp, micro_batches, schedule="1f1b", optimizer=sg
         assert_parity(losses, ref_losses, state, ref_state)
         covered |= set(state)
     assert covered == set(ref_state), "stages together must hold every parameter"
-    assert [s for _, _, s, _ in results] == [r % stages for r in range(stages * dp)]
+    assert [s for _, _, s, _ in results] == [pk.Topology(stages, dp, 1, r).stage
+                                             for r in range(stages * dp)]
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 6), (4, 2)])

@@ -300,6 +300,14 @@ class TorchDistributedTransport:
     def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> _Handle:
         return self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
 
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:
+        """Optional member: every member's ``tensor`` into ``out`` (shape
+        ``(group size, *tensor.shape)``), in group-rank order; blocking."""
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # flat views: gloo checks each chunk of ``out`` against the input's shape
+        self._collective("all_gather", group, gather, out.view(-1),
+                         tensor.contiguous().view(-1)).wait()
+
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         self._collective("broadcast", group, dist.broadcast, tensor,
                          self.global_rank(src)).wait()

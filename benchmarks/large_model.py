@@ -1,0 +1,146 @@
+"""Large-model interop, measured: ZeRO-1 optimizer-state bytes per rank, and bytes on
+the wire per rank with and without partitioned activations (tensor parallelism).
+
+    python benchmarks/large_model.py [--width 512] [--layers 8] [--micro-batches 4] [--steps 2]
+
+ZeRO-1: one stage and two stages of ``layers`` x Linear(width, width) + tanh, bf16
+masters, AdamW, at D = 1, 2, 4 (D x stages <= 4 processes): bytes of optimizer state
+(AdamW's moments and step), of fp32 masters and of bf16 weights per rank (the largest
+rank), counted from the tensors themselves.
+
+Partitioned activations: two stages of Megatron-style blocks (column-parallel
+``width -> 4 width``, tanh, row-parallel back) at T = 2, activations whole or
+partitioned; bytes every rank sent point to point per step, counted at the
+transport (data and control lanes, headers and metadata included), next to T = 1.
+All on local gloo processes (CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch import nn
+
+import pipekernel as pk
+import pipekernel.tensor_parallel as tp
+from pipekernel.zero import optimizer_state_bytes
+
+
+class _Counting:
+    def __init__(self, inner):
+        self.inner, self.sent = inner, collections.Counter()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def isend(self, tensor, dst, tag=0):
+        self.sent["bytes"] += tensor.numel() * tensor.element_size()
+        return self.inner.isend(tensor, dst, tag)
+
+    def batch_isend_irecv(self, ops):
+        return [self.isend(op.tensor, op.peer, op.tag) if op.op == "send"
+                else self.inner.irecv(op.tensor, op.peer, op.tag) for op in ops]
+
+
+class _CountingPlugin:
+    @pk.hookimpl
+    def pipekernel_make_transport(self, name, options):
+        if name == "counting":
+            from pipekernel.transports.gloo import GlooTransport
+            return _Counting(GlooTransport(**options))
+        return None
+
+
+def _mlp(width: int, layers: int, stages: int) -> pk.PipelineModule:
+    specs = []
+    for _ in range(layers):
+        specs += [pk.LayerSpec(nn.Linear, width, width), torch.tanh]
+    return pk.PipelineModule(specs, loss_fn=nn.MSELoss(), num_stages=stages,
+                             partition="uniform", seed=0)
+
+
+def _tp_model(width: int, layers: int) -> pk.PipelineModule:
+    specs: list = []
+    for _ in range(layers):
+        specs += [pk.LayerSpec(tp.ColumnParallelLinear, width, 4 * width), torch.tanh,
+                  pk.LayerSpec(tp.RowParallelLinear, 4 * width, width)]
+    return pk.PipelineModule(specs, loss_fn=nn.MSELoss(), num_stages=2, partition="uniform",
+                             seed=0)
+
+
+def _data(width: int, micro_batches: int, batch: int, step: int, replica: int):
+    g = torch.Generator().manual_seed(1000 * step + replica)
+    return [(torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g))
+            for _ in range(micro_batches)]
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values())
+
+
+def zero_worker(stages, dp, zero, width, layers, micro_batches, steps):
+    engine = pk.PipelineEngine(_mlp(width, layers, stages), micro_batches=micro_batches,
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                               precision="bf16", data_parallel_size=dp, zero_stage=zero,
+                               timeout=120)
+    for step in range(steps):
+        engine.train_batch(iter(_data(width, micro_batches, 8, step, engine.data_parallel_rank)))
+    masters = engine.precision.optimizer_parameters(engine.module)
+    return {"state": optimizer_state_bytes(engine.optimizer), "masters": _bytes(masters),
+            "weights": _bytes(engine.module.parameters())}
+
+
+def wire_worker(tp_size, partition, width, layers, micro_batches, steps, batch):
+    engine = pk.PipelineEngine(_tp_model(width, layers), micro_batches=micro_batches,
+                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                               tensor_parallel_size=tp_size, partition_activations=partition,
+                               transport="counting", plugins=[_CountingPlugin()], timeout=120,
+                               check_data_steps=0)
+    engine.train_batch(iter(_data(width, micro_batches, batch, 0, 0)))  # metadata exchange
+    before = engine.transport.sent["bytes"]
+    for step in range(1, steps + 1):
+        engine.train_batch(iter(_data(width, micro_batches, batch, step, 0)))
+    return (engine.transport.sent["bytes"] - before) // steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32, help="rows per micro-batch (wire)")
+    parser.add_argument("--steps", type=int, default=2)
+    a = parser.parse_args()
+    print(f"ZeRO-1, bf16 masters, AdamW, {a.layers} x Linear({a.width}, {a.width}); bytes per "
+          "rank (largest rank)\n")
+    print("| stages | D | zero_stage | optimizer state | x D=1 | fp32 masters | bf16 weights |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for stages in (1, 2):
+        base = None
+        for dp, zero in ((1, 0), (2, 0), (2, 1), (4, 1)):
+            if stages * dp > 4:
+                continue
+            rows = pk.launch(zero_worker, stages * dp, (stages, dp, zero, a.width, a.layers,
+                                                        a.micro_batches, a.steps), threads=1)
+            state = max(r["state"] for r in rows)
+            base = base or state
+            print(f"| {stages} | {dp} | {zero} | {state:,} | {state / base:.3f} | "
+                  f"{max(r['masters'] for r in rows):,} | {max(r['weights'] for r in rows):,} |")
+    print(f"\nBytes sent point to point per rank and step, 2 stages of {a.layers // 2 or 1} "
+          f"block(s) x (column {a.width}->{4 * a.width}, row back), {a.micro_batches} "
+          f"micro-batches of {a.batch} x {a.width} fp32\n")
+    print("| T | partition_activations | bytes/rank/step (max) | x T=1 |")
+    print("|---|---|---:|---:|")
+    base = None
+    for tp_size, partition in ((1, False), (2, False), (2, True)):
+        sent = pk.launch(wire_worker, 2 * tp_size, (tp_size, partition, a.width, a.layers,
+                                                    a.micro_batches, a.steps, a.batch),
+                         threads=1)
+        most = max(sent)
+        base = base or most
+        print(f"| {tp_size} | {partition} | {most:,} | {most / base:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

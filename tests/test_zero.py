@@ -1,0 +1,127 @@
+"""ZeRO-1: the optimizer state sharded over replicas trains like the replicated one."""
+from __future__ import annotations
+
+import pytest
+import torch
+from models import adam, mlp, mlp_data
+
+import pipekernel as pk
+from pipekernel.testing import run_ranks
+from pipekernel.zero import ZeroOptimizer, optimizer_state_bytes
+
+MB, STEPS = 2, 3
+
+
+def _engine(stages, dp, zero, precision="bf16", **kw):
+    return pk.PipelineEngine(mlp(num_stages=stages), optimizer=adam, micro_batches=MB,
+                             data_parallel_size=dp, precision=precision, zero_stage=zero,
+                             timeout=60, **kw)
+
+
+def _masters(engine):
+    return {name: engine.precision.master(p).detach().clone()
+            for name, p in engine.module.named_parameters()}
+
+
+def _run(engine, steps):
+    return [engine.train_batch(iter(mlp_data(s, engine.data_parallel_rank, MB))).item()
+            for s in steps]
+
+
+def zero_vs_replicated_worker(stages, dp, precision, kw):
+    out = {}
+    for zero in (0, 1):
+        engine = _engine(stages, dp, zero, precision, **kw)
+        losses = _run(engine, range(STEPS))
+        out[zero] = {"losses": losses, "masters": _masters(engine),
+                     "state_bytes": optimizer_state_bytes(engine.optimizer),
+                     "zero": isinstance(engine.optimizer, ZeroOptimizer),
+                     "norm": engine.last_grad_norm, "metrics": engine.precision.metrics()}
+
+    return out
+
+
+def one_process_worker(dp, precision):
+    """The same data on one process: every replica's micro-batches accumulated."""
+    engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=adam, micro_batches=MB * dp,
+                               precision=precision, timeout=60)
+    losses = [engine.train_batch(iter([item for r in range(dp) for item in mlp_data(s, r, MB)]))
+              .item() for s in range(STEPS)]
+    return losses, _masters(engine)
+
+
+@pytest.mark.parametrize("precision,kw", [("bf16", {}),
+                                          ("fp16", {"max_grad_norm": 0.5})])
+def test_zero1_two_stages_two_replicas_matches_replicated_and_one_process(precision, kw):
+    results = run_ranks(zero_vs_replicated_worker, 4, 2, 2, precision, kw)
+    ref_losses, ref_masters = run_ranks(one_process_worker, 1, 2, precision)[0]
+    for rank_result in results:
+        plain, zero = rank_result[0], rank_result[1]
+        assert zero["zero"] and not plain["zero"]
+        # same gradients, element-wise AdamW on shards: the same numbers as replicated
+        assert zero["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        for name, value in zero["masters"].items():
+            torch.testing.assert_close(value, plain["masters"][name], rtol=1e-6, atol=1e-7)
+        # and the one-process run with the same bf16/fp16 master policy (the only
+        # difference: the order gradients are summed in, then low-precision casts)
+        assert zero["losses"] == pytest.approx(ref_losses, rel=5e-3)
+        for name, value in zero["masters"].items():
+            torch.testing.assert_close(value, ref_masters[name], rtol=5e-3, atol=5e-3)
+        # optimizer state (AdamW's moments) per rank: about half
+        assert zero["state_bytes"] <= plain["state_bytes"] // 2 + 64
+        if "max_grad_norm" in kw:
+            assert zero["norm"] == pytest.approx(plain["norm"], rel=1e-6)
+            assert zero["metrics"] == plain["metrics"]  # the same loss scale
+
+
+def state_dict_worker():
+    """ZeRO's full state_dict equals the replicated optimizer's."""
+    out = {}
+    for zero in (0, 1):
+        engine = _engine(1, 2, zero, "fp32")
+        _run(engine, range(2))
+        state = engine.optimizer.state_dict()
+        out[zero] = state
+
+    return out
+
+
+def test_zero1_state_dict_is_the_full_replicated_layout():
+    for result in run_ranks(state_dict_worker, 2):
+        plain, zero = result[0], result[1]
+        assert sorted(zero["state"]) == sorted(plain["state"])
+        for index, entry in plain["state"].items():
+            assert sorted(zero["state"][index]) == sorted(entry)
+            for key, value in entry.items():
+                torch.testing.assert_close(zero["state"][index][key], value, rtol=1e-6, atol=1e-7)
+        assert zero["param_groups"][0]["lr"] == plain["param_groups"][0]["lr"]
+
+
+def test_bad_options_say_how_to_fix():
+    from pipekernel.parallel import ParallelConfig
+    for kwargs, message in [({"zero_stage": 2}, "zero_stage must be 0 or 1"),
+                            ({"tensor_parallel_size": 0}, "tensor_parallel_size must be"),
+                            ({"rank_order": "pp-tp"}, "rank_order='pp-tp'"),
+                            ({"partition_activations": "yes"}, "partition_activations")]:
+        with pytest.raises(pk.ConfigError, match=message):
+            ParallelConfig.make(**kwargs)
+    assert ParallelConfig.make(rank_order="PP-dp-TP").rank_order == "pp-dp-tp"
+
+
+def build_zero_directly_worker():
+    """A factory building several parameter groups is refused with a fix."""
+    engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=None, data_parallel_size=2,
+                               timeout=30)
+    params = list(engine.module.parameters())
+    try:
+        ZeroOptimizer(params, lambda ps: torch.optim.SGD([{"params": ps[:1]},
+                                                          {"params": ps[1:]}], lr=0.1),
+                      engine.transport, engine.data_group, engine.data_parallel_rank, 2)
+    except pk.ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_a_factory_with_several_groups_is_refused():
+    for message in run_ranks(build_zero_directly_worker, 2):
+        assert message is not None and "one parameter group" in message and "how to fix" in message
