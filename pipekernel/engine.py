@@ -554,7 +554,7 @@ class PipelineEngine:
                               rank=self.rank, stage=self.stage)
         for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
             cls(self.num_stages, self.stage, micro_batches, self.chunks)
-        if self.skip_edges and micro_batches not in self._skips_proven:
+        if getattr(self, "skip_edges", None) and micro_batches not in self._skips_proven:
             # the skips' routing proven for the new count too (once per count)
             check_schedules([self.schedule_cls, self.eval_schedule_cls], self.num_stages,
                             micro_batches, self.chunks, self.skip_edges, self.transport, "")
