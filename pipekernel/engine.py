@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, DataError, NonFiniteLossError, PipelineError
+from pipekernel.errors import (ConfigError, DataError, NonFiniteLossError, PeerAbort,
+                               PipelineError, TransportError)
 from pipekernel.faults import AbortBoard, check_consistency
 from pipekernel.grad_reduce import GradReducer
 from pipekernel.kernel import Kernel
@@ -602,10 +603,28 @@ class PipelineEngine:
             self.runtime.flush()
             return self._mean_loss(cls.trains) if compute_loss else None
         except BaseException as err:
-            self.failed = err
-            self.abort_board.publish(err)  # the others stop waiting for this rank
+            cause = self._root_cause(err)
+            self.failed = cause
+            self.abort_board.publish(cause)  # the others stop waiting for this rank
             self.runtime.abandon()
-            raise
+            if cause is err:
+                raise
+            raise cause from err
+
+    def _root_cause(self, err: BaseException) -> BaseException:
+        """A transport failure here is usually a symptom (the peer that failed closed its
+        connections): the failure another rank published, if any, else ``err``. Most
+        waits check that themselves; sends, collectives and posting errors land here."""
+        if not isinstance(err, TransportError):
+            return err
+        try:
+            self.abort_board.check()
+        except PeerAbort as abort:
+            abort.add_detail(f"rank {self.rank} then failed too"
+                             + (f" at {err.instruction}" if err.instruction is not None
+                                else "") + f": {err.message[:200]}")
+            return abort
+        return err
 
     def _check_loss_fn(self, what: str) -> None:
         if self.pipeline_module.loss_fn is None:

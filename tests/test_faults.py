@@ -234,7 +234,7 @@ def test_a_killed_rank_ends_every_survivor_naming_its_peer(fault_file):
     results, codes = run_faulty(worker, 4, "kill", 4, fault_file)
     # neighbours see the closed connection to rank 2; rank 0 learns it from rank 1
     expect = {r: rf"(instruction \w+\] rank {r} failed to (send to|receive from) rank 2.*closed"
-                 rf"|rank [13] failed first.*rank 2.*rank {r} was waiting to)"
+                 rf"|rank [13] failed first.*rank 2.*rank {r} (was waiting to|then failed too))"
               for r in (0, 1, 3)}
     _check("peer SIGKILLed", results, codes, fault_file, expect, dead=(2,))
 
@@ -407,3 +407,29 @@ def teardown_module(module):
         worst = max(f[3] for f in FIGURES)
         print(f"\n[faults] {len(FIGURES)} faults injected, "
               f"{sum(f[2] for f in FIGURES)} rank errors named, worst {worst:.2f}s")
+
+
+def test_a_transport_failure_after_a_published_abort_reports_the_abort():
+    # a send or a collective that fails because the failing rank closed its connections
+    # (no wait checked the store in between) is reported as that rank's failure
+    import types
+
+    from pipekernel.errors import PeerAbort, TransportError
+    from pipekernel.faults import AbortBoard
+
+    store = torch.distributed.HashStore()
+    failing = AbortBoard(store, "pipekernel/e0", rank=2)
+    failing.publish(pk.InstructionError("ValueError in the handler of F1: boom", rank=2,
+                                        stage=2, micro_batch=1, instruction="F1"))
+    me = types.SimpleNamespace(abort_board=AbortBoard(store, "pipekernel/e0", rank=1), rank=1)
+    err = TransportError("rank 1 failed to send to rank 2: Connection closed by peer",
+                         rank=1, instruction="SEND_F1")
+    cause = pk.PipelineEngine._root_cause(me, err)
+    assert isinstance(cause, PeerAbort) and (cause.rank, cause.micro_batch) == (2, 1)
+    assert "rank 2 failed first" in str(cause)
+    assert "rank 1 then failed too at SEND_F1: rank 1 failed to send to rank 2" in str(cause)
+    other = ValueError("not a transport failure")
+    assert pk.PipelineEngine._root_cause(me, other) is other
+    quiet = types.SimpleNamespace(abort_board=AbortBoard(torch.distributed.HashStore(),
+                                                         "pipekernel/e0", rank=1), rank=1)
+    assert pk.PipelineEngine._root_cause(quiet, err) is err  # nothing published: itself
