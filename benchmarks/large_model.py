@@ -17,39 +17,14 @@ All on local gloo processes (CPU).
 from __future__ import annotations
 
 import argparse
-import collections
 
 import torch
 from torch import nn
 
 import pipekernel as pk
 import pipekernel.tensor_parallel as tp
+from pipekernel.testing import CountingPlugin
 from pipekernel.zero import optimizer_state_bytes
-
-
-class _Counting:
-    def __init__(self, inner):
-        self.inner, self.sent = inner, collections.Counter()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def isend(self, tensor, dst, tag=0):
-        self.sent["bytes"] += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst, tag)
-
-    def batch_isend_irecv(self, ops):
-        return [self.isend(op.tensor, op.peer, op.tag) if op.op == "send"
-                else self.inner.irecv(op.tensor, op.peer, op.tag) for op in ops]
-
-
-class _CountingPlugin:
-    @pk.hookimpl
-    def pipekernel_make_transport(self, name, options):
-        if name == "counting":
-            from pipekernel.transports.gloo import GlooTransport
-            return _Counting(GlooTransport(**options))
-        return None
 
 
 def _mlp(width: int, layers: int, stages: int) -> pk.PipelineModule:
@@ -95,7 +70,7 @@ def wire_worker(tp_size, partition, width, layers, micro_batches, steps, batch):
     engine = pk.PipelineEngine(_tp_model(width, layers), micro_batches=micro_batches,
                                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
                                tensor_parallel_size=tp_size, partition_activations=partition,
-                               transport="counting", plugins=[_CountingPlugin()], timeout=120,
+                               transport="counting", plugins=[CountingPlugin()], timeout=120,
                                check_data_steps=0)
     engine.train_batch(iter(_data(width, micro_batches, batch, 0, 0)))  # metadata exchange
     before = engine.transport.sent["bytes"]

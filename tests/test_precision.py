@@ -10,7 +10,6 @@ the LayerNorm-in-fp32 example: 1e-2 (measured 2e-3).
 """
 from __future__ import annotations
 
-import collections
 import math
 
 import pytest
@@ -23,36 +22,13 @@ from pipekernel.errors import ConfigError
 from pipekernel.instructions import OptimizerStep
 from pipekernel.plugins.precision import FP16, LossScaler, LowPrecision
 from pipekernel.precision import Precision
-from pipekernel.testing import reference_train, run_ranks
+from pipekernel.testing import CountingPlugin, reference_train, run_ranks
 
 TOLERANCE = {"bf16": (5e-3, 5e-3), "fp16": (5e-4, 5e-4), "amp-bf16": (5e-3, 5e-3),
              "bf16-ln32": (1e-2, 1e-2), "fp32": (1e-5, 1e-5)}
 
 
 # -- test plugins ------------------------------------------------------------------
-class Counting:
-    """A transport that counts the bytes it sends point to point, by dtype."""
-
-    def __init__(self, inner):
-        self.inner, self.sent = inner, collections.Counter()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def isend(self, tensor, dst, tag=0):
-        self.sent[str(tensor.dtype).replace("torch.", "")] += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst, tag)
-
-
-class CountingPlugin:
-    @pk.hookimpl
-    def pipekernel_make_transport(self, name, options):
-        if name == "counting":
-            from pipekernel.transports.gloo import GlooTransport
-            return Counting(GlooTransport(**options))
-        return None
-
-
 class Metrics:
     """Collects the metrics of every train_batch."""
 

@@ -2,7 +2,6 @@
 activations cut the bytes each rank puts on the wire by T."""
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from torch import nn
 
 import pipekernel as pk
 import pipekernel.tensor_parallel as tp
-from pipekernel.testing import assert_parity, reference_train, run_ranks
+from pipekernel.testing import CountingPlugin, assert_parity, reference_train, run_ranks
 
 MB, STEPS = 3, 3
 
@@ -25,33 +24,6 @@ def tp_mlp(num_stages=None, width=16, hidden=32, partition=None):
               pk.LayerSpec(nn.Linear, width, 4)]
     return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
                              partition=partition or [0, 5, len(layers)], seed=7)
-
-
-class Counting:
-    """A transport that counts what it sends point to point (data and control lanes)."""
-
-    def __init__(self, inner):
-        self.inner, self.sent = inner, collections.Counter()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def isend(self, tensor, dst, tag=0):
-        self.sent["bytes"] += tensor.numel() * tensor.element_size()
-        return self.inner.isend(tensor, dst, tag)
-
-    def batch_isend_irecv(self, ops):
-        return [self.isend(op.tensor, op.peer, op.tag) if op.op == "send"
-                else self.inner.irecv(op.tensor, op.peer, op.tag) for op in ops]
-
-
-class CountingPlugin:
-    @pk.hookimpl
-    def pipekernel_make_transport(self, name, options):
-        if name == "counting":
-            from pipekernel.transports.gloo import GlooTransport
-            return Counting(GlooTransport(**options))
-        return None
 
 
 def tp_worker(tp_size, dp, optimizer, partition, precision="fp32", zero=0, check_data=3):
