@@ -23,7 +23,7 @@ from torch import nn
 
 import pipekernel as pk
 import pipekernel.tensor_parallel as tp
-from pipekernel.testing import CountingPlugin
+from pipekernel.plugins.counting import CountingPlugin
 from pipekernel.zero import optimizer_state_bytes
 
 

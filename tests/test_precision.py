@@ -22,7 +22,8 @@ from pipekernel.errors import ConfigError
 from pipekernel.instructions import OptimizerStep
 from pipekernel.plugins.precision import FP16, LossScaler, LowPrecision
 from pipekernel.precision import Precision
-from pipekernel.testing import CountingPlugin, reference_train, run_ranks
+from pipekernel.plugins.counting import CountingPlugin
+from pipekernel.testing import reference_train, run_ranks
 
 TOLERANCE = {"bf16": (5e-3, 5e-3), "fp16": (5e-4, 5e-4), "amp-bf16": (5e-3, 5e-3),
              "bf16-ln32": (1e-2, 1e-2), "fp32": (1e-5, 1e-5)}

@@ -10,7 +10,8 @@ from torch import nn
 
 import pipekernel as pk
 import pipekernel.tensor_parallel as tp
-from pipekernel.testing import CountingPlugin, assert_parity, reference_train, run_ranks
+from pipekernel.plugins.counting import CountingPlugin
+from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 MB, STEPS = 3, 3
 
