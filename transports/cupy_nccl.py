@@ -47,6 +47,7 @@ import torch
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.transport import P2POp
 from pipekernel.transports.device_watch import DeviceWatch
+from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
 __all__ = ["CupyNcclTransport", "INSTALL", "nccl_dtype", "NCCL_TYPES", "encode_unique_id",
@@ -262,12 +263,8 @@ class _Ops:
                             f"finish a {what} over ranks {comm.ranks} with")
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise TransportError("point-to-point tensors must be contiguous",
-                             hint="call .contiguous() before sending")
-    return tensor.reshape(-1).view(torch.uint8) if tensor.dim() else \
-        tensor.reshape(1).view(torch.uint8)
+#: a contiguous tensor's bytes (every dtype crosses as bytes), as the torch transports do
+_bytes = TorchDistributedTransport._bytes
 
 
 class CupyNcclTransport:
