@@ -182,7 +182,7 @@ class TorchDistributedTransport:
             _bind_defaults_before_init()
             init = {}
             if os.environ.get("PIPEKERNEL_INIT_METHOD"):  # pk.launch: a file store, no TCP port
-                init = {"init_method": os.environ["PIPEKERNEL_INIT_METHOD"],
+                init = {"init_method": _fresh_store(os.environ["PIPEKERNEL_INIT_METHOD"]),
                         "rank": int(os.environ["RANK"]),
                         "world_size": int(os.environ["WORLD_SIZE"])}
             dist.init_process_group(self.backend,
@@ -337,6 +337,24 @@ class TorchDistributedTransport:
         if self._waiter_thread is not None:  # its gloo wait (if any) ended with the group
             self._waiter_thread.stop()
             self._waiter_thread = None
+
+
+_GENERATION = [0]
+
+
+def _fresh_store(init_method: str) -> str:
+    """The file store of this process's next process group under ``pk.launch``.
+
+    A destroyed group's keys (gloo's addresses among them) stay in its store file until
+    every rank has let go of it, so a second group on the same file would let a rank that
+    starts early read them and time out connecting. Each group gets a file of its own:
+    the n-th group any rank creates uses ``store``, ``store.1``, ... ``store.n-1``, which
+    holds because ranks create and destroy their engines' groups in the same order (as
+    they must: creating a group is collective).
+    """
+    n = _GENERATION[0]
+    _GENERATION[0] += 1
+    return init_method if n == 0 else f"{init_method}.{n}"
 
 
 # Transports whose process group is not destroyed yet. A process that never closed its
