@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> dict | None:
         module, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
         micro_batches=args.micro_batches, check_data_steps=0,
         schedule=pk.auto(sample=sample, repeats=args.repeats, transfer_s=args.transfer_ms / 1e3,
-                         split_overhead=args.split_overhead,
+                         split_overhead=args.split_overhead, measure_link=not args.no_link,
                          micro_batches=[int(v) for v in args.counts.split(",")]
                          if args.counts else None))
     plan = planned.plan
@@ -67,7 +67,9 @@ def worker(args: argparse.Namespace) -> dict | None:
         engine.close()
     if planned.rank != 0:
         return None
-    return {"plan": plan, "candidates": candidates,
+    per_round = [[statistics.median(t[r * args.steps:(r + 1) * args.steps])
+                  for r in range(args.rounds)] for t in times]
+    return {"plan": plan, "candidates": candidates, "per_round": per_round,
             "measured": [statistics.median(t) for t in times],
             "spread": [(max(t) - min(t)) / statistics.median(t) for t in times]}
 
@@ -103,7 +105,7 @@ def calibrated(plan: object, args: argparse.Namespace) -> dict:
     names = {c.schedule for c in plan.candidates}
     other = search(plan.costs, args.stages, {n: table[n] for n in names}, balance=balance,
                    transfer_s=args.calibrated_transfer_ms / 1e3,
-                   split_overhead=args.calibrated_split)
+                   split_overhead=args.calibrated_split, link=plan.link)
     return {_key(c): c.predicted_step_s for c in other.candidates}
 
 
@@ -121,6 +123,10 @@ def report(result: dict, args: argparse.Namespace) -> None:
           f"{args.stages} stages; median of {args.rounds} rounds x {args.steps} steps")
     print(f"chosen: {plan.schedule}, chunks {plan.chunks}, {plan.micro_batches} micro-batches, "
           f"partition {plan.partition} {list(plan.bounds)}")
+    if plan.link is not None:
+        print(f"measured link: {1e6 * plan.link.message_s:.0f} us per message + "
+              f"{1e6 * plan.link.byte_s * 2 ** 20:.0f} us per MiB, on the stages: "
+              f"{plan.link.on_host}")
     print("| # | schedule | chunks | micro-batches | partition | predicted ms | measured ms "
           "| error | measured rank | calibrated ms | error |")
     print("|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -159,8 +165,34 @@ def report(result: dict, args: argparse.Namespace) -> None:
     print(f"noise: a candidate's step times vary by a median {100 * statistics.median(result['spread']):.0f}% "
           f"(max - min over median, {args.rounds} rounds x {args.steps} steps)")
     ordered = sorted(measured)
+    verdict(result, best, statistics.median(scaled), args)
     print(f"measured spread: fastest {1e3 * ordered[0]:.1f} ms, median "
           f"{1e3 * statistics.median(ordered):.1f} ms, slowest {1e3 * ordered[-1]:.1f} ms")
+
+
+def verdict(result: dict, best: int, model_error: float, args: argparse.Namespace) -> None:
+    """Is auto's pick (candidate 0) confirmed? Paired per-round ratios against the fastest.
+
+    Every round visits every candidate in turn, so the ratio of two candidates' step times
+    within one round cancels most of the machine's drift; the spread of that ratio over the
+    rounds is the measurement's own error. The pick is confirmed when it is measured within
+    the model's reported error (median error after the common factor) of the fastest, or
+    when the rounds cannot tell it from the fastest (its ratio's range includes 1).
+    """
+    rounds = result["per_round"]
+    ratios = sorted(a / b for a, b in zip(rounds[0], rounds[best]))
+    mid = statistics.median(ratios)
+    lo, hi = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+    wins = sum(r <= 1.0 for r in ratios)
+    within_model = mid - 1 <= model_error
+    indistinct = best == 0 or ratios[0] <= 1.0
+    ok = within_model or indistinct
+    print(f"chosen / fastest, paired per round ({args.rounds} rounds): median {mid:.3f}, "
+          f"quartiles {lo:.3f}-{hi:.3f}, range {ratios[0]:.3f}-{ratios[-1]:.3f}; the chosen "
+          f"one was at least as fast in {wins} of {len(ratios)} rounds")
+    print(f"auto's pick confirmed within the reported error: {'yes' if ok else 'NO'} "
+          f"(gap {100 * (mid - 1):.0f}% vs the model's median error {100 * model_error:.0f}%"
+          f"{'; indistinguishable from the fastest over the rounds' if indistinct else ''})")
 
 
 def main() -> None:
@@ -180,6 +212,7 @@ def main() -> None:
     p.add_argument("--transfer-ms", type=float, default=0.0, help="the plan's transfer cost")
     p.add_argument("--split-overhead", type=float, default=1.0, help="the plan's split factor")
     p.add_argument("--calibrated-transfer-ms", type=float, default=0.8)
+    p.add_argument("--no-link", action="store_true", help="plan without the measured link")
     p.add_argument("--calibrated-split", type=float, default=1.5)
     args = p.parse_args()
     results = pk.launch(worker, args.stages, (args,), timeout=3600, threads=1)

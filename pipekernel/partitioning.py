@@ -117,6 +117,8 @@ class PartitionContext:
         ``layer_costs`` is the backward), for the schedule planner.
     :param layer_split_backward_seconds: ``(input pass, weight pass)`` seconds of the
         split backward (``Profile(split_backward=True)``).
+    :param layer_output_bytes: bytes of the tensors a layer returns for one micro-batch
+        (``pk.profile``): what crosses a stage boundary after it, for the planner.
     """
 
     module: Any
@@ -133,6 +135,7 @@ class PartitionContext:
     layer_activation_bytes: list[float] | None = None
     layer_forward_seconds: list[float] | None = None
     layer_split_backward_seconds: list[tuple[float, float]] | None = None
+    layer_output_bytes: list[float] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

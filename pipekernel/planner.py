@@ -13,8 +13,15 @@ The model behind a prediction (see ``docs/planning.md``):
 * a micro-batch's forward on a part costs the sum of its layers' measured forward
   seconds, its backward the sum of the rest of the measured forward + backward;
   a split backward spends half of it (times ``split_overhead``) in ``BackwardInput``
-  and half in ``BackwardWeight``; a transfer costs ``transfer_s``; the optimizer step is not
-  counted (it is the same for every candidate);
+  and half in ``BackwardWeight``; the optimizer step is not counted (it is the same for
+  every candidate);
+* a transfer across a stage boundary costs ``transfer_s`` plus the :class:`Link`'s
+  ``message_s + byte_s × bytes`` (the boundary layer's measured output; under
+  ``pk.launch``/torchrun the link is measured by a ping-pong between ranks 0 and 1 of
+  the transport). On a host transport (gloo) the link's seconds occupy the stages,
+  half on the sender (packing, writing) and half on the receiver (reading, unpacking):
+  many small micro-batches pay for it. On a device transport they are latency, which
+  the stages do not wait for unless they need the data;
 * the global batch per replica is fixed (``micro_batches × rows of the sample``):
   ``m`` micro-batches each hold ``batch / m`` rows, profiled at that size;
 * a stage's memory is its layers' parameter + gradient + optimizer-state bytes plus
@@ -37,8 +44,8 @@ from pipekernel.instructions import (Backward, BackwardInput, BackwardWeight, Fo
 from pipekernel.schedules.placement import locate
 from pipekernel.schedules.simulator import simulate
 
-__all__ = ["Auto", "auto", "LayerCosts", "Candidate", "Plan", "search", "plan_module",
-           "is_auto"]
+__all__ = ["Auto", "auto", "LayerCosts", "Link", "Candidate", "Plan", "search", "plan_module",
+           "measure_link", "is_auto"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,11 @@ class Auto:
         ``micro_batches``, those that divide the batch.
     :param sample: one micro-batch of first-stage inputs at the engine's
         ``micro_batches`` (default: the sample of ``partition=pk.profile(sample)``).
-    :param transfer_s: seconds one activation or gradient transfer takes.
+    :param transfer_s: seconds one activation or gradient transfer takes, beyond the
+        measured link (latency the stages do not spend).
+    :param measure_link: time the transport's transfers (message cost and bandwidth)
+        with a ping-pong between ranks 0 and 1 and add them to the model (default);
+        ``False`` leaves them out.
     :param split_overhead: how much longer a split backward (``BackwardInput`` +
         ``BackwardWeight``) takes than one full backward, where the profile did not time
         the split itself (the built-in profiler does).
@@ -68,6 +79,7 @@ class Auto:
     micro_batches: Sequence[int] | None = None
     sample: Any = None
     transfer_s: float = 0.0
+    measure_link: bool = True
     split_overhead: float = 1.0
     repeats: int = 3
     warmup: int = 1
@@ -99,6 +111,25 @@ class LayerCosts:
     static_bytes: Sequence[float]
     activation_bytes: Sequence[float]
     split_s: Sequence[tuple[float, float]] | None = None
+    #: bytes of the tensors each layer returns (what crosses a boundary after it)
+    output_bytes: Sequence[float] | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """What one transfer of ``n`` bytes between two stages costs: ``message_s + byte_s × n``.
+
+    :param on_host: the transport's host does the transfer (gloo: it packs, writes, reads
+        and unpacks), so the seconds occupy the sending and the receiving stage, half
+        each; ``False`` (a device transport) makes them latency.
+    """
+
+    message_s: float = 0.0
+    byte_s: float = 0.0
+    on_host: bool = True
+
+    def seconds(self, nbytes: float) -> float:
+        return self.message_s + self.byte_s * nbytes
 
 
 @dataclass(frozen=True)
@@ -145,6 +176,8 @@ class Plan:
     candidates: tuple[Candidate, ...] = field(repr=False, default=())
     #: the per-layer costs the search used, by micro-batch count
     costs: Mapping[int, LayerCosts] = field(repr=False, default_factory=dict)
+    #: the transfer model the search used (``None``: transfers free but ``transfer_s``)
+    link: Link | None = None
 
     def fields(self) -> dict[str, Any]:
         """The choice as plain values (every rank must hold the same)."""
@@ -157,6 +190,10 @@ class Plan:
         lines = [f"plan: {self.schedule}, chunks {self.chunks}, {self.micro_batches} "
                  f"micro-batches, partition {self.partition} {list(self.bounds)}: predicted "
                  f"{1e3 * self.predicted_step_s:.2f} ms/step (memory budget per stage: {budget})",
+                 *([f"  transfers: {1e6 * self.link.message_s:.0f} us per message + "
+                    f"{1e6 * self.link.byte_s * 2 ** 20:.0f} us per MiB, "
+                    f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
+                   if self.link is not None else []),
                  f"  {'#':>3} {'schedule':<12} {'chunks':>6} {'micro':>5} {'partition':<9} "
                  f"{'pred ms':>9} {'peak mem':>10}  note"]
         shown = self.candidates if top is None else self.candidates[:top]
@@ -178,7 +215,7 @@ Balancer = Callable[[Sequence[float], int], Sequence[int]]
 def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[str, Any], *,
            balance: Balancer, chunks: Sequence[int] = (1, 2),
            memory_budget: float | None = None, transfer_s: float = 0.0,
-           split_overhead: float = 1.0) -> Plan:
+           split_overhead: float = 1.0, link: Link | None = None) -> Plan:
     """Simulate every candidate under ``costs`` and pick the fastest that fits.
 
     :param costs: ``{micro-batch count: per-layer costs of one such micro-batch}``.
@@ -187,8 +224,10 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
     :param balance: ``(per-layer weights, parts) -> boundaries`` (the exact balancer).
     :param chunks: chunk counts to try (each schedule keeps those it supports).
     :param memory_budget: bytes per stage (``None``: no limit).
-    :param transfer_s: seconds per transfer.
+    :param transfer_s: seconds per transfer (latency).
     :param split_overhead: split backward time over full backward time.
+    :param link: the transport's cost per transfer by size (``None``: free); the bytes
+        of a boundary come from ``costs[m].output_bytes``.
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
     found = []
@@ -196,7 +235,7 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
         for c in sorted({c for c in chunks if cls.min_chunks <= c <= cls.max_chunks}):
             for m, layer_costs in sorted(costs.items()):
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
-                                     memory_budget, (transfer_s, split_overhead))
+                                     memory_budget, (transfer_s, split_overhead, link))
     ranked = tuple(sorted(found, key=Candidate.rank_key))
     best = ranked[0] if ranked else None
     if best is None or best.predicted_step_s is None:
@@ -212,12 +251,12 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                  "activation checkpointing")
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
                 best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
-                dict(costs))
+                dict(costs), link)
 
 
 def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num_stages: int,
                 balance: Balancer, budget: float | None,
-                model: tuple[float, float]) -> list[Candidate]:
+                model: tuple[float, float, Link | None]) -> list[Candidate]:
     """The candidates of one (schedule, chunks, micro-batches): one per distinct partition."""
     parts = num_stages * chunks
     if parts > len(costs.forward_s):
@@ -245,8 +284,8 @@ def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num
 
 def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tuple[int, ...],
               costs: LayerCosts, num_stages: int, budget: float | None,
-              model: tuple[float, float]) -> Candidate:
-    transfer_s, split = model
+              model: tuple[float, float, Link | None]) -> Candidate:
+    transfer_s, split, link = model
     placement = getattr(cls, "placement", "loop")
     table: dict[tuple[int, int], dict[type, float]] = {}
     static = [0.0] * num_stages
@@ -264,8 +303,20 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
         act[stage] += sum(costs.activation_bytes[lo:hi]) / chunks
     transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
                  RecvGrad: 0.0}
+    host: dict[type, float] = {}
+    if link is not None:
+        # every boundary of a transformer-like model carries the same bytes; where they
+        # differ, the mean over this partition's cuts stands for all of them
+        cuts = [costs.output_bytes[b - 1] for b in bounds[1:-1]] if costs.output_bytes else []
+        seconds = link.seconds(sum(cuts) / len(cuts) if cuts else 0.0)
+        if link.on_host:
+            host = {k: seconds / 2 for k in (SendActivation, SendGrad, RecvActivation, RecvGrad)}
+        else:
+            transfers[SendActivation] += seconds
+            transfers[SendGrad] += seconds
     try:
-        result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table)
+        result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table,
+                          host_costs=host)
     except PipelineError as err:
         return Candidate(name, chunks, m, label, bounds, note=err.message.split("\n")[0])
     stage_bytes = tuple(static[s] + result.buffers[s] * act[s] for s in range(num_stages))
@@ -337,9 +388,59 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
                 num_stages=parts, context=ctx))
         return cache[key]
 
+    link = None
+    if request.measure_link and transport is not None and transport.world_size > 1:
+        largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
+                      default=0.0)
+        link = measure_link(transport, largest)
     return search(costs, num_stages, {k: table[k] for k in names}, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
-                  transfer_s=request.transfer_s, split_overhead=request.split_overhead)
+                  transfer_s=request.transfer_s, split_overhead=request.split_overhead,
+                  link=link)
+
+
+def measure_link(transport: Any, nbytes: float, *, repeats: int = 10, warmup: int = 2,
+                 clock: Callable[[], float] | None = None) -> Link:
+    """Time one-way transfers between ranks 0 and 1 of ``transport``; every rank gets the same.
+
+    A ping-pong of a 64-byte message and of one of ``nbytes`` (at least 64 KiB) gives the
+    cost per message and per byte (half a round trip each, median of ``repeats`` after
+    ``warmup``); rank 0 broadcasts them. Collective: every rank calls it at the same point.
+    """
+    import time
+
+    import torch
+
+    from pipekernel.transport import P2POp
+
+    now = clock or time.perf_counter
+    device = transport.device
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    sizes = (64, max(int(nbytes), 1 << 16))
+    one_way = []
+    if transport.rank in (0, 1):
+        peer = 1 - transport.rank
+        for size in sizes:
+            buf = torch.zeros(size, dtype=torch.uint8, device=device)
+            times = []
+            for _ in range(warmup + repeats):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                start = now()
+                for op in (("send", "recv") if transport.rank == 0 else ("recv", "send")):
+                    for handle in transport.batch_isend_irecv([P2POp(op, buf, peer)]):
+                        handle.wait()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                times.append((now() - start) / 2)
+            one_way.append(sorted(times[warmup:])[repeats // 2])
+    result = torch.zeros(2, dtype=torch.float64, device=device)
+    if transport.rank == 0:
+        byte_s = max(one_way[1] - one_way[0], 0.0) / (sizes[1] - sizes[0])
+        result[0], result[1] = max(one_way[0] - byte_s * sizes[0], 0.0), byte_s
+    transport.broadcast(result, 0)
+    message_s, byte_s = (float(v) for v in result.cpu().tolist())
+    return Link(message_s, byte_s, on_host=not cuda)
 
 
 def _layer_costs(context: Any) -> LayerCosts:
@@ -351,10 +452,12 @@ def _layer_costs(context: Any) -> LayerCosts:
     forward = context.layer_forward_seconds or [t / 3 for t in total]  # B ~ 2F if unknown
     act = context.layer_activation_bytes or [0.0] * len(total)
     split = getattr(context, "layer_split_backward_seconds", None)
+    outputs = getattr(context, "layer_output_bytes", None)
     return LayerCosts([float(f) for f in forward],
                       [max(float(t) - float(f), 0.0) for t, f in zip(total, forward)],
                       [float(s) for s in context.layer_static_bytes], [float(a) for a in act],
-                      [(float(i), float(w)) for i, w in split] if split else None)
+                      [(float(i), float(w)) for i, w in split] if split else None,
+                      [float(b) for b in outputs] if outputs else None)
 
 
 def _rows(sample: Any) -> int:

@@ -280,7 +280,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                         optimizer: Callable | None = None,
                         optimizer_states: float | None = None,
                         split: list | None = None,
-                        clock: Callable[[], float] | None = None
+                        clock: Callable[[], float] | None = None,
+                        outputs: list | None = None
                         ) -> tuple[list[float] | None, list[float] | None, list[float],
                                    list[float]]:
     """:func:`measure_layers`, with the forward timed on its own too.
@@ -288,6 +289,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     :param split: a list to append, per layer, the median seconds of the split backward
         (``(input pass, weight pass)``, :mod:`pipekernel.split_backward`) to; ``None``:
         not timed.
+    :param outputs: a list to append, per layer, the bytes of the tensors it returns to.
     :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
         median forward + backward time and, of the same repetitions, the median
         forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
@@ -358,6 +360,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                 nbytes += _skip_bytes(module.skip_declarations.get(index, ((), ())), scope,
                                       skip_bytes, seen)
             act.append(float(nbytes))
+            if outputs is not None:
+                outputs.append(float(sum(t.numel() * t.element_size() for t in _tensors(out))))
             if time_it:
                 samples, forward = [], []
                 for _ in range(warmup + repeats):
@@ -551,14 +555,17 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
     if isinstance(method, Profile):
         def compute() -> tuple:
             split: list | None = [] if method.split_backward else None
+            outputs: list = []
             seconds, forward, static, act = measure_layer_times(
                 module, method.sample, context.device, repeats=method.repeats,
                 warmup=method.warmup, optimizer=context.optimizer, split=split,
-                clock=method.clock)
+                clock=method.clock, outputs=outputs)
             first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
                 else (None, None)
-            return balance(seconds, num_stages), seconds, static, act, forward, first, second
-        bounds, costs, static, act, forward, first, second = _agree(context, compute, 6)
+            return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
+                    outputs)
+        bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute, 7)
+        context.layer_output_bytes = outputs
         context.layer_costs, context.cost_unit = costs, "seconds"
         context.layer_forward_seconds = forward
         context.layer_split_backward_seconds = (list(zip(first, second))

@@ -203,6 +203,8 @@ def test_profile_balances_the_seconds_its_clock_measures(spike):
     # start, end of forward and end of backward of every repetition
     assert clock.calls == 3 * 4 * len(costs)
     assert context.layer_forward_seconds == pytest.approx([c / 2 for c in costs], abs=1e-12)
+    # what crosses a boundary after each layer, for the planner's transfer model
+    assert context.layer_output_bytes == [SAMPLE.numel() * 4.0] * len(costs)
 
 
 def test_memory_gives_early_stages_fewer_layers_under_1f1b():

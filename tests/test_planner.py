@@ -2,6 +2,8 @@
 and every rank of an engine choosing the same plan. No timing is asserted."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from models import mlp, mlp_data, sgd
@@ -151,3 +153,63 @@ def test_auto_without_a_sample_says_how_to_give_one():
     from pipekernel.planner import plan_module
     with pytest.raises(ConfigError, match="needs a sample micro-batch"):
         plan_module(mlp(), Auto(), num_stages=2, micro_batches=4, pm=pk.make_plugin_manager())
+
+
+def test_a_host_link_occupies_the_stages_and_favours_fewer_micro_batches():
+    from pipekernel.planner import Link
+    only = {"1f1b": TRAINING["1f1b"]}
+    # one micro-batch on 2 stages is a chain F0 -> F1 -> B1 -> B0 with two transfers, each
+    # costing its full link seconds (half packing on the sender, half unpacking)
+    one = {1: LayerCosts([1.0, 1.0], [2.0, 2.0], [0.0, 0.0], [0.0, 0.0],
+                         output_bytes=[100.0, 100.0])}
+    link = Link(message_s=0.5, byte_s=0.01, on_host=True)  # 1.5 s per transfer
+    assert search(one, 2, only, balance=balance).predicted_step_s == pytest.approx(6.0)
+    assert search(one, 2, only, balance=balance, link=link).predicted_step_s == \
+        pytest.approx(6.0 + 2 * 1.5)
+    plan = search(one, 2, only, balance=balance, link=link)
+    assert plan.link == link and "500000 us per message" in plan.format()
+    # without a link more micro-batches win (smaller bubble); a costly host link turns it
+    costs = fixed_batch_costs(overhead=0.0)
+    costs = {m: dataclasses.replace(c, output_bytes=[10.0] * 8) for m, c in costs.items()}
+    assert search(costs, 2, only, balance=balance).micro_batches == 8
+    assert search(costs, 2, only, balance=balance,
+                  link=Link(message_s=10.0, on_host=True)).micro_batches == 1
+    # as latency (a device transport) the same seconds overlap compute: never slower
+    as_latency = search(costs, 2, only, balance=balance, link=Link(message_s=2.0, on_host=False))
+    assert as_latency.predicted_step_s < search(
+        costs, 2, only, balance=balance, link=Link(message_s=2.0, on_host=True)).predicted_step_s
+
+
+class _SteppingClock:
+    """Advances 1 s per reading while timing the small message, 3 s for the large one."""
+
+    def __init__(self, per_size):
+        self.t, self.calls, self.per_size = 0.0, 0, per_size
+
+    def __call__(self):
+        self.t += 1.0 if self.calls < self.per_size else 3.0
+        self.calls += 1
+        return self.t
+
+
+def _link_worker():
+    from pipekernel.planner import measure_link
+    from pipekernel.plugin_manager import make_plugin_manager, make_transport
+    transport = make_transport(make_plugin_manager(), "gloo", {"timeout": 30})
+    try:
+        link = measure_link(transport, 1 << 16, repeats=3, warmup=1,
+                            clock=_SteppingClock(2 * (1 + 3)))
+        return link.message_s, link.byte_s, link.on_host
+    finally:
+        transport.close()
+
+
+def test_measure_link_pings_between_ranks_0_and_1_and_every_rank_gets_rank_0s_numbers():
+    results = run_ranks(_link_worker, 3)
+    # one-way = half a round trip: 0.5 s for 64 bytes, 1.5 s for 65536 bytes (fake clock);
+    # rank 2 takes no part in the ping-pong but gets the same numbers
+    byte_s = 1.0 / (65536 - 64)
+    assert results[0] == results[1] == results[2]
+    message_s, got_byte_s, on_host = results[0]
+    assert got_byte_s == pytest.approx(byte_s) and on_host is True
+    assert message_s == pytest.approx(0.5 - 64 * byte_s)

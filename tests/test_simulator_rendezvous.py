@@ -259,3 +259,31 @@ def test_unreceived_send_is_reported_and_blocks_the_end_of_batch():
            "received" in text
     # the stage finished its stream: only its unreceived send keeps it
     assert "stage 0: blocked at the end of the batch on its SEND_F1" in text
+
+
+def test_host_costs_occupy_the_stage_and_a_send_leaves_once_packed():
+    from pipekernel.instructions import (Backward, Forward, RecvActivation, RecvGrad,
+                                         SendActivation, SendGrad)
+    from pipekernel.schedules import OneFOneB
+    compute = {Forward: 1.0, Backward: 2.0}
+    host = {SendActivation: 0.5, SendGrad: 0.5, RecvActivation: 0.25, RecvGrad: 0.25}
+    # one micro-batch on 2 stages is a chain: F0, pack 0.5, unpack 0.25, F1, B1, pack 0.5,
+    # unpack 0.25, B0 -- every host second lies on the critical path (6 + 1.5)
+    assert simulate(OneFOneB, 2, 1, costs=compute).makespan == 6.0
+    assert simulate(OneFOneB, 2, 1, costs=compute, host_costs=host).makespan == 7.5
+    # as latency (costs=) the same seconds do not occupy the stages: the chain is the same
+    # length here, but a stage is free to compute meanwhile
+    latency = simulate(OneFOneB, 2, 4, costs={**compute, **host})
+    occupied = simulate(OneFOneB, 2, 4, costs=compute, host_costs=host)
+    assert occupied.makespan > latency.makespan
+
+
+def test_host_costs_skip_local_hand_offs_and_need_rendezvous():
+    from pipekernel.instructions import Backward, Forward, SendActivation, SendGrad
+    from pipekernel.schedules import ZBV
+    compute = {Forward: 1.0, Backward: 2.0}
+    base = simulate(ZBV, 1, 1, 2, costs=compute).makespan  # one stage: every hand-off local
+    assert simulate(ZBV, 1, 1, 2, costs=compute,
+                    host_costs={SendActivation: 5.0, SendGrad: 5.0}).makespan == base
+    with pytest.raises(ConfigError, match="host_costs"):
+        simulate(OneFOneB, 2, 1, semantics="buffered", host_costs={SendActivation: 1.0})

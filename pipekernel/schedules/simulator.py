@@ -135,7 +135,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
              semantics: str = "rendezvous",
              posting: Callable[..., CommPlan] | None = None,
              stage_costs: Mapping[tuple[int, int], Mapping[type, float]] | None = None,
-             skips: Sequence[Sequence[int]] = ()) -> SimulationResult:
+             skips: Sequence[Sequence[int]] = (),
+             host_costs: Mapping[type, float] | None = None) -> SimulationResult:
     """Simulate ``schedule`` on every stage of a pipeline and check it.
 
     :param schedule: a :class:`~pipekernel.schedules.base.Schedule` subclass, or
@@ -159,6 +160,10 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     :param skips: skip edges ``(producer position, consumer position)``
         (:mod:`pipekernel.schedules.skips`): each stage's steps get the skip
         transfers the engine inserts, and the plan their lanes, before simulating.
+    :param host_costs: rendezvous only: ``{send or receive class: seconds}`` the stage
+        itself spends on a transfer to or from another stage (packing and posting a
+        send, unpacking a receive once its data is there): unlike ``costs`` they
+        occupy the stage, delaying what it runs next. Local hand-offs cost nothing.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
         producer (or outside the pipeline); then listing every problem found
@@ -169,6 +174,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     if semantics not in SEMANTICS:
         raise ConfigError(f"simulate: unknown semantics {semantics!r}",
                           hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
+    if host_costs and semantics != "rendezvous":
+        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
+                          hint="drop host_costs= or use semantics='rendezvous'")
     if posting is not None and semantics != "rendezvous":
         raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
                           hint="drop posting= or use semantics='rendezvous'")
@@ -186,6 +194,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         sim.posting = posting
     if stage_costs:
         sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
+    if host_costs:
+        sim.host_costs = _cost_table(host_costs, base={})
     sim.run()
     if sim.problems:
         raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
@@ -324,6 +334,8 @@ class _Simulation:
     semantics = ""
     #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's ``stage_costs``)
     stage_costs: dict[tuple[int, int], dict[type, float]] = {}
+    #: ``{class: seconds}`` a transfer occupies its stage (simulate's ``host_costs``)
+    host_costs: dict[type, float] = {}
     #: the skip edges (simulate's ``skips``), sorted
     skips: list[tuple[int, int]] = []
 
@@ -917,6 +929,8 @@ class _Rendezvous(_Simulation):
             pc = st.pc
             if self.posted_upto[stage] < pc:
                 self.posted_upto[stage] = pc
+                if self.host_costs:  # a send is packed before its group leaves
+                    st.clock += self._send_host_cost(stage, stream[pc][1])
                 if groups[pc]:
                     self._post(stage, st.clock)
                 moved = True
@@ -925,6 +939,12 @@ class _Rendezvous(_Simulation):
                 return moved
             st.pc, moved = pc + 1, True
         return self._finish(stage) or moved
+
+    def _send_host_cost(self, stage: int, i: Instruction) -> float:
+        if not isinstance(i, _SENDS) or not (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C):
+            return 0.0  # out of range: _execute reports it
+        peer = self._peer_of(stage, i)
+        return 0.0 if peer is None or peer[0] == stage else self.host_costs.get(type(i), 0.0)
 
     def _execute(self, stage: int, pc: int, index: int, i: Instruction) -> bool:
         """Execute one instruction; ``False`` if the stage must wait."""
@@ -978,7 +998,7 @@ class _Rendezvous(_Simulation):
             ready = op.done
         start = max(st.clock, ready)
         st.wait += start - st.clock
-        st.clock = start
+        st.clock = start + (self.host_costs.get(type(i), 0.0) if peer[0] != stage else 0.0)
         self._run(stage, where, i)
         return True
 
