@@ -1,0 +1,400 @@
+"""What every simulated communication semantics shares (:mod:`pipekernel.schedules.simulator`):
+the result and its grid, the per-stage state, the instructions' semantics (buffers, forwards
+and backwards, micro-batch checks) and the event loop's skeleton. Layer 0: no torch."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pipekernel.errors import ScheduleError
+from pipekernel.instructions import (
+    Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
+    MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
+    ReduceTiedGrads, SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
+)
+from pipekernel.schedules.comm import peer_of
+from pipekernel.schedules.skips import skip_edge_of
+
+#: Instruction classes that count as compute (in the timeline and the bubble).
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+#: Unit costs; every instruction class not listed costs 0.
+DEFAULT_COSTS: Mapping[type, float] = {cls: 1.0 for cls in COMPUTE}
+#: Communication semantics :func:`simulate` understands.
+SEMANTICS = ("rendezvous", "buffered")
+#: Instructions every stage must enter together under rendezvous semantics.
+WORLD_COLLECTIVES = (ReduceTiedGrads, OptimizerStep)
+
+_BACKWARDS = (Backward, BackwardInput, BackwardWeight)
+_WRITES = (LoadMicroBatch, RecvActivation, Forward)
+_SENDS = (SendActivation, SendGrad, SendSkip, SendSkipGrad)
+_RECVS = (RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad)
+_END = "the end-of-batch loss all-reduce"
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What :func:`simulate` found for a valid schedule.
+
+    * ``makespan``: time at which the last stage finishes.
+    * ``bubble_fraction``: ``1 - total compute time / (num_stages * makespan)``.
+    * ``buffers``: per stage, the peak number of buffers holding a live
+      micro-batch at the same time (micro-batches in flight).
+    * ``timeline``: per stage, ``(start, end, instruction)`` of each compute
+      instruction (:data:`COMPUTE`), in execution order.
+    * ``steps``: per stage, the steps the schedule produced.
+    * ``waits``: per stage, the time it spent blocked (receives, collectives,
+      the final wait for its sends).
+    * ``semantics``: the communication semantics simulated.
+    """
+
+    num_stages: int
+    micro_batches: int
+    chunks: int
+    makespan: float
+    bubble_fraction: float
+    buffers: tuple[int, ...]
+    timeline: tuple[tuple[tuple[float, float, Instruction], ...], ...]
+    steps: tuple[tuple[tuple[Instruction, ...], ...], ...]
+    waits: tuple[float, ...] = ()
+    semantics: str = "rendezvous"
+
+
+def format_grid(result: SimulationResult) -> str:
+    """An ASCII grid: one row per stage, one column per time unit.
+
+    A cell shows the compute instruction running in that unit (``F3``, ``B3``,
+    ``F3c1`` ...) or ``.`` when the stage is idle. Rows are labelled
+    ``stage N |``; cells are padded to the same width and separated by a space.
+    """
+    return _grid(result.timeline, result.makespan)
+
+
+def _grid(timeline, makespan: float) -> str:
+    columns = math.ceil(makespan)
+    rows = [[_cell(events, t) for t in range(columns)] for events in timeline]
+    width = max((len(cell) for row in rows for cell in row), default=1)
+    label = len(f"stage {len(rows) - 1}")
+    return "\n".join(f"{f'stage {s}':<{label}} | " + " ".join(c.ljust(width) for c in row).rstrip()
+                     for s, row in enumerate(rows))
+
+
+def _cell(events, t: int) -> str:
+    for start, end, instruction in events:
+        if start < t + 1 and end > t:
+            return str(instruction)
+    return "."
+
+
+def _kind(instruction: Instruction) -> str:
+    if isinstance(instruction, SkipInstruction):
+        return "skip" if isinstance(instruction, (SendSkip, RecvSkip)) else "skip grad"
+    return "activation" if isinstance(instruction, (SendActivation, RecvActivation)) else "grad"
+
+
+class _Where:
+    """``"stage S step N (INSTRUCTION)"``, formatted only when a problem is reported."""
+
+    __slots__ = ("stage", "index", "instruction")
+
+    def __init__(self, stage: int, index: int, instruction: object) -> None:
+        self.stage, self.index, self.instruction = stage, index, instruction
+
+    def __str__(self) -> str:
+        return f"stage {self.stage} step {self.index} ({self.instruction})"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+@dataclass
+class _Progress:
+    """What has happened to one micro-batch on one (stage, chunk)."""
+
+    recv_act: int = 0
+    forward: int = 0
+    recv_grad: int = 0
+    backward: int = 0
+    b_input: int = 0
+    b_weight: int = 0
+    sent_act: int = 0
+
+
+@dataclass
+class _StageState:
+    stream: list[tuple[int, Instruction]]
+    num_buffers: int | None
+    pc: int = 0
+    clock: float = 0.0
+    wait: float = 0.0
+    slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # buffer -> (chunk, mb)
+    peak: int = 0
+    timeline: list[tuple[float, float, Instruction]] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.pc >= len(self.stream)
+
+
+class _Simulation:
+    """What both semantics share: setup, instruction checks, buffers, final checks."""
+
+    semantics = ""
+    #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's ``stage_costs``)
+    stage_costs: dict[tuple[int, int], dict[type, float]] = {}
+    #: ``{class: seconds}`` a transfer occupies its stage (simulate's ``host_costs``)
+    host_costs: dict[type, float] = {}
+    #: the skip edges (simulate's ``skips``), sorted
+    skips: list[tuple[int, int]] = []
+
+    def __init__(self, num_stages, micro_batches, chunks, costs, objects, placement) -> None:
+        self.S, self.M, self.C = num_stages, micro_batches, chunks
+        self.placement = placement
+        self.costs, self.problems = costs, []
+        self.steps = tuple(self._steps_of(obj, s) for s, obj in enumerate(objects))
+        self.stages = [_StageState(self._flatten(s), self._num_buffers(obj))
+                       for s, obj in enumerate(objects)]
+        self.trains = self._trains(objects)
+        self.progress: dict[tuple[int, int, int], _Progress] = {}
+        self.deadlocked = False
+        self._peers: dict[tuple[int, int, int], tuple[int, int] | None] = {}
+
+    # -- setup -------------------------------------------------------------------------
+
+    def _steps_of(self, obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
+        steps = getattr(obj, "steps", None)
+        if not callable(steps):
+            raise ScheduleError(f"schedule object {obj!r} for stage {stage} has no steps()",
+                                hint="return a Schedule (or an object with steps())",
+                                stage=stage)
+        return tuple(tuple(step) for step in steps())
+
+    def _flatten(self, stage: int) -> list[tuple[int, Instruction]]:
+        stream = []
+        for index, step in enumerate(self.steps[stage]):
+            for item in step:
+                if isinstance(item, Instruction):
+                    stream.append((index, item))
+                else:
+                    self.problems.append(f"stage {stage} step {index}: {item!r} is not an "
+                                         "Instruction")
+        return stream
+
+    @staticmethod
+    def _num_buffers(obj) -> int | None:
+        method = getattr(obj, "num_buffers", None)
+        return method() if callable(method) else None
+
+    def _trains(self, objects) -> bool:
+        flags = {getattr(obj, "trains", None) for obj in objects}
+        if flags <= {True, False} and len(flags) == 1:
+            return flags.pop()
+        return any(isinstance(i, _BACKWARDS) for st in self.stages for _, i in st.stream)
+
+    def _peer(self, stage: int, chunk: int, delta: int) -> tuple[int, int] | None:
+        """(stage, chunk) of pipeline position ``p + delta``, or None past either end."""
+        key = (stage, chunk, delta)
+        if key not in self._peers:
+            probe = SendActivation(0, 0, chunk) if delta > 0 else SendGrad(0, 0, chunk)
+            self._peers[key] = peer_of(probe, stage, self.S, self.C, self.placement)
+        return self._peers[key]
+
+    def _peer_of(self, stage: int, i: MicroBatchInstruction) -> tuple[int, int] | None:
+        if isinstance(i, SkipInstruction):
+            if skip_edge_of(i, stage, self.S, self.placement) not in self.skips:
+                return None
+            return peer_of(i, stage, self.S, self.C, self.placement)
+        return self._peer(stage, i.chunk, 1 if isinstance(i, (SendActivation, RecvGrad)) else -1)
+
+    def _channel(self, stage: int, i: MicroBatchInstruction) -> object:
+        """What a transfer is matched within: its kind, and a skip's edge."""
+        if isinstance(i, SkipInstruction):
+            return (_kind(i), skip_edge_of(i, stage, self.S, self.placement))
+        return _kind(i)
+
+    def _no_peer(self, where: str, i: MicroBatchInstruction) -> None:
+        kind = _kind(i)
+        if isinstance(i, SkipInstruction):
+            producer, consumer = skip_edge_of(i, where.stage, self.S,
+                                              self.placement)
+            self.problems.append(f"{where}: no skip edge {producer} -> {consumer} was "
+                                 f"declared (edges: {self.skips})")
+            return
+        if isinstance(i, _SENDS):
+            end = "last" if kind == "activation" else "first"
+            self.problems.append(f"{where}: the {end} pipeline position has no peer to send "
+                                 f"the {kind} to")
+        else:
+            end = "first" if kind == "activation" else "last"
+            self.problems.append(f"{where}: the {end} pipeline position has no peer to "
+                                 f"receive the {kind} from")
+
+    @staticmethod
+    def _where(stage: int, index: int, instruction: object) -> _Where:
+        return _Where(stage, index, instruction)
+
+    def _compute_cost(self, stage: int, instruction: Instruction) -> float:
+        table = self.stage_costs.get((stage, getattr(instruction, "chunk", 0)))
+        if table is not None and type(instruction) in table:
+            return table[type(instruction)]
+        return self.costs.get(type(instruction), 0.0)
+
+    def _tick(self, stage: int, start: float, instruction: Instruction,
+              cost: float | None = None) -> float:
+        st = self.stages[stage]
+        end = start + (self._compute_cost(stage, instruction) if cost is None else cost)
+        if isinstance(instruction, COMPUTE):
+            st.timeline.append((start, end, instruction))
+        st.clock = end
+        return end
+
+    def _in_range(self, stage: int, where: str, instruction: MicroBatchInstruction) -> bool:
+        i, ok = instruction, True
+        if not 0 <= i.micro_batch < self.M:
+            self.problems.append(f"{where}: micro-batch {i.micro_batch} is outside 0..{self.M - 1}")
+            ok = False
+        if not 0 <= i.chunk < self.C:
+            self.problems.append(f"{where}: chunk {i.chunk} is outside 0..{self.C - 1}")
+            ok = False
+        limit = self.stages[stage].num_buffers
+        if limit is not None and not 0 <= i.buffer < limit:
+            self.problems.append(f"{where}: buffer {i.buffer} is outside the {limit} buffer(s) "
+                                 "num_buffers() declares")
+        return ok
+
+    # -- instruction semantics -----------------------------------------------------------
+
+    def _run(self, stage: int, where: str, i: Instruction) -> None:
+        if not isinstance(i, MicroBatchInstruction):
+            return
+        p = self.progress.setdefault((stage, i.chunk, i.micro_batch), _Progress())
+        if isinstance(i, _WRITES):
+            self._write_buffer(stage, where, i)
+        handler = _HANDLERS.get(type(i))
+        if handler is not None:
+            handler(self, stage, where, i, p)
+
+    def _on_recv_act(self, stage, where, i, p) -> None:
+        p.recv_act += 1
+
+    def _on_forward(self, stage, where, i, p) -> None:
+        if self._peer(stage, i.chunk, -1) is not None and not p.recv_act:
+            self.problems.append(f"{where}: forward before its RecvActivation")
+        p.forward += 1
+        if not self.trains and self._peer(stage, i.chunk, 1) is None:
+            self._release(stage, i)
+
+    def _on_send_act(self, stage, where, i, p) -> None:
+        if not p.forward:
+            self.problems.append(f"{where}: sends an activation before its Forward")
+        self._read_buffer(stage, where, i)
+        p.sent_act += 1
+        if not self.trains:
+            self._release(stage, i)
+
+    def _on_recv_grad(self, stage, where, i, p) -> None:
+        self._read_buffer(stage, where, i)
+        p.recv_grad += 1
+
+    def _on_backward(self, stage, where, i, p) -> None:
+        self._check_backward_inputs(stage, where, i, p)
+        if isinstance(i, Backward):
+            p.backward += 1
+        elif isinstance(i, BackwardInput):
+            p.b_input += 1
+        else:
+            p.b_weight += 1
+            if not p.b_input:
+                self.problems.append(f"{where}: BackwardWeight before its BackwardInput")
+        if p.backward or (p.b_input and p.b_weight):
+            self._release(stage, i)
+
+    def _check_backward_inputs(self, stage, where, i, p) -> None:
+        if not self.trains:
+            self.problems.append(f"{where}: backward in a schedule that does not train")
+        if not p.forward:
+            self.problems.append(f"{where}: backward before its Forward")
+        if self._peer(stage, i.chunk, 1) is not None and not p.recv_grad:
+            self.problems.append(f"{where}: backward before its RecvGrad")
+        self._read_buffer(stage, where, i)
+
+    def _on_send_grad(self, stage, where, i, p) -> None:
+        if not (p.backward or p.b_input):
+            self.problems.append(f"{where}: sends a gradient before its Backward")
+
+    # -- buffers -------------------------------------------------------------------------
+
+    def _write_buffer(self, stage: int, where: str, i: MicroBatchInstruction) -> None:
+        st, owner = self.stages[stage], (i.chunk, i.micro_batch)
+        held = st.slots.get(i.buffer)
+        if held is not None and held != owner:
+            until = "backward" if self.trains else "forward and send"
+            self.problems.append(f"{where}: overwrites buffer {i.buffer}, which still holds "
+                                 f"micro-batch {held[1]} chunk {held[0]} whose {until} has "
+                                 "not finished")
+        st.slots[i.buffer] = owner
+        st.peak = max(st.peak, len(st.slots))
+
+    def _read_buffer(self, stage: int, where: str, i: MicroBatchInstruction) -> None:
+        held = self.stages[stage].slots.get(i.buffer)
+        if held != (i.chunk, i.micro_batch):
+            what = "is empty" if held is None else f"holds micro-batch {held[1]} chunk {held[0]}"
+            self.problems.append(f"{where}: buffer {i.buffer} {what}")
+
+    def _release(self, stage: int, i: MicroBatchInstruction) -> None:
+        slots = self.stages[stage].slots
+        if slots.get(i.buffer) == (i.chunk, i.micro_batch):
+            del slots[i.buffer]
+
+    # -- final checks --------------------------------------------------------------------
+
+    def _grid_so_far(self) -> str:
+        timeline = tuple(tuple(st.timeline) for st in self.stages)
+        makespan = max((st.clock for st in self.stages), default=0.0)
+        grid = _grid(timeline, makespan) if makespan else "(nothing ran)"
+        return "\n    grid so far:\n" + "\n".join(f"      {row}" for row in grid.splitlines())
+
+    def _check_micro_batches(self, only_excess: bool = False) -> None:
+        for s in range(self.S):
+            for c in range(self.C):
+                for m in range(self.M):
+                    self._check_micro_batch(s, c, m, only_excess)
+
+    def _check_micro_batch(self, stage: int, chunk: int, m: int, only_excess: bool) -> None:
+        p = self.progress.get((stage, chunk, m), _Progress())
+        where = f"stage {stage} chunk {chunk} micro-batch {m}"
+        if p.forward > 1 or (p.forward != 1 and not only_excess):
+            self.problems.append(f"{where}: forwarded {p.forward} times, expected once")
+        if not self.trains:
+            return
+        once = (p.backward, p.b_input, p.b_weight) in ((1, 0, 0), (0, 1, 1))
+        excess = p.backward > 1 or p.b_input > 1 or p.b_weight > 1 or (
+            p.backward and (p.b_input or p.b_weight))
+        if excess or (not once and not only_excess):
+            self.problems.append(f"{where}: backwarded {p.backward} times (plus {p.b_input} "
+                                 f"BackwardInput, {p.b_weight} BackwardWeight), expected one "
+                                 "Backward or one BackwardInput + one BackwardWeight")
+
+    def makespan(self) -> float:
+        return max(st.clock for st in self.stages)
+
+    def result(self) -> SimulationResult:
+        makespan = self.makespan()
+        busy = sum(end - start for st in self.stages for start, end, _ in st.timeline)
+        bubble = 1.0 - busy / (self.S * makespan) if makespan > 0 else 0.0
+        return SimulationResult(
+            num_stages=self.S, micro_batches=self.M, chunks=self.C, makespan=makespan,
+            bubble_fraction=bubble, buffers=tuple(st.peak for st in self.stages),
+            timeline=tuple(tuple(st.timeline) for st in self.stages), steps=self.steps,
+            waits=tuple(st.wait for st in self.stages), semantics=self.semantics)
+
+
+_HANDLERS = {
+    RecvActivation: _Simulation._on_recv_act,
+    Forward: _Simulation._on_forward,
+    SendActivation: _Simulation._on_send_act,
+    RecvGrad: _Simulation._on_recv_grad,
+    Backward: _Simulation._on_backward,
+    BackwardInput: _Simulation._on_backward,
+    BackwardWeight: _Simulation._on_backward,
+    SendGrad: _Simulation._on_send_grad,
+}

@@ -1,0 +1,506 @@
+"""``semantics="rendezvous"``: the runtime's :class:`~pipekernel.schedules.comm.CommPlan` under
+NCCL rules (see :mod:`pipekernel.schedules.simulator`)."""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from pipekernel.errors import ScheduleError
+from pipekernel.instructions import Instruction, MicroBatchInstruction
+from pipekernel.schedules.comm import CommPlan, plan_communication
+from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
+                                           _Simulation)
+
+
+class _Op:
+    """One posted (or to be posted) point-to-point operation."""
+
+    __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done")
+
+    def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
+                 ins: Instruction) -> None:
+        self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
+        self.lane = lane
+        self.send = isinstance(ins, _SENDS)
+        self.mate: _Op | None = None
+        self.unit: _Unit | None = None  # set when posted
+        self.done: float | None = None
+
+    def name(self) -> str:
+        return f"stage {self.rank}'s {self.ins}"
+
+    def where(self) -> str:
+        return f"stage {self.rank} step {self.step} ({self.ins})"
+
+
+class _Unit:
+    """A group's operations from one rank to one peer: they progress together."""
+
+    __slots__ = ("ops", "post", "start", "end", "left", "active", "queue")
+
+    def __init__(self, ops: list[_Op], post: float, queue: deque) -> None:
+        self.ops, self.post, self.queue = ops, post, queue
+        self.start, self.end, self.left, self.active = post, post, len(ops), False
+
+
+class _Rendezvous(_Simulation):
+    """Each stage runs its CommPlan; sends rendezvous, pairs complete in order."""
+
+    semantics = "rendezvous"
+    posting: Callable[..., CommPlan] = staticmethod(plan_communication)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.local: dict[tuple[int, object], deque] = {}
+        self.world: list[dict[int, tuple[float, object, str]]] = []  # k -> {stage: arrival}
+        self.released: list[float | None] = []
+
+    # -- setup: plans, static matching -------------------------------------------------
+
+    def _setup(self) -> None:
+        n_stages = self.S
+        self.plans: list[CommPlan] = []
+        # stage -> stream index -> [((peer, lane), ops to it posted there)]
+        self.groups: list[list[list[tuple[int, list[_Op]]]]] = []
+        self.op_at: list[dict[int, _Op]] = []
+        self.queues: list[dict[int, deque]] = [dict() for _ in range(n_stages)]
+        self.last_end: list[dict[int, float]] = [dict() for _ in range(n_stages)]
+        self.pending = [0] * n_stages  # posted, not yet completed ops per stage
+        self.coll = [0] * n_stages  # world collectives entered so far
+        self.arrived = [False] * n_stages  # entered the collective at pc
+        self.flushed = [False] * n_stages
+        self.finished = [False] * n_stages
+        self.posted_upto = [-1] * n_stages
+        self.end_time = [0.0] * n_stages
+        sends: dict[tuple[int, int], list[_Op]] = {}
+        recvs: dict[tuple[int, int], list[_Op]] = {}
+        for s, st in enumerate(self.stages):
+            steps = [[i for i in step if isinstance(i, Instruction)] for step in self.steps[s]]
+            extra = {"skips": self.skips} if self.skips else {}
+            plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
+                                placement=self.placement, trains=self.trains, **extra)
+            self.plans.append(plan)
+            groups, op_at = self._place_posts(s, plan)
+            self.groups.append(groups)
+            self.op_at.append(op_at)
+            for group in groups:
+                for op in (op for _, ops in group for op in ops):
+                    key = ((op.rank, op.peer, op.lane) if op.send
+                           else (op.peer, op.rank, op.lane))
+                    (sends if op.send else recvs).setdefault(key, []).append(op)
+        for key in sorted(set(sends) | set(recvs), key=repr):
+            out, into = sends.get(key, []), recvs.get(key, [])
+            for send, recv in zip(out, into):
+                send.mate, recv.mate = recv, send
+                self._check_pair(send, recv)
+            for send in out[len(into):]:
+                self.problems.append(
+                    f"{send.where()}: the {_kind(send.ins)} of micro-batch "
+                    f"{send.ins.micro_batch} sent to stage {send.peer} chunk "
+                    f"{self._peer_of(send.rank, send.ins)[1]} is never received "
+                    f"(stage {send.peer} posts only {len(into)} receive(s) from stage "
+                    f"{send.rank})")
+            for recv in into[len(out):]:
+                self.problems.append(
+                    f"{recv.where()}: nothing is ever sent to it (stage {recv.peer} posts only "
+                    f"{len(out)} send(s) to stage {recv.rank})")
+
+    def _place_posts(self, stage: int, plan: CommPlan) -> tuple[list[list[_Op]], dict[int, _Op]]:
+        """Turn ``plan.posts`` into ops by stream index, checking the plan itself."""
+        stream, n = self.stages[stage].stream, len(self.stages[stage].stream)
+        if len(plan.stream) != n or len(plan.posts) != n or len(plan.peers) != n:
+            raise ScheduleError(f"stage {stage}: the posting plan covers {len(plan.stream)} "
+                                f"instruction(s), the stream has {n}",
+                                hint="a posting= function must plan the steps it is given",
+                                stage=stage)
+        p2p = _SENDS + _RECVS
+        remote = [i for i, (_, ins) in enumerate(stream)
+                  if isinstance(ins, p2p) and 0 <= ins.chunk < self.C
+                  and plan.peers[i] is not None and not plan.local[i]]
+        lanes = tuple(getattr(plan, "lanes", ()) or ())
+
+        def lane(i: int) -> int | None:
+            return lanes[i] if len(lanes) == n else None
+
+        by_id: dict[int, list[int]] = {}
+        for i in remote:
+            by_id.setdefault(id(stream[i][1]), []).append(i)
+        groups: dict[int, list[_Op]] = {}
+        op_at: dict[int, _Op] = {}
+        for g, group in enumerate(plan.posts):
+            for ins in group:
+                candidates = [i for i in by_id.get(id(ins), ()) if i not in op_at]
+                at = next((i for i in candidates if i >= g), None)
+                if at is None:
+                    what = ("is not a point-to-point instruction to another stage"
+                            if not candidates else "runs before that")
+                    self.problems.append(f"stage {stage}: the posting plan posts {ins} at "
+                                         f"stream index {g}, but it {what}")
+                    continue
+                if isinstance(ins, _SENDS) and at != g:
+                    self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
+                                         "posting plan posts a send before its data exists")
+                op = _Op(stage, plan.peers[at][0], lane(at), at, stream[at][0], ins)
+                op_at[at] = op
+                groups.setdefault(g, []).append(op)
+        for i in remote:
+            if i not in op_at:  # a plan that forgot it: post it at its index
+                ins = stream[i][1]
+                self.problems.append(f"{self._where(stage, stream[i][0], ins)}: the posting "
+                                     "plan never posts it")
+                op = _Op(stage, plan.peers[i][0], lane(i), i, stream[i][0], ins)
+                op_at[i] = op
+                groups.setdefault(i, []).append(op)
+        split: list = [()] * n
+        for g, group in groups.items():
+            group.sort(key=lambda op: op.index)
+            by_peer: dict[tuple[int, int | None], list[_Op]] = {}
+            for op in group:
+                by_peer.setdefault((op.peer, op.lane), []).append(op)
+            split[g] = list(by_peer.items())
+        return split, op_at
+
+    def _check_pair(self, send: _Op, recv: _Op) -> None:
+        s, r = send.ins, recv.ins
+        target = self._peer_of(send.rank, s)
+        same_kind = _kind(s) == _kind(r)
+        if same_kind and s.micro_batch == r.micro_batch and target[1] == r.chunk:
+            return
+        source = self._peer_of(recv.rank, r)
+        self.problems.append(
+            f"{recv.where()}: mismatched {_kind(r)}: transfers from stage {send.rank} to stage "
+            f"{recv.rank} match in posting order on their lane, whatever they say, and this "
+            f"receive "
+            f"(of micro-batch {r.micro_batch} chunk {r.chunk}, from chunk {source[1]}) "
+            f"meets {send.where()}, which sends the {_kind(s)} of micro-batch "
+            f"{s.micro_batch} chunk {target[1]}")
+
+    # -- transfers ---------------------------------------------------------------------
+
+    def _post(self, stage: int, at: float) -> None:
+        """Post the group planned at the current instruction."""
+        todo: list[_Op] = []
+        for channel, ops in self.groups[stage][self.stages[stage].pc]:
+            queue = self.queues[stage].setdefault(channel, deque())
+            unit = _Unit(ops, at, queue)
+            for op in ops:
+                op.unit = unit
+            self.pending[stage] += len(ops)
+            queue.append(unit)
+            if len(queue) == 1:
+                self._activate(stage, channel, unit)
+                todo.extend(ops)
+        self._progress(todo)
+
+    def _activate(self, stage: int, channel: tuple, unit: _Unit) -> None:
+        """``unit`` heads its ``(peer, lane)`` queue: it may progress from now on."""
+        unit.active = True
+        unit.start = max(unit.post, self.last_end[stage].get(channel, 0.0))
+
+    def _progress(self, todo: list[_Op]) -> None:
+        """Complete every transfer that can complete now, and what that unblocks."""
+        while todo:
+            op = todo.pop()
+            mate = op.mate
+            if op.done is not None or mate is None or mate.unit is None:
+                continue
+            if not (op.unit.active and mate.unit.active):
+                continue
+            send, recv = (op, mate) if op.send else (mate, op)
+            t = (max(op.unit.start, mate.unit.start) + self.costs.get(type(send.ins), 0.0)
+                 + self.costs.get(type(recv.ins), 0.0))
+            op.done = mate.done = t
+            for o in (op, mate):
+                unit = o.unit
+                self.pending[o.rank] -= 1
+                unit.end = max(unit.end, t)
+                unit.left -= 1
+                if unit.left == 0:
+                    queue = unit.queue
+                    queue.popleft()
+                    self.last_end[o.rank][(o.peer, o.lane)] = unit.end
+                    if queue:
+                        following = queue[0]
+                        self._activate(o.rank, (o.peer, o.lane), following)
+                        todo.extend(following.ops)
+
+    # -- the event loop ----------------------------------------------------------------
+
+    def run(self) -> None:
+        self._setup()
+        while not all(self.finished):
+            moved = False
+            for s in range(self.S):
+                if not self.finished[s] and self._advance(s):
+                    moved = True
+            if not moved:
+                self._report_deadlock()
+                return
+        self._check_complete()
+
+    def _advance(self, stage: int) -> bool:
+        """Run ``stage`` until it blocks or finishes; ``True`` if anything happened."""
+        st, moved = self.stages[stage], False
+        stream, n, groups = st.stream, len(st.stream), self.groups[stage]
+        while st.pc < n:
+            pc = st.pc
+            if self.posted_upto[stage] < pc:
+                self.posted_upto[stage] = pc
+                if self.host_costs:  # a send is packed before its group leaves
+                    st.clock += self._send_host_cost(stage, stream[pc][1])
+                if groups[pc]:
+                    self._post(stage, st.clock)
+                moved = True
+            index, instruction = stream[pc]
+            if not self._execute(stage, pc, index, instruction):
+                return moved
+            st.pc, moved = pc + 1, True
+        return self._finish(stage) or moved
+
+    def _send_host_cost(self, stage: int, i: Instruction) -> float:
+        if not isinstance(i, _SENDS) or not (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C):
+            return 0.0  # out of range: _execute reports it
+        peer = self._peer_of(stage, i)
+        return 0.0 if peer is None or peer[0] == stage else self.host_costs.get(type(i), 0.0)
+
+    def _execute(self, stage: int, pc: int, index: int, i: Instruction) -> bool:
+        """Execute one instruction; ``False`` if the stage must wait."""
+        st = self.stages[stage]
+        if isinstance(i, MicroBatchInstruction):
+            where = self._where(stage, index, i)
+            if not self._in_range(stage, where, i):
+                return True
+            if isinstance(i, _RECVS):
+                return self._receive(stage, pc, where, i)
+            if isinstance(i, _SENDS):
+                self._send(stage, pc, where, i)
+                return True
+            start = st.clock
+            self._run(stage, where, i)
+            self._tick(stage, start, i)
+            return True
+        if isinstance(i, WORLD_COLLECTIVES):
+            return self._collective(stage, self._where(stage, index, i), i)
+        self._tick(stage, st.clock, i)  # ReduceGrads and the rest: a local blocking point
+        return True
+
+    def _send(self, stage: int, pc: int, where: str, i: MicroBatchInstruction) -> None:
+        peer = self._peer_of(stage, i)
+        if peer is None:
+            self._no_peer(where, i)
+            return
+        self._run(stage, where, i)
+        if peer[0] == stage:  # a local hand-off: done at once
+            queue = self.local.setdefault((stage, self._channel(stage, i)), deque())
+            queue.append((i.micro_batch, peer[1], self.stages[stage].clock, where))
+
+    def _receive(self, stage: int, pc: int, where: str, i: MicroBatchInstruction) -> bool:
+        peer = self._peer_of(stage, i)
+        if peer is None:
+            self._no_peer(where, i)
+            return True
+        st = self.stages[stage]
+        if peer[0] == stage:
+            queue = self.local.get((stage, self._channel(stage, i)))
+            if not queue:
+                return False
+            micro_batch, chunk, ready, sender = queue.popleft()
+            if (micro_batch, chunk) != (i.micro_batch, i.chunk):
+                self.problems.append(f"{where}: mismatched local {_kind(i)}: the next hand-off "
+                                     f"is micro-batch {micro_batch} chunk {chunk}, from {sender}")
+        else:
+            op = self.op_at[stage].get(pc)
+            if op is None or op.done is None:
+                return False
+            ready = op.done
+        start = max(st.clock, ready)
+        st.wait += start - st.clock
+        st.clock = start + (self.host_costs.get(type(i), 0.0) if peer[0] != stage else 0.0)
+        self._run(stage, where, i)
+        return True
+
+    def _collective(self, stage: int, where: str, i: object) -> bool:
+        """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
+        st, k = self.stages[stage], self.coll[stage]
+        if not self.arrived[stage]:
+            self.arrived[stage] = True
+            if k == len(self.world):
+                self.world.append({})
+                self.released.append(None)
+            self.world[k][stage] = (st.clock, i, where)
+            if len(self.world[k]) == self.S:
+                self._release_collective(k)
+        when = self.released[k]
+        if when is None:
+            return False
+        st.wait += when - st.clock
+        st.clock = when
+        self.arrived[stage] = False
+        self.coll[stage] = k + 1
+        return True
+
+    def _release_collective(self, k: int) -> None:
+        members = self.world[k]
+        kinds = {type(i) if i is not _END else _END for _, i, _ in members.values()}
+        if len(kinds) > 1:
+            listed = ", ".join(f"stage {s} is in {i if i is _END else w}"
+                               for s, (_, i, w) in sorted(members.items()))
+            self.problems.append(f"mismatched world collective #{k + 1}: {listed}")
+        cost = max((self.costs.get(type(i), 0.0) for _, i, _ in members.values()
+                    if i is not _END), default=0.0)
+        self.released[k] = max(t for t, _, _ in members.values()) + cost
+
+    def _finish(self, stage: int) -> bool:
+        """The end of the batch: wait for this stage's sends, then the loss all-reduce."""
+        st = self.stages[stage]
+        moved = False
+        if not self.flushed[stage]:
+            if self.pending[stage]:
+                return False
+            self.flushed[stage] = True
+            last = max(self.last_end[stage].values(), default=0.0)
+            if last > st.clock:
+                st.wait += last - st.clock
+                st.clock = last
+            moved = True
+        if not self._collective(stage, f"stage {stage} ({_END})", _END):
+            return moved
+        self.finished[stage] = True
+        return True
+
+    def _check_complete(self) -> None:
+        for (stage, channel), queue in self.local.items():
+            kind = channel if isinstance(channel, str) else \
+                f"{channel[0]} {channel[1][0]}->{channel[1][1]}"
+            for micro_batch, chunk, _, sender in queue:
+                self.problems.append(f"{sender}: the {kind} of micro-batch {micro_batch} handed "
+                                     f"to chunk {chunk} of the same stage is never received")
+        self._check_micro_batches()
+
+    # -- deadlock report -----------------------------------------------------------------
+
+    def _report_deadlock(self) -> None:
+        self.deadlocked = True
+        stuck = [s for s in range(self.S) if not self.finished[s]]
+        lines = [self._where_stuck(s) for s in range(self.S)]
+        cycle = self._cycle(stuck)
+        self.problems.append(
+            f"deadlock: stages {stuck} cannot progress:\n"
+            + "\n".join(f"      {line}" for line in lines)
+            + (f"\n    cycle: {cycle}" if cycle else "") + self._grid_so_far())
+        self._check_micro_batches(only_excess=True)
+
+    def _blocked_on(self, stage: int) -> tuple:
+        """The node ``stage`` waits on: ``("op", op)`` or ``("coll", stage)``."""
+        st = self.stages[stage]
+        if st.pc < len(st.stream):
+            _, i = st.stream[st.pc]
+            if isinstance(i, _RECVS):
+                op = self.op_at[stage].get(st.pc)
+                return ("op", op) if op is not None else ("local", stage)
+            return ("coll", stage)
+        if not self.flushed[stage]:
+            return ("op", self._first_pending(stage))
+        return ("coll", stage)
+
+    def _first_pending(self, stage: int) -> _Op:
+        heads = [q[0] for q in self.queues[stage].values() if q]
+        unit = min(heads, key=lambda u: u.ops[0].index)
+        return next(op for op in unit.ops if op.done is None)
+
+    def _collective_name(self, stage: int) -> str:
+        st = self.stages[stage]
+        if st.pc < len(st.stream):
+            return f"the world collective {st.stream[st.pc][1]}"
+        return _END
+
+    def _where_stuck(self, stage: int) -> str:
+        st = self.stages[stage]
+        if self.finished[stage]:
+            return f"stage {stage}: finished"
+        node = self._blocked_on(stage)
+        if st.pc < len(st.stream):
+            index, i = st.stream[st.pc]
+            head = f"stage {stage}: blocked at step {index} on {i}"
+        elif node[0] == "op":
+            head = f"stage {stage}: blocked at the end of the batch on its {node[1].ins}"
+        else:
+            head = f"stage {stage}: blocked in {_END}"
+        text, following, joiner = self._edge(node)
+        if joiner is not None:
+            text += joiner + self._verb(following)
+        if text[:3] in ("<- ", "-> "):
+            text = text[3:]
+        elif node[0] == "coll":
+            text = text.removeprefix("for ")
+        return f"{head}, waiting for {text}"
+
+    def _edge(self, node: tuple) -> tuple[str, tuple | None, str | None]:
+        """Why ``node`` cannot progress: ``(text, the node it waits on or None, joiner)``.
+
+        With a ``joiner``, the text ends in ``"stage N"`` and reads on with what
+        stage N waits on (:meth:`_verb`); without, it names the node it leads to."""
+        kind, what = node
+        if kind == "local":
+            st = self.stages[what]
+            return f"its own hand-off to {st.stream[st.pc][1]}, which never ran", None, None
+        if kind == "coll":
+            waiting = [s for s in range(self.S) if not self._in_collective(s)]
+            if not waiting:
+                return "the other stages (mismatched collectives)", None, None
+            return f"for stage {waiting[0]}", self._blocked_on(waiting[0]), ", which "
+        op: _Op = what
+        unit = op.unit
+        if unit is not None and not unit.active:
+            behind = next(o for o in unit.queue[0].ops if o.done is None)
+            return f"queued behind {behind.name()}", ("op", behind), None
+        mate = op.mate
+        if mate is None:
+            return (f"stage {op.peer} to post a matching {'receive' if op.send else 'send'}, "
+                    "which it never does", None, None)
+        arrow = "->" if op.send else "<-"
+        if mate.unit is None:
+            return (f"{arrow} {mate.name()}, not yet posted: stage {mate.rank}",
+                    self._blocked_on(mate.rank), " ")
+        behind = next(o for o in mate.unit.queue[0].ops if o.done is None)
+        return f"{arrow} {mate.name()}, queued behind {behind.name()}", ("op", behind), None
+
+    def _in_collective(self, stage: int) -> bool:
+        return self.arrived[stage] and self.coll[stage] < len(self.world)
+
+    def _verb(self, node: tuple) -> str:
+        """What the stage of ``node`` does while blocked on it: ``"waits RECV_F0"``."""
+        kind, what = node
+        if kind == "coll":
+            return f"waits in {self._collective_name(what)}"
+        if kind == "local":
+            return f"waits {self.stages[what].stream[self.stages[what].pc][1]}"
+        return f"waits {what.ins}"
+
+    def _cycle(self, stuck: list[int]) -> str:
+        """The wait-for chain from the first stuck stage that reaches a cycle, rendered as
+        ``stage 0 waits RECV_B0 <- stage 1's SEND_B0, queued behind ... (the cycle closes)``."""
+        for start in stuck:
+            node = self._blocked_on(start)
+            out = f"stage {start} {self._verb(node)}"
+            seen: set[tuple] = set()
+            while node is not None and self._key(node) not in seen:
+                seen.add(self._key(node))
+                text, following, joiner = self._edge(node)
+                out += (", " if text.startswith("queued") else " ") + text
+                if joiner is not None:
+                    out += joiner + self._verb(following)
+                node = following
+            if node is not None:
+                return out + " (the cycle closes)"
+        return ""
+
+    @staticmethod
+    def _key(node: tuple) -> tuple:
+        kind, what = node
+        return (kind, id(what)) if kind == "op" else node
+
+    @staticmethod
+    def _rank(node: tuple) -> int:
+        kind, what = node
+        return what.rank if kind == "op" else what
