@@ -22,8 +22,8 @@ What it measures, per training step and per rank (hooks
 
 * ``forward_s``, ``backward_s``, ``send_s``, ``load_s``, ``reduce_s``,
   ``optimizer_s`` and ``instructions`` (seconds per instruction class);
-* ``wait_s``: time blocked in ``RecvActivation``/``RecvGrad`` — the bubble
-  inside the schedule;
+* ``wait_s``: time blocked in ``RecvActivation``/``RecvGrad`` (and a skip
+  connection's ``RecvSkip``/``RecvSkipGrad``) — the bubble inside the schedule;
 * ``drain_s``: time from the end of the last instruction to the end of the step
   (finishing sends and the loss all-reduce: waiting for the slowest stage, the
   bubble at the end of the step that the simulator also counts);

@@ -11,12 +11,13 @@ from typing import Any
 
 __all__ = ["WAITS", "GROUPS", "VECTOR", "Totals", "derive", "step_numbers", "merge_record"]
 
-#: Instructions whose time is waiting for a peer (the bubble inside the schedule).
-WAITS = ("RecvActivation", "RecvGrad")
+#: Instructions whose time is waiting for a peer (the bubble inside the schedule); a
+#: skip connection's receives wait like an activation's.
+WAITS = ("RecvActivation", "RecvGrad", "RecvSkip", "RecvSkipGrad")
 #: Summary keys and the instruction classes they add up.
 GROUPS = {
     "forward_s": ("Forward",), "backward_s": ("Backward", "BackwardInput", "BackwardWeight"),
-    "wait_s": WAITS, "send_s": ("SendActivation", "SendGrad"), "load_s": ("LoadMicroBatch",),
+    "wait_s": WAITS, "send_s": ("SendActivation", "SendGrad", "SendSkip", "SendSkipGrad"), "load_s": ("LoadMicroBatch",),
     "reduce_s": ("ReduceTiedGrads", "ReduceGrads"), "optimizer_s": ("OptimizerStep",),
 }
 #: Per-rank numbers carried by the per-step all-reduce, before the per-class seconds.

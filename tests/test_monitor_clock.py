@@ -129,3 +129,19 @@ def test_the_monitor_on_the_host_timer_reports_the_bubble_of_a_fake_clock(monkey
     assert round(summary["wait_s"], 9) == 0.6 and round(summary["drain_s"], 9) == 0.4
     assert round(summary["bubble_fraction"], 9) == 0.25
     mon.close()
+
+
+def test_a_skip_connections_receives_are_waiting_and_its_sends_sending():
+    from pipekernel.plugins.monitor_stats import Totals, derive, step_numbers
+    classes = ["Forward", "RecvActivation", "RecvSkip", "RecvSkipGrad", "SendSkip",
+               "SendSkipGrad"]
+    spans = [(0.0, 0.25, isa.RecvSkip(0, 0)), (0.25, 0.5, isa.Forward(0, 0)),
+             (0.75, 0.125, isa.RecvActivation(0, 0)), (0.875, 0.0625, isa.RecvSkipGrad(0, 0)),
+             (0.9375, 0.03125, isa.SendSkip(0, 0)), (0.96875, 0.015625, isa.SendSkipGrad(0, 0))]
+    totals = Totals()
+    totals.add({**step_numbers(classes, spans, 1.0, 1, peak_memory_mb=0.0, samples=0,
+                               tokens=0), "skipped": False})
+    summary = derive(0, 3, 0, totals.numbers, totals.classes)
+    assert summary["wait_s"] == 0.25 + 0.125 + 0.0625
+    assert summary["send_s"] == 0.03125 + 0.015625
+    assert summary["forward_s"] == 0.5
