@@ -230,10 +230,19 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
         of a boundary come from ``costs[m].output_bytes``.
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
-    found = []
+    found, streams = [], {}
     for name, cls in sorted(schedules.items()):
         for c in sorted({c for c in chunks if cls.min_chunks <= c <= cls.max_chunks}):
             for m, layer_costs in sorted(costs.items()):
+                # another name for the same pipeline (interleaved with one chunk is 1F1B):
+                # listed, not simulated again, so the ranking holds each pipeline once
+                key = _streams(cls, num_stages, m, c)
+                if key is not None and key in streams:
+                    found.append(Candidate(name, c, m, "-",
+                                           note=f"the same instruction streams as {streams[key]}"))
+                    continue
+                if key is not None:
+                    streams[key] = f"{name} (chunks {c})"
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
                                      memory_budget, (transfer_s, split_overhead, link))
     ranked = tuple(sorted(found, key=Candidate.rank_key))
@@ -252,6 +261,16 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
                 best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
                 dict(costs), link)
+
+
+def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
+    """What a schedule makes every stage run (placement and steps), ``None`` if it cannot."""
+    try:
+        return (getattr(cls, "placement", "loop"), chunks, m,
+                tuple(tuple(tuple(step) for step in cls(num_stages, s, m, chunks).steps())
+                      for s in range(num_stages)))
+    except PipelineError:
+        return None
 
 
 def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num_stages: int,

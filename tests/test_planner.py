@@ -213,3 +213,16 @@ def test_measure_link_pings_between_ranks_0_and_1_and_every_rank_gets_rank_0s_nu
     message_s, got_byte_s, on_host = results[0]
     assert got_byte_s == pytest.approx(byte_s) and on_host is True
     assert message_s == pytest.approx(0.5 - 64 * byte_s)
+
+
+def test_a_schedule_that_is_another_ones_pipeline_is_listed_once():
+    # interleaved with one chunk runs exactly 1F1B's instruction streams
+    plan = search(fixed_batch_costs(), 2, TRAINING, balance=balance)
+    twins = [c for c in plan.candidates if (c.schedule, c.chunks) == ("interleaved", 1)]
+    assert twins and all(c.predicted_step_s is None and
+                         c.note == "the same instruction streams as 1f1b (chunks 1)"
+                         for c in twins)
+    assert {c.micro_batches for c in twins} == {1, 2, 4, 8}
+    # interleaved with 2 chunks is a pipeline of its own
+    assert any((c.schedule, c.chunks) == ("interleaved", 2) and c.predicted_step_s is not None
+               for c in plan.candidates)
