@@ -309,8 +309,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shown = original if isinstance(original, PipelineError) else err
         print(f"pipekernel {args.command}: error: {shown}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"pipekernel {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:
+        print(f"pipekernel {args.command}: interrupted" + (f": {err}" if str(err) else ""),
+              file=sys.stderr)
         return 130
 
 

@@ -13,7 +13,7 @@ from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFini
                                TransportTimeout, UnknownNameError)
 from pipekernel.hookspecs import hookimpl, hookspec
 from pipekernel.kernel import Kernel
-from pipekernel.launch import RankError, launch
+from pipekernel.launch import LaunchInterrupted, RankError, launch
 from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
 from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.planner import Plan, auto
@@ -31,7 +31,7 @@ __all__ = [
     "PipelineEngine", "PipelineModule", "LayerSpec", "TiedLayerSpec", "StageModule", "Kernel",
     "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
     "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
-    "TransportTimeout", "UnknownNameError", "RankError", "PeerAbort", "NonFiniteLossError",
+    "TransportTimeout", "UnknownNameError", "RankError", "LaunchInterrupted", "PeerAbort", "NonFiniteLossError",
     "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
     "PartitionReport", "P2POp", "auto", "Plan", "skippable", "Skip", "stash", "pop",
     "tensor_parallel",

@@ -24,7 +24,7 @@ from typing import Any
 
 from pipekernel.errors import PipelineError
 
-__all__ = ["launch", "RankError", "free_port"]
+__all__ = ["launch", "RankError", "LaunchInterrupted", "free_port"]
 
 #: Seconds a worker that already returned its result gets to exit on its own.
 _EXIT_GRACE = 10.0
@@ -36,6 +36,21 @@ class RankError(PipelineError):
     def __init__(self, message: str, *, original: BaseException | None = None, **kw: Any):
         super().__init__(message, **kw)
         self.original = original
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM reached the launcher: every worker was stopped.
+
+    The message says which ranks were stopped and, if one had failed before, which one
+    (``rank``, its exception as ``original`` when picklable, its traceback in the text).
+    It stays a ``KeyboardInterrupt``: a host that catches ``Exception`` (a test runner,
+    a server loop) still stops, as the signal asked, instead of carrying on.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None,
+                 original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.original = rank, original
 
 
 def free_port() -> int:
@@ -136,7 +151,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _stop_workers(procs: list[Any], results: Any, interrupt: BaseException) -> RankError:
+def _stop_workers(procs: list[Any], results: Any, interrupt: BaseException) -> LaunchInterrupted:
     """SIGTERM every worker, collect what they report for a few seconds; the error to
     raise names the first rank that failed other than by the interruption."""
     for proc in procs:
@@ -155,11 +170,11 @@ def _stop_workers(procs: list[Any], results: Any, interrupt: BaseException) -> R
     why = str(interrupt) or "interrupted (Ctrl-C)"
     stopped = [r for r in range(len(procs))]
     if first is None:
-        return RankError(f"launch {why}: stopped ranks {stopped}; no rank had failed",
-                         hint="nothing to fix: the job was interrupted")
+        return LaunchInterrupted(f"launch {why}: stopped ranks {stopped}; no rank had failed")
     rank, value, tb = first
-    return RankError(f"launch {why}: stopped ranks {stopped}; rank {rank} failed first:\n{tb}",
-                     original=value if isinstance(value, BaseException) else None, rank=rank)
+    return LaunchInterrupted(f"launch {why}: stopped ranks {stopped}; rank {rank} failed "
+                             f"first:\n{tb}", rank=rank,
+                             original=value if isinstance(value, BaseException) else None)
 
 
 def _is_interrupt(value: Any, tb: str | None) -> bool:
