@@ -19,9 +19,12 @@ from pipekernel.module import PipelineModule
 __all__ = ["run_ranks", "reference_train", "reference_eval", "assert_parity", "TensorBytes"]
 
 
-def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 180.0,
+def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300.0,
               env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` gloo processes (one thread each); results by rank."""
+    """Run ``fn(*args)`` on ``nprocs`` gloo processes (one thread each); results by rank.
+
+    ``timeout`` only guards against a hang the engine's own timeouts missed: it is generous
+    because a starved machine takes minutes to start processes that import torch."""
     return launch(fn, nprocs, args, timeout=timeout, threads=1, env=env)
 
 

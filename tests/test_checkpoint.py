@@ -199,7 +199,7 @@ def test_a_write_error_fails_every_rank_and_keeps_the_previous_checkpoint(tmp_pa
 
 def test_a_rank_killed_between_files_leaves_latest_on_the_previous_checkpoint(tmp_path):
     with pytest.raises(RankError):  # rank 1 died (or rank 0 saw its peer vanish first)
-        run_ranks(interrupted_worker, 2, str(tmp_path), 1, "exit", timeout=120)
+        run_ranks(interrupted_worker, 2, str(tmp_path), 1, "exit", timeout=300)
     _check_previous_loads(str(tmp_path))
     # the next save cleans up the half-written directory and succeeds
     run_ranks(worker, 2, str(tmp_path), 2, 1, range(1), "1f1b", None, True, True)

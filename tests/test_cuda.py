@@ -48,7 +48,7 @@ def reference_on_gpu():
 
 
 def test_nccl_one_stage_engine_matches_the_reference_on_the_gpu():
-    (result,) = run_ranks(engine_worker, 1, "nccl", "fp32", timeout=120)
+    (result,) = run_ranks(engine_worker, 1, "nccl", "fp32", timeout=300)
     assert result["backend"] == "nccl" and result["device"] == "cuda:0"
     ref_losses, ref_state = reference_on_gpu()
     assert set(result["params"]) == set(ref_state)
@@ -57,7 +57,7 @@ def test_nccl_one_stage_engine_matches_the_reference_on_the_gpu():
 
 def test_auto_picks_nccl_and_bf16_trains_within_tolerance_of_fp32():
     assert auto_transport() == "nccl"
-    (result,) = run_ranks(engine_worker, 1, "auto", "bf16", timeout=120)
+    (result,) = run_ranks(engine_worker, 1, "auto", "bf16", timeout=300)
     assert result["backend"] == "nccl" and result["device"] == "cuda:0"
     assert result["module_dtypes"] == {torch.bfloat16}
     ref_losses, ref_state = reference_on_gpu()

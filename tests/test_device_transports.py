@@ -416,5 +416,5 @@ def staged_all_gather_worker():
 def test_staged_all_gather_fills_every_rank_in_order():
     from pipekernel.testing import run_ranks
 
-    for got in run_ranks(staged_all_gather_worker, 2, timeout=120):
+    for got in run_ranks(staged_all_gather_worker, 2, timeout=300):
         assert got == [[[0, 10]], [[1, 11]]]

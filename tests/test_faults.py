@@ -402,7 +402,7 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000",  # 127.0.0.1, ::1
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/net/tcp"), reason="needs Linux /proc")
 def test_a_local_job_listens_on_loopback_only():
-    for rank, found in enumerate(pk.launch(sockets_worker, 2, timeout=120)):
+    for rank, found in enumerate(pk.launch(sockets_worker, 2, timeout=300)):
         outside = [(a, p) for a, p in found if a not in LOOPBACK]
         assert not outside, f"rank {rank} listens beyond loopback: {outside} (all: {found})"
 

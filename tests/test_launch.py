@@ -24,7 +24,7 @@ def _worker_with_slow_cleanup(directory: str) -> int:
 
 
 def test_workers_that_returned_exit_on_their_own(tmp_path):
-    assert launch(_worker_with_slow_cleanup, 2, (str(tmp_path),), timeout=120) == [0, 1]
+    assert launch(_worker_with_slow_cleanup, 2, (str(tmp_path),), timeout=300) == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
@@ -46,5 +46,5 @@ def test_an_engine_after_a_closed_one_gets_a_new_process_group():
     # the second process group must not rendezvous on the first one's store file: its
     # keys (gloo's addresses) are stale once that group is destroyed, and a rank that
     # starts early would read them and time out connecting
-    results = launch(_engines_one_after_another, 2, (3,), timeout=120)
+    results = launch(_engines_one_after_another, 2, (3,), timeout=300)
     assert results[0] == results[1] and len(results[0]) == 3

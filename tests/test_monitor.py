@@ -348,7 +348,7 @@ def test_receive_timeout_names_instruction_peer_and_every_position(tmp_path):
     out = str(tmp_path)
     # the stall outlasts the 2 s timeout by 6 s: start-up skew between ranks under load
     # stays far below that
-    results = run_ranks(hang_worker, 3, out, 3, 8.0, 2.0, timeout=120)
+    results = run_ranks(hang_worker, 3, out, 3, 8.0, 2.0, timeout=300)
     first, stuck, last = results
     # stage 0 waits for stage 1's gradient, stage 2 for its activation: both time out
     assert first["type"] == TransportTimeout.__name__ and first["peer"] == 1
@@ -384,7 +384,7 @@ def signal_worker(out_dir, stall_s):
 
 @pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs SIGUSR1 (POSIX)")
 def test_sigusr1_dumps_every_rank_position_while_blocked(tmp_path):
-    path = run_ranks(signal_worker, 2, str(tmp_path), 6.0, timeout=120)[0]
+    path = run_ranks(signal_worker, 2, str(tmp_path), 6.0, timeout=300)[0]
     text = open(path).read()
     assert "RECV_B0 (RecvGrad) waiting" in text  # written while rank 0 was blocked
     assert "rank 1 (stage 1" in text and "F0 (Forward) running" in text

@@ -82,7 +82,7 @@ def bad_chunks_worker():
 
 def test_chunks_the_schedule_cannot_hold_is_a_clear_error():
     with pytest.raises(pk.RankError, match=r"zbv.*exactly 2 chunk"):
-        run_ranks(bad_chunks_worker, 2, timeout=60)
+        run_ranks(bad_chunks_worker, 2, timeout=300)
 
 
 @pytest.mark.parametrize("schedule,stages,chunks", [("zb-h1", 4, None), ("interleaved", 2, 2)])

@@ -96,7 +96,7 @@ def _exchange(with_control):
 
 @pytest.mark.parametrize("with_control", [False, True], ids=["fused", "control-lane"])
 def test_transfers_round_trip_and_metadata_follows_changes(with_control):
-    (_, sent), (received, _) = run_ranks(_exchange, 2, with_control, timeout=120)
+    (_, sent), (received, _) = run_ranks(_exchange, 2, with_control, timeout=300)
     expected = _objects(0)
     assert len(received) == len(expected)
     for i, (got, want) in enumerate(zip(received, expected)):
@@ -144,7 +144,7 @@ def _fast_path_bytes():
 
 
 def test_fast_path_is_one_message_with_a_16_byte_header():
-    sender, _ = run_ranks(_fast_path_bytes, 2, timeout=60)
+    sender, _ = run_ranks(_fast_path_bytes, 2, timeout=300)
     assert sender == (1, HEADER_BYTES + 64)
 
 
@@ -311,7 +311,7 @@ def test_a_value_that_cannot_cross_names_stage_micro_batch_and_key():
     import pipekernel as pk
 
     with pytest.raises(pk.RankError) as info:
-        run_ranks(_bad_boundary_worker, 2, timeout=90)
+        run_ranks(_bad_boundary_worker, 2, timeout=300)
     text = str(info.value.original)
     assert "outputs['note'] is a str" in text
     assert "stage 0" in text and "micro-batch 0" in text and "SEND_F0" in text
