@@ -155,12 +155,12 @@ def _ints(text: str | None) -> list[int] | None:
 
 
 def plan_for_args(args: argparse.Namespace) -> object:
-    """The :class:`~pipekernel.planner.Plan` ``pipekernel plan`` prints."""
+    """The :class:`~pipekernel.engine.planner.Plan` ``pipekernel plan`` prints."""
     import torch
 
     import pipekernel as pk
     from pipekernel.apps.gpt import gpt_module
-    from pipekernel.planner import plan_module
+    from pipekernel.engine.planner import plan_module
 
     torch.set_num_threads(args.threads)
     module = gpt_module(args.dim, args.layers, args.heads, args.context,
@@ -228,8 +228,8 @@ def schedule_report(result: object, name: str) -> str:
 
 
 def _run_schedule(args: argparse.Namespace) -> int:
-    from pipekernel.instructions import Backward, BackwardInput, BackwardWeight
-    from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
+    from pipekernel.schedules.instructions import Backward, BackwardInput, BackwardWeight
+    from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
     from pipekernel.schedules import simulate
 
     cls = resolve_schedule(make_plugin_manager(), args.name)
@@ -267,7 +267,7 @@ def _add_plugins(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_plugins(args: argparse.Namespace) -> int:
-    from pipekernel.inventory import format_inventory, inventory
+    from pipekernel.extend.inventory import format_inventory, inventory
 
     found = inventory(autoload=False if args.no_autoload else None, disabled=args.disable)
     print(format_inventory(found, as_json=args.json))

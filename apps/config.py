@@ -38,7 +38,7 @@ class TrainConfig:
     save_every: int = 0
     resume: bool = False
     checkpoint_dir: str | None = None
-    rank_order: str = "tp-dp-pp"  # innermost axis first; see pipekernel.topology
+    rank_order: str = "tp-dp-pp"  # innermost axis first; see pipekernel.grid.topology
     zero_stage: int = 0
 
     @property

@@ -1,7 +1,7 @@
 """``pipekernel train``: train a small GPT-style byte-level LM with pipeline parallelism.
 
 On one machine with no arguments it starts ``stages x data_parallel`` local
-processes (CPU, gloo) through :func:`pipekernel.launch`; under ``torchrun``
+processes (CPU, gloo) through :func:`pipekernel.engine.launch`; under ``torchrun``
 (``RANK`` and ``WORLD_SIZE`` set) it runs just this rank. Rank 0 shows a
 progress bar and, at the end, a per-stage time table, the partition, a sample
 of generated text and the paths of the metrics CSV, the trace and the timeline
@@ -54,7 +54,7 @@ def _positive(cfg: TrainConfig) -> None:
             f"{cfg.layers + 2} layers (embedding, {cfg.layers} blocks, head) cannot fill "
             f"{cfg.stages} stages",
             hint=f"pass --layers {cfg.stages - 2} or more, or fewer --stages")
-    from pipekernel.parallel import ParallelConfig
+    from pipekernel.grid.parallel import ParallelConfig
     ParallelConfig.make(rank_order=cfg.rank_order, zero_stage=cfg.zero_stage)  # clear errors
 
 
@@ -180,7 +180,7 @@ def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -
 def _describe_ranks(engine: pk.PipelineEngine) -> list[str]:
     """The rank order and which rank is which stage and replica (nodes by
     ``LOCAL_WORLD_SIZE`` under torchrun); a summary line for more than 32 ranks."""
-    from pipekernel.topology import format_rank_map
+    from pipekernel.grid.topology import format_rank_map
 
     topo = engine.topology
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None

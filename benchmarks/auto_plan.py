@@ -97,8 +97,8 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def calibrated(plan: object, args: argparse.Namespace) -> dict:
     """Predicted seconds per candidate under the calibrated model (same profile)."""
-    from pipekernel.planner import search
-    from pipekernel.plugin_manager import make_plugin_manager, registered_schedules
+    from pipekernel.engine.planner import search
+    from pipekernel.extend.manager import make_plugin_manager, registered_schedules
     from pipekernel.plugins.partition import balance
 
     table = registered_schedules(make_plugin_manager())

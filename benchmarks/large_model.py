@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-import pipekernel.tensor_parallel as tp
+import pipekernel.grid.tensor_parallel as tp
 from pipekernel.plugins.counting import CountingPlugin
-from pipekernel.zero import optimizer_state_bytes
+from pipekernel.grid.zero import optimizer_state_bytes
 
 
 def _mlp(width: int, layers: int, stages: int) -> pk.PipelineModule:

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import instructions as isa
-from pipekernel.kernel import Kernel
-from pipekernel.plugin_manager import make_plugin_manager
+from pipekernel.schedules import instructions as isa
+from pipekernel.kernel.loop import Kernel
+from pipekernel.extend.manager import make_plugin_manager
 from pipekernel.plugins.monitor import Monitor
 from pipekernel.testing import run_ranks
 

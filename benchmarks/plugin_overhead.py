@@ -14,7 +14,7 @@ import argparse
 import time
 
 import pipekernel as pk
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 
 
 class Counter:

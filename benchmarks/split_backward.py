@@ -19,7 +19,7 @@ import time
 import torch
 from torch import nn
 
-from pipekernel.split_backward import backward_input, backward_weight
+from pipekernel.stage.split_backward import backward_input, backward_weight
 
 
 def stack(dim: int) -> nn.Module:

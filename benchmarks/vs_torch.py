@@ -301,7 +301,7 @@ def worker(d: int, seq: int, pk_schedules: list[str], torch_schedules: list[str]
 
 def available_pk(names: list[str]) -> tuple[list[str], list[str]]:
     from pipekernel.errors import UnknownNameError
-    from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
+    from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
 
     pm = make_plugin_manager()
     has_chunks = "chunks" in inspect.signature(pk.PipelineEngine).parameters

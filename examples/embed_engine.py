@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import pipekernel as pk
-from pipekernel.instructions import OptimizerStep
+from pipekernel.schedules.instructions import OptimizerStep
 
 PIPE_RANKS = [1, 2]
 STEPS, MICRO_BATCHES, MAX_NORM = 5, 4, 0.5

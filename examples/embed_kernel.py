@@ -17,7 +17,7 @@ import collections
 import torch
 
 import pipekernel as pk
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.schedules import GPipe
 
 

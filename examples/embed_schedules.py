@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
 
 

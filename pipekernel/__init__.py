@@ -5,22 +5,22 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from pipekernel import tensor_parallel
-from pipekernel.checkpoint import load_sequential
-from pipekernel.engine import PipelineEngine
+from pipekernel.grid import tensor_parallel
+from pipekernel.engine.checkpoint import load_sequential
+from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
                                PeerAbort, PipelineError, ScheduleError, TransportError,
                                TransportTimeout, UnknownNameError)
-from pipekernel.hookspecs import hookimpl, hookspec
-from pipekernel.kernel import Kernel
-from pipekernel.launch import LaunchInterrupted, RankError, launch
-from pipekernel.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
-from pipekernel.partitioning import PartitionContext, PartitionReport, balance, memory, profile
-from pipekernel.planner import Plan, auto
-from pipekernel.plugin_manager import make_plugin_manager
-from pipekernel.skips import Skip, pop, skippable, stash
-from pipekernel.topology import Topology
-from pipekernel.transport import P2POp
+from pipekernel.extend.hookspecs import hookimpl, hookspec
+from pipekernel.kernel.loop import Kernel
+from pipekernel.engine.launch import LaunchInterrupted, RankError, launch
+from pipekernel.stage.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
+from pipekernel.stage.partitioning import PartitionContext, PartitionReport, balance, memory, profile
+from pipekernel.engine.planner import Plan, auto
+from pipekernel.extend.manager import make_plugin_manager
+from pipekernel.stage.skips import Skip, pop, skippable, stash
+from pipekernel.grid.topology import Topology
+from pipekernel.comm.transport import P2POp
 
 try:
     __version__ = version("pipekernel")

@@ -99,7 +99,7 @@ class TransportTimeout(TransportError):
 
 
 class PeerAbort(PipelineError):
-    """Another rank failed first and said so (see :mod:`pipekernel.faults`).
+    """Another rank failed first and said so (see :mod:`pipekernel.engine.faults`).
 
     The location fields (``rank``, ``stage``, ``step``, ``micro_batch``,
     ``instruction``) are the *failing* rank's; ``error_type`` is the class name of

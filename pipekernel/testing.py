@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 
-from pipekernel.launch import launch
-from pipekernel.module import PipelineModule
+from pipekernel.comm.conformance import run_transport_conformance
+from pipekernel.comm.transport import Transport
+from pipekernel.engine.launch import launch
+from pipekernel.extend.manager import make_plugin_manager, make_transport
+from pipekernel.stage.module import PipelineModule
 
-__all__ = ["run_ranks", "reference_train", "reference_eval", "assert_parity", "TensorBytes"]
+__all__ = ["run_ranks", "check_transport", "reference_train", "reference_eval", "assert_parity", "TensorBytes"]
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300.0,
@@ -193,3 +196,33 @@ class TensorBytes:
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
 
+
+def _conformance_worker(transport: str | Callable[..., Transport], options: dict[str, Any],
+            timeout_check: float | None) -> list[str]:
+    if isinstance(transport, str):
+        instance = make_transport(make_plugin_manager(), transport, dict(options))
+    else:
+        instance = transport(**options)
+    try:
+        return run_transport_conformance(instance, timeout_check=timeout_check)
+    finally:
+        instance.close()
+
+
+def check_transport(transport: str | Callable[..., Transport], nprocs: int = 3, *,
+                    options: dict[str, Any] | None = None, timeout_check: float | None = 1.0,
+                    timeout: float = 180.0) -> list[str]:
+    """Run the suite on ``nprocs`` local processes; raise if any rank fails.
+
+    :param transport: an installed transport name (``pipekernel.transports``
+        entry point) or a picklable factory called with ``**options``.
+    :param nprocs: processes (1 runs :data:`SOLO_CHECKS` only; 3 or more also checks
+        proper subgroups).
+    :param options: transport options (default ``{"timeout": 60}``).
+    :param timeout_check: see :func:`run_transport_conformance`.
+    :param timeout: seconds before every process is killed.
+    :returns: the names of the checks that passed (rank 0's list).
+    """
+    opts = {"timeout": 60.0, **(options or {})}
+    results = launch(_conformance_worker, nprocs, (transport, opts, timeout_check), timeout=timeout)
+    return results[0]

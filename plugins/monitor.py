@@ -69,9 +69,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.hookspecs import hookimpl
+from pipekernel.extend.hookspecs import hookimpl
 
 from pipekernel.plugins.monitor_clock import CudaTimer, HostTimer, make_timer
 from pipekernel.plugins.monitor_positions import PositionBoard, format_positions
@@ -236,7 +236,7 @@ class Monitor:
             self._count(instruction)
 
     def _count(self, instruction: Any) -> None:
-        from pipekernel.wire import flatten
+        from pipekernel.comm.wire import flatten
 
         inputs = self.engine.runtime.buffers[instruction.buffer].inputs
         if inputs is None:
@@ -476,7 +476,7 @@ def gather_objects(transport: Any, obj: Any) -> list[Any] | None:
     Uses only the Transport protocol's collectives (an all-reduce of the sizes,
     then one broadcast per rank), so it works on any transport.
     """
-    from pipekernel.faults import all_gather_objects
+    from pipekernel.engine.faults import all_gather_objects
 
     out = all_gather_objects(transport, obj)
     return out if transport.rank == 0 else None

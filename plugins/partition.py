@@ -9,7 +9,7 @@
 * ``pk.profile(sample)``: measured forward + backward seconds per layer;
 * ``pk.memory(sample)`` / ``"memory"``: estimated bytes, with activations
   multiplied by the micro-batches the schedule keeps in flight on each stage.
-  A skip connection's stashed value (:mod:`pipekernel.skips`) counts as an
+  A skip connection's stashed value (:mod:`pipekernel.stage.skips`) counts as an
   activation of the layer that stashes it (unless autograd saves it there anyway)
   *and* of the layer that pops it: each end holds it until the micro-batch's
   backward. The stages in between hold nothing (the value is routed past them).
@@ -34,10 +34,10 @@ import torch
 from torch import nn
 
 from pipekernel.errors import ConfigError
-from pipekernel.hookspecs import hookimpl
-from pipekernel.module import LayerSpec, PipelineModule, TiedLayerSpec
-from pipekernel.partitioning import Balance, Memory, PartitionContext, Profile
-from pipekernel.skips import SkipScope
+from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
+from pipekernel.stage.partitioning import Balance, Memory, PartitionContext, Profile
+from pipekernel.stage.skips import SkipScope
 
 __all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers", "measure_layer_times"]
 
@@ -287,7 +287,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     """:func:`measure_layers`, with the forward timed on its own too.
 
     :param split: a list to append, per layer, the median seconds of the split backward
-        (``(input pass, weight pass)``, :mod:`pipekernel.split_backward`) to; ``None``:
+        (``(input pass, weight pass)``, :mod:`pipekernel.stage.split_backward`) to; ``None``:
         not timed.
     :param outputs: a list to append, per layer, the bytes of the tensors it returns to.
     :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
@@ -390,7 +390,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
 def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warmup: int,
                 repeats: int, now: Callable[[], float]) -> tuple[float, float]:
     """Median seconds of the input pass and of the weight pass of one layer's backward."""
-    from pipekernel.split_backward import backward_input, backward_weight
+    from pipekernel.stage.split_backward import backward_input, backward_weight
 
     params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
     inputs = _grad_outputs(inp)

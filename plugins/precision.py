@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError
-from pipekernel.hookspecs import hookimpl
-from pipekernel.precision import Precision, cast_floats
+from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.step.precision import Precision, cast_floats
 
 __all__ = ["FP32", "LowPrecision", "FP16", "AmpBF16", "LossScaler"]
 

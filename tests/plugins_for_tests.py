@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pipekernel as pk
-from pipekernel.precision import Precision
-from pipekernel.instructions import Instruction, OptimizerStep
+from pipekernel.step.precision import Precision
+from pipekernel.schedules.instructions import Instruction, OptimizerStep
 from pipekernel.schedules import OneFOneB
 
 

@@ -53,7 +53,7 @@ class RendezvousTransport(GlooTransport):
         super().__init__(timeout=timeout, **options)
         self._tokens = dist.new_group(list(range(self.world_size)))  # ready tokens
         # A transport whose pairs run in order needs a host lane for the wire's headers
-        # and metadata changes (see pipekernel.wire): a plain gloo group.
+        # and metadata changes (see pipekernel.comm.wire): a plain gloo group.
         self.control = GlooTransport(timeout=timeout,
                                      group=dist.new_group(list(range(self.world_size))))
         self._queues: dict[int, queue.Queue] = {}

@@ -83,7 +83,7 @@ def test_set_micro_batches_refuses_bad_counts_without_communicating():
         skip_edges = ()  # no skip connections to re-prove
         schedule_cls = pk.PipelineEngine  # placeholder, replaced below
 
-    from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
+    from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
     pm = make_plugin_manager()
     fake = Fake()
     fake.schedule_cls = fake.eval_schedule_cls = resolve_schedule(pm, "interleaved")

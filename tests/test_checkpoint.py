@@ -11,8 +11,8 @@ from models import adam, mlp, mlp_data
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import checkpoint as ckpt
-from pipekernel.launch import RankError
+from pipekernel.engine import checkpoint as ckpt
+from pipekernel.engine.launch import RankError
 from pipekernel.testing import assert_parity, reference_eval, reference_train, run_ranks
 
 MB = 2  # micro-batches per step

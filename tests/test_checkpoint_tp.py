@@ -8,8 +8,8 @@ from models import adam, mlp_data
 from test_tensor_parallel import tp_mlp
 
 import pipekernel as pk
-import pipekernel.tensor_parallel as tp
-from pipekernel import checkpoint as ckpt
+import pipekernel.grid.tensor_parallel as tp
+from pipekernel.engine import checkpoint as ckpt
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 MB = 2

@@ -14,7 +14,7 @@ import torch
 from models import mlp, mlp_data, sgd
 
 import pipekernel as pk
-from pipekernel.plugin_manager import auto_transport
+from pipekernel.extend.manager import auto_transport
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 pytestmark = [pytest.mark.cuda,

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import module as pk_module
-from pipekernel.device import to_device
+from pipekernel.stage import module as pk_module
+from pipekernel.stage.device import to_device
 from pipekernel.plugins.precision import FP16, LowPrecision
 
 

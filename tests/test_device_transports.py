@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError, TransportTimeout
-from pipekernel.transport import P2POp
+from pipekernel.comm.transport import P2POp
 from pipekernel.transports import cupy_nccl
 from pipekernel.transports.cupy_nccl import (INSTALL, NCCL_TYPES, _Comm, _Ops,
                                              decode_unique_id, encode_unique_id,
@@ -31,8 +31,8 @@ HAS_CUPY = importlib.util.find_spec("cupy") is not None
 ISOLATION = """
 import os, sys
 import pipekernel
-from pipekernel.inventory import inventory
-from pipekernel.plugin_manager import make_plugin_manager, make_transport
+from pipekernel.extend.inventory import inventory
+from pipekernel.extend.manager import make_plugin_manager, make_transport
 names = {e.name for e in inventory()["transports"]}
 t = make_transport(make_plugin_manager(), "gloo", {"timeout": 30})
 t.barrier()
@@ -56,7 +56,7 @@ def test_listing_and_choosing_gloo_never_import_cupy(tmp_path):
 
 @pytest.mark.skipif(HAS_CUPY, reason="CuPy is installed here")
 def test_choosing_cupy_nccl_without_cupy_says_what_to_install():
-    from pipekernel.plugin_manager import make_plugin_manager, make_transport
+    from pipekernel.extend.manager import make_plugin_manager, make_transport
 
     with pytest.raises(ConfigError) as err:
         make_transport(make_plugin_manager(), "cupy-nccl", {"timeout": 5})

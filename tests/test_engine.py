@@ -257,7 +257,7 @@ def test_a_silent_peer_ends_in_an_error_naming_it():
 
 def test_unknown_names_list_the_available_ones():
     pm = pk.make_plugin_manager()
-    from pipekernel.plugin_manager import make_precision, resolve_schedule
+    from pipekernel.extend.manager import make_precision, resolve_schedule
     with pytest.raises(pk.UnknownNameError, match="unknown schedule 'zz'(.|\n)*1f1b, gpipe"):
         resolve_schedule(pm, "zz")
     with pytest.raises(pk.UnknownNameError, match="unknown precision 'fp7'"):

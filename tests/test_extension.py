@@ -8,7 +8,7 @@ from plugins_for_tests import Recorder, ScaledGradsPlugin, ScaledOneFOneB, Scale
 
 import pipekernel as pk
 from pipekernel.errors import InstructionError, UnknownNameError
-from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
+from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
 from pipekernel.schedules import simulate
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.launch import free_port
+from pipekernel.engine.launch import free_port
 
 TIMEOUT = 60.0   # the engine's timeout: what a rank without abort propagation would wait
 FAST = 15.0      # fault -> last rank's error, with a wide margin for a loaded machine
@@ -420,7 +420,7 @@ def test_a_transport_failure_after_a_published_abort_reports_the_abort():
     import types
 
     from pipekernel.errors import PeerAbort, TransportError
-    from pipekernel.faults import AbortBoard
+    from pipekernel.engine.faults import AbortBoard
 
     store = torch.distributed.HashStore()
     failing = AbortBoard(store, "pipekernel/e0", rank=2)

@@ -1,4 +1,4 @@
-"""Bucketed, overlapped data-parallel gradient reduction (``pipekernel.grad_reduce``).
+"""Bucketed, overlapped data-parallel gradient reduction (``pipekernel.step.grad_reduce``).
 
 Unit tests drive a :class:`GradReducer` in one process over a fake transport that
 plays ``world`` identical replicas (it multiplies by ``world``) and records when
@@ -16,9 +16,9 @@ from models import MODELS, adam, sgd
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.errors import ConfigError
-from pipekernel.grad_reduce import GradReducer
+from pipekernel.step.grad_reduce import GradReducer
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 STEPS = 4

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipekernel import hookspecs
-from pipekernel.hookdoc import hookspec_functions, render, spec_options
+from pipekernel.extend import hookspecs
+from pipekernel.extend.hookdoc import hookspec_functions, render, spec_options
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where implementations that the test suite runs live: test plugins, tested examples,
@@ -116,4 +116,4 @@ def test_hookspec_and_every_parameter_are_exercised(spec):
 def test_docs_hooks_md_matches_the_docstrings():
     path = ROOT / "docs" / "hooks.md"
     assert path.read_text() == render(), (
-        "docs/hooks.md is out of date: run `python -m pipekernel.hookdoc > docs/hooks.md`")
+        "docs/hooks.md is out of date: run `python -m pipekernel.extend.hookdoc > docs/hooks.md`")

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import pipekernel as pk
-from pipekernel import instructions as isa
-from pipekernel.topology import Topology
-from pipekernel.wire import decode, encode, flatten, unflatten
+from pipekernel.schedules import instructions as isa
+from pipekernel.grid.topology import Topology
+from pipekernel.comm.wire import decode, encode, flatten, unflatten
 
 
 class Recorder:

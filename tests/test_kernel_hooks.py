@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 import pipekernel as pk
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.errors import InstructionError, TransportTimeout
-from pipekernel.kernel import Kernel
+from pipekernel.kernel.loop import Kernel
 
 
 class Recorder:

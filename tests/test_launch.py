@@ -1,11 +1,11 @@
-"""pipekernel.launch: workers that returned their result may finish their clean-up."""
+"""pipekernel.engine.launch: workers that returned their result may finish their clean-up."""
 from __future__ import annotations
 
 import multiprocessing.util
 import time
 from pathlib import Path
 
-from pipekernel.launch import launch
+from pipekernel.engine.launch import launch
 
 
 def _write_later(path: str) -> None:

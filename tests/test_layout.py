@@ -44,3 +44,62 @@ def test_the_console_script_lives_beside_the_apps():
     (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "pipekernel"]
     assert script.value == "pipekernel.apps.cli:main"
     assert not (CORE / "cli.py").exists()
+
+
+# -- the layers, as folders: each may import only the ones listed (and itself) ---------------
+# Bottom to top. ``errors`` is the shared vocabulary every layer speaks; ``testing`` and the
+# two facades (``pipekernel``, ``pipekernel.plugin``) sit on top of everything.
+LAYERS = {
+    "errors": set(),
+    "schedules": {"errors"},                       # layer 0: ISA, schedules, simulator
+    "comm": {"errors"},                            # transport protocol, wire, collectives
+    "grid": {"errors", "comm"},                    # topology, TP, ZeRO, partitioned activations
+    "kernel": {"errors", "schedules"},             # layer 1: the instruction loop
+    "step": {"errors", "grid"},                    # reductions, precision protocol, optimizer step
+    "extend": {"errors", "schedules", "comm", "step"},  # hookspecs, plugin manager, built-ins
+    "stage": {"errors", "schedules", "comm", "grid", "kernel", "step", "extend"},
+    "engine": {"errors", "schedules", "comm", "grid", "kernel", "step", "extend", "stage"},
+}
+TOP = {"__init__", "plugin", "testing"}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            mods = ([f"pipekernel.{a.name}" for a in node.names] if node.module == "pipekernel"
+                    else [node.module])
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        else:
+            continue
+        found += [(node.lineno, m.split(".")[1]) for m in mods
+                  if m.startswith("pipekernel.") and len(m.split(".")) > 1]
+    return found
+
+
+def test_every_core_module_sits_in_a_layer():
+    homes = {p.relative_to(CORE).parts[0].removesuffix(".py") for p in CORE.rglob("*.py")}
+    assert homes - TOP - {"schedules"} <= set(LAYERS), sorted(homes - TOP - set(LAYERS))
+
+
+def test_layers_import_only_downwards():
+    """The import contract per layer: no arrow up, no folder reaching sideways."""
+    offenders = []
+    for path in sorted(CORE.rglob("*.py")):
+        home = path.relative_to(CORE).parts[0].removesuffix(".py")
+        if home in TOP:
+            continue
+        allowed = LAYERS[home] | {home}
+        offenders += [f"{path.relative_to(CORE.parent)}:{line}: {home} -> {target}"
+                      for line, target in _imports(path)
+                      if target not in allowed]
+    assert not offenders, "imports against the layer order:\n" + "\n".join(offenders)
+
+
+def test_the_import_reader_sees_every_form(tmp_path):
+    src = tmp_path / "bad.py"
+    src.write_text("from pipekernel.engine.engine import PipelineEngine\n"
+                   "def f():\n    from pipekernel import stage\n    import pipekernel.grid.zero\n"
+                   "from . import sibling\n")
+    assert [t for _, t in _imports(src)] == ["engine", "stage", "grid"]

@@ -17,8 +17,8 @@ from torch import nn
 
 import pipekernel as pk
 from pipekernel.errors import PipelineError, TransportTimeout, UnknownNameError
-from pipekernel.instructions import Backward, Forward
-from pipekernel.plugin_manager import entry_points
+from pipekernel.schedules.instructions import Backward, Forward
+from pipekernel.extend.manager import entry_points
 from pipekernel.plugins.monitor import Monitor, format_positions
 from pipekernel.plugins.sinks import SINKS_GROUP, Sink, flatten_record, make_sink
 from pipekernel.schedules import OneFOneB, simulate
@@ -173,7 +173,7 @@ def _single(tmp_path, sinks, tokens_per_sample=None):
 
 def _in_process(fn, *args):
     """Run a one-rank worker in this process (for arguments that do not pickle)."""
-    from pipekernel.launch import free_port
+    from pipekernel.engine.launch import free_port
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     old = {k: os.environ.get(k) for k in env}

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.plugins.monitor import Monitor
 from pipekernel.plugins.monitor_clock import CudaTimer, HostTimer, make_timer
 

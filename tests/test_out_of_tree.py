@@ -14,7 +14,7 @@ from models import mlp, mlp_data, sgd
 from plugins_for_tests import flat
 
 import pipekernel as pk
-from pipekernel.conformance import check_transport
+from pipekernel.testing import check_transport
 from pipekernel.testing import run_ranks
 
 PACKAGE = Path(__file__).resolve().parent.parent / "examples" / "plugin_package"
@@ -93,7 +93,7 @@ def test_pipekernel_plugins_lists_both_with_distribution_and_version(installed, 
 
 
 def test_autoload_off_keeps_third_party_plugins_out(installed):
-    from pipekernel.plugin_manager import make_plugin_manager
+    from pipekernel.extend.manager import make_plugin_manager
 
     assert make_plugin_manager().get_plugin("oot_monitor") is not None
     first, second = make_plugin_manager(), make_plugin_manager()

@@ -10,10 +10,10 @@ from models import mlp, mlp_data, sgd
 
 import pipekernel as pk
 from pipekernel.errors import ConfigError
-from pipekernel.planner import Auto, LayerCosts, search
+from pipekernel.engine.planner import Auto, LayerCosts, search
 from pipekernel.plugins.partition import balance
 from pipekernel.schedules import BUILTIN_SCHEDULES, simulate
-from pipekernel.instructions import Backward, BackwardInput, BackwardWeight, Forward
+from pipekernel.schedules.instructions import Backward, BackwardInput, BackwardWeight, Forward
 from pipekernel.testing import run_ranks
 
 TRAINING = {k: v for k, v in BUILTIN_SCHEDULES.items() if v.trains}
@@ -113,7 +113,7 @@ class FakeProfile:
 
     @pk.hookimpl(tryfirst=True)
     def pipekernel_partition(self, method, layers, num_stages, context):
-        from pipekernel.partitioning import Profile
+        from pipekernel.stage.partitioning import Profile
         if not isinstance(method, Profile):
             return None
         rows = method.sample.shape[0]
@@ -150,13 +150,13 @@ def test_ranks_measuring_different_costs_are_caught():
 
 
 def test_auto_without_a_sample_says_how_to_give_one():
-    from pipekernel.planner import plan_module
+    from pipekernel.engine.planner import plan_module
     with pytest.raises(ConfigError, match="needs a sample micro-batch"):
         plan_module(mlp(), Auto(), num_stages=2, micro_batches=4, pm=pk.make_plugin_manager())
 
 
 def test_a_host_link_occupies_the_stages_and_favours_fewer_micro_batches():
-    from pipekernel.planner import Link
+    from pipekernel.engine.planner import Link
     only = {"1f1b": TRAINING["1f1b"]}
     # one micro-batch on 2 stages is a chain F0 -> F1 -> B1 -> B0 with two transfers, each
     # costing its full link seconds (half packing on the sender, half unpacking)
@@ -193,8 +193,8 @@ class _SteppingClock:
 
 
 def _link_worker():
-    from pipekernel.planner import measure_link
-    from pipekernel.plugin_manager import make_plugin_manager, make_transport
+    from pipekernel.engine.planner import measure_link
+    from pipekernel.extend.manager import make_plugin_manager, make_transport
     transport = make_transport(make_plugin_manager(), "gloo", {"timeout": 30})
     try:
         link = measure_link(transport, 1 << 16, repeats=3, warmup=1,

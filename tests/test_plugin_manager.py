@@ -7,10 +7,10 @@ import pytest
 from plugins_for_tests import Recorder
 
 import pipekernel as pk
-from pipekernel.precision import Precision
-from pipekernel import plugin_manager as pmod
+from pipekernel.step.precision import Precision
+from pipekernel.extend import manager as pmod
 from pipekernel.errors import ConfigError, UnknownNameError
-from pipekernel.plugin_manager import (make_plugin_manager, make_precision, make_transport,
+from pipekernel.extend.manager import (make_plugin_manager, make_precision, make_transport,
                                        provided_names)
 
 
@@ -61,7 +61,7 @@ def test_unknown_hook_parameter_is_rejected_with_the_plugin_name():
 def test_plugin_objects_are_named_for_errors_and_disabling():
     pm = make_plugin_manager([Recorder("rec"), Recorder("rec"), Half()], autoload=False)
     names = {n for n, p in pm.list_name_plugin() if p is not None}
-    assert {"rec", "rec#2", "half", "pipekernel.builtin", "precision", "partition"} <= names
+    assert {"rec", "rec#2", "half", "pipekernel.extend.builtin", "precision", "partition"} <= names
     assert pm.sources["precision"][0] == "pipekernel" and pm.sources["rec"] == ("", "")
 
 
@@ -95,8 +95,8 @@ def test_disabled_by_argument_and_environment(monkeypatch):
 
 
 def test_the_core_defaults_cannot_be_disabled():
-    with pytest.raises(ConfigError, match="pipekernel.builtin"):
-        make_plugin_manager(disabled=["pipekernel.builtin"])
+    with pytest.raises(ConfigError, match="pipekernel.extend.builtin"):
+        make_plugin_manager(disabled=["pipekernel.extend.builtin"])
 
 
 def test_unknown_precision_lists_the_available_names():
@@ -158,7 +158,7 @@ def test_the_same_plugin_object_twice_is_a_config_error():
 def test_a_plugin_that_fails_to_import_is_named_and_listing_goes_on(monkeypatch):
     import importlib.metadata
 
-    from pipekernel.inventory import inventory
+    from pipekernel.extend.inventory import inventory
 
     broken = importlib.metadata.EntryPoint(name="broken", value="no_such_module_xyz:Plugin",
                                            group=pmod.PLUGINS_GROUP)
@@ -170,7 +170,7 @@ def test_a_plugin_that_fails_to_import_is_named_and_listing_goes_on(monkeypatch)
     assert err.value.plugin == "broken" and "no_such_module_xyz" in str(err.value)
     assert "PIPEKERNEL_DISABLE_PLUGINS=broken" in err.value.hint
     assert make_plugin_manager(disabled=["broken"]).get_plugin("precision") is not None
-    monkeypatch.setattr("pipekernel.inventory.entry_points", pmod.entry_points)
+    monkeypatch.setattr("pipekernel.extend.inventory.entry_points", pmod.entry_points)
     status = {e.name: e.status for e in inventory()["plugins"]}
     assert status["broken"].startswith("failed to load: ModuleNotFoundError")
     assert status["precision"] == ""

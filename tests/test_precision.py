@@ -19,9 +19,9 @@ from torch import nn
 
 import pipekernel as pk
 from pipekernel.errors import ConfigError
-from pipekernel.instructions import OptimizerStep
+from pipekernel.schedules.instructions import OptimizerStep
 from pipekernel.plugins.precision import FP16, LossScaler, LowPrecision
-from pipekernel.precision import Precision
+from pipekernel.step.precision import Precision
 from pipekernel.plugins.counting import CountingPlugin
 from pipekernel.testing import reference_train, run_ranks
 
@@ -313,7 +313,7 @@ def test_precision_protocol_is_checked():
         def pipekernel_make_precision(self, name):
             return object() if name == "broken" else None
 
-    from pipekernel.plugin_manager import make_plugin_manager, make_precision
+    from pipekernel.extend.manager import make_plugin_manager, make_precision
     pm = make_plugin_manager([Incomplete()])
     with pytest.raises(ConfigError, match="lacks prepare"):
         make_precision(pm, "broken", {})

@@ -5,11 +5,11 @@ import pytest
 
 from pipekernel.apps import cli
 from pipekernel.errors import ConfigError
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch, OptimizerStep,
     RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
 )
-from pipekernel.plugin_manager import make_plugin_manager, resolve_schedule
+from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
 from pipekernel.schedules import (
     ZBH1, ZBV, Interleaved1F1B, OneFOneB, format_grid, simulate,
 )

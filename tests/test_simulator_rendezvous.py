@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from pipekernel.errors import ConfigError, ScheduleError
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Backward, Forward, LoadMicroBatch, RecvActivation, RecvGrad, ReduceGrads,
     ReduceTiedGrads, SendActivation, SendGrad,
 )
@@ -262,7 +262,7 @@ def test_unreceived_send_is_reported_and_blocks_the_end_of_batch():
 
 
 def test_host_costs_occupy_the_stage_and_a_send_leaves_once_packed():
-    from pipekernel.instructions import (Backward, Forward, RecvActivation, RecvGrad,
+    from pipekernel.schedules.instructions import (Backward, Forward, RecvActivation, RecvGrad,
                                          SendActivation, SendGrad)
     from pipekernel.schedules import OneFOneB
     compute = {Forward: 1.0, Backward: 2.0}
@@ -279,7 +279,7 @@ def test_host_costs_occupy_the_stage_and_a_send_leaves_once_packed():
 
 
 def test_host_costs_skip_local_hand_offs_and_need_rendezvous():
-    from pipekernel.instructions import Backward, Forward, SendActivation, SendGrad
+    from pipekernel.schedules.instructions import Backward, Forward, SendActivation, SendGrad
     from pipekernel.schedules import ZBV
     compute = {Forward: 1.0, Backward: 2.0}
     base = simulate(ZBV, 1, 1, 2, costs=compute).makespan  # one stage: every hand-off local

@@ -9,7 +9,7 @@ from models import MODELS, mlp_data, sgd
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import instructions as isa
+from pipekernel.schedules import instructions as isa
 from pipekernel.schedules import BUILTIN_SCHEDULES, simulate
 from pipekernel.schedules.skips import add_skip_transfers
 from pipekernel.testing import assert_parity, reference_eval, reference_train, run_ranks
@@ -264,7 +264,7 @@ class ForwardsOutOfOrder(BUILTIN_SCHEDULES["gpipe"]):
 
 
 def test_a_schedule_that_cannot_route_skips_is_refused_before_the_first_batch():
-    from pipekernel.skip_routing import check_schedules
+    from pipekernel.stage.skip_routing import check_schedules
 
     simulate(ForwardsOutOfOrder, 2, 2)  # fine without skips
     with pytest.raises(pk.ScheduleError, match="mismatched skip"):

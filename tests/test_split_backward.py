@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipekernel.errors import PipelineError
-from pipekernel.split_backward import WeightGradState, backward_input, backward_weight
+from pipekernel.stage.split_backward import WeightGradState, backward_input, backward_weight
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

@@ -9,7 +9,7 @@ from models import adam, mlp_data, sgd
 from torch import nn
 
 import pipekernel as pk
-import pipekernel.tensor_parallel as tp
+import pipekernel.grid.tensor_parallel as tp
 from pipekernel.plugins.counting import CountingPlugin
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
@@ -122,8 +122,8 @@ class _FakeGroup:
 
 
 def test_partitioned_slices_round_trip_through_the_wire_metadata_with_padding():
-    from pipekernel.partitioned import ActivationPartitioner
-    from pipekernel.wire import Partitioned, decode, encode, flatten, unflatten
+    from pipekernel.grid.partitioned import ActivationPartitioner
+    from pipekernel.comm.wire import Partitioned, decode, encode, flatten, unflatten
 
     x = torch.randn(3, 5, requires_grad=True)   # 15 elements: 8 + 7, one of padding
     mask = torch.tensor([True, False])
@@ -145,8 +145,8 @@ def test_partitioned_slices_round_trip_through_the_wire_metadata_with_padding():
 
 
 def gather_fallback_worker():
-    """pipekernel.collectives.all_gather with and without the transport's all_gather."""
-    from pipekernel.collectives import all_gather
+    """pipekernel.comm.collectives.all_gather with and without the transport's all_gather."""
+    from pipekernel.comm.collectives import all_gather
     from pipekernel.transports.gloo import GlooTransport
 
     class Without:
@@ -226,8 +226,8 @@ class _Pair:
 
 
 def test_partitioner_slices_float_leaves_of_nested_dicts_and_rebuilds_them():
-    from pipekernel.partitioned import ActivationPartitioner
-    from pipekernel.wire import Partitioned, flatten, unflatten
+    from pipekernel.grid.partitioned import ActivationPartitioner
+    from pipekernel.comm.wire import Partitioned, flatten, unflatten
 
     value = {"hidden": torch.randn(3, 5), "mask": torch.rand(3) > 0.5,
              "extra": [torch.arange(4), (torch.randn(7),)]}

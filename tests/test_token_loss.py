@@ -9,7 +9,7 @@ from torch import nn
 
 import pipekernel as pk
 from pipekernel.errors import ConfigError, DataError
-from pipekernel.loss import TokenLoss, check_loss_reduction
+from pipekernel.stage.loss import TokenLoss, check_loss_reduction
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 VOCAB, DIM, LENGTH, STEPS, MICRO_BATCHES = 11, 8, 8, 3, 3

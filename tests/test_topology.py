@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 import pipekernel as pk
-from pipekernel.topology import Topology, format_rank_map, parse_rank_order, rank_map
+from pipekernel.grid.topology import Topology, format_rank_map, parse_rank_order, rank_map
 
 
 def test_default_order_is_tensor_innermost_pipeline_outermost():

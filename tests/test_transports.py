@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import pipekernel as pk
-from pipekernel.conformance import CHECKS, SOLO_CHECKS, check_transport
+from pipekernel.comm.conformance import CHECKS, SOLO_CHECKS
+from pipekernel.testing import check_transport
 from pipekernel.transports.gloo import GlooTransport
 
 ALL_CHECKS = [*CHECKS, "timeout"]
@@ -111,7 +112,7 @@ def test_pipekernel_plugins_lists_without_importing_transports():
 
 
 def test_pipekernel_plugins_text_and_disable():
-    from pipekernel.inventory import format_inventory, inventory
+    from pipekernel.extend.inventory import format_inventory, inventory
 
     text = format_inventory(inventory(disabled=["precision"]))
     listed = text.split("transports:\n")[1].split("plugins:")[0]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pipekernel.testing import run_ranks
-from pipekernel.transport import P2POp
+from pipekernel.comm.transport import P2POp
 from pipekernel.errors import DataError
-from pipekernel.wire import HEADER_BYTES, Channel, decode, encode, flatten, map_tensors, unflatten
+from pipekernel.comm.wire import HEADER_BYTES, Channel, decode, encode, flatten, map_tensors, unflatten
 
 
 class Counting:

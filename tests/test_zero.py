@@ -7,7 +7,7 @@ from models import MODELS, adam, mlp, mlp_data
 
 import pipekernel as pk
 from pipekernel.testing import run_ranks
-from pipekernel.zero import ZeroOptimizer, optimizer_state_bytes
+from pipekernel.grid.zero import ZeroOptimizer, optimizer_state_bytes
 
 MB, STEPS = 2, 3
 
@@ -115,7 +115,7 @@ def test_zero1_state_dict_is_the_full_replicated_layout():
 
 
 def test_bad_options_say_how_to_fix():
-    from pipekernel.parallel import ParallelConfig
+    from pipekernel.grid.parallel import ParallelConfig
     for kwargs, message in [({"zero_stage": 2}, "zero_stage must be 0 or 1"),
                             ({"tensor_parallel_size": 0}, "tensor_parallel_size must be"),
                             ({"rank_order": "pp-tp"}, "rank_order='pp-tp'"),

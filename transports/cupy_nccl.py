@@ -13,7 +13,7 @@ How it works, and what a caller may rely on:
   environment when none exists): the wire's control lane, ``store``,
   ``abort_check``. Each NCCL communicator's unique id is made by the lowest
   member, written to that process group's store (TCPStore under torchrun, a
-  FileStore under :func:`pipekernel.launch`) and read by the other members
+  FileStore under :func:`pipekernel.engine.launch`) and read by the other members
   (:func:`exchange_unique_id`).
 * **Communicators**: one per lane (tag) over the whole world for point to
   point, one for the world's collectives, one per subgroup from
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.transport import P2POp
+from pipekernel.comm.transport import P2POp
 from pipekernel.transports.device_watch import DeviceWatch
 from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
@@ -320,7 +320,7 @@ class CupyNcclTransport:
         if store is None:
             raise ConfigError("transport 'cupy-nccl' found no torch.distributed store to "
                               "exchange NCCL ids through",
-                              hint="start with torchrun or pipekernel.launch()")
+                              hint="start with torchrun or pipekernel.engine.launch()")
         made = store.add(f"pipekernel/cupy-nccl/{where}/made/{self.rank}", 1)
         self._prefix = f"pipekernel/cupy-nccl/{where}/{made}"
         self.max_tags = int(lanes)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, PeerAbort, TransportError, TransportTimeout
-from pipekernel.transport import wait_sliced
+from pipekernel.comm.transport import wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
 
@@ -47,7 +47,7 @@ class _Handle:
     def wait(self) -> None:
         """Wait for the work, at most ``timeout`` seconds, checking ``abort_check`` about
         every ``abort_interval`` seconds while blocked: the blocking gloo wait runs on
-        the transport's waiter thread (see :func:`pipekernel.transport.wait_sliced`)."""
+        the transport's waiter thread (see :func:`pipekernel.comm.transport.wait_sliced`)."""
         if self._done:
             return
         transport = self._transport
@@ -141,7 +141,7 @@ class _Waiter:
 
 
 class TorchDistributedTransport:
-    """A ``Transport`` on ``torch.distributed`` (see :mod:`pipekernel.transport`).
+    """A ``Transport`` on ``torch.distributed`` (see :mod:`pipekernel.comm.transport`).
 
     Uses the default process group if one exists; otherwise initialises it from
     the torchrun environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
@@ -161,7 +161,7 @@ class TorchDistributedTransport:
             raise ConfigError(f"unknown {self.backend} transport options: {sorted(options)}",
                               hint="supported options: timeout, group")
         self.timeout = float(timeout)
-        #: see pipekernel.transport (optional members): set by the engine
+        #: see pipekernel.comm.transport (optional members): set by the engine
         self.abort_check: Any = None
         self.abort_interval = 0.5
         self._waiter_thread: _Waiter | None = None
@@ -177,7 +177,7 @@ class TorchDistributedTransport:
             if missing:
                 raise ConfigError(
                     f"no process group exists and the environment lacks {', '.join(missing)}",
-                    hint="start the processes with torchrun or pipekernel.launch(), or call "
+                    hint="start the processes with torchrun or pipekernel.engine.launch(), or call "
                          "torch.distributed.init_process_group() before creating the engine")
             _bind_defaults_before_init()
             init = {}
@@ -303,7 +303,7 @@ class TorchDistributedTransport:
     @property
     def store(self) -> Any:
         """The process group's key-value store (shared by every rank of the job), or
-        ``None`` (see :mod:`pipekernel.transport`, optional members)."""
+        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
         try:
             from torch.distributed import distributed_c10d
             return distributed_c10d._get_default_store() if dist.is_initialized() else None

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.transport import P2POp
+from pipekernel.comm.transport import P2POp
 from pipekernel.transports.device_watch import DeviceWatch
 from pipekernel.transports.gloo import _OPS, TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane

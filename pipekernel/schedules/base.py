@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 from pipekernel.errors import ConfigError
-from pipekernel.instructions import (Forward, Instruction, LoadMicroBatch, RecvActivation,
+from pipekernel.schedules.instructions import (Forward, Instruction, LoadMicroBatch, RecvActivation,
                                      SendActivation)
 from pipekernel.schedules.placement import locate, position
 

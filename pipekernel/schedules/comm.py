@@ -19,7 +19,7 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
   - and, for both, only after the previous receive *of the same channel* was
     waited on: a transfer whose metadata changed sends extra messages on its
     lane that a receive posted further ahead would take, and the receiver sizes
-    a receive from the metadata of the one before (see :mod:`pipekernel.wire`).
+    a receive from the metadata of the one before (see :mod:`pipekernel.comm.wire`).
 * Every channel — one kind of traffic (activations or gradients) of one sending
   chunk in one direction between two stages — has its own **lane** (transport
   tag, :func:`lane_of`). A pair of ranks runs each lane's operations in order
@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Instruction, MicroBatchInstruction, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
     SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
 )

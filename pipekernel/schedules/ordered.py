@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from functools import cached_property
 
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, Instruction, OptimizerStep, RecvGrad,
     ReduceGrads, ReduceTiedGrads, SendGrad,
 )

@@ -22,7 +22,7 @@ deadlock under those rules, for any size.
 """
 from __future__ import annotations
 
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Backward, Forward, Instruction, LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad,
     ReduceGrads, ReduceTiedGrads, SendActivation, SendGrad,
 )

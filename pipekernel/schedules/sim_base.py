@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pipekernel.errors import ScheduleError
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
     MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
     ReduceTiedGrads, SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,

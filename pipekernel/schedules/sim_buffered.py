@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipekernel.instructions import Instruction, MicroBatchInstruction
+from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.sim_base import _RECVS, _SENDS, _kind, _Simulation
 
 

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable
 
 from pipekernel.errors import ScheduleError
-from pipekernel.instructions import Instruction, MicroBatchInstruction
+from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
                                            _Simulation)

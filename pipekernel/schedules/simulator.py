@@ -71,7 +71,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from pipekernel.errors import ConfigError, ScheduleError
-from pipekernel.instructions import Instruction
+from pipekernel.schedules.instructions import Instruction
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,

@@ -2,7 +2,7 @@
 
 A *skip edge* ``(producer, consumer)`` says that layers at pipeline position
 ``producer`` stash tensors that layers at the later position ``consumer`` pop
-(:mod:`pipekernel.skips`). The tensors go straight from one to the other, not
+(:mod:`pipekernel.stage.skips`). The tensors go straight from one to the other, not
 through the positions in between, and their gradients come straight back.
 
 Schedules know nothing of skips: once the layers are placed, the engine (and the
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pipekernel.errors import ScheduleError
-from pipekernel.instructions import (
+from pipekernel.schedules.instructions import (
     Backward, BackwardInput, Forward, Instruction, RecvSkip, RecvSkipGrad, SendSkip,
     SendSkipGrad,
 )

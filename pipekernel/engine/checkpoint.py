@@ -1,0 +1,563 @@
+"""Checkpoints: save a pipeline, resume it bit-exactly, load it at another shape.
+
+The format is pipekernel's own, one directory per checkpoint (a *tag*) under a
+checkpoint root, plus a ``latest`` pointer::
+
+    root/
+      latest                 text file: the tag of the newest complete checkpoint
+      global_step12/
+        meta.json            format version, topology, schedule, chunks, bounds, layer
+                             count, every layer's tensor shapes, counters, versions
+        layer-00003.pt       one per global layer with state (tied weights once): the
+                             layer's state_dict (fp32 master values under low precision),
+                             the optimizer state of each of its parameters and that
+                             parameter's param-group hyperparameters, keyed by name
+        rank-00001.pt        one per rank: RNG states (CPU, CUDA, Python), the
+                             precision policy's own state (loss scale, ...), the LR
+                             scheduler, the data-parallel rank and data position
+
+Tensor parallelism and ZeRO-1 shard tensors in memory, never in the files: on save
+the shards are put together (tensor-parallel shards all-gathered over the
+tensor-parallel group, ZeRO-1 optimizer state by its collective ``state_dict``) and
+data-parallel and tensor-parallel rank 0 writes the whole tensors; on load each rank
+cuts its own shards (:func:`pipekernel.grid.tensor_parallel.shard_layer_state`,
+:meth:`pipekernel.grid.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
+tensor-parallel size and any D, with or without ZeRO, and as one plain model.
+
+Why not ``torch.distributed.checkpoint`` (DCP): DCP reshards *tensors* through a
+global plan, but in the files pipekernel never shards a tensor — a layer is whole —
+so resharding is just "each rank reads the layers it holds", which one file per layer
+gives for free, with no planner, no collective at load beyond one agreement, files a
+user can open with ``torch.load`` and no coupling to DCP's changing APIs. DCP would
+also not key optimizer state by a pipeline-independent name without the same mapping
+done here. The trade-off: no parallel writes *within* a layer (a layer is written by
+one rank), which only matters for single layers of many gigabytes.
+
+What a caller may rely on:
+
+* **Atomic.** Files are written under ``root/.tmp-<tag>``, each fsynced; every rank
+  reports success or failure through one all-reduce; only when all succeeded does
+  rank 0 rename the directory to ``root/<tag>``, fsync the root and then replace
+  ``latest`` (written to a temporary file, fsynced, ``os.replace``). A crash or an
+  error at any point leaves ``latest`` on the previous complete checkpoint.
+* **Every rank agrees.** :func:`save` and :func:`load` are collective: an error on
+  one rank (no space, no permission, a missing file) is raised on *every* rank, with
+  the failing rank's message, and nothing is half-applied.
+* **Partitioning-independent.** Weights are keyed by global layer index and optimizer
+  state by parameter name (``"{layer}.{name}"``, a tied weight under its first
+  layer), so a checkpoint saved at P stages x D replicas x T tensor-parallel ranks
+  (any schedule, any chunks, ZeRO-1 or not) loads at P' x D' x T', and :func:`load_sequential` loads it as one plain model.
+* **Bit-exact resume at the same shape.** Loading into the same stages, replicas,
+  schedule placement, chunks and bounds restores every rank's RNG states too, so
+  training continues exactly as if never stopped (fp32 with dropout, fp16 with its
+  loss scale). After a reshape the weights and optimizer state are exact, but RNG
+  streams are per rank and not restored (a stage that now runs other layers draws
+  its dropout masks in another order), and a different data-parallel degree sums
+  gradients in another order, so later steps agree to round-off, not bitwise.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipekernel.grid import tensor_parallel as tp
+from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _read_layer, _read_rank,
+                                         _write_file, latest_tag, layer_file, rank_file,
+                                         read_meta)
+from pipekernel.errors import ConfigError, PipelineError
+
+__all__ = ["FORMAT_VERSION", "save", "load", "load_sequential", "read_meta", "latest_tag"]
+
+_log = logging.getLogger("pipekernel.engine.checkpoint")
+_MASTERS = "master_weights"
+
+
+# -- names: global layer and parameter names on one stage -----------------------------------
+
+def _local_layers(stage: nn.Module, module: Any) -> list[tuple[str, int, nn.Module]]:
+    """``(registered name, canonical global layer, layer)`` for each module of ``stage``;
+    a tied module's canonical layer is the first global occurrence of its key."""
+    tied = {id(m): key for key, m in getattr(stage, "tied_modules", {}).items()}
+    first = getattr(module, "_first_tied", {})
+    out = []
+    for name, layer in stage._modules.items():
+        key = tied.get(id(layer))
+        out.append((name, first[key] if key is not None else int(name), layer))
+    return out
+
+
+def _has_state(layer: nn.Module) -> bool:
+    return len(layer.state_dict()) > 0
+
+
+def _layer_meta(module: Any) -> list[dict[str, Any]]:
+    """Per global layer: type, tie, the file holding it and its tensors' shapes (from a
+    meta-device build: nothing is allocated)."""
+    from pipekernel.stage.module import TiedLayerSpec
+    num = len(module.layers)
+    with torch.device("meta"):
+        full = module.build_stage(0, [0, num])
+    canonical = {int(name): (index, layer) for name, index, layer in _local_layers(full, module)}
+    out = []
+    for i, spec in enumerate(module.layers):
+        typename = getattr(spec, "typename", type(spec))
+        entry: dict[str, Any] = {"index": i, "type": getattr(typename, "__name__", str(typename))}
+        if isinstance(spec, TiedLayerSpec):
+            entry["tied"], entry["canonical"] = spec.key, module._first_tied[spec.key]
+        else:
+            entry["canonical"] = i
+        if i in canonical and canonical[i][0] == i and _has_state(canonical[i][1]):
+            entry["file"] = layer_file(i)
+            entry["shapes"] = {k: list(v.shape) for k, v in canonical[i][1].state_dict().items()}
+        out.append(entry)
+    return out
+
+
+# -- agreement ---------------------------------------------------------------------------
+
+def _agree(transport: Any, error: BaseException | None, rank: int) -> None:
+    """Raise on every rank if any rank has ``error`` (the lowest failing rank's error,
+    with its rank); return normally when all succeeded. Two collectives at most."""
+    world = transport.world_size
+    device = transport.device
+    flags = torch.zeros(world, dtype=torch.float32, device=device)
+    if error is not None:
+        flags[rank] = 1.0
+    transport.all_reduce(flags)
+    failed = [r for r, v in enumerate(flags.cpu().tolist()) if v > 0]
+    if not failed:
+        return
+    first = failed[0]
+    if error is not None and not isinstance(error, PipelineError):
+        error = ConfigError(f"{type(error).__name__}: {error}")
+    if isinstance(error, PipelineError):
+        error.locate(rank=rank)
+    blob = pickle.dumps(error) if rank == first else b""
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
+    transport.broadcast(size, first)
+    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if rank == first
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    transport.broadcast(data, first)
+    if error is not None:
+        raise error
+    remote = pickle.loads(bytes(data.cpu().numpy().tobytes()))
+    others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
+    if isinstance(remote, PipelineError):
+        remote.add_detail(f"raised on rank {first}, seen by rank {rank}{others}")
+    raise remote
+
+
+def _attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
+    try:
+        return fn(*args), None
+    except Exception as err:  # noqa: BLE001 - every error travels to every rank
+        return None, err
+
+
+# -- save --------------------------------------------------------------------------------
+
+def _optimizer_params(optimizer: Any) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _group_of(optimizer: Any) -> dict[int, dict[str, Any]]:
+    out = {}
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            out[id(p)] = hyper
+    return out
+
+
+def _cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
+
+
+def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
+    """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
+    canonical layers only), with whole tensors: ZeRO-1 shards (a collective
+    ``state_dict``) and tensor-parallel shards (gathered) put together."""
+    precision, optimizer = engine.precision, engine.optimizer
+    opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
+    if engine.data_parallel_rank != 0:
+        return {}
+    tp_group = getattr(engine, "tp_group", None) or tp.group()
+    index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
+                if optimizer is not None else {})
+    groups = _group_of(optimizer) if optimizer is not None else {}
+    payloads = {}
+    for name, index, layer in _local_layers(engine.module, engine.pipeline_module):
+        if int(name) != index or not _has_state(layer):
+            continue
+        state = layer.state_dict()
+        optim, hyper = {}, {}
+        for sub, param in layer.named_parameters():
+            master = precision.master(param)
+            if master is not param:
+                state[sub] = master  # the fp32 value, not its low-precision cast
+            i = index_of.get(id(master))
+            if i is not None:
+                hyper[sub] = groups[id(master)]
+                if i in opt_state:
+                    optim[sub] = opt_state[i]
+        state, optim = tp.gather_layer_state(layer, state, optim, tp_group)
+        payloads[index] = _cpu({"layer": index, "state": state, "optimizer": optim,
+                                "param_groups": hyper})
+    return payloads if tp_group.rank == 0 else {}
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda" and torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
+    precision_state = dict(engine.precision.state_dict())
+    precision_state.pop(_MASTERS, None)  # kept per parameter in the layer files
+    scheduler = engine.lr_scheduler
+    return _cpu({
+        "rank": engine.rank, "stage": engine.stage,
+        "data_parallel_rank": engine.data_parallel_rank,
+        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "data_position": engine.trained_micro_batches,
+        "rng": _rng_state(torch.device(engine.transport.device)),
+        "precision": precision_state,
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "client_state": client_state,
+    })
+
+
+def _layout(engine: Any) -> dict[str, Any]:
+    topo = engine.topology
+    return {"num_stages": engine.num_stages, "data_parallel_size": engine.data_parallel_size,
+            "world_size": engine.transport.world_size, "chunks": engine.chunks,
+            "placement": engine.placement, "bounds": list(engine.bounds),
+            "tensor_parallel_size": topo.model_size, "rank_order": topo.order}
+
+
+def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
+    """Same shape and the same rank for every position (then RNG states are restored).
+    Checkpoints from before the rank order existed used ``"tp-pp-dp"``; with one
+    replica and one tensor-parallel rank every order is the same."""
+    saved = {"tensor_parallel_size": 1, "rank_order": "tp-pp-dp", **saved}
+    if ours["data_parallel_size"] == 1 and ours["tensor_parallel_size"] == 1:
+        saved, ours = ({k: v for k, v in d.items() if k != "rank_order"} for d in (saved, ours))
+    return saved == ours
+
+
+def _meta(engine: Any) -> dict[str, Any]:
+    import pipekernel
+    module = engine.pipeline_module
+    layers = _layer_meta(module)
+    return {
+        "format_version": FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
+        "torch_version": torch.__version__,
+        "topology": _layout(engine), "schedule": engine.schedule_cls.name,
+        "part_stages": list(engine.part_stages), "micro_batches": engine.micro_batches,
+        "precision": engine.precision.name,
+        "optimizer": type(engine.optimizer).__name__ if engine.optimizer is not None else None,
+        "lr_scheduler": (type(engine.lr_scheduler).__name__
+                         if engine.lr_scheduler is not None else None),
+        "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps,
+        "num_layers": len(module.layers), "layers": layers,
+        "files": sorted([entry["file"] for entry in layers if "file" in entry]
+                        + [rank_file(r) for r in range(engine.transport.world_size)]),
+    }
+
+
+def _check_tag(tag: str) -> None:
+    if not tag or tag in (".", "..", "latest") or "/" in tag or os.sep in tag \
+            or tag.startswith("."):
+        raise ConfigError(f"invalid checkpoint tag {tag!r}",
+                          hint="a tag is one directory name, e.g. 'global_step100'")
+
+
+def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
+         client_state: Any = None) -> str:
+    """Write a checkpoint of ``engine`` to ``root/tag`` and point ``root/latest`` at it.
+
+    Collective: every rank of the engine calls it with the same ``root`` and ``tag``
+    (default ``f"global_step{engine.global_steps}"``). ``client_state`` (tensors,
+    numbers, strings, lists, dicts) is stored per rank and returned by :func:`load`.
+    Saving an existing tag replaces it.
+
+    :returns: the checkpoint directory, on every rank.
+    :raises ConfigError: on every rank when any rank could not write (the reason and
+        rank in the message); ``latest`` and the previous checkpoints are untouched.
+    """
+    root = os.fspath(root)
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    rank, transport = engine.rank, engine.transport
+    final = os.path.join(root, tag)
+    tmp = os.path.join(root, f".tmp-{tag}")
+
+    def prepare() -> tuple[dict, dict, bytes | None]:
+        _check_tag(tag)
+        engine.runtime.flush()
+        layers = _layer_payloads(engine)
+        mine = _rank_payload(engine, client_state)
+        meta = json.dumps(_meta(engine), indent=1).encode() if rank == 0 else None
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp)
+            os.mkdir(tmp)
+        return layers, mine, meta
+
+    prepared, error = _attempt(prepare)
+    _agree(transport, _wrap(error, root, "prepare"), rank)
+    layers, mine, meta = prepared
+
+    def write() -> None:
+        if meta is not None:
+            _write_file(os.path.join(tmp, "meta.json"), meta)
+        for index, payload in sorted(layers.items()):
+            _write_file(os.path.join(tmp, layer_file(index)), payload)
+        _write_file(os.path.join(tmp, rank_file(rank)), mine)
+
+    _, error = _attempt(write)
+    _agree(transport, _wrap(error, root, "write"), rank)
+
+    def publish() -> None:
+        if rank != 0:
+            return
+        _fsync_dir(tmp)
+        trash = None
+        if os.path.lexists(final):
+            trash = os.path.join(root, f".old-{tag}-{uuid.uuid4().hex[:8]}")
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        pointer = os.path.join(root, f".latest-{uuid.uuid4().hex[:8]}")
+        _write_file(pointer, (tag + "\n").encode())
+        os.replace(pointer, os.path.join(root, "latest"))
+        _fsync_dir(root)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    _, error = _attempt(publish)
+    _agree(transport, _wrap(error, root, "publish"), rank)
+    return final
+
+
+def _wrap(error: BaseException | None, root: str, phase: str) -> BaseException | None:
+    """An ``OSError`` becomes a ``ConfigError`` saying what could not be written and why."""
+    if error is None or isinstance(error, PipelineError):
+        return error
+    if isinstance(error, OSError):
+        reason = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
+                  errno.EROFS: "the file system is read-only",
+                  errno.EDQUOT: "the disk quota is exceeded"}.get(error.errno or -1, "")
+        return ConfigError(
+            f"cannot save the checkpoint under {root} ({phase}): "
+            f"{reason + ': ' if reason else ''}{error}",
+            hint="free space or fix permissions on the checkpoint directory, or save "
+                 "elsewhere; the previous checkpoint and 'latest' are unchanged")
+    return ConfigError(f"cannot save the checkpoint under {root} ({phase}): "
+                       f"{type(error).__name__}: {error}",
+                       hint="the previous checkpoint and 'latest' are unchanged")
+
+
+# -- load --------------------------------------------------------------------------------
+
+def _check_model(meta: dict, module: Any, directory: str,
+                 layers: Iterable[tuple[int, nn.Module]], shapes_of: Any = None) -> None:
+    """``ConfigError`` naming the first layer whose tensors differ from the checkpoint's
+    (``shapes_of(layer)``: the whole shapes of its ``state_dict``; default: as they are)."""
+    if meta["num_layers"] != len(module.layers):
+        raise ConfigError(f"checkpoint {directory} holds a model of {meta['num_layers']} "
+                          f"layers and this PipelineModule has {len(module.layers)}",
+                          hint="load it with the layer list it was saved from")
+    for index, layer in layers:
+        saved = meta["layers"][index]
+        ours = (shapes_of(layer) if shapes_of is not None
+                else {k: list(v.shape) for k, v in layer.state_dict().items()})
+        theirs = saved.get("shapes", {})
+        for key in [*ours, *(k for k in theirs if k not in ours)]:
+            if ours.get(key) != theirs.get(key):
+                raise ConfigError(
+                    f"checkpoint {directory} is of another model: layer {index} "
+                    f"({saved['type']} in the checkpoint, {type(layer).__name__} here) "
+                    f"has {key!r} of shape {theirs.get(key, 'missing')} in the checkpoint "
+                    f"and {ours.get(key, 'missing')} here",
+                    hint="load it with the layer list it was saved from")
+
+
+def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+    """Load checkpoint ``tag`` (default: the one ``root/latest`` names) into ``engine``.
+
+    Collective: every rank calls it. Each rank reads the layer files of the layers it
+    holds, whatever shape the checkpoint was saved at; weights, optimizer state (by
+    parameter name), the precision policy's state, the LR scheduler and the step
+    counters are restored. RNG states are restored when the shape (stages, replicas,
+    chunks, placement, bounds) is the one saved, which makes the resume bit-exact.
+    Nothing changes on any rank unless every rank could read everything it needs.
+
+    :returns: ``{"directory", "tag", "global_steps", "skipped_steps", "data_position"
+        (micro-batches this replica had consumed), "client_state" (this rank's, or
+        rank 0's after a reshape), "exact" (same shape: RNG restored), "meta"}``.
+    :raises DataError: a missing or truncated file (names the file and the layer).
+    :raises ConfigError: another model (names the layer and the shapes), a newer format.
+    """
+    root = os.fspath(root)
+    rank, transport = engine.rank, engine.transport
+    local = _local_layers(engine.module, engine.pipeline_module)
+    tp_group = getattr(engine, "tp_group", None) or tp.group()
+
+    def read() -> tuple:
+        directory, meta = read_meta(root, tag)
+        needed = sorted({index for _, index, layer in local if _has_state(layer)})
+        canonical_layers = {}
+        for name, index, layer in local:
+            canonical_layers.setdefault(index, layer)
+        _check_model(meta, engine.pipeline_module, directory,
+                     [(i, canonical_layers[i]) for i in needed],
+                     lambda layer: tp.full_shapes(layer, tp_group))
+        payloads = {i: _read_layer(directory, meta, i) for i in needed}
+        exact = _same_layout(meta["topology"], _layout(engine))
+        mine = _read_rank(directory, rank if exact else 0)
+        return directory, meta, payloads, mine, exact
+
+    result, error = _attempt(read)
+    _agree(transport, error, rank)
+    directory, meta, payloads, mine, exact = result
+
+    _, error = _attempt(_apply, engine, local, payloads, mine, exact, meta)
+    _agree(transport, error, rank)
+    tag_name = os.path.basename(directory)
+    _log.info("rank %d loaded checkpoint %s (step %d%s)", rank, directory, meta["global_steps"],
+              "" if exact else f", reshaped from {meta['topology']['num_stages']} stages x "
+                               f"{meta['topology']['data_parallel_size']} replicas")
+    return {"directory": directory, "tag": tag_name, "global_steps": meta["global_steps"],
+            "skipped_steps": meta["skipped_steps"],
+            "data_position": engine.trained_micro_batches,
+            "client_state": mine.get("client_state"),
+            "exact": exact, "meta": meta}
+
+
+def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
+           meta: dict) -> None:
+    precision, optimizer = engine.precision, engine.optimizer
+    masters: dict[str, torch.Tensor] = {}
+    local_param_names: dict[int, str] = {}
+    named_state, groups = {}, {}
+    with torch.no_grad():
+        for name, index, layer in local:
+            payload = payloads.get(index)
+            if payload is None:
+                continue
+            state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
+                                                getattr(engine, "tp_group", None) or tp.group())
+            payload = {**payload, "state": state, "optimizer": optim}
+            try:
+                layer.load_state_dict(payload["state"], strict=True)
+            except RuntimeError as err:
+                raise ConfigError(f"layer {index} does not match checkpoint file "
+                                  f"{layer_file(index)}: {err}",
+                                  hint="load it with the layer list it was saved from") from err
+            for sub, param in layer.named_parameters():
+                full = f"{name}.{sub}"
+                if precision.master(param) is not param and sub in payload["state"]:
+                    masters[full] = payload["state"][sub]
+                local_param_names[id(precision.master(param))] = f"{index}.{sub}"
+                if sub in payload["optimizer"]:
+                    named_state[f"{index}.{sub}"] = payload["optimizer"][sub]
+                if sub in payload["param_groups"]:
+                    groups[f"{index}.{sub}"] = payload["param_groups"][sub]
+    precision.load_state_dict({**mine.get("precision", {}), _MASTERS: masters})
+    if optimizer is not None:
+        _load_optimizer(optimizer, local_param_names, named_state, groups)
+    scheduler_state = mine.get("lr_scheduler")
+    if engine.lr_scheduler is not None and scheduler_state is not None:
+        engine.lr_scheduler.load_state_dict(scheduler_state)
+    engine.global_steps = int(meta["global_steps"])
+    engine.skipped_steps = int(meta["skipped_steps"])
+    engine.trained_micro_batches = int(mine.get("data_position",
+                                                meta["global_steps"] * engine.micro_batches))
+    if exact:
+        rng = mine["rng"]
+        torch.set_rng_state(rng["cpu"])
+        random.setstate(_python_state(rng["python"]))
+        device = torch.device(engine.transport.device)
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _python_state(state: Any) -> tuple:
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
+                    named_state: dict[str, Any], groups: dict[str, dict]) -> None:
+    """Load per-name state into ``optimizer``: torch keys its state by the index of a
+    parameter in ``param_groups`` order, so indices are rebuilt on this side."""
+    state, index = {}, 0
+    param_groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        ids = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            if name in named_state:
+                state[index] = named_state[name]
+            ids.append(index)
+            index += 1
+        saved = next((groups[names[id(p)]] for p in group["params"]
+                      if names.get(id(p)) in groups), None)
+        if saved is not None:
+            hyper.update(saved)
+        param_groups.append({**hyper, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+# -- inference ---------------------------------------------------------------------------
+
+def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None,
+                    device: torch.device | str | None = None) -> nn.Module:
+    """The whole model of checkpoint ``tag`` (default ``latest``) as one
+    :class:`~pipekernel.stage.module.StageModule` — chained like ``nn.Sequential``,
+    ``state_dict`` keys ``"{global layer}.{name}"`` — with the checkpoint's weights
+    (fp32 masters for low-precision training), in eval mode. No process group is
+    needed: it runs in any single process (inference, export).
+
+    :param module: the :class:`~pipekernel.PipelineModule` the checkpoint was saved
+        from (its layer list; the partitioning does not matter).
+    :raises DataError: a missing or truncated file. :raises ConfigError: another model.
+    """
+    root = os.fspath(root)
+    directory, meta = read_meta(root, tag)
+    num = len(module.layers)
+    if meta["num_layers"] != num:
+        _check_model(meta, module, directory, [])
+    full = module.build_stage(0, [0, num])
+    local = _local_layers(full, module)
+    _check_model(meta, module, directory,
+                 [(index, layer) for name, index, layer in local
+                  if int(name) == index and _has_state(layer)])
+    with torch.no_grad():
+        for name, index, layer in local:
+            if int(name) == index and _has_state(layer):
+                layer.load_state_dict(_read_layer(directory, meta, index)["state"])
+    if device is not None:
+        full = full.to(device)
+    return full.eval()

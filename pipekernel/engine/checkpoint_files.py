@@ -1,0 +1,121 @@
+"""Checkpoint files: where each piece lives in a checkpoint directory, writing one durably,
+and reading ``latest``, ``meta.json``, a layer file or a rank file with an error that names
+the file and what it was for (:mod:`pipekernel.engine.checkpoint` has the format and the contract).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError, DataError
+
+#: The format this code writes; it reads this version and older.
+FORMAT_VERSION = 1
+
+
+def _write_file(path: str, obj: Any) -> None:
+    """Write ``obj`` with ``torch.save`` (bytes for JSON) to ``path`` and fsync it.
+
+    Every checkpoint file goes through here (tests replace ``pipekernel.engine.checkpoint._write_file``
+    to simulate crashes)."""
+    with open(path, "wb") as f:
+        if isinstance(obj, bytes):
+            f.write(obj)
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def layer_file(index: int) -> str:
+    return f"layer-{index:05d}.pt"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def latest_tag(root: str) -> str:
+    """The tag ``root/latest`` points at (``DataError`` if there is none)."""
+    pointer = os.path.join(root, "latest")
+    try:
+        with open(pointer) as f:
+            tag = f.read().strip()
+    except FileNotFoundError:
+        raise DataError(f"no checkpoint in {root}: {pointer} does not exist",
+                        hint="save one first (engine.save_checkpoint(root)) or pass tag=") from None
+    except OSError as err:
+        raise DataError(f"cannot read {pointer}: {err}", hint="check the path") from err
+    if not tag:
+        raise DataError(f"{pointer} is empty", hint="pass tag= explicitly")
+    return tag
+
+
+def read_meta(root: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(directory, metadata)`` of checkpoint ``tag`` (default: ``latest``) under ``root``.
+
+    Raises ``DataError`` for a missing or unreadable ``meta.json`` and ``ConfigError``
+    for a format version newer than :data:`FORMAT_VERSION`."""
+    tag = tag if tag is not None else latest_tag(root)
+    directory = os.path.join(root, tag)
+    meta_path = os.path.join(directory, "meta.json")
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode())
+    except FileNotFoundError:
+        raise DataError(f"checkpoint {tag!r}: {meta_path} is missing",
+                        hint=f"the checkpoint is incomplete or {tag!r} is not a checkpoint "
+                             f"under {root}") from None
+    except (OSError, ValueError) as err:
+        raise DataError(f"checkpoint {tag!r}: cannot read {meta_path} (truncated or "
+                        f"corrupt): {err}", hint="load an older tag") from err
+    version = meta.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ConfigError(
+            f"checkpoint {directory} has format version {version!r}, newer than the version "
+            f"{FORMAT_VERSION} this pipekernel reads (written by pipekernel "
+            f"{meta.get('pipekernel_version', '?')})",
+            hint="upgrade pipekernel to the version that wrote it, or newer")
+    return directory, meta
+
+
+def _read_layer(directory: str, meta: dict, index: int) -> dict[str, Any]:
+    name = layer_file(index)
+    path = os.path.join(directory, name)
+    what = meta["layers"][index]["type"]
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise DataError(f"checkpoint file {path} for layer {index} ({what}) is missing",
+                        hint="the checkpoint is incomplete: load an older tag") from None
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad zip
+        raise DataError(f"checkpoint file {path} for layer {index} ({what}) is truncated "
+                        f"or corrupt: {err}", hint="load an older tag") from err
+    if not isinstance(payload, dict) or payload.get("layer") != index:
+        raise DataError(f"checkpoint file {path} does not hold layer {index}",
+                        hint="the checkpoint directory was modified by hand")
+    return payload
+
+
+def _read_rank(directory: str, rank: int) -> dict[str, Any]:
+    path = os.path.join(directory, rank_file(rank))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise DataError(f"checkpoint file {path} (rank {rank}'s RNG, precision and "
+                        f"scheduler state) is missing",
+                        hint="the checkpoint is incomplete: load an older tag") from None
+    except Exception as err:  # noqa: BLE001
+        raise DataError(f"checkpoint file {path} (rank {rank}'s state) is truncated or "
+                        f"corrupt: {err}", hint="load an older tag") from err

@@ -1,0 +1,662 @@
+"""The engine (layer 3): composes module, topology, transport, precision,
+optimizer and kernel, and offers ``train_batch`` / ``eval_batch``."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
+from pipekernel.engine.faults import AbortBoard, check_consistency
+from pipekernel.step.grad_reduce import GradReducer
+from pipekernel.kernel.loop import Kernel
+from pipekernel.stage.loss import TokenLoss, check_loss_reduction
+from pipekernel.stage.module import PipelineModule
+from pipekernel.stage.partitioning import PartitionContext, PartitionReport
+from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
+from pipekernel.extend.manager import (make_plugin_manager, make_precision, make_transport,
+                                       resolve_schedule)
+from pipekernel.stage.runtime import StageRuntime
+from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
+from pipekernel.schedules.placement import check_placement, locate, parts_of
+from pipekernel.grid.parallel import ParallelConfig
+from pipekernel.grid.partitioned import ActivationPartitioner
+from pipekernel.schedules.skips import add_skip_transfers
+from pipekernel.stage.skip_routing import check_schedules, router_for
+from pipekernel.step.optimizer_step import StepMixin
+from pipekernel.grid.tensor_parallel import context as tp_context
+from pipekernel.grid.tensor_parallel import make_group as make_tp_group
+from pipekernel.grid.tensor_parallel import sharded_dim
+from pipekernel.grid.topology import Topology
+
+__all__ = ["PipelineEngine"]
+
+_partition_log = logging.getLogger("pipekernel.partition")
+_plan_log = logging.getLogger("pipekernel.plan")
+
+
+class PipelineEngine(StepMixin):
+    """Train and evaluate a :class:`PipelineModule` with pipeline × data parallelism.
+
+    Every rank of the world constructs the engine with the same arguments.
+
+    :param module: the model as a layer list.
+    :param optimizer: ``factory(params) -> Optimizer`` (preferred: the engine
+        builds it over this stage's parameters, or over the fp32 master copies
+        for low-precision policies) or an optimizer built over
+        ``engine.module.parameters()`` (refused with ``ConfigError`` when the
+        precision steps master copies); ``None`` for inference only.
+    :param micro_batches: micro-batches per ``train_batch``/``eval_batch``; change it
+        later with :meth:`set_micro_batches` or per call (``train_batch(it, micro_batches=n)``),
+        every rank together.
+    :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...), or
+        ``"auto"`` / ``pk.auto(memory_budget=..., ...)``: profile the layers and choose
+        schedule, chunks, micro-batch count and partition by simulation (the choice
+        in ``engine.plan``; see :mod:`pipekernel.engine.planner`).
+    :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
+        forward only).
+    :param transport: transport name (entry point of ``pipekernel.transports``);
+        ``"auto"`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.
+    :param precision: precision policy name: ``"fp32"``, ``"bf16"``, ``"fp16"``,
+        ``"amp-bf16"`` or one a plugin provides (see ``docs/precision.md``).
+    :param data_parallel_size: replicas; default ``world_size // num_stages``.
+    :param plugins: plugin objects/modules for this engine only.
+    :param timeout: seconds any wait on a peer may take before an error.
+    :param autoload_plugins: load third-party ``pipekernel.plugins`` entry points
+        (default: yes, unless ``PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD`` is set).
+    :param disable_plugins: names of plugins not to load or register (also
+        ``PIPEKERNEL_DISABLE_PLUGINS=a,b``).
+    :param transport_options: extra keyword options for the transport, e.g.
+        ``{"group": process_group}`` to run on a subgroup of the job.
+    :param precision_options: keyword options for the precision policy (e.g. the
+        fp16 loss-scaling settings).
+    :param max_grad_norm: clip gradients to this global norm (over every stage
+        and replica, tied weights counted once, after unscaling, before the step),
+        as ``torch.nn.utils.clip_grad_norm_`` on the whole model; ``None``: no clipping.
+    :param lr_scheduler: ``factory(optimizer) -> LRScheduler`` or a scheduler;
+        stepped after every step taken (not after a step the precision skipped).
+    :param nonfinite: what a NaN/inf training loss does: ``"error"`` (default) raises
+        on every rank naming the step, the micro-batch(es) and the stage; ``"skip"``
+        skips the optimizer step on every rank (one extra tiny all-reduce per step)
+        and goes on. fp16 gradient overflow is handled by the precision policy either
+        way (skip and back off).
+    :param check_data_steps: for this many first batches (train or eval), the first
+        stage sends a fingerprint of the labels it read along with each activation and
+        the last stage compares it with the labels it read itself: loaders shuffled
+        differently raise a ``DataError`` naming the micro-batch. ``0`` turns it off.
+    :param chunks: model chunks (virtual stages) per rank, for schedules that hold
+        several (``"interleaved"``: any, default 2; ``"zbv"``: 2). The layers are
+        split into ``num_stages * chunks`` parts, placed by the schedule's
+        ``placement`` (:mod:`pipekernel.schedules.placement`); explicit partition
+        boundaries then list ``num_stages * chunks + 1`` entries.
+    :param loss_reduction: ``"mean"`` (default: ``loss_fn`` returns a scalar, the batch
+        loss is the mean over micro-batches and replicas) or ``"tokens"`` (``loss_fn``
+        returns ``(loss_sum, token_count)``; the gradient and the returned loss are the
+        mean over every token of every micro-batch and replica; see :mod:`pipekernel.stage.loss`).
+    :param grad_bucket_mb: size in MiB of the buckets in which gradients are averaged
+        over data-parallel replicas (as DDP's ``bucket_cap_mb``); each bucket's
+        all-reduce starts during the stage's last backward of the batch, as soon as
+        its gradients are final (see :mod:`pipekernel.step.grad_reduce`). ``0``: no
+        overlap, one flat all-reduce at ``ReduceGrads``.
+    :param tensor_parallel_size: tensor-parallel ranks per stage ``T`` (default 1): the
+        world is ``stages x replicas x T``; layers reach their group through
+        :mod:`pipekernel.grid.tensor_parallel` while they are built (see ``docs/parallelism.md``).
+    :param rank_order: which rank is which, innermost axis first (default
+        ``"tp-dp-pp"``: tensor-parallel ranks adjacent, pipeline outermost; any
+        permutation of ``tp``, ``dp``, ``pp``; see :mod:`pipekernel.grid.topology`).
+    :param partition_activations: with ``T > 1``, each tensor-parallel rank sends only
+        its ``1/T`` slice of the (replicated) floating-point activations and gradients
+        between stages and the receiver all-gathers them over its tensor-parallel group
+        (default ``True``; ``False`` sends the whole tensors from every rank).
+    :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
+        (ZeRO-1, :mod:`pipekernel.grid.zero`); ``0`` (default) replicates it.
+    """
+
+    def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
+                 schedule: Any = "1f1b", transport: str = "gloo", precision: str = "fp32",
+                 data_parallel_size: int | None = None, plugins: Iterable[Any] = (),
+                 timeout: float = 300.0, autoload_plugins: bool | None = None,
+                 disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
+                 precision_options: dict | None = None, eval_schedule: str = "inference",
+                 max_grad_norm: float | None = None, lr_scheduler: Any = None,
+                 chunks: int | None = None, grad_bucket_mb: float = 25.0,
+                 nonfinite: str = "error", check_data_steps: int = 3,
+                 loss_reduction: str = "mean",
+                 tensor_parallel_size: int = 1, rank_order: str | None = None,
+                 partition_activations: bool = True, zero_stage: int = 0) -> None:
+        if not isinstance(module, PipelineModule):
+            raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
+                              hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        self.pipeline_module, self.micro_batches = module, micro_batches
+        if isinstance(grad_bucket_mb, bool) or not (isinstance(grad_bucket_mb, (int, float))
+                                                    and grad_bucket_mb >= 0):
+            raise ConfigError(f"grad_bucket_mb must be a number >= 0, got {grad_bucket_mb!r}",
+                              hint="e.g. grad_bucket_mb=25 (0 turns the overlap off)")
+        self.grad_bucket_mb = grad_bucket_mb
+        self.pm = make_plugin_manager(plugins, autoload=autoload_plugins, disabled=disable_plugins)
+        self.transport = make_transport(self.pm, transport,
+                                        {"timeout": timeout, **(transport_options or {})})
+        #: the first failure of this engine's ranks (see pipekernel.engine.faults)
+        self.abort_board = AbortBoard(getattr(self.transport, "store", None),
+                                      _board_prefix(self.transport), self.transport.rank)
+        for lane in {id(t): t for t in (self.transport,
+                                        getattr(self.transport, "control", None))
+                     if t is not None}.values():
+            if hasattr(lane, "abort_check"):
+                lane.abort_check = self.abort_board.check
+        #: the error that ended the last batch (then ``close()`` does not communicate)
+        self.failed: BaseException | None = None
+        try:
+            self._build(module, optimizer, micro_batches=micro_batches, schedule=schedule,
+                        precision=precision, data_parallel_size=data_parallel_size,
+                        precision_options=precision_options, eval_schedule=eval_schedule,
+                        max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
+                        chunks=chunks, transport=transport, nonfinite=nonfinite,
+                        check_data_steps=check_data_steps, loss_reduction=loss_reduction,
+                        parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
+                                                     partition_activations, zero_stage))
+        except BaseException as err:
+            self.abort_board.publish(err)  # the others stop waiting for this rank
+            raise
+
+    def _build(self, module: PipelineModule, optimizer: Any, *, micro_batches: int,
+               schedule: Any, precision: str, data_parallel_size: int | None,
+               precision_options: dict | None, eval_schedule: str,
+               max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
+               transport: str, nonfinite: str, check_data_steps: int,
+               loss_reduction: str, parallel: ParallelConfig) -> None:
+        if nonfinite not in ("error", "skip"):
+            raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+        if not isinstance(check_data_steps, int) or check_data_steps < 0:
+            raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}")
+        self.nonfinite, self.check_data_steps = nonfinite, check_data_steps
+        self.loss_reduction = check_loss_reduction(loss_reduction)
+        #: the ``loss_fn`` wrapper keeping token counts (``loss_reduction="tokens"``)
+        self.token_loss = TokenLoss(module.loss_fn) if loss_reduction == "tokens" \
+            and module.loss_fn is not None else None
+        self._batches_run = 0
+        world, rank = self.transport.world_size, self.transport.rank
+        self.parallel = parallel
+        tp = parallel.tensor_parallel_size
+        num_stages = module.num_stages or world // ((data_parallel_size or 1) * tp)
+        self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size, tp,
+                                            parallel.rank_order)
+        #: The :class:`~pipekernel.engine.planner.Plan` ``schedule="auto"`` chose (else ``None``).
+        self.plan: Plan | None = None
+        if is_auto(schedule):
+            if chunks is not None:
+                raise ConfigError(f"chunks={chunks!r} with schedule='auto': the planner "
+                                  "chooses the chunks", hint="give the chunks to try as "
+                                  "schedule=pk.auto(chunks=[1, 2])", rank=rank)
+            self.plan = self._auto_plan(module, schedule, num_stages, micro_batches, optimizer)
+            schedule, chunks, micro_batches = (self.plan.schedule, self.plan.chunks,
+                                               self.plan.micro_batches)
+            self.micro_batches = micro_batches
+        self.schedule_cls = resolve_schedule(self.pm, schedule)
+        self.chunks = self.schedule_cls.default_chunks if chunks is None else chunks
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
+                              hint="e.g. chunks=2 with schedule='interleaved'")
+        self.placement = self.schedule_cls.placement
+        self.schedule_cls(num_stages, 0, micro_batches, self.chunks)  # its own clear errors
+        if self.chunks > 1:
+            check_placement(self.placement, self.chunks)
+        lanes = lanes_needed(self.chunks)
+        if num_stages > 1 and getattr(self.transport, "max_tags", 1) < lanes:
+            raise ConfigError(
+                f"transport {transport!r} offers {getattr(self.transport, 'max_tags', 1)} "
+                f"lane(s) (tags) and {self.chunks} chunk(s) per stage need {lanes}",
+                hint="each channel has its own lane so that no receive holds back a send; "
+                     "use a transport with more tags (see pipekernel/comm/transport.py)")
+        self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
+                                                self.placement, self.chunks)
+        # before anything that depends on it communicates: every rank must agree
+        fields = {"pipekernel version": _version(), "world size": world,
+                  "stages": num_stages, "data parallel size": self.topology.data_size,
+                  "schedule": self.schedule_cls.name, "eval schedule": eval_schedule,
+                  "chunks": self.chunks, "micro_batches": micro_batches,
+                  "precision": precision, "layers": len(module.layers),
+                  "partition": module.partition_method
+                  if isinstance(module.partition_method, (str, list, tuple)) else
+                  type(module.partition_method).__name__,
+                  "nonfinite": nonfinite, "check_data_steps": check_data_steps,
+                  "loss_reduction": loss_reduction, **parallel.fields(),
+                  "skip connections": sorted(module.skip_names.items())}
+        check_consistency(self.transport, fields)
+        # every rank partitions here, before any group exists: plugins may broadcast
+        in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
+                     for s in range(num_stages)]
+        num_parts = num_stages * self.chunks
+        #: Which stage holds each part (pipeline position).
+        self.part_stages = [locate(p, num_stages, self.placement)[0] for p in range(num_parts)]
+        context = PartitionContext(
+            module=module, num_stages=num_parts, transport=self.transport,
+            device=self.transport.device, rank=rank, micro_batches=micro_batches,
+            in_flight=[in_flight[s] for s in self.part_stages],
+            optimizer=optimizer if callable(optimizer)
+            and not isinstance(optimizer, torch.optim.Optimizer) else None)
+        self.bounds = list(self.plan.bounds) if self.plan is not None else \
+            module.partition(num_parts, self.pm, context)
+        check_consistency(self.transport, {"partition bounds": list(self.bounds)},
+                          "partition (a method that measures, e.g. profile, must "
+                          "broadcast its result)")
+        #: :class:`~pipekernel.stage.partitioning.PartitionReport`: layers, parameters,
+        #: cost and memory per stage, and the imbalance (same on every rank).
+        self.partition_report = PartitionReport.build(module, self.bounds, context)
+        if rank == 0:
+            _partition_log.info("%s", self.partition_report.format())
+        #: This rank's :class:`~pipekernel.grid.tensor_parallel.TensorParallelGroup`.
+        self.tp_group = make_tp_group(self.topology, self.transport)
+        positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
+        with tp_context(self.tp_group):  # layers built here see their group
+            self.module = module.build_stage(self.stage, self.bounds, positions
+                                             ).to(self.transport.device)
+        #: Skip connections between parts (:mod:`pipekernel.stage.skips`), or ``None``.
+        self.skip_router = router_for(module, self.bounds, self.module, positions, self.stage)
+        self.skip_edges = self.skip_router.edges if self.skip_router is not None else []
+        if self.skip_edges:
+            check_schedules([self.schedule_cls, self.eval_schedule_cls], num_stages,
+                            micro_batches, self.chunks, self.skip_edges, self.transport,
+                            transport)
+        self._skips_proven = {micro_batches}  # counts whose skip routing was simulated
+        self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and max_grad_norm > 0):
+            raise ConfigError(f"max_grad_norm must be a positive number or None, "
+                              f"got {max_grad_norm!r}", hint="e.g. max_grad_norm=1.0")
+        self.max_grad_norm = max_grad_norm
+        self._make_groups()
+        self._sync_parameters()
+        self.precision.prepare(self.module)  # after the sync: casts and masters start equal
+        self._make_reducers()  # after prepare: the reducers need the master copies
+        self.optimizer = self._make_optimizer(optimizer)
+        self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
+                             and not hasattr(lr_scheduler, "step") else lr_scheduler)
+        self.runtime = StageRuntime(self.module, self.topology, self.transport,
+                                    self.token_loss or module.loss_fn,
+                                    self.precision, reduce_tied=self.reduce_tied_grads,
+                                    reduce_grads=self.reduce_grads,
+                                    optimizer_step=self._optimizer_step,
+                                    chunks=self.chunks, placement=self.placement,
+                                    wire=ActivationPartitioner(self.tp_group)
+                                    if parallel.partitions else None,
+                                    skips=self.skip_router, **self._backward_callbacks())
+        handlers = self.runtime.handlers()
+        for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
+            handlers.update(extra or {})
+        self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage)
+        self.global_steps = 0
+        self.skipped_steps = 0
+        #: Micro-batches each replica trained on so far (the counts may change).
+        self.trained_micro_batches = 0
+        self._last_step_taken = True
+        #: Global gradient norm of the last step (before clipping), when clipping.
+        self.last_grad_norm: float | None = None
+        self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
+        self._checked_micro_batches = micro_batches  # agreed on by the check above
+        self.pm.hook.pipekernel_configure(engine=self)
+
+    def _auto_plan(self, module: PipelineModule, request: Any, num_stages: int,
+                   micro_batches: int, optimizer: Any) -> Plan:
+        """Profile and search (every rank, the same plan; see :mod:`pipekernel.engine.planner`)."""
+        plan = plan_module(module, request if isinstance(request, Auto) else Auto(),
+                           num_stages=num_stages, micro_batches=micro_batches, pm=self.pm,
+                           transport=self.transport, device=self.transport.device,
+                           optimizer=optimizer if callable(optimizer)
+                           and not isinstance(optimizer, torch.optim.Optimizer) else None)
+        check_consistency(self.transport, plan.fields(), "plan (schedule='auto')")
+        if self.transport.rank == 0:
+            _plan_log.info("%s", plan.format())
+        return plan
+
+    # -- where this process sits ---------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.topology.stage
+
+    @property
+    def num_stages(self) -> int:
+        return self.topology.pipe_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.topology.data_rank
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.topology.data_size
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    def is_first_stage(self) -> bool:
+        return self.topology.is_first_stage
+
+    def is_last_stage(self) -> bool:
+        return self.topology.is_last_stage
+
+    # -- set-up ---------------------------------------------------------------
+    def _make_groups(self) -> None:
+        """Create every group on every rank, in the same order (a transport requirement)."""
+        topo, transport = self.topology, self.transport
+        self.data_group = None
+        for ranks in topo.data_groups():
+            group = transport.new_group(ranks) if len(ranks) > 1 else None
+            if topo.rank in ranks:
+                self.data_group, self.data_ranks = group, ranks
+        self.tied_groups: dict[str, tuple[Any, list[int]]] = {}
+        tied = self.pipeline_module.tied_stages(self.bounds, self.part_stages.__getitem__)
+        for key, stages in sorted(tied.items()):
+            if len(stages) < 2:
+                continue
+            for ranks in topo.stage_groups(stages):
+                group = transport.new_group(ranks)
+                if topo.rank in ranks:
+                    self.tied_groups[key] = (group, ranks)
+
+    def _sync_parameters(self) -> None:
+        """Make tied copies and replicas start identical (matters when no seed is given)."""
+        with torch.no_grad():
+            for key, (group, ranks) in self.tied_groups.items():
+                for p in self.module.tied_modules[key].parameters():
+                    self.transport.broadcast(p.data, ranks[0], group)
+            if self.topology.data_size > 1:
+                for p in self.module.parameters():
+                    self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
+            tp = self.tp_group
+            if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
+                for p in self.module.parameters():
+                    if sharded_dim(p) is None:
+                        self.transport.broadcast(p.data, tp.ranks[0], tp.handle)
+
+    def _make_reducers(self) -> None:
+        """One :class:`GradReducer` per tied group (a sum over stages, no overlap) and
+        one over the data-parallel replicas (an average, overlapped with the backward;
+        tied weights wait for the tied sum)."""
+        master = self.precision.master
+        self._tied_reducers = {
+            key: GradReducer(self.module.tied_modules[key].parameters(), self.transport, group,
+                             len(ranks), 0, master=master, average=False)
+            for key, (group, ranks) in self.tied_groups.items()}
+        #: The data-parallel :class:`~pipekernel.step.grad_reduce.GradReducer` (``None``
+        #: without data parallelism).
+        self.grad_reducer: GradReducer | None = None
+        if self.topology.data_size > 1:
+            named = list(self.module.named_parameters())
+            tied = [p for key in self.tied_groups for p in self.module.tied_modules[key].parameters()]
+            self.grad_reducer = GradReducer(
+                [p for _, p in named], self.transport, self.data_group, self.topology.data_size,
+                int(self.grad_bucket_mb * 2 ** 20), master=master, late=tied,
+                names=[name for name, _ in named])
+
+    def _backward_callbacks(self) -> dict[str, Any]:
+        """What the runtime calls around the stage's last backward of the batch."""
+        reducer = self.grad_reducer
+        if reducer is None or reducer.bucket_bytes <= 0:
+            return {}
+        return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
+
+    def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        params = list(self.precision.optimizer_parameters(self.module))
+        if isinstance(optimizer, torch.optim.Optimizer):
+            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not given <= {id(p) for p in params}:
+                raise ConfigError(
+                    f"the optimizer was built over tensors that stage {self.stage} does not "
+                    f"train with precision {self.precision.name!r} (low-precision policies "
+                    f"step fp32 master copies, made when the engine starts)",
+                    hint="pass a factory: optimizer=lambda params: torch.optim.AdamW(params, ...)",
+                    rank=self.rank, stage=self.stage)
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            if optimizer is not None and self.parallel.zero_stage:
+                raise ConfigError("zero_stage=1 needs an optimizer factory, got a built optimizer",
+                                  hint="pass optimizer=lambda params: torch.optim.AdamW(params, "
+                                       "...): ZeRO-1 builds it over this replica's shard")
+            return optimizer
+        if callable(optimizer) and self.parallel.zero_stage and self.topology.data_size > 1:
+            from pipekernel.grid.zero import ZeroOptimizer
+            return ZeroOptimizer(params, optimizer, self.transport, self.data_group,
+                                 self.topology.data_rank, self.topology.data_size)
+        if callable(optimizer):
+            return optimizer(params)
+        raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",
+                          hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)")
+
+    # -- the public loop ------------------------------------------------------------
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """Run ``micro_batches`` micro-batches per ``train_batch``/``eval_batch`` from now on
+        (e.g. a batch-size ramp-up). Every rank must call it with the same value before the
+        same batch: the first batch with a new count checks that (one tiny all-reduce) and
+        raises ``ConfigError`` on every rank when they differ. Schedules and communication
+        plans are built once per count and cached; the loss is averaged over the current count.
+
+        :raises ConfigError: not a positive int, or a count the schedule refuses.
+        """
+        self._check_micro_batches(micro_batches)
+        self.micro_batches = micro_batches
+
+    def _check_micro_batches(self, micro_batches: Any) -> None:
+        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
+                or micro_batches < 1:
+            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
+                              rank=self.rank, stage=self.stage)
+        for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
+            cls(self.num_stages, self.stage, micro_batches, self.chunks)
+        if getattr(self, "skip_edges", None) and micro_batches not in self._skips_proven:
+            # the skips' routing proven for the new count too (once per count)
+            check_schedules([self.schedule_cls, self.eval_schedule_cls], self.num_stages,
+                            micro_batches, self.chunks, self.skip_edges, self.transport, "")
+            self._skips_proven.add(micro_batches)
+
+    def _agree_micro_batches(self) -> None:
+        """When the count changed since the last batch, check that every rank changed it."""
+        if self.micro_batches == self._checked_micro_batches:
+            return
+        check_consistency(self.transport, {"micro_batches": self.micro_batches},
+                          "micro-batch count (set_micro_batches(n) or train_batch(..., "
+                          "micro_batches=n) must change it on every rank for the same batch)")
+        self._checked_micro_batches = self.micro_batches
+
+    def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
+        """The schedule's steps, buffer count and communication plan for the current
+        micro-batch count (built once per schedule and count)."""
+        key = (cls, self.micro_batches)
+        if key not in self._steps_cache:
+            schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
+            steps = add_skip_transfers(schedule.steps(), stage=self.stage,
+                                       num_stages=self.num_stages, chunks=self.chunks,
+                                       placement=self.placement, edges=self.skip_edges)
+            plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
+                                      chunks=self.chunks, placement=self.placement,
+                                      trains=cls.trains, skips=self.skip_edges)
+            self._steps_cache[key] = (steps, schedule.num_buffers(), plan)
+        return self._steps_cache[key]
+
+    def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
+             keep_outputs: bool) -> torch.Tensor | None:
+        if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
+            data_iter = iter(data_iter)
+        check = self._batches_run < self.check_data_steps and self.num_stages > 1
+        self._batches_run += 1
+        try:
+            self._agree_micro_batches()
+            steps, num_buffers, plan = self._steps(cls)
+            if self.token_loss is not None:
+                self.token_loss.reset()
+            self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
+                               compute_loss=compute_loss, keep_outputs=keep_outputs,
+                               check_data=check)
+            self.kernel.run(steps)
+            self.runtime.flush()
+            return self._mean_loss(cls.trains) if compute_loss else None
+        except BaseException as err:
+            cause = self._root_cause(err)
+            self.failed = cause
+            self.abort_board.publish(cause)  # the others stop waiting for this rank
+            self.runtime.abandon()
+            if cause is err:
+                raise
+            raise cause from err
+
+    def _root_cause(self, err: BaseException) -> BaseException:
+        """A transport failure here is usually a symptom (the peer that failed closed its
+        connections): the failure another rank published, if any, else ``err``. Most
+        waits check that themselves; sends, collectives and posting errors land here."""
+        if not isinstance(err, TransportError):
+            return err
+        try:
+            self.abort_board.check()
+        except PeerAbort as abort:
+            abort.add_detail(f"rank {self.rank} then failed too"
+                             + (f" at {err.instruction}" if err.instruction is not None
+                                else "") + f": {err.message[:200]}")
+            return abort
+        return err
+
+    def _check_loss_fn(self, what: str) -> None:
+        if self.pipeline_module.loss_fn is None:
+            raise ConfigError(f"{what} needs a loss function on the last stage, and "
+                              "PipelineModule has loss_fn=None",
+                              hint="pass PipelineModule(..., loss_fn=torch.nn.CrossEntropyLoss())",
+                              rank=self.rank, stage=self.stage)
+
+    def train_batch(self, data_iter: Iterator | None = None,
+                    micro_batches: int | None = None) -> torch.Tensor:
+        """Train on ``micro_batches`` micro-batches from ``data_iter`` and step once.
+
+        :param micro_batches: this batch only, instead of ``engine.micro_batches``
+            (same value on every rank; see :meth:`set_micro_batches`).
+        :returns: the mean loss over micro-batches and replicas, a 0-dim tensor with
+            the same value on every rank.
+        """
+        self._check_loss_fn("train_batch")
+        if not self.schedule_cls.trains:
+            raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
+                              hint="use schedule='1f1b' or 'gpipe'")
+        with self._micro_batches_for(micro_batches):
+            return self._train_batch(data_iter)
+
+    @contextlib.contextmanager
+    def _micro_batches_for(self, micro_batches: int | None) -> Iterator[None]:
+        """``engine.micro_batches`` is ``micro_batches`` inside (unless ``None``)."""
+        if micro_batches is None:
+            yield
+            return
+        previous = self.micro_batches
+        self.set_micro_batches(micro_batches)
+        try:
+            yield
+        finally:
+            self.micro_batches = previous
+
+    def _train_batch(self, data_iter: Iterator | None) -> torch.Tensor:
+        start = time.perf_counter()
+        self.pm.hook.pipekernel_before_train_batch(engine=self)
+        self.module.train()
+        loss = self._run(self.schedule_cls, data_iter, True, False)
+        self.global_steps += 1
+        self.trained_micro_batches += self.micro_batches
+        self.skipped_steps += not self._last_step_taken
+        metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
+                   "skipped": not self._last_step_taken, **self.precision.metrics()}
+        if self.max_grad_norm is not None:
+            metrics["grad_norm"] = self.last_grad_norm
+        self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
+        return loss  # type: ignore[return-value]
+
+    def eval_batch(self, data_iter: Iterator | None = None, compute_loss: bool = True,
+                   return_outputs: bool = False, micro_batches: int | None = None) -> Any:
+        """Run forward only over ``micro_batches`` micro-batches.
+
+        :param micro_batches: this batch only, instead of ``engine.micro_batches``.
+        :returns: the mean loss (same 0-dim tensor on every rank) if
+            ``compute_loss``; with ``return_outputs`` a pair ``(loss, outputs)``
+            where ``outputs`` is the list of last-stage outputs per micro-batch on
+            the last stage and ``None`` elsewhere.
+        """
+        if compute_loss:
+            self._check_loss_fn("eval_batch(compute_loss=True)")
+        self.module.eval()
+        with torch.no_grad(), self._micro_batches_for(micro_batches):
+            loss = self._run(self.eval_schedule_cls, data_iter, compute_loss, return_outputs)
+        self.module.train()
+        if not return_outputs:
+            return loss
+        outputs = list(self.runtime.outputs) if self.is_last_stage() else None
+        return loss, outputs
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "
+                            "forward and backward passes across stages",
+                            hint="call engine.train_batch(data_iter) or engine.eval_batch(data_iter)")
+
+    backward = step = forward
+
+    # -- checkpoints (pipekernel/engine/checkpoint.py; docs/checkpoints.md) -----------------
+    def save_checkpoint(self, path: Any, tag: str | None = None,
+                        client_state: Any = None) -> str:
+        """Save weights, optimizer, precision, LR scheduler, RNG and counters under
+        ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
+        See :func:`pipekernel.engine.checkpoint.save`."""
+        from pipekernel.engine.checkpoint import save
+        return save(self, path, tag, client_state)
+
+    def load_checkpoint(self, path: Any, tag: str | None = None) -> dict[str, Any]:
+        """Load ``path/tag`` (default ``path/latest``), saved at any pipeline or
+        data-parallel degree. Every rank calls it. See :func:`pipekernel.engine.checkpoint.load`."""
+        from pipekernel.engine.checkpoint import load
+        return load(self, path, tag)
+
+    def close(self) -> None:
+        """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
+        collectives still allowed) and release the transport. After a failed batch
+        (``self.failed``) nothing waits on a peer: plugins see ``engine.failed`` and
+        should not communicate either."""
+        if self.failed is None:
+            self.runtime.flush()
+        if not getattr(self, "_unconfigured", False):
+            self._unconfigured = True
+            self.pm.hook.pipekernel_unconfigure(engine=self)
+        self.transport.close()
+
+
+_ENGINES: dict[Any, int] = {}
+
+
+def _board_prefix(transport: Any) -> str:
+    """Store keys for one engine: the ranks it spans and how many engines this process
+    built over them before (every rank builds its engines in the same order)."""
+    ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
+        if hasattr(transport, "global_rank") else (transport.world_size,)
+    count = _ENGINES.get(ranks, 0)
+    _ENGINES[ranks] = count + 1
+    name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
+    return f"pipekernel/engine/{name}/{count}"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("pipekernel")
+    except Exception:
+        return "unknown"
+
+
+def _eval_schedule(cls: Any, placement: str, chunks: int) -> Any:
+    """The evaluation schedule for a model split by ``placement`` into ``chunks`` per stage."""
+    if getattr(cls, "placement", "loop") == placement and chunks <= cls.max_chunks:
+        return cls
+    adapt = getattr(cls, "for_placement", None)
+    if adapt is None:
+        raise ConfigError(f"eval schedule {cls.name!r} cannot run a model placed {placement!r} "
+                          f"with {chunks} chunks per stage",
+                          hint="use eval_schedule='inference' (it follows any placement)")
+    return adapt(placement)

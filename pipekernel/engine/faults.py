@@ -1,0 +1,159 @@
+"""Failing loud and fast: abort propagation and the start-up consistency check (the
+data-alignment fingerprint lives with the stage, :mod:`pipekernel.stage.fingerprint`).
+
+* :class:`AbortBoard` — when an instruction fails on one rank, that rank writes
+  its error under one key of the store every rank shares (``transport.store``);
+  every other rank's blocked waits look at that key between slices (see
+  :func:`pipekernel.comm.transport.wait_polling`) and raise a
+  :class:`~pipekernel.errors.PeerAbort` naming the failing rank, stage,
+  micro-batch and instruction — within about a second, not after the timeout.
+  Nothing is read while no wait blocks: the hot path pays nothing.
+* :func:`check_consistency` — one all-reduce of a hash of the fields every rank
+  must agree on (schedule, chunks, micro-batches, stages, partition bounds, layer
+  count, precision, pipekernel version); only on a mismatch a detailed exchange
+  follows, and every rank raises a ``ConfigError`` naming the fields and the
+  ranks that differ.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError, PeerAbort, TransportTimeout
+
+__all__ = ["AbortBoard", "check_consistency", "all_gather_objects"]
+
+
+class AbortBoard:
+    """The first failure of a group of ranks, published through a shared store.
+
+    :param store: a ``torch.distributed.Store``-like object or ``None`` (then
+        publishing and checking do nothing: ranks end by their own timeouts).
+    :param prefix: keys live under it; unique per engine (all ranks build
+        engines in the same order).
+    :param rank: this rank.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int) -> None:
+        self.store, self.prefix, self.rank = store, prefix, rank
+        self._key = f"{prefix}/abort"
+        self.published = False
+
+    def publish(self, error: BaseException) -> None:
+        """Tell the other ranks that this one failed (the first publisher wins); not
+        for a :class:`TransportTimeout` or a :class:`PeerAbort`."""
+        # a timeout is a symptom (every rank waiting on the slow one times out by
+        # itself, naming its own peer); an abort seen from another rank is not ours
+        if self.store is None or self.published or isinstance(error, (PeerAbort,
+                                                                       TransportTimeout)):
+            return
+        self.published = True
+        record = {
+            "rank": getattr(error, "rank", None) if getattr(error, "rank", None) is not None
+            else self.rank,
+            "type": type(error).__name__,
+            "message": getattr(error, "message", str(error)),
+            "hint": getattr(error, "hint", None),
+            "peer": getattr(error, "peer", None),
+        }
+        for key in ("stage", "step", "micro_batch", "instruction"):
+            value = getattr(error, key, None)
+            record[key] = None if value is None else (value if isinstance(value, int)
+                                                      else str(value))
+        try:
+            if self.store.add(f"{self.prefix}/abort_count", 1) == 1:
+                self.store.set(self._key, json.dumps(record))
+        except Exception:  # the store is gone: the others end by their timeouts
+            pass
+
+    def check(self) -> None:
+        """Raise :class:`PeerAbort` if some rank published a failure."""
+        store = self.store
+        if store is None:
+            return
+        try:
+            if not store.check([self._key]):
+                return
+            record = json.loads(store.get(self._key).decode())
+        except Exception:  # store unreachable (its host died): stop asking
+            self.store = None
+            return
+        if record.get("rank") == self.rank:
+            return  # our own failure: the original error is on its way up
+        raise peer_abort(record, self.rank)
+
+
+def peer_abort(record: Mapping[str, Any], seen_by: int) -> PeerAbort:
+    where = ", ".join(f"{k.replace('_', '-')} {record[k]}"
+                      for k in ("stage", "step", "micro_batch", "instruction")
+                      if record.get(k) is not None)
+    message = (f"rank {record['rank']} failed first ({where}) with {record['type']}: "
+               f"{record['message']}")
+    hint = record.get("hint") or f"look at rank {record['rank']}'s log and traceback"
+    return PeerAbort(message, hint=f"rank {record['rank']}: {hint}",
+                     error_type=record["type"], seen_by=seen_by, rank=record["rank"],
+                     stage=record.get("stage"), step=record.get("step"),
+                     micro_batch=record.get("micro_batch"),
+                     instruction=record.get("instruction"))
+
+
+def all_gather_objects(transport: Any, obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, by rank, on every rank (collectives only)."""
+    rank, world, device = transport.rank, transport.world_size, transport.device
+    data = pickle.dumps(obj)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    sizes[rank] = len(data)
+    transport.all_reduce(sizes)
+    out = []
+    for src, size in enumerate(sizes.tolist()):
+        if src == rank:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+        transport.broadcast(buf, src)
+        out.append(obj if src == rank else pickle.loads(buf.cpu().numpy().tobytes()))
+    return out
+
+
+def _digest(fields: Mapping[str, Any]) -> int:
+    text = json.dumps(fields, sort_keys=True, default=repr)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def check_consistency(transport: Any, fields: Mapping[str, Any], what: str = "configuration"
+                      ) -> None:
+    """Raise ``ConfigError`` on every rank if ranks disagree on any of ``fields``.
+
+    One all-reduce of ``[h, -h]`` with ``max`` (``h`` a 56-bit hash of the
+    fields) tells whether all agree; only then the fields themselves are
+    exchanged, to name what differs and where.
+    """
+    if transport.world_size == 1:
+        return
+    h = _digest(fields)
+    both = torch.tensor([h, -h], dtype=torch.int64, device=transport.device)
+    transport.all_reduce(both, "max")
+    high, low = both.tolist()
+    if high == h and -low == h:
+        return
+    every = all_gather_objects(transport, dict(fields))
+    lines = []
+    for key in sorted({k for f in every for k in f}):
+        values: dict[str, list[int]] = {}
+        for r, f in enumerate(every):
+            values.setdefault(repr(f.get(key, "<missing>")), []).append(r)
+        if len(values) > 1:
+            lines.append(f"{key}: " + "; ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
+                                                 f"{', '.join(map(str, rs))}"
+                                                 for v, rs in values.items()))
+    raise ConfigError(f"the ranks disagree on their {what}:\n    " + "\n    ".join(lines),
+                      hint="construct the engine with the same arguments (and the same "
+                           "pipekernel version) on every rank",
+                      rank=transport.rank)
+
+

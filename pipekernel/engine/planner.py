@@ -1,0 +1,512 @@
+"""``schedule="auto"``: choose schedule × chunks × micro-batches × partition from measured costs.
+
+:func:`plan_module` profiles the layers once per candidate micro-batch size (the
+partition plugin's ``pk.profile``: measured on global rank 0 and broadcast, so every
+rank holds the same numbers), then :func:`search` simulates every candidate with
+those costs (:func:`~pipekernel.schedules.simulate` with per-stage compute costs)
+and ranks them: the fastest predicted step whose per-stage memory fits the budget
+wins; ties go to the name, then fewer chunks, then fewer micro-batches, then the
+partition's name, so every rank picks the same plan.
+
+The model behind a prediction (see ``docs/planning.md``):
+
+* a micro-batch's forward on a part costs the sum of its layers' measured forward
+  seconds, its backward the sum of the rest of the measured forward + backward;
+  a split backward spends half of it (times ``split_overhead``) in ``BackwardInput``
+  and half in ``BackwardWeight``; the optimizer step is not counted (it is the same for
+  every candidate);
+* a transfer across a stage boundary costs ``transfer_s`` plus the :class:`Link`'s
+  ``message_s + byte_s × bytes`` (the boundary layer's measured output; under
+  ``pk.launch``/torchrun the link is measured by a ping-pong between ranks 0 and 1 of
+  the transport). On a host transport (gloo) the link's seconds occupy the stages,
+  half on the sender (packing, writing) and half on the receiver (reading, unpacking):
+  many small micro-batches pay for it. On a device transport they are latency, which
+  the stages do not wait for unless they need the data;
+* the global batch per replica is fixed (``micro_batches × rows of the sample``):
+  ``m`` micro-batches each hold ``batch / m`` rows, profiled at that size;
+* a stage's memory is its layers' parameter + gradient + optimizer-state bytes plus
+  the simulated peak of live micro-batches × the activation bytes of one
+  micro-batch of its chunks (averaged over chunks).
+
+Layer 0 + 3 glue: :func:`search` is pure (costs in, plan out) and unit-testable
+with injected costs; :func:`plan_module` reaches the profiler and the balancer
+through the plugin manager, never by importing a plugin.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
+                                     RecvGrad, SendActivation, SendGrad)
+from pipekernel.schedules.placement import locate
+from pipekernel.schedules.simulator import simulate
+
+__all__ = ["Auto", "auto", "LayerCosts", "Link", "Candidate", "Plan", "search", "plan_module",
+           "measure_link", "is_auto"]
+
+
+@dataclass(frozen=True)
+class Auto:
+    """Request: ``schedule=pk.auto(...)`` (``schedule="auto"`` is ``pk.auto()``).
+
+    :param memory_budget: bytes per stage a plan may use (``None``: no limit).
+    :param schedules: training schedule names to consider (default: every
+        registered training schedule).
+    :param chunks: chunks (virtual stages) per stage to consider, where a schedule
+        supports them.
+    :param micro_batches: micro-batch counts to consider (each must divide the
+        batch); default: half, once, twice and four times the engine's
+        ``micro_batches``, those that divide the batch.
+    :param sample: one micro-batch of first-stage inputs at the engine's
+        ``micro_batches`` (default: the sample of ``partition=pk.profile(sample)``).
+    :param transfer_s: seconds one activation or gradient transfer takes, beyond the
+        measured link (latency the stages do not spend).
+    :param measure_link: time the transport's transfers (message cost and bandwidth)
+        with a ping-pong between ranks 0 and 1 and add them to the model (default);
+        ``False`` leaves them out.
+    :param split_overhead: how much longer a split backward (``BackwardInput`` +
+        ``BackwardWeight``) takes than one full backward, where the profile did not time
+        the split itself (the built-in profiler does).
+    :param repeats: timed repetitions per layer (median); :param warmup: untimed ones.
+    """
+
+    memory_budget: float | None = None
+    schedules: Sequence[str] | None = None
+    chunks: Sequence[int] = (1, 2)
+    micro_batches: Sequence[int] | None = None
+    sample: Any = None
+    transfer_s: float = 0.0
+    measure_link: bool = True
+    split_overhead: float = 1.0
+    repeats: int = 3
+    warmup: int = 1
+
+
+def auto(memory_budget: float | None = None, **options: Any) -> Auto:
+    """``schedule=pk.auto(memory_budget=..., ...)``: let the planner choose (see :class:`Auto`)."""
+    return Auto(memory_budget=memory_budget, **options)
+
+
+def is_auto(schedule: Any) -> bool:
+    """Whether ``schedule`` asks the planner (``"auto"`` or an :class:`Auto`)."""
+    return isinstance(schedule, Auto) or schedule == "auto"
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-layer costs of one micro-batch (one entry per layer).
+
+    :param forward_s: forward seconds. :param backward_s: backward seconds.
+    :param static_bytes: parameter + gradient + optimizer-state + buffer bytes.
+    :param activation_bytes: bytes saved for backward per micro-batch.
+    :param split_s: ``(input pass, weight pass)`` seconds of the split backward, when
+        measured (else half the backward each, times ``split_overhead``).
+    """
+
+    forward_s: Sequence[float]
+    backward_s: Sequence[float]
+    static_bytes: Sequence[float]
+    activation_bytes: Sequence[float]
+    split_s: Sequence[tuple[float, float]] | None = None
+    #: bytes of the tensors each layer returns (what crosses a boundary after it)
+    output_bytes: Sequence[float] | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """What one transfer of ``n`` bytes between two stages costs: ``message_s + byte_s × n``.
+
+    :param on_host: the transport's host does the transfer (gloo: it packs, writes, reads
+        and unpacks), so the seconds occupy the sending and the receiving stage, half
+        each; ``False`` (a device transport) makes them latency.
+    """
+
+    message_s: float = 0.0
+    byte_s: float = 0.0
+    on_host: bool = True
+
+    def seconds(self, nbytes: float) -> float:
+        return self.message_s + self.byte_s * nbytes
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search and what the simulator predicts for it.
+
+    ``predicted_step_s`` is ``None`` when the candidate cannot run (``note`` says why);
+    ``stage_bytes`` is the predicted memory per stage.
+    """
+
+    schedule: str
+    chunks: int
+    micro_batches: int
+    partition: str
+    bounds: tuple[int, ...] = ()
+    predicted_step_s: float | None = None
+    stage_bytes: tuple[float, ...] = ()
+    fits: bool = False
+    note: str = ""
+
+    @property
+    def peak_bytes(self) -> float | None:
+        """The largest stage's predicted memory."""
+        return max(self.stage_bytes) if self.stage_bytes else None
+
+    def rank_key(self) -> tuple:
+        """Sort key: runnable and fitting first, then faster, then deterministic ties."""
+        runnable = self.predicted_step_s is not None
+        return (not runnable, not self.fits, self.predicted_step_s if runnable else 0.0,
+                self.schedule, self.chunks, self.micro_batches, self.partition)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``schedule="auto"`` chose (``engine.plan``), with every candidate ranked."""
+
+    schedule: str
+    chunks: int
+    micro_batches: int
+    partition: str
+    bounds: tuple[int, ...]
+    predicted_step_s: float
+    memory_budget: float | None
+    candidates: tuple[Candidate, ...] = field(repr=False, default=())
+    #: the per-layer costs the search used, by micro-batch count
+    costs: Mapping[int, LayerCosts] = field(repr=False, default_factory=dict)
+    #: the transfer model the search used (``None``: transfers free but ``transfer_s``)
+    link: Link | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The choice as plain values (every rank must hold the same)."""
+        return {"schedule": self.schedule, "chunks": self.chunks,
+                "micro_batches": self.micro_batches, "bounds": list(self.bounds)}
+
+    def format(self, top: int | None = None) -> str:
+        """The ranked candidates as a text table (the chosen one first, marked ``*``)."""
+        budget = "none" if self.memory_budget is None else _bytes(self.memory_budget)
+        lines = [f"plan: {self.schedule}, chunks {self.chunks}, {self.micro_batches} "
+                 f"micro-batches, partition {self.partition} {list(self.bounds)}: predicted "
+                 f"{1e3 * self.predicted_step_s:.2f} ms/step (memory budget per stage: {budget})",
+                 *([f"  transfers: {1e6 * self.link.message_s:.0f} us per message + "
+                    f"{1e6 * self.link.byte_s * 2 ** 20:.0f} us per MiB, "
+                    f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
+                   if self.link is not None else []),
+                 f"  {'#':>3} {'schedule':<12} {'chunks':>6} {'micro':>5} {'partition':<9} "
+                 f"{'pred ms':>9} {'peak mem':>10}  note"]
+        shown = self.candidates if top is None else self.candidates[:top]
+        for i, c in enumerate(shown, 1):
+            mark = "*" if (c.schedule, c.chunks, c.micro_batches, c.bounds) == (
+                self.schedule, self.chunks, self.micro_batches, self.bounds) else " "
+            pred = f"{1e3 * c.predicted_step_s:9.2f}" if c.predicted_step_s is not None \
+                else f"{'-':>9}"
+            peak = _bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
+            note = c.note or ("" if c.fits else "over budget")
+            lines.append(f"{mark} {i:>3} {c.schedule:<12} {c.chunks:>6} {c.micro_batches:>5} "
+                         f"{c.partition:<9} {pred} {peak:>10}  {note}".rstrip())
+        return "\n".join(lines)
+
+
+Balancer = Callable[[Sequence[float], int], Sequence[int]]
+
+
+def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[str, Any], *,
+           balance: Balancer, chunks: Sequence[int] = (1, 2),
+           memory_budget: float | None = None, transfer_s: float = 0.0,
+           split_overhead: float = 1.0, link: Link | None = None) -> Plan:
+    """Simulate every candidate under ``costs`` and pick the fastest that fits.
+
+    :param costs: ``{micro-batch count: per-layer costs of one such micro-batch}``.
+    :param num_stages: pipeline stages.
+    :param schedules: ``{name: schedule class}`` (training schedules).
+    :param balance: ``(per-layer weights, parts) -> boundaries`` (the exact balancer).
+    :param chunks: chunk counts to try (each schedule keeps those it supports).
+    :param memory_budget: bytes per stage (``None``: no limit).
+    :param transfer_s: seconds per transfer (latency).
+    :param split_overhead: split backward time over full backward time.
+    :param link: the transport's cost per transfer by size (``None``: free); the bytes
+        of a boundary come from ``costs[m].output_bytes``.
+    :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
+    """
+    found, streams = [], {}
+    for name, cls in sorted(schedules.items()):
+        for c in sorted({c for c in chunks if cls.min_chunks <= c <= cls.max_chunks}):
+            for m, layer_costs in sorted(costs.items()):
+                # another name for the same pipeline (interleaved with one chunk is 1F1B):
+                # listed, not simulated again, so the ranking holds each pipeline once
+                key = _streams(cls, num_stages, m, c)
+                if key is not None and key in streams:
+                    found.append(Candidate(name, c, m, "-",
+                                           note=f"the same instruction streams as {streams[key]}"))
+                    continue
+                if key is not None:
+                    streams[key] = f"{name} (chunks {c})"
+                found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
+                                     memory_budget, (transfer_s, split_overhead, link))
+    ranked = tuple(sorted(found, key=Candidate.rank_key))
+    best = ranked[0] if ranked else None
+    if best is None or best.predicted_step_s is None:
+        reasons = "; ".join(sorted({f"{c.schedule}: {c.note}" for c in ranked})) or "none"
+        raise ConfigError(f"schedule='auto' found no runnable candidate for {num_stages} "
+                          f"stage(s) ({reasons})",
+                          hint="widen pk.auto(schedules=..., chunks=..., micro_batches=...)")
+    if not best.fits:
+        raise ConfigError(
+            f"schedule='auto': no candidate fits memory_budget={_bytes(memory_budget)} per "
+            f"stage; the smallest needs {_bytes(min(c.peak_bytes for c in ranked if c.peak_bytes))}",
+            hint="raise memory_budget, use more stages, or try more micro-batches / "
+                 "activation checkpointing")
+    return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
+                best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
+                dict(costs), link)
+
+
+def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
+    """What a schedule makes every stage run (placement and steps), ``None`` if it cannot."""
+    try:
+        return (getattr(cls, "placement", "loop"), chunks, m,
+                tuple(tuple(tuple(step) for step in cls(num_stages, s, m, chunks).steps())
+                      for s in range(num_stages)))
+    except PipelineError:
+        return None
+
+
+def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num_stages: int,
+                balance: Balancer, budget: float | None,
+                model: tuple[float, float, Link | None]) -> list[Candidate]:
+    """The candidates of one (schedule, chunks, micro-batches): one per distinct partition."""
+    parts = num_stages * chunks
+    if parts > len(costs.forward_s):
+        return [Candidate(name, chunks, m, "-", note=f"{parts} parts > "
+                          f"{len(costs.forward_s)} layers")]
+    try:
+        objects = [cls(num_stages, s, m, chunks) for s in range(num_stages)]
+        in_flight = [o.num_buffers() for o in objects]
+    except PipelineError as err:
+        return [Candidate(name, chunks, m, "-", note=err.message.split("\n")[0])]
+    time_w = [f + b for f, b in zip(costs.forward_s, costs.backward_s)]
+    mean_in_flight = sum(in_flight) / (len(in_flight) * chunks)
+    memory_w = [s + mean_in_flight * a for s, a in zip(costs.static_bytes,
+                                                         costs.activation_bytes)]
+    out, seen = [], set()
+    for label, weights in (("time", time_w), ("memory", memory_w)):
+        bounds = tuple(int(b) for b in balance(weights, parts))
+        if bounds in seen:
+            continue
+        seen.add(bounds)
+        out.append(_evaluate(name, cls, chunks, m, label, bounds, costs, num_stages, budget,
+                             model))
+    return out
+
+
+def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tuple[int, ...],
+              costs: LayerCosts, num_stages: int, budget: float | None,
+              model: tuple[float, float, Link | None]) -> Candidate:
+    transfer_s, split, link = model
+    placement = getattr(cls, "placement", "loop")
+    table: dict[tuple[int, int], dict[type, float]] = {}
+    static = [0.0] * num_stages
+    act = [0.0] * num_stages
+    for p in range(num_stages * chunks):
+        stage, chunk = locate(p, num_stages, placement)
+        lo, hi = bounds[p], bounds[p + 1]
+        f, b = sum(costs.forward_s[lo:hi]), sum(costs.backward_s[lo:hi])
+        if costs.split_s is not None:
+            i, w = (sum(pair[k] for pair in costs.split_s[lo:hi]) for k in (0, 1))
+        else:
+            i = w = split * b / 2
+        table[(stage, chunk)] = {Forward: f, Backward: b, BackwardInput: i, BackwardWeight: w}
+        static[stage] += sum(costs.static_bytes[lo:hi])
+        act[stage] += sum(costs.activation_bytes[lo:hi]) / chunks
+    transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
+                 RecvGrad: 0.0}
+    host: dict[type, float] = {}
+    if link is not None:
+        # every boundary of a transformer-like model carries the same bytes; where they
+        # differ, the mean over this partition's cuts stands for all of them
+        cuts = [costs.output_bytes[b - 1] for b in bounds[1:-1]] if costs.output_bytes else []
+        seconds = link.seconds(sum(cuts) / len(cuts) if cuts else 0.0)
+        if link.on_host:
+            host = {k: seconds / 2 for k in (SendActivation, SendGrad, RecvActivation, RecvGrad)}
+        else:
+            transfers[SendActivation] += seconds
+            transfers[SendGrad] += seconds
+    try:
+        result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table,
+                          host_costs=host)
+    except PipelineError as err:
+        return Candidate(name, chunks, m, label, bounds, note=err.message.split("\n")[0])
+    stage_bytes = tuple(static[s] + result.buffers[s] * act[s] for s in range(num_stages))
+    fits = budget is None or max(stage_bytes) <= budget
+    return Candidate(name, chunks, m, label, bounds, result.makespan, stage_bytes, fits)
+
+
+# -- the engine's (and the CLI's) way in: profile through the plugins, then search --------
+
+def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: int, pm: Any,
+                transport: Any = None, device: Any = None, optimizer: Any = None) -> Plan:
+    """Profile ``module``'s layers for each candidate micro-batch size and :func:`search`.
+
+    Every rank of ``transport`` must call it at the same point (the profile is measured
+    on global rank 0 and broadcast by the partition plugin, so all ranks get the same
+    costs and the same plan).
+
+    :param micro_batches: the engine's count; the sample is one micro-batch of it.
+    """
+    from pipekernel.stage.partitioning import Balance, PartitionContext, Profile
+    from pipekernel.extend.manager import registered_schedules
+
+    sample = request.sample
+    if sample is None and isinstance(getattr(module, "partition_method", None), Profile):
+        sample = module.partition_method.sample
+    if sample is None:
+        raise ConfigError("schedule='auto' needs a sample micro-batch to profile the layers",
+                          hint="pass schedule=pk.auto(sample=inputs) or "
+                               "partition=pk.profile(inputs) (one micro-batch of inputs)")
+    rows = _rows(sample)
+    total = rows * micro_batches
+    counts = sorted(set(request.micro_batches or
+                        [n for n in (micro_batches // 2, micro_batches, 2 * micro_batches,
+                                     4 * micro_batches) if n >= 1 and total % n == 0]))
+    for n in counts:
+        if not isinstance(n, int) or n < 1 or total % n:
+            raise ConfigError(f"pk.auto(micro_batches=...) has {n!r}, which does not divide "
+                              f"the batch of {total} rows ({micro_batches} micro-batches x "
+                              f"{rows} rows of the sample)",
+                              hint="give micro-batch counts that divide the batch")
+    if transport is not None:  # every rank profiles the same sizes, in the same order
+        from pipekernel.engine.faults import check_consistency
+        check_consistency(transport, {"sample rows": rows, "micro-batch counts": counts},
+                          "schedule='auto' request")
+    costs = {}
+    for n in counts:
+        context = PartitionContext(module=module, num_stages=1, transport=transport,
+                                   device=device, rank=getattr(transport, "rank", 0),
+                                   micro_batches=n, optimizer=optimizer)
+        pm.hook.pipekernel_partition(
+            method=Profile(_resize(sample, total // n), request.repeats, request.warmup,
+                           split_backward=True),
+            layers=module.layers, num_stages=1, context=context)
+        costs[n] = _layer_costs(context)
+    table = registered_schedules(pm)
+    names = request.schedules or [k for k, cls in table.items() if getattr(cls, "trains", True)]
+    unknown = [k for k in names if k not in table]
+    if unknown:
+        raise ConfigError(f"pk.auto(schedules=...) names unknown schedule(s) {unknown}",
+                          hint=f"available: {', '.join(sorted(table))}")
+    cache: dict[tuple, list[int]] = {}
+
+    def balance(weights: Sequence[float], parts: int) -> list[int]:
+        key = (tuple(weights), parts)
+        if key not in cache:
+            ctx = PartitionContext(module=module, num_stages=parts)
+            cache[key] = list(pm.hook.pipekernel_partition(
+                method=Balance(list(weights), "planner"), layers=module.layers,
+                num_stages=parts, context=ctx))
+        return cache[key]
+
+    link = None
+    if request.measure_link and transport is not None and transport.world_size > 1:
+        largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
+                      default=0.0)
+        link = measure_link(transport, largest)
+    return search(costs, num_stages, {k: table[k] for k in names}, balance=balance,
+                  chunks=request.chunks, memory_budget=request.memory_budget,
+                  transfer_s=request.transfer_s, split_overhead=request.split_overhead,
+                  link=link)
+
+
+def measure_link(transport: Any, nbytes: float, *, repeats: int = 10, warmup: int = 2,
+                 clock: Callable[[], float] | None = None) -> Link:
+    """Time one-way transfers between ranks 0 and 1 of ``transport``; every rank gets the same.
+
+    A ping-pong of a 64-byte message and of one of ``nbytes`` (at least 64 KiB) gives the
+    cost per message and per byte (half a round trip each, median of ``repeats`` after
+    ``warmup``); rank 0 broadcasts them. Collective: every rank calls it at the same point.
+    """
+    import time
+
+    import torch
+
+    from pipekernel.comm.transport import P2POp
+
+    now = clock or time.perf_counter
+    device = transport.device
+    cuda = getattr(device, "type", str(device)) == "cuda"
+    sizes = (64, max(int(nbytes), 1 << 16))
+    one_way = []
+    if transport.rank in (0, 1):
+        peer = 1 - transport.rank
+        for size in sizes:
+            buf = torch.zeros(size, dtype=torch.uint8, device=device)
+            times = []
+            for _ in range(warmup + repeats):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                start = now()
+                for op in (("send", "recv") if transport.rank == 0 else ("recv", "send")):
+                    for handle in transport.batch_isend_irecv([P2POp(op, buf, peer)]):
+                        handle.wait()
+                if cuda:
+                    torch.cuda.synchronize(device)
+                times.append((now() - start) / 2)
+            one_way.append(sorted(times[warmup:])[repeats // 2])
+    result = torch.zeros(2, dtype=torch.float64, device=device)
+    if transport.rank == 0:
+        byte_s = max(one_way[1] - one_way[0], 0.0) / (sizes[1] - sizes[0])
+        result[0], result[1] = max(one_way[0] - byte_s * sizes[0], 0.0), byte_s
+    transport.broadcast(result, 0)
+    message_s, byte_s = (float(v) for v in result.cpu().tolist())
+    return Link(message_s, byte_s, on_host=not cuda)
+
+
+def _layer_costs(context: Any) -> LayerCosts:
+    total = context.layer_costs
+    if total is None or context.layer_static_bytes is None:
+        raise ConfigError("the partition plugin returned no measured layer costs for "
+                          "pk.profile", hint="the built-in partition plugin measures them; "
+                                             "a plugin replacing it must set them too")
+    forward = context.layer_forward_seconds or [t / 3 for t in total]  # B ~ 2F if unknown
+    act = context.layer_activation_bytes or [0.0] * len(total)
+    split = getattr(context, "layer_split_backward_seconds", None)
+    outputs = getattr(context, "layer_output_bytes", None)
+    return LayerCosts([float(f) for f in forward],
+                      [max(float(t) - float(f), 0.0) for t, f in zip(total, forward)],
+                      [float(s) for s in context.layer_static_bytes], [float(a) for a in act],
+                      [(float(i), float(w)) for i, w in split] if split else None,
+                      [float(b) for b in outputs] if outputs else None)
+
+
+def _rows(sample: Any) -> int:
+    import torch
+
+    if isinstance(sample, torch.Tensor):
+        return sample.shape[0] if sample.dim() else 1
+    for item in sample if isinstance(sample, (tuple, list)) else ():
+        if isinstance(item, torch.Tensor) and item.dim():
+            return item.shape[0]
+    raise ConfigError("schedule='auto': the sample holds no tensor with a batch dimension",
+                      hint="give one micro-batch of inputs (a tensor or a tuple of tensors)")
+
+
+def _resize(sample: Any, rows: int) -> Any:
+    """``sample`` with ``rows`` rows along dim 0 (repeated, then cut)."""
+    import torch
+
+    if isinstance(sample, torch.Tensor) and sample.dim():
+        reps = -(-rows // sample.shape[0])
+        return sample.repeat(reps, *([1] * (sample.dim() - 1)))[:rows]
+    if isinstance(sample, (tuple, list)):
+        return type(sample)(_resize(s, rows) for s in sample)
+    return sample
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "none"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

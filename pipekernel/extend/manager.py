@@ -1,0 +1,267 @@
+"""One pluggy ``PluginManager`` per engine: no module-level plugin state.
+
+Order of registration (pluggy calls the last registered first):
+
+1. the core's own hook implementations (:mod:`pipekernel.extend.builtin`), all ``trylast``;
+2. built-in plugins published by pipekernel itself in the ``pipekernel.plugins``
+   entry-point group (always, even with autoload off: they are the defaults);
+3. third-party plugins from the same group (unless autoload is off);
+4. the ``plugins=[...]`` passed to the engine.
+
+So a user plugin overrides an installed one, which overrides a default.
+An entry point names a module or a class; a class is instantiated once per
+manager, so its state belongs to one engine. Any of 2.–4. can be disabled by name (``disabled=`` or the comma-separated
+``PIPEKERNEL_DISABLE_PLUGINS``); a disabled plugin is never imported.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import pluggy
+
+from pipekernel.extend import builtin, hookspecs
+from pipekernel.errors import ConfigError, UnknownNameError
+from pipekernel.step.precision import REQUIRED
+
+__all__ = ["make_plugin_manager", "PluginManager", "PluginLoadError", "PLUGINS_GROUP", "TRANSPORTS_GROUP",
+           "DISABLE_ENV", "NO_AUTOLOAD_ENV", "entry_points", "plugin_name", "resolve_schedule",
+           "make_transport", "make_precision", "provided_names"]
+
+PLUGINS_GROUP = "pipekernel.plugins"
+TRANSPORTS_GROUP = "pipekernel.transports"
+DISABLE_ENV = "PIPEKERNEL_DISABLE_PLUGINS"
+NO_AUTOLOAD_ENV = "PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD"
+#: The core's own implementations: they cannot be disabled (pytest's "essential plugins").
+ESSENTIAL = "pipekernel.extend.builtin"
+#: The distribution whose entry points count as built-in defaults.
+DISTRIBUTION = "pipekernel"
+
+_PUBLISH_HINT = ("publish one from your package's pyproject.toml:\n"
+                 '    [project.entry-points."{group}"]\n'
+                 '    {name} = "your_package.module:{obj}"\n'
+                 "  then `pip install` the package (see docs/writing-a-plugin.md)")
+
+
+class PluginLoadError(ConfigError):
+    """An installed plugin's entry point failed to import; ``plugin`` is its name."""
+
+    def __init__(self, message: str, *, plugin: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.plugin = plugin
+
+
+class PluginManager(pluggy.PluginManager):
+    """A pluggy manager that also remembers where each plugin came from.
+
+    ``sources`` maps a registered plugin's name to ``(distribution, version)``
+    (``("", "")`` for plugins passed as objects); ``pipekernel plugins`` and
+    error messages use it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("pipekernel")
+        self.sources: dict[str, tuple[str, str]] = {}
+
+
+def entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
+    """The installed entry points of ``group``, sorted by name (metadata only, no imports)."""
+    seen: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=group):
+        seen.setdefault(ep.name, ep)  # a name installed twice: the first on sys.path wins
+    return [seen[name] for name in sorted(seen)]
+
+
+def distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
+    """``(distribution name, version)`` that publishes ``ep``."""
+    dist = getattr(ep, "dist", None)
+    return (dist.name, dist.version) if dist is not None else ("", "")
+
+
+def _is_builtin(ep: importlib.metadata.EntryPoint) -> bool:
+    return distribution_of(ep)[0] == DISTRIBUTION
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def plugin_name(pm: pluggy.PluginManager, plugin: Any) -> str:
+    """The name ``plugin`` is registered under when passed as an object.
+
+    A module keeps its ``__name__``; an object its ``name`` attribute if it is a
+    string, else its class's qualified name (``#2``, ``#3`` ... for repeats), so
+    that errors and ``disabled=`` can refer to it.
+    """
+    if isinstance(plugin, types.ModuleType):
+        name = plugin.__name__
+    else:
+        own = getattr(plugin, "name", None)
+        cls = type(plugin) if not isinstance(plugin, type) else plugin
+        name = own if isinstance(own, str) else f"{cls.__module__}.{cls.__qualname__}"
+    base, n = name, 1
+    while pm.get_plugin(name) is not None:
+        n += 1
+        name = f"{base}#{n}"
+    return name
+
+
+def _load(ep: importlib.metadata.EntryPoint) -> Any:
+    try:
+        return ep.load()
+    except Exception as err:  # any import-time failure of third-party code
+        dist, version = distribution_of(ep)
+        origin = f" (from {dist} {version})" if dist else ""
+        raise PluginLoadError(
+            f"plugin {ep.name!r}{origin} failed to load {ep.value!r}: "
+            f"{type(err).__name__}: {err}", plugin=ep.name,
+            hint=f"fix or uninstall it, or disable it: {DISABLE_ENV}={ep.name} or "
+                 f"PipelineEngine(disable_plugins=[{ep.name!r}])") from err
+
+
+def _register(pm: PluginManager, plugin: Any, name: str, source: tuple[str, str]) -> None:
+    try:
+        if pm.register(plugin, name=name) is not None:
+            pm.sources[name] = source
+    except pluggy.PluginValidationError as err:
+        raise ConfigError(f"plugin {name!r} is invalid: {err}",
+                          hint="hook implementations must use hook names and parameter names "
+                               "from pipekernel.extend.hookspecs (see docs/hooks.md)") from err
+    except ValueError as err:  # already registered
+        raise ConfigError(f"plugin {name!r} is registered twice: {err}",
+                          hint="pass each plugin object once") from err
+
+
+def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = None,
+                        disabled: Iterable[str] = ()) -> PluginManager:
+    """Build a fresh plugin manager.
+
+    :param plugins: plugin objects or modules for this manager only.
+    :param autoload: load third-party ``pipekernel.plugins`` entry points;
+        default: on, unless ``PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD`` is set.
+        Embedded hosts usually pass ``False`` and list their plugins explicitly.
+    :param disabled: names of plugins not to load: entry-point names, or the
+        names of objects in ``plugins`` (also read from the comma-separated
+        ``PIPEKERNEL_DISABLE_PLUGINS``). A disabled entry point is not imported.
+    :raises ConfigError: if a plugin implements a hook that does not exist or
+        takes a parameter its hook does not have (naming the plugin), or if the
+        core's essential implementations are disabled.
+    """
+    pm = PluginManager()
+    pm.add_hookspecs(hookspecs)
+    blocked = {*disabled, *_env_list(DISABLE_ENV)}
+    if ESSENTIAL in blocked:
+        raise ConfigError(f"{ESSENTIAL!r} holds the core's defaults and cannot be disabled",
+                          hint="override its hooks with a plugin instead")
+    _register(pm, builtin, ESSENTIAL, (DISTRIBUTION, _own_version()))
+    for name in blocked:
+        pm.set_blocked(name)  # also blocks plugin objects registered under that name
+    if autoload is None:
+        autoload = not os.environ.get(NO_AUTOLOAD_ENV)
+    eps = entry_points(PLUGINS_GROUP)
+    ordered = [ep for ep in eps if _is_builtin(ep)] + \
+              ([ep for ep in eps if not _is_builtin(ep)] if autoload else [])
+    for ep in ordered:
+        if not pm.is_blocked(ep.name) and not pm.has_plugin(ep.name):
+            plugin = _load(ep)
+            if isinstance(plugin, type):  # a class: one instance per manager, so per engine
+                plugin = plugin()
+            _register(pm, plugin, ep.name, distribution_of(ep))
+    for plugin in plugins:
+        _register(pm, plugin, plugin_name(pm, plugin), ("", ""))
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as err:
+        name = pm.get_name(err.plugin) or repr(err.plugin)
+        hooks = ", ".join(sorted(h for h in dir(hookspecs) if h.startswith("pipekernel_")))
+        raise ConfigError(f"plugin {name!r} is invalid: {err}",
+                          hint=f"hook names must match pipekernel.extend.hookspecs exactly: {hooks}"
+                          ) from err
+    return pm
+
+
+def _own_version() -> str:
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def provided_names(pm: pluggy.PluginManager, kind: str) -> dict[str, str]:
+    """``{name: plugin}`` of every name plugins provide for ``kind``
+    (``"schedule"``, ``"precision"``, ``"partition"``, ...), via
+    ``pipekernel_list_names``; a later-registered plugin wins a shared name."""
+    found: dict[str, str] = {}
+    for impl in pm.hook.pipekernel_list_names.get_hookimpls():  # first registered first
+        names = impl.function(**({"kind": kind} if "kind" in impl.argnames else {}))
+        for name in names or ():
+            found[str(name)] = impl.plugin_name
+    return found
+
+
+def _available(pm: pluggy.PluginManager, kind: str) -> str:
+    return ", ".join(sorted(provided_names(pm, kind))) or "none"
+
+
+def registered_schedules(pm: pluggy.PluginManager) -> dict[str, Any]:
+    """Every schedule the plugins register, ``{name: class}`` (a later plugin wins)."""
+    table: dict[str, Any] = {}
+    for contribution in reversed(pm.hook.pipekernel_register_schedules()):
+        table.update(contribution or {})
+    return table
+
+
+def resolve_schedule(pm: pluggy.PluginManager, name: str) -> Any:
+    """The schedule class registered as ``name``."""
+    table = registered_schedules(pm)
+    if name not in table:
+        raise UnknownNameError(f"unknown schedule {name!r}",
+                               hint=f"available schedules: {', '.join(sorted(table))}; add one "
+                                    "with a plugin implementing pipekernel_register_schedules")
+    return table[name]
+
+
+def auto_transport() -> str:
+    """What ``transport="auto"`` selects: ``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    import torch  # the engine has imported it already; the CLI must not need it
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def make_transport(pm: pluggy.PluginManager, name: str, options: dict[str, Any]) -> Any:
+    """Ask the plugins for the transport ``name`` (``"auto"``: see :func:`auto_transport`)."""
+    if name == "auto":
+        name = auto_transport()
+    transport = pm.hook.pipekernel_make_transport(name=name, options=options)
+    if transport is None:
+        names = ", ".join(ep.name for ep in entry_points(TRANSPORTS_GROUP)) or "none"
+        raise UnknownNameError(
+            f"unknown transport {name!r}; installed transports: {names}",
+            hint=f"pick one of the installed names (or 'auto'), install a package that "
+                 f"provides {name!r}, or " + _PUBLISH_HINT.format(
+                     group=TRANSPORTS_GROUP, name=name, obj="MyTransport"))
+    return transport
+
+
+def make_precision(pm: pluggy.PluginManager, name: str, options: dict[str, Any]) -> Any:
+    """Ask the plugins for the precision policy ``name`` (``pipekernel_make_precision``).
+
+    :raises UnknownNameError: no plugin provides ``name`` (listing those that exist).
+    :raises ConfigError: the policy lacks a method of
+        :data:`pipekernel.step.precision.REQUIRED`.
+    """
+    precision = pm.hook.pipekernel_make_precision(name=name, options=options)
+    if precision is None:
+        raise UnknownNameError(f"unknown precision {name!r}",
+                               hint=f"available precisions: {_available(pm, 'precision')}; or "
+                                    "install a precision plugin that provides it")
+    missing = [m for m in REQUIRED if not callable(getattr(precision, m, None))]
+    if missing:
+        raise ConfigError(f"precision {name!r} ({type(precision).__name__}) lacks "
+                          f"{', '.join(missing)}",
+                          hint="subclass pipekernel.step.precision.Precision, which has defaults "
+                               "for every method")
+    return precision

@@ -1,0 +1,1 @@
+"""The process grid: topology and rank order, data/tensor parallel groups, ZeRO-1, partitioned activations."""

@@ -1,0 +1,52 @@
+"""The large-model options of :class:`~pipekernel.PipelineEngine`, validated once:
+tensor-parallel size, rank order, partitioned activations, ZeRO stage."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipekernel.errors import ConfigError
+from pipekernel.grid.topology import DEFAULT_RANK_ORDER, parse_rank_order
+
+__all__ = ["ParallelConfig"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What the engine was asked for (see its parameters of the same names)."""
+
+    tensor_parallel_size: int = 1
+    rank_order: str = DEFAULT_RANK_ORDER
+    partition_activations: bool = True
+    zero_stage: int = 0
+
+    @classmethod
+    def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
+             partition_activations: Any = True, zero_stage: Any = 0) -> ParallelConfig:
+        """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+                or tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive int, got "
+                              f"{tensor_parallel_size!r}", hint="e.g. tensor_parallel_size=2")
+        order = "-".join(parse_rank_order(rank_order if rank_order is not None
+                                          else DEFAULT_RANK_ORDER))
+        if not isinstance(partition_activations, bool):
+            raise ConfigError(f"partition_activations must be True or False, got "
+                              f"{partition_activations!r}")
+        if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
+            raise ConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}",
+                              hint="zero_stage=1 shards the optimizer state over the "
+                                   "data-parallel replicas; stages 2 and 3 are not implemented")
+        return cls(tensor_parallel_size, order, partition_activations, zero_stage)
+
+    @property
+    def partitions(self) -> bool:
+        """Whether activations between stages travel partitioned."""
+        return self.tensor_parallel_size > 1 and self.partition_activations
+
+    def fields(self) -> dict[str, Any]:
+        """What every rank must agree on (for the engine's consistency check)."""
+        return {"tensor parallel size": self.tensor_parallel_size,
+                "rank order": self.rank_order,
+                "partition activations": self.partition_activations,
+                "zero stage": self.zero_stage}

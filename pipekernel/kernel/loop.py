@@ -1,0 +1,131 @@
+"""The instruction loop (layer 1): dispatch each instruction to its handler.
+
+The kernel knows nothing of models, tensors or transports. It owns a dispatch
+table ``{instruction type: handler}`` filled once at construction, calls the
+``pipekernel_before_instruction`` / ``pipekernel_after_instruction`` hooks
+around each handler when a plugin implements them, and turns any failure into
+an error that names the rank, stage, step and instruction.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from pipekernel.errors import InstructionError, PipelineError
+from pipekernel.schedules.instructions import Instruction
+
+Handler = Callable[[Instruction], Any]
+
+__all__ = ["Kernel", "Handler"]
+
+
+class Kernel:
+    """Run steps of instructions through a fixed dispatch table.
+
+    :param handlers: ``{instruction class: callable(instruction)}``. Lookup is by
+        exact type first, then along the MRO, so a handler for a base class
+        serves its subclasses.
+    :param hook: a pluggy ``HookRelay`` (``pm.hook``) or ``None``. Only
+        ``pipekernel_before_instruction`` and ``pipekernel_after_instruction``
+        are used, and only if some plugin implements them.
+    :param rank: global rank, for error messages.
+    :param stage: pipeline stage, for error messages and hooks.
+    :param clock: host seconds now (default :func:`time.perf_counter`), read before and
+        after each handler for ``pipekernel_after_instruction``'s ``seconds``; handlers
+        that launch device work return before it ends, so on a GPU this is host time.
+    """
+
+    def __init__(self, handlers: Mapping[type, Handler], *, hook: Any = None,
+                 rank: int | None = None, stage: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.handlers: Mapping[type, Handler] = MappingProxyType(dict(handlers))
+        self.hook, self.rank, self.stage = hook, rank, stage
+        self.clock = clock
+        self.position: tuple[int, Instruction] | None = None  # where the loop is now
+
+    def _handler(self, instruction: Instruction) -> Handler:
+        for cls in type(instruction).__mro__:
+            handler = self.handlers.get(cls)
+            if handler is not None:
+                return handler
+        known = ", ".join(sorted(c.__name__ for c in self.handlers))
+        raise InstructionError(
+            f"no handler for instruction {type(instruction).__name__} ({instruction})",
+            hint=f"register a handler through the pipekernel_register_instructions hook; "
+                 f"handled types: {known}")
+
+    def _hooks(self) -> tuple[Any, Any]:
+        if self.hook is None:
+            return None, None
+        return (_direct(self.hook.pipekernel_before_instruction, ("instruction", "stage")),
+                _direct(self.hook.pipekernel_after_instruction,
+                        ("instruction", "stage", "seconds")))
+
+    def _failed(self, error: PipelineError, instruction: Instruction) -> PipelineError:
+        """Let plugins add diagnostics to ``error`` (error path only); returns it."""
+        if self.hook is not None:
+            try:
+                self.hook.pipekernel_instruction_error(instruction=instruction, stage=self.stage,
+                                                       error=error)
+            except Exception as hook_err:  # a broken diagnostic must not hide the real error
+                error.add_detail(f"(a pipekernel_instruction_error plugin failed: {hook_err!r})")
+        return error
+
+    def run(self, steps: Iterable[Sequence[Instruction]]) -> None:
+        """Execute every instruction of every step, in order."""
+        before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
+        stage, clock = self.stage, self.clock
+        for step_id, step in enumerate(steps):
+            for instruction in step:
+                self.position = (step_id, instruction)
+                try:
+                    handler = self._handler(instruction)
+                    if before is not None:
+                        before(instruction, stage)
+                    start = clock()
+                    handler(instruction)
+                    if after is not None:
+                        after(instruction, stage, clock() - start)
+                except PipelineError as err:
+                    raise self._failed(err.locate(
+                        rank=self.rank, stage=stage, step=step_id,
+                        micro_batch=getattr(instruction, "micro_batch", None),
+                        instruction=instruction), instruction)
+                except Exception as err:
+                    raise self._failed(InstructionError(
+                        f"{type(err).__name__} in the handler of {instruction}: {err}",
+                        hint="see the chained traceback above for the failing line",
+                        rank=self.rank, stage=stage, step=step_id,
+                        micro_batch=getattr(instruction, "micro_batch", None),
+                        instruction=instruction), instruction) from err
+        self.position = None
+
+
+def _direct(caller: Any, names: tuple[str, ...]) -> Callable[..., None] | None:
+    """A positional callable running ``caller``'s implementations, or ``None`` if none.
+
+    The per-instruction hooks run twice per instruction, so the kernel resolves
+    them once per run and calls plain implementations directly, as pluggy
+    would (last registered first, each given the subset of arguments it names),
+    without pluggy's per-call bookkeeping (~2.5 us per call; see
+    ``benchmarks/monitor_overhead.py``). Wrapper implementations keep full
+    pluggy semantics: then every call goes through pluggy.
+    """
+    impls = caller.get_hookimpls()
+    if not impls:
+        return None
+    if any(getattr(i, "hookwrapper", False) or getattr(i, "wrapper", False) for i in impls):
+        return lambda *args: caller(**dict(zip(names, args)))
+    plan = [(i.function, tuple(names.index(a) for a in i.argnames)) for i in reversed(impls)]
+    if len(plan) == 1:
+        function, index = plan[0]
+        if index == (0,):  # the common case: an observer of the instruction only
+            return lambda *args: function(args[0])
+        return lambda *args: function(*[args[j] for j in index])
+
+    def call(*args: Any) -> None:
+        for function, index in plan:
+            function(*[args[j] for j in index])
+    return call

@@ -1,0 +1,1 @@
+"""One stage's runtime: the layers it builds, the instruction handlers, split backward, skips, loss, device moves."""

@@ -1,0 +1,561 @@
+"""The stage runtime (layer 2): buffers and the handlers of the core instructions.
+
+Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`; knows
+nothing of schedules — it executes whatever instructions the kernel hands it,
+and posts communication by the :class:`~pipekernel.schedules.comm.CommPlan` of
+the stream it runs: each posting point's sends and receives go out as one group
+(``batch_isend_irecv``), receives ahead of the compute that needs them, and a
+receive is waited on only at its own instruction. Sends never block compute:
+their handles are kept until the batch ends. Skip connections between parts are
+transfers like the others; what they carry and where it goes is
+:mod:`pipekernel.stage.skip_routing`'s business.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from pipekernel.schedules import instructions as isa
+from pipekernel.stage.device import to_device
+from pipekernel.errors import DataError, PipelineError
+from pipekernel.stage.fingerprint import fingerprint
+from pipekernel.schedules.comm import SENDS, CommPlan
+from pipekernel.schedules.placement import position
+from pipekernel.stage.skip_routing import SkipRouter, SkipState
+from pipekernel.grid.topology import Topology
+from pipekernel.comm.wire import Channel, flatten, map_tensors
+
+__all__ = ["StageRuntime", "Buffer"]
+
+
+class Buffer:
+    """One in-flight micro-batch of one chunk on this stage."""
+
+    __slots__ = ("micro_batch", "chunk", "inputs", "outputs", "loss", "output_grads",
+                 "input_grads", "split", "skips")
+
+    def __init__(self, micro_batch: int = -1, chunk: int = 0) -> None:
+        self.micro_batch, self.chunk = micro_batch, chunk
+        self.inputs: Any = None
+        self.outputs: Any = None
+        self.loss: torch.Tensor | None = None
+        self.output_grads: Any = None   # gradients received for ``outputs``
+        self.input_grads: Any = None    # gradients computed for ``inputs``
+        self.split: Any = None          # BackwardInput's state, until BackwardWeight
+        self.skips: SkipState | None = None  # skip connections in and out (skip_routing)
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    return map_tensors(lambda t: to_device(t, device), obj)  # pinned, non-blocking to a GPU
+
+
+#: How a send names what it carries in errors (the kernel adds stage and micro-batch).
+_WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
+         isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
+#: The receive a local hand-off of each send fills.
+_RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
+            isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
+
+
+def _grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """The float tensors of ``obj`` that carry gradients."""
+    tensors, _ = flatten(obj)
+    return [t for t in tensors if t.requires_grad]
+
+
+class StageRuntime:
+    """Executes the core instructions for one stage of one pipeline.
+
+    :param module: the stage's layers (a :class:`~pipekernel.stage.module.StageModule`,
+        one part per chunk).
+    :param topology: this rank's place in the grid.
+    :param transport: the communication backend.
+    :param loss_fn: ``loss_fn(outputs, labels)``; used at the last pipeline position.
+    :param precision: the :class:`~pipekernel.step.precision.Precision` policy (forward,
+        loss scaling, gradient accumulation).
+    :param reduce_tied: callable summing tied gradients across stages.
+    :param reduce_grads: callable averaging gradients across replicas.
+    :param optimizer_step: callable stepping the optimizer.
+    :param chunks: parts per stage; :param placement: which parts
+        (:mod:`pipekernel.schedules.placement`).
+    :param before_last_backward: called right before the last instruction of the
+        batch that produces weight gradients on this stage (to start reductions).
+    :param after_last_backward: called right after that instruction and the
+        precision's ``after_backward`` (gradients are final there, fp32 masters included).
+    :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
+        ``join(obj)`` (what a received object stands for), e.g. the partitioned
+        activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
+        Skip connections travel as they are.
+    :param skips: the :class:`~pipekernel.stage.skip_routing.SkipRouter` of a model with skip
+        connections between parts (``None``: none).
+    """
+
+    def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
+                 loss_fn: Callable | None, precision: Any, *,
+                 reduce_tied: Callable[[], None], reduce_grads: Callable[[], None],
+                 optimizer_step: Callable[[], None], chunks: int = 1, placement: str = "loop",
+                 before_last_backward: Callable[[], None] | None = None,
+                 after_last_backward: Callable[[], None] | None = None,
+                 wire: Any = None, skips: SkipRouter | None = None) -> None:
+        self.module, self.topology, self.transport = module, topology, transport
+        self.loss_fn, self.precision = loss_fn, precision
+        self.stage, self.chunks, self.placement = topology.stage, chunks, placement
+        num_stages = topology.pipe_size
+        self.positions = [position(self.stage, c, num_stages, placement) for c in range(chunks)]
+        last = num_stages * chunks - 1
+        self.first_chunk = self.positions.index(0) if 0 in self.positions else None
+        self.last_chunk = self.positions.index(last) if last in self.positions else None
+        self.is_first, self.is_last = self.first_chunk is not None, self.last_chunk is not None
+        self.parts = [module.part(c) if hasattr(module, "part") else module
+                      for c in range(chunks)]
+        self._part_params = [list(part.parameters()) for part in self.parts]
+        self._reduce_tied, self._reduce_grads = reduce_tied, reduce_grads
+        self._optimizer_step = optimizer_step
+        self._before_last_backward = before_last_backward
+        self._after_last_backward = after_last_backward
+        self._split = wire.split if wire is not None else _same
+        self._join = wire.join if wire is not None else _same
+        self._skips = skips
+        self._channels: dict[tuple[type, int, int | None], Channel] = {}
+        self.buffers: list[Buffer] = []
+        self.labels: dict[int, Any] = {}
+        self.data_iter: Iterator | None = None
+        self.micro_batches = 1
+        self.compute_loss = True
+        self.keep_outputs = False
+        self.losses: list[torch.Tensor] = []
+        self.loss_micro_batches: list[int] = []  # which micro-batch each loss is
+        self.outputs: list[Any] = []
+        self.check_data = False
+        self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
+        self._plan: CommPlan | None = None
+        self._index: dict[isa.Instruction, int] = {}
+        self._posted = 0          # posts[:_posted] are out
+        self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
+        self._sends: list[Any] = []        # handles of sends in flight
+        self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+        self._last_backward = -1
+
+    # -- batch lifecycle ---------------------------------------------------
+    def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
+              plan: CommPlan | None = None, *, compute_loss: bool = True,
+              keep_outputs: bool = False, check_data: bool = False) -> None:
+        """Start a batch that runs ``plan.stream`` (built by the engine once per schedule).
+
+        With ``check_data``, each activation carries the fingerprint of the labels the
+        first stage read with its inputs, and the last stage compares it with its own
+        (see :func:`pipekernel.stage.fingerprint.fingerprint`); every rank of a pipeline must pass
+        the same value.
+        """
+        self.flush()
+        self.check_data, self._fingerprints = check_data, {}
+        self.loss_micro_batches = []
+        self.data_iter, self.micro_batches = data_iter, micro_batches
+        self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
+        self.buffers = [Buffer() for _ in range(num_buffers)]
+        self.losses, self.outputs, self.labels = [], [], {}
+        self._plan, self._posted, self._recvs, self._local = plan, 0, {}, {}
+        self._index = {ins: i for i, ins in enumerate(plan.stream)} if plan is not None else {}
+        self._last_backward = -1
+        if plan is not None and (self._before_last_backward is not None
+                                 or self._after_last_backward is not None):
+            weights = [i for i, ins in enumerate(plan.stream)
+                       if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
+            self._last_backward = weights[-1] if weights else -1
+
+    def payload_bytes(self) -> dict[str, int]:
+        """Tensor bytes this stage sent to its peers so far, by dtype name."""
+        total: dict[str, int] = {}
+        for channel in self._channels.values():
+            for name, count in channel.payload.items():
+                total[name] = total.get(name, 0) + count
+        return total
+
+    def flush(self) -> None:
+        """Wait for every send still in flight."""
+        sends, self._sends = self._sends, []
+        for handle in sends:
+            handle.wait()
+
+    def abandon(self) -> None:
+        """Forget every transfer in flight after a failure (nothing waits on them any
+        more; the process group is destroyed by the transport's ``close()``)."""
+        self._sends, self._recvs, self._local = [], {}, {}
+
+    def handlers(self) -> dict[type, Callable[[Any], Any]]:
+        return {
+            isa.LoadMicroBatch: self.load_micro_batch, isa.Forward: self.forward,
+            isa.Backward: self.backward, isa.BackwardInput: self.backward_input,
+            isa.BackwardWeight: self.backward_weight, isa.SendActivation: self.send_activation,
+            isa.RecvActivation: self.recv_activation, isa.SendGrad: self.send_grad,
+            isa.RecvGrad: self.recv_grad, isa.SendSkip: self.send_skip,
+            isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
+            isa.RecvSkipGrad: self.recv_skip,
+            isa.ReduceTiedGrads: self._after_posting(self._reduce_tied),
+            isa.ReduceGrads: self._after_posting(self._reduce_grads),
+            isa.OptimizerStep: self._after_posting(self._optimizer_step),
+        }
+
+    def _after_posting(self, action: Callable[[], None]) -> Callable[[isa.Instruction], None]:
+        """A handler that posts the groups due at its instruction, then runs ``action``."""
+        def handler(instruction: isa.Instruction) -> None:
+            self._advance(instruction)
+            action()
+        return handler
+
+    # -- posting by the plan -------------------------------------------------
+    def _advance(self, instruction: isa.Instruction) -> int:
+        """Post every group due up to and including ``instruction``'s; its stream index."""
+        index = self._index.get(instruction, -1)
+        if index >= self._posted:
+            posts = self._plan.posts
+            for j in range(self._posted, index + 1):
+                if posts[j]:
+                    self._post_group(posts[j])
+            self._posted = index + 1
+        return index
+
+    def _channel(self, instruction: isa.MicroBatchInstruction) -> Channel:
+        key = (type(instruction), instruction.chunk, getattr(instruction, "peer", None))
+        channel = self._channels.get(key)
+        if channel is None:
+            index = self._index[instruction]
+            peer_stage, _ = self._plan.peers[index]
+            channel = Channel(self.transport, self.topology.stage_rank(peer_stage),
+                              tag=self._plan.lanes[index])
+            self._channels[key] = channel
+        return channel
+
+    def _post_group(self, group: Sequence[isa.Instruction]) -> None:
+        """Post one group: every op of ``group`` on the data lane in one call (and the
+        headers on the control lane, when the transport has one, just before)."""
+        data: list[Any] = []
+        control: list[Any] = []
+        spans = []
+        for instruction in group:
+            channel = self._channel(instruction)
+            if isinstance(instruction, SENDS):
+                pending = None
+                ops, ctrl = channel.send_ops(self._payload(instruction),
+                                            _WHAT.get(type(instruction), "value"))
+            else:
+                pending = channel.recv_ops()
+                self._recvs[self._index[instruction]] = pending
+                ops, ctrl = pending.ops, pending.control_ops
+            spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
+            data += ops
+            control += ctrl
+        control_handles = self.transport.control.batch_isend_irecv(control) if control else []
+        handles = self.transport.batch_isend_irecv(data) if data else []
+        if len(self._sends) > 16:  # drop finished sends (wait() re-raises a failed one)
+            for handle in self._sends:
+                if handle.is_completed():
+                    handle.wait()
+            self._sends = [h for h in self._sends if not h.is_completed()]
+        for pending, d0, dn, c0, cn in spans:
+            if pending is None:
+                self._sends += handles[d0:d0 + dn]
+                self._sends += control_handles[c0:c0 + cn]
+            else:
+                pending.handles = handles[d0:d0 + dn]
+                pending.control_handles = control_handles[c0:c0 + cn]
+
+    def _payload(self, instruction: isa.Instruction) -> Any:
+        buffer = self._slot(instruction)
+        if isinstance(instruction, isa.SkipInstruction):
+            return self._skips.payload(instruction, buffer.skips)
+        if isinstance(instruction, isa.SendActivation):
+            if self.check_data:
+                flatten(buffer.outputs, "outputs")  # names the path without the wrapper
+                return self._split((buffer.outputs, self._fingerprint(instruction.micro_batch)))
+            return self._split(buffer.outputs)
+        return self._split(buffer.input_grads)
+
+    def _fingerprint(self, micro_batch: int) -> torch.Tensor:
+        fp = self._fingerprints.get(micro_batch)
+        if fp is None:
+            fp = torch.zeros(2, dtype=torch.int64, device=self.transport.device)
+        return fp
+
+    def _slot(self, instruction: isa.MicroBatchInstruction) -> Buffer:
+        buffer = self.buffers[instruction.buffer]
+        if buffer.micro_batch != instruction.micro_batch or buffer.chunk != instruction.chunk:
+            raise PipelineError(
+                f"buffer {instruction.buffer} holds micro-batch {buffer.micro_batch} chunk "
+                f"{buffer.chunk}, not micro-batch {instruction.micro_batch} chunk "
+                f"{instruction.chunk}",
+                hint="the schedule uses a buffer before filling it; check it with "
+                     "pipekernel.schedules.simulate")
+        return buffer
+
+    def _fill(self, instruction: isa.MicroBatchInstruction) -> Buffer:
+        buffer = self.buffers[instruction.buffer]
+        if buffer.micro_batch != instruction.micro_batch or buffer.chunk != instruction.chunk:
+            buffer = self.buffers[instruction.buffer] = Buffer(instruction.micro_batch,
+                                                               instruction.chunk)
+        return buffer
+
+    def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
+        index = self._advance(instruction)
+        if self._plan.local[index]:
+            key = (type(instruction), instruction.chunk, instruction.micro_batch,
+                   getattr(instruction, "peer", None))
+            if key not in self._local:
+                raise PipelineError(f"{instruction} on stage {self.stage} comes before the "
+                                    "matching send on this stage",
+                                    hint="check the schedule with pipekernel.schedules.simulate")
+            return self._local.pop(key)
+        pending = self._recvs.pop(index)
+        obj = self._join(self._channel(instruction).finish(pending))
+        if self.check_data and isinstance(instruction, isa.RecvActivation):
+            obj, self._fingerprints[instruction.micro_batch] = obj
+        return obj
+
+    def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
+        index = self._advance(instruction)
+        if self._plan.local[index]:
+            peer_chunk = self._plan.peers[index][1]
+            # a skip hand-off is found by the position it comes from
+            source = self.positions[instruction.chunk] \
+                if isinstance(instruction, isa.SkipInstruction) else None
+            self._local[(_RECV_OF[type(instruction)], peer_chunk, instruction.micro_batch,
+                         source)] = _detach_like(obj)
+
+    # -- handlers ----------------------------------------------------------
+    def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
+        self._advance(instruction)
+        try:
+            item = next(self.data_iter)  # type: ignore[arg-type]
+        except StopIteration:
+            raise DataError(
+                f"the data iterator ran out at micro-batch {instruction.micro_batch} of "
+                f"{self.micro_batches}",
+                hint=f"give each train_batch/eval_batch an iterator with at least "
+                     f"{self.micro_batches} micro-batches (e.g. itertools.cycle(loader))") from None
+        except TypeError as err:
+            raise DataError(f"data_iter is not an iterator: {err}",
+                            hint="pass iter(loader), not the loader itself") from err
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise DataError(
+                f"micro-batch {instruction.micro_batch} is a {type(item).__name__}"
+                + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
+                + ", expected (inputs, labels)",
+                hint="make the iterator yield (inputs, labels) pairs; use None for unused parts")
+        inputs, labels = item
+        device = self.transport.device
+        buffer = self._fill(instruction)
+        if self.is_first and instruction.chunk == self.first_chunk:
+            flatten(inputs, "inputs")
+            buffer.inputs = _to(inputs, device)
+            if self.check_data:
+                self._fingerprints[instruction.micro_batch] = \
+                    fingerprint(labels).to(device, non_blocking=True)
+        if self.is_last and labels is not None:
+            flatten(labels, "labels")
+            self.labels[instruction.micro_batch] = _to(labels, device)
+
+    def forward(self, instruction: isa.Forward) -> None:
+        self._advance(instruction)
+        buffer = self._slot(instruction)
+        if buffer.inputs is None:
+            raise PipelineError("forward before the inputs arrived",
+                                hint="the schedule must load or receive before Forward")
+        chunk = instruction.chunk
+        last = chunk == self.last_chunk
+        if self._skips is None:
+            buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
+                                                    first=chunk == self.first_chunk, last=last)
+        else:
+            buffer.outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
+        if last:
+            if self.keep_outputs:
+                self.outputs.append(buffer.outputs)
+            labels = self.labels.get(instruction.micro_batch)
+            if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
+                buffer.loss = self._loss(buffer, instruction.micro_batch)
+                self.losses.append(buffer.loss.detach())
+                self.loss_micro_batches.append(instruction.micro_batch)
+            if self.check_data:
+                self._check_labels(instruction.micro_batch, labels)
+
+    def _forward_with_skips(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
+        """The forward inside the skip scope: pops find what ``RecvSkip`` brought, and
+        what the layers stash for later parts is kept for ``SendSkip``."""
+        if buffer.skips is None:
+            buffer.skips = SkipState()
+        with self._skips.scope(buffer.skips, micro_batch) as scope:
+            outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
+                                             first=chunk == self.first_chunk,
+                                             last=chunk == self.last_chunk)
+        self._skips.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
+        return outputs
+
+    def _check_labels(self, micro_batch: int, labels: Any) -> None:
+        """Last stage, check steps: the labels read here are those the first stage read
+        with this micro-batch's inputs (one host synchronisation per micro-batch)."""
+        theirs = self._fingerprints.pop(micro_batch, None)
+        if theirs is None or labels is None:
+            return
+        theirs = theirs.cpu()
+        if not int(theirs[0]):
+            return  # the first stage read no labels (None): nothing to compare
+        if not torch.equal(theirs, fingerprint(labels).cpu()):
+            raise DataError(
+                f"micro-batch {micro_batch}: the labels the last stage read are not the ones "
+                f"the first stage read with that micro-batch's inputs (their fingerprints "
+                f"differ): the data iterators of the first and the last stage do not yield "
+                f"the same micro-batches in the same order",
+                hint="give both stages the same data in the same order (e.g. the same "
+                     "sampler seed, or shuffle=False); pass check_data_steps=0 to the engine "
+                     "to turn this check off")
+
+    def _loss(self, buffer: Buffer, micro_batch: int) -> torch.Tensor:
+        labels = self.labels.pop(micro_batch, None)
+        try:
+            loss = self.loss_fn(buffer.outputs, labels)  # type: ignore[misc]
+        except Exception as err:
+            raise DataError(
+                f"loss_fn(outputs, labels) failed for micro-batch {micro_batch}: "
+                f"{type(err).__name__}: {err} (outputs: {_describe(buffer.outputs)}, "
+                f"labels: {_describe(labels)})",
+                hint="make the labels from the data iterator match what loss_fn expects"
+            ) from err
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise DataError(f"loss_fn returned {_describe(loss)}, expected a scalar tensor",
+                            hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
+        return loss.reshape(())
+
+    def _before_weights(self, instruction: isa.Instruction) -> None:
+        if (self._before_last_backward is not None
+                and self._index.get(instruction) == self._last_backward):
+            self._before_last_backward()
+
+    def _after_weights(self, instruction: isa.Instruction) -> None:
+        if (self._after_last_backward is not None
+                and self._index.get(instruction) == self._last_backward):
+            self._after_last_backward()
+
+    def backward(self, instruction: isa.Backward) -> None:
+        self._advance(instruction)
+        buffer = self._slot(instruction)
+        self._before_weights(instruction)
+        chunk = instruction.chunk
+        if chunk == self.last_chunk:
+            scaled = self.precision.scale_loss(buffer.loss / self.micro_batches)
+            scaled.backward()
+        else:
+            outputs, grads = self._roots(buffer)
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        self.precision.after_backward(self.module)
+        self._after_weights(instruction)
+        if chunk != self.first_chunk:
+            inputs = _grad_tensors(buffer.inputs)
+            buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                       for t in inputs)
+        if self._skips is not None:
+            self._skips.set_grads(buffer.skips, self._skips.leaves(buffer.skips))
+        buffer.outputs = buffer.loss = buffer.output_grads = None
+
+    def _roots(self, buffer: Buffer) -> tuple[list[torch.Tensor], list[Any]]:
+        """What a backward not at the last position starts from: the outputs and the
+        stashed skip tensors that require grad, with their received gradients."""
+        outputs, grads = _grad_tensors(buffer.outputs), list(buffer.output_grads)
+        if self._skips is not None:
+            stashed, theirs = self._skips.roots(buffer.skips)
+            outputs, grads = outputs + stashed, grads + theirs
+        return outputs, grads
+
+    def backward_input(self, instruction: isa.BackwardInput) -> None:
+        from pipekernel.stage.split_backward import backward_input
+
+        self._advance(instruction)
+        buffer = self._slot(instruction)
+        chunk = instruction.chunk
+        inputs = _grad_tensors(buffer.inputs) if chunk != self.first_chunk else []
+        count = len(inputs)
+        leaves = self._skips.leaves(buffer.skips) if self._skips is not None else []
+        for _, tensors in leaves:
+            inputs += tensors
+        if chunk == self.last_chunk:
+            loss = self.precision.scale_loss(buffer.loss / self.micro_batches)
+            grads, buffer.split = backward_input([], [], inputs, self._part_params[chunk],
+                                                 loss=loss)
+        else:
+            outputs, output_grads = self._roots(buffer)
+            grads, buffer.split = backward_input(outputs, output_grads, inputs,
+                                                 self._part_params[chunk])
+        if leaves:
+            self._skips.set_grads(buffer.skips, leaves, grads[count:])
+        if chunk != self.first_chunk:
+            buffer.input_grads = tuple(grads[:count])
+        buffer.outputs = buffer.loss = buffer.output_grads = None
+
+    def backward_weight(self, instruction: isa.BackwardWeight) -> None:
+        from pipekernel.stage.split_backward import backward_weight
+
+        self._advance(instruction)
+        buffer = self._slot(instruction)
+        if buffer.split is None:
+            raise PipelineError(f"{instruction} before its BackwardInput",
+                                hint="a schedule runs BackwardInput before BackwardWeight")
+        self._before_weights(instruction)
+        backward_weight(buffer.split)
+        buffer.split = None
+        self.precision.after_backward(self.module)
+        self._after_weights(instruction)
+
+    def send_activation(self, instruction: isa.SendActivation) -> None:
+        buffer = self._slot(instruction)
+        self._send(instruction, buffer.outputs)
+        if not torch.is_grad_enabled():
+            buffer.outputs = None  # inference: nothing else needs it
+
+    def recv_activation(self, instruction: isa.RecvActivation) -> None:
+        obj = self._receive(instruction)
+        self._fill(instruction).inputs = obj
+
+    def send_grad(self, instruction: isa.SendGrad) -> None:
+        buffer = self._slot(instruction)
+        self._send(instruction, buffer.input_grads)
+        buffer.inputs = buffer.input_grads = None
+
+    def recv_grad(self, instruction: isa.RecvGrad) -> None:
+        obj = self._receive(instruction)
+        self._slot(instruction).output_grads = obj
+
+    def send_skip(self, instruction: isa.SkipInstruction) -> None:
+        """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
+        the gradients of what an earlier part sent (:mod:`pipekernel.stage.skip_routing`)."""
+        state = self._slot(instruction).skips
+        self._send(instruction, self._skips.payload(instruction, state))
+        self._skips.sent(instruction, state, torch.is_grad_enabled())
+
+    def recv_skip(self, instruction: isa.SkipInstruction) -> None:
+        """``RecvSkip`` / ``RecvSkipGrad``: keep what arrived for the forward or backward."""
+        obj = self._receive(instruction)
+        buffer = self._fill(instruction)
+        if buffer.skips is None:
+            buffer.skips = SkipState()
+        self._skips.deliver(instruction, buffer.skips, obj)
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
+
+def _detach_like(obj: Any) -> Any:
+    """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"tensor{tuple(obj.shape)} {obj.dtype}"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(_describe(o) for o in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(o)}" for k, o in obj.items()) + "}"
+    return type(obj).__name__

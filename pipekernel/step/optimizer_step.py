@@ -1,0 +1,179 @@
+"""The end of a batch (layer 2, a part of :class:`~pipekernel.engine.engine.PipelineEngine`):
+gradient reductions, the optimizer step (unscaling, the token rescale, clipping, skipping a
+step on overflow or a non-finite loss, all decided by one small all-reduce) and the batch's
+loss, the same on every rank.
+
+A mixin so that the engine's construction and loop stay in ``engine.py``; every attribute it
+reads is set up there.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+import torch
+
+from pipekernel.errors import ConfigError, DataError, NonFiniteLossError
+from pipekernel.grid.tensor_parallel import sharded_dim
+
+__all__ = ["StepMixin"]
+
+
+class StepMixin:
+    """Reductions, the optimizer step and the batch loss of a :class:`PipelineEngine`."""
+
+    # -- reductions and the step ------------------------------------------------
+    def _master_grads(self, params: Iterable[torch.Tensor]
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, gradient)`` pairs, the gradient living on the precision's
+        master copy (the parameter itself under fp32); parameters without one are skipped."""
+        for p in params:
+            grad = self.precision.master(p).grad
+            if grad is not None:
+                yield p, grad
+
+    def reduce_tied_grads(self) -> None:
+        """Sum each tied weight's gradient over the stages that hold it."""
+        for reducer in self._tied_reducers.values():
+            reducer.finish()
+
+    def reduce_grads(self) -> None:
+        """Average gradients over data-parallel replicas: wait for the buckets started
+        during the last backward, start and wait for the rest, write back."""
+        if self.grad_reducer is not None:
+            self.grad_reducer.finish()
+
+    def _optimizer_step(self) -> None:
+        if self.optimizer is None:
+            raise ConfigError("train_batch needs an optimizer",
+                              hint="pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1)")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        found_inf = self.precision.unscale_(params)
+        clip = self.max_grad_norm is not None
+        skip_bad = self.nonfinite == "skip"
+        tokens = self.token_loss is not None
+        skipped = overflow = False
+        scale = 1.0  # gradients are divided by the tokens per micro-batch and replica
+        if found_inf is not None or clip or skip_bad or tokens:
+            # One all-reduce over the world carries the overflow flags, the squared norm,
+            # the non-finite-loss flags and the token count, so every stage and replica
+            # takes the same decision.
+            device = self.transport.device
+            stats = torch.tensor([float(bool(found_inf)), self._local_grad_norm_sq() if clip
+                                  else 0.0, self._bad_losses() if skip_bad else 0.0, 0.0],
+                                 dtype=torch.float64, device=device)
+            if tokens:
+                stats[3] = self.token_loss.local_tokens(device)
+            self.transport.all_reduce(stats)
+            overflow = bool(stats[0] > 0)
+            skipped = overflow or bool(stats[2] > 0)
+            if tokens:
+                scale = self._token_scale(float(stats[3]))
+            if clip:
+                self.last_grad_norm = float(stats[1].sqrt()) * scale  # after the rescale
+        if not skipped:
+            coef = self._clip_coef(self.last_grad_norm) if clip else 1.0  # type: ignore[arg-type]
+            if scale * coef != 1.0:
+                self._scale_grads(params, scale * coef)
+            self.precision.step(self.optimizer)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.precision.update(overflow)  # only an overflow moves the loss scale
+        self._last_step_taken = not skipped
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _bad_losses(self) -> float:
+        """1.0 if a loss of this batch on this rank is NaN/inf (last stage only)."""
+        losses = self.runtime.losses
+        if not losses:
+            return 0.0
+        return float((~torch.isfinite(torch.stack(losses).float())).any())
+
+    def _local_grad_norm_sq(self) -> float:
+        """This rank's share of the global squared gradient norm: one replica counts
+        (gradients are equal after the data-parallel reduction), a tied weight
+        counts on the first stage holding it only, and a parameter replicated over the
+        tensor-parallel group on its rank 0 only (shards count on every rank)."""
+        if self.topology.data_rank != 0:
+            return 0.0
+        replicated = self.topology.model_rank != 0  # counted on tensor-parallel rank 0
+        not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
+                     for p in self.module.tied_modules[key].parameters()}
+        squares = [grad.detach().double().pow(2).sum()
+                   for p, grad in self._master_grads(self.module.parameters())
+                   if id(p) not in not_owner and not (replicated and sharded_dim(p) is None)]
+        return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
+
+    def _token_scale(self, total_tokens: float) -> float:
+        """The factor turning accumulated ``Σ loss_sum / micro_batches`` gradients
+        (averaged over replicas) into those of the loss averaged over all tokens."""
+        if total_tokens <= 0:
+            raise DataError(
+                f"train step {self.global_steps + 1}: the batch has {total_tokens:g} tokens "
+                f"over its {self.micro_batches} micro-batch(es) and "
+                f"{self.topology.data_size} replica(s) (loss_reduction='tokens')",
+                hint="the token_count loss_fn returns must be > 0 over the batch: check "
+                     "the padding mask of the labels", rank=self.rank, stage=self.stage,
+                step=self.global_steps + 1)
+        # every tensor-parallel rank of a last stage counts the same tokens
+        return self.micro_batches * self._loss_copies() / total_tokens
+
+    def _clip_coef(self, norm: float) -> float:
+        return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
+
+    @staticmethod
+    def _scale_grads(params: list[torch.Tensor], factor: float) -> None:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+    def _mean_loss(self, training: bool = False) -> torch.Tensor:
+        """The batch's loss, the same on every rank: one all-reduce of the last stages'
+        loss sum (and token count), and, when training with ``nonfinite="error"``, of
+        which micro-batches and ranks had a NaN/inf loss."""
+        losses = self.runtime.losses
+        m, world = self.micro_batches, self.transport.world_size
+        flagged = training and self.nonfinite == "error"
+        tokens = self.token_loss is not None
+        vec = torch.zeros(2 + (m + world if flagged else 0), device=self.transport.device,
+                          dtype=torch.float64 if tokens else torch.float32)
+        if losses:
+            stacked = torch.stack(losses)
+            vec[0] = stacked.sum().detach().to(vec.dtype)
+            if flagged:
+                bad = (~torch.isfinite(stacked.float())).to(vec.dtype)
+                index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
+                                     device=vec.device)
+                vec[2:2 + m].index_add_(0, index, bad.to(vec.device))
+                vec[2 + m + self.rank] = bad.max()
+        if tokens:
+            vec[1] = self.token_loss.local_tokens(vec.device)
+        self.transport.all_reduce(vec)  # only last stages contribute
+        out = vec.cpu()
+        if flagged and not torch.isfinite(out[0]):
+            self._raise_nonfinite(out[2:].tolist())
+        if not tokens:
+            return (out[0] / (m * self._loss_copies())).reshape(())
+        if out[1] <= 0:
+            raise DataError(f"the batch has no tokens (loss_reduction='tokens'): the "
+                            f"token counts of its {m} micro-batch(es) sum to {float(out[1]):g}",
+                            hint="the token_count loss_fn returns must be > 0 over the batch",
+                            rank=self.rank, stage=self.stage)
+        return (out[0] / out[1]).to(torch.float32).reshape(())
+
+    def _raise_nonfinite(self, values: list[float]) -> None:
+        m, world = self.micro_batches, self.transport.world_size
+        mbs = [i for i in range(m) if values[i] > 0]
+        ranks = [r for r in range(world) if values[m + r] > 0]
+        raise NonFiniteLossError(
+            f"the loss is NaN/inf at train step {self.global_steps + 1} "
+            f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
+            f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
+            f"gradients were not finite either",
+            hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
+                 "data of those micro-batches, or pass nonfinite='skip' to skip such "
+                 "steps on every rank", rank=self.rank, stage=self.stage,
+            step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
+
+    def _loss_copies(self) -> int:
+        """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""
+        return self.topology.data_size * self.topology.model_size
