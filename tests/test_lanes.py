@@ -157,3 +157,52 @@ def test_a_transport_with_too_few_lanes_is_refused_with_the_number_it_needs():
     opens = Opens()
     require_lanes(opens, needed, name="nccl", layout="4 stages")
     assert opens.opened == [8] and opens.max_tags == 8
+
+
+# -- the contract's wait on a device transport (fakes: no GPU here) -------------------------
+class _Watch:
+    def __init__(self):
+        self.watched = []
+
+    def check(self):
+        pass
+
+    def watch(self, work, *args):
+        self.watched.append(work)
+
+
+def test_a_device_handle_is_completed_only_once_the_transfer_finished():
+    import types
+
+    from pipekernel.transports.cupy_nccl import _EventHandle
+    from pipekernel.transports.nccl import _DeviceHandle
+
+    class Work:  # an NCCL work / CUDA event that has not finished
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+        query = is_completed
+
+        def wait(self):
+            pass  # stream ordering only
+
+    work, watch = Work(), _Watch()
+    transport = types.SimpleNamespace(_watch=watch, timeout=5.0, rank=0, describe=str)
+    handle = _DeviceHandle(work, transport, 1, "send to")
+    handle.wait()  # orders the stream, does not finish the transfer
+    assert watch.watched == [work] and not handle.is_completed()
+    work.done = True
+    assert handle.is_completed()
+
+    event, streams = Work(), []
+    cuda = types.SimpleNamespace(current_stream=lambda: types.SimpleNamespace(
+        wait_event=streams.append))
+    ops = types.SimpleNamespace(watch=_Watch(), cuda=cuda, timeout=lambda: 5.0)
+    handle = _EventHandle(event, ops, 1, "receive from")
+    handle.wait()
+    assert streams == [event] and not handle.is_completed()
+    event.done = True
+    assert handle.is_completed()
+    assert _EventHandle(None, ops, 1, "send to").is_completed()  # nothing was posted
