@@ -73,3 +73,14 @@ def test_the_readme_rank_order_formula_is_the_code_default():
         placed = rank_map(DEFAULT_RANK_ORDER, stages, data_size, model_size)
         for rank, (stage, data, model) in enumerate(placed):
             assert eval(formula.split("=", 1)[1]) == rank  # the README's words, evaluated
+
+
+@pytest.mark.parametrize("module", ["pipekernel", "pipekernel.plugin"])
+def test_the_api_reference_covers_every_public_name(module):
+    import importlib
+
+    mod = importlib.import_module(module)
+    text = (ROOT / "docs" / "api.md").read_text()
+    missing = [n for n in mod.__all__ if n != "__version__" and f"`{n}" not in text]
+    assert not missing, f"docs/api.md lacks {missing} of {module}.__all__"
+    assert all(hasattr(mod, n) for n in mod.__all__)
