@@ -49,6 +49,7 @@ import torch
 
 from pipekernel.errors import DataError
 from pipekernel.comm.transport import P2POp
+from pipekernel.nested import map_tensors  # re-exported: the wire's users walk with it
 
 __all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv",
            "HEADER_BYTES", "Partitioned", "PartitionSpec"]
@@ -148,18 +149,6 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
     if kind == "dict":
         return dict(zip(structure[1], out))
     return tuple(out) if kind == "tuple" else out
-
-
-def map_tensors(fn: Any, obj: Any) -> Any:
-    """``obj`` with every tensor ``t`` replaced by ``fn(t)``: tuples, lists and dicts
-    keep their type and keys, other values are kept as they are."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(fn, item) for item in obj)
-    if isinstance(obj, dict):
-        return {key: map_tensors(fn, item) for key, item in obj.items()}
-    return obj
 
 
 def _encode_structure(structure: Any, out: list[int]) -> None:

@@ -28,7 +28,7 @@ from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.grid.partitioned import ActivationPartitioner
 from pipekernel.schedules.skips import add_skip_transfers
 from pipekernel.stage.skip_routing import check_schedules, router_for
-from pipekernel.step.optimizer_step import StepMixin
+from pipekernel.step.optimizer_step import BatchStep
 from pipekernel.grid.tensor_parallel import context as tp_context
 from pipekernel.grid.tensor_parallel import make_group as make_tp_group
 from pipekernel.grid.tensor_parallel import sharded_dim
@@ -40,7 +40,7 @@ _partition_log = logging.getLogger("pipekernel.partition")
 _plan_log = logging.getLogger("pipekernel.plan")
 
 
-class PipelineEngine(StepMixin):
+class PipelineEngine:
     """Train and evaluate a :class:`PipelineModule` with pipeline × data parallelism.
 
     Every rank of the world constructs the engine with the same arguments.
@@ -281,24 +281,27 @@ class PipelineEngine(StepMixin):
                              and not hasattr(lr_scheduler, "step") else lr_scheduler)
         self.runtime = StageRuntime(self.module, self.topology, self.transport,
                                     self.token_loss or module.loss_fn,
-                                    self.precision, reduce_tied=self.reduce_tied_grads,
-                                    reduce_grads=self.reduce_grads,
-                                    optimizer_step=self._optimizer_step,
-                                    chunks=self.chunks, placement=self.placement,
+                                    self.precision, chunks=self.chunks, placement=self.placement,
                                     wire=ActivationPartitioner(self.tp_group)
                                     if parallel.partitions else None,
                                     skips=self.skip_router, **self._backward_callbacks())
-        handlers = self.runtime.handlers()
+        #: The :class:`~pipekernel.step.optimizer_step.BatchStep`: reductions, the
+        #: optimizer step and the batch loss.
+        self.batch_step = BatchStep(
+            module=self.module, precision=self.precision, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, transport=self.transport, topology=self.topology,
+            tied_groups=self.tied_groups, tied_reducers=self._tied_reducers,
+            grad_reducer=self.grad_reducer, max_grad_norm=max_grad_norm,
+            nonfinite=nonfinite, token_loss=self.token_loss)
+        handlers = {**self.runtime.handlers(), **self.batch_step.handlers()}
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
-        self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage)
+        self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage,
+                             enter=self.runtime.enter)
         self.global_steps = 0
         self.skipped_steps = 0
         #: Micro-batches each replica trained on so far (the counts may change).
         self.trained_micro_batches = 0
-        self._last_step_taken = True
-        #: Global gradient norm of the last step (before clipping), when clipping.
-        self.last_grad_norm: float | None = None
         self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
         self._checked_micro_batches = micro_batches  # agreed on by the check above
         self.pm.hook.pipekernel_configure(engine=self)
@@ -315,6 +318,11 @@ class PipelineEngine(StepMixin):
         if self.transport.rank == 0:
             _plan_log.info("%s", plan.format())
         return plan
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the last step (before clipping), when clipping."""
+        return self.batch_step.last_grad_norm
 
     # -- where this process sits ---------------------------------------------
     @property
@@ -491,12 +499,13 @@ class PipelineEngine(StepMixin):
             steps, num_buffers, plan = self._steps(cls)
             if self.token_loss is not None:
                 self.token_loss.reset()
+            losses = self.batch_step.begin(self.micro_batches, self.global_steps)
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check)
-            self.kernel.run(steps)
-            self.runtime.flush()
-            return self._mean_loss(cls.trains) if compute_loss else None
+                               check_data=check, losses=losses)
+            self.kernel.run(plan)
+            losses = self.runtime.end()
+            return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
             cause = self._root_cause(err)
             self.failed = cause
@@ -564,9 +573,10 @@ class PipelineEngine(StepMixin):
         loss = self._run(self.schedule_cls, data_iter, True, False)
         self.global_steps += 1
         self.trained_micro_batches += self.micro_batches
-        self.skipped_steps += not self._last_step_taken
+        taken = self.batch_step.last_step_taken
+        self.skipped_steps += not taken
         metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
-                   "skipped": not self._last_step_taken, **self.precision.metrics()}
+                   "skipped": not taken, **self.precision.metrics()}
         if self.max_grad_norm is not None:
             metrics["grad_norm"] = self.last_grad_norm
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
