@@ -172,6 +172,18 @@ class PipelineEngine:
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
                transport: str, nonfinite: str, check_data_steps: int,
                loss_reduction: str, parallel: ParallelConfig) -> None:
+        self._check_options(module, nonfinite, check_data_steps, loss_reduction)
+        micro_batches = self._choose_schedule(module, optimizer, schedule, chunks, micro_batches,
+                                              data_parallel_size, parallel, transport,
+                                              eval_schedule)
+        self._agree(module, micro_batches, precision, eval_schedule, parallel)
+        self._partition(module, optimizer, micro_batches)
+        self._build_stage(module, micro_batches, transport)
+        self._build_step(optimizer, precision, precision_options, max_grad_norm, lr_scheduler)
+        self._build_kernel(module, parallel, micro_batches)
+
+    def _check_options(self, module: PipelineModule, nonfinite: str, check_data_steps: int,
+                       loss_reduction: str) -> None:
         if nonfinite not in ("error", "skip"):
             raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
@@ -182,6 +194,13 @@ class PipelineEngine:
         self.token_loss = TokenLoss(module.loss_fn) if loss_reduction == "tokens" \
             and module.loss_fn is not None else None
         self._batches_run = 0
+
+    def _choose_schedule(self, module: PipelineModule, optimizer: Any, schedule: Any,
+                         chunks: int | None, micro_batches: int,
+                         data_parallel_size: int | None, parallel: ParallelConfig,
+                         transport: str, eval_schedule: str) -> int:
+        """The topology, the schedule (the planner's with ``"auto"``), chunks and placement;
+        the micro-batch count (the planner may choose it)."""
         world, rank = self.transport.world_size, self.transport.rank
         self.parallel = parallel
         tp = parallel.tensor_parallel_size
@@ -217,6 +236,14 @@ class PipelineEngine:
                      "use a transport with more tags (see pipekernel/comm/transport.py)")
         self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
                                                 self.placement, self.chunks)
+        return micro_batches
+
+    def _agree(self, module: PipelineModule, micro_batches: int, precision: str,
+               eval_schedule: str, parallel: ParallelConfig) -> None:
+        """Check that every rank got the same configuration (one all-gather)."""
+        world, num_stages = self.transport.world_size, self.num_stages
+        nonfinite, check_data_steps = self.nonfinite, self.check_data_steps
+        loss_reduction = self.loss_reduction
         # before anything that depends on it communicates: every rank must agree
         fields = {"pipekernel version": _version(), "world size": world,
                   "stages": num_stages, "data parallel size": self.topology.data_size,
@@ -230,6 +257,10 @@ class PipelineEngine:
                   "loss_reduction": loss_reduction, **parallel.fields(),
                   "skip connections": sorted(module.skip_names.items())}
         check_consistency(self.transport, fields)
+
+    def _partition(self, module: PipelineModule, optimizer: Any, micro_batches: int) -> None:
+        """Split the layers into parts (every rank the same bounds) and report it."""
+        num_stages, rank = self.num_stages, self.transport.rank
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
                      for s in range(num_stages)]
@@ -252,6 +283,10 @@ class PipelineEngine:
         self.partition_report = PartitionReport.build(module, self.bounds, context)
         if rank == 0:
             _partition_log.info("%s", self.partition_report.format())
+
+    def _build_stage(self, module: PipelineModule, micro_batches: int, transport: str) -> None:
+        """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
+        num_stages = self.num_stages
         #: This rank's :class:`~pipekernel.grid.tensor_parallel.TensorParallelGroup`.
         self.tp_group = make_tp_group(self.topology, self.transport)
         positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
@@ -266,6 +301,10 @@ class PipelineEngine:
                             micro_batches, self.chunks, self.skip_edges, self.transport,
                             transport)
         self._skips_proven = {micro_batches}  # counts whose skip routing was simulated
+
+    def _build_step(self, optimizer: Any, precision: str, precision_options: dict | None,
+                    max_grad_norm: float | None, lr_scheduler: Any) -> None:
+        """Precision, process groups, reducers, optimizer and LR scheduler."""
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and max_grad_norm > 0):
@@ -279,6 +318,11 @@ class PipelineEngine:
         self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
                              and not hasattr(lr_scheduler, "step") else lr_scheduler)
+
+    def _build_kernel(self, module: PipelineModule, parallel: ParallelConfig,
+                      micro_batches: int) -> None:
+        """The stage runtime, the batch step and the kernel over both's handlers."""
+        rank = self.transport.rank
         self.runtime = StageRuntime(self.module, self.topology, self.transport,
                                     self.token_loss or module.loss_fn,
                                     self.precision, chunks=self.chunks, placement=self.placement,
@@ -291,8 +335,8 @@ class PipelineEngine:
             module=self.module, precision=self.precision, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, transport=self.transport, topology=self.topology,
             tied_groups=self.tied_groups, tied_reducers=self._tied_reducers,
-            grad_reducer=self.grad_reducer, max_grad_norm=max_grad_norm,
-            nonfinite=nonfinite, token_loss=self.token_loss)
+            grad_reducer=self.grad_reducer, max_grad_norm=self.max_grad_norm,
+            nonfinite=self.nonfinite, token_loss=self.token_loss)
         handlers = {**self.runtime.handlers(), **self.batch_step.handlers()}
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
