@@ -165,16 +165,19 @@ class StageRuntime:
         if run is not None and run.plan is plan:
             return run
         groups: list[tuple] = []
+        channels: list[Channel | None] = [None] * len(plan.stream)
         index_of = {id(ins): i for i, ins in enumerate(plan.stream)}
         for group in plan.posts:
+            for ins in group:
+                channels[index_of[id(ins)]] = self._channel_at(plan, index_of[id(ins)])
             groups.append(tuple((index_of[id(ins)], isinstance(ins, SENDS),
-                                 self._channel_at(plan, index_of[id(ins)]),
+                                 channels[index_of[id(ins)]],
                                  _WHAT.get(type(ins), "value")) for ins in group))
         weights = [i for i, ins in enumerate(plan.stream)
                    if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
         if len(self._compiled) > 64:  # the engine keeps one plan per schedule and count
             self._compiled.clear()
-        run = self._compiled[id(plan)] = _Compiled(plan, tuple(groups),
+        run = self._compiled[id(plan)] = _Compiled(plan, tuple(groups), tuple(channels),
                                                    weights[-1] if weights else -1)
         return run
 
@@ -321,7 +324,7 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        obj = self._join(self._channel_at(self._plan, index).finish(pending))
+        obj = self._join(self._run.channels[index].finish(pending))
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
@@ -549,12 +552,15 @@ class StageRuntime:
 
 class _Compiled:
     """One plan as the runtime runs it: per stream index, the group posted there as
-    ``(index, is_send, channel, what)`` tuples; the last weight-gradient index."""
+    ``(index, is_send, channel, what)`` tuples and the channel of a remote transfer;
+    the last weight-gradient index."""
 
-    __slots__ = ("plan", "groups", "last_backward")
+    __slots__ = ("plan", "groups", "channels", "last_backward")
 
-    def __init__(self, plan: CommPlan, groups: tuple, last_backward: int) -> None:
-        self.plan, self.groups, self.last_backward = plan, groups, last_backward
+    def __init__(self, plan: CommPlan, groups: tuple, channels: tuple,
+                 last_backward: int) -> None:
+        self.plan, self.groups, self.channels = plan, groups, channels
+        self.last_backward = last_backward
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to

@@ -87,9 +87,17 @@ class BatchStep:
 
     def handlers(self) -> dict[type, Callable[[Any], None]]:
         """The step's part of the kernel's dispatch table."""
-        return {isa.ReduceTiedGrads: lambda _: self.reduce_tied_grads(),
-                isa.ReduceGrads: lambda _: self.reduce_grads(),
-                isa.OptimizerStep: lambda _: self._optimizer_step()}
+        return {isa.ReduceTiedGrads: self.on_reduce_tied_grads,
+                isa.ReduceGrads: self.on_reduce_grads, isa.OptimizerStep: self.on_optimizer_step}
+
+    def on_reduce_tied_grads(self, instruction: isa.ReduceTiedGrads) -> None:
+        self.reduce_tied_grads()
+
+    def on_reduce_grads(self, instruction: isa.ReduceGrads) -> None:
+        self.reduce_grads()
+
+    def on_optimizer_step(self, instruction: isa.OptimizerStep) -> None:
+        self._optimizer_step()
 
     def mean_loss(self, losses: BatchLosses, training: bool = False) -> torch.Tensor:
         """The batch's loss from what the runtime returned (see :meth:`_mean_loss`)."""
