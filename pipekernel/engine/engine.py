@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
+from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
 from pipekernel.step.grad_reduce import GradReducer
 from pipekernel.kernel.loop import Kernel
@@ -227,13 +228,8 @@ class PipelineEngine:
         self.schedule_cls(num_stages, 0, micro_batches, self.chunks)  # its own clear errors
         if self.chunks > 1:
             check_placement(self.placement, self.chunks)
-        lanes = lanes_needed(self.chunks)
-        if num_stages > 1 and getattr(self.transport, "max_tags", 1) < lanes:
-            raise ConfigError(
-                f"transport {transport!r} offers {getattr(self.transport, 'max_tags', 1)} "
-                f"lane(s) (tags) and {self.chunks} chunk(s) per stage need {lanes}",
-                hint="each channel has its own lane so that no receive holds back a send; "
-                     "use a transport with more tags (see pipekernel/comm/transport.py)")
+        if not hasattr(self.transport, "open_lanes"):  # fail before partitioning
+            self._require_lanes(transport, num_stages, [])
         self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
                                                 self.placement, self.chunks)
         return micro_batches
@@ -296,10 +292,11 @@ class PipelineEngine:
         #: Skip connections between parts (:mod:`pipekernel.stage.skips`), or ``None``.
         self.skip_router = router_for(module, self.bounds, self.module, positions, self.stage)
         self.skip_edges = self.skip_router.edges if self.skip_router is not None else []
+        # after check_consistency: opening lanes is collective, every rank opens as many
+        self._require_lanes(transport, num_stages, self.skip_edges)
         if self.skip_edges:
             check_schedules([self.schedule_cls, self.eval_schedule_cls], num_stages,
-                            micro_batches, self.chunks, self.skip_edges, self.transport,
-                            transport)
+                            micro_batches, self.chunks, self.skip_edges)
         self._skips_proven = {micro_batches}  # counts whose skip routing was simulated
 
     def _build_step(self, optimizer: Any, precision: str, precision_options: dict | None,
@@ -505,7 +502,7 @@ class PipelineEngine:
         if getattr(self, "skip_edges", None) and micro_batches not in self._skips_proven:
             # the skips' routing proven for the new count too (once per count)
             check_schedules([self.schedule_cls, self.eval_schedule_cls], self.num_stages,
-                            micro_batches, self.chunks, self.skip_edges, self.transport, "")
+                            micro_batches, self.chunks, self.skip_edges)
             self._skips_proven.add(micro_batches)
 
     def _agree_micro_batches(self) -> None:
@@ -516,6 +513,16 @@ class PipelineEngine:
                           "micro-batch count (set_micro_batches(n) or train_batch(..., "
                           "micro_batches=n) must change it on every rank for the same batch)")
         self._checked_micro_batches = self.micro_batches
+
+    def _require_lanes(self, name: str, num_stages: int, skips: list) -> None:
+        """Open (or check) the transport's lanes for this pipeline's layout: one per
+        channel at each rank (:mod:`pipekernel.schedules.lanes`)."""
+        needed = lanes_needed(num_stages=num_stages, chunks=self.chunks,
+                              placement=self.placement, skips=skips)
+        layout = (f"{num_stages} stage(s) x {self.chunks} chunk(s) ({self.placement!r} "
+                  f"placement)" + (f" with skip edges {list(skips)}" if skips else ""))
+        require_lanes(self.transport, needed, name=name, layout=layout,
+                      rank=self.transport.rank)
 
     def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
         """The schedule's steps, buffer count and communication plan for the current
