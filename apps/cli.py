@@ -11,7 +11,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "HelpFormatter"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` once: not when the help already says its default in words,
+    nor for a default of ``None`` (the option is then simply off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return super()._get_help_string(action)
 
 
 # -- pipekernel train ----------------------------------------------------------------------
@@ -27,7 +38,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                     "parallelism. Without a launcher it starts stages x data-parallel local "
                     "processes (CPU, gloo); under torchrun it runs this rank only. Writes a "
                     "metrics CSV/JSONL, a Chrome trace and a timeline PNG under --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
     g.add_argument("--data-parallel", type=int, default=d.data_parallel,
@@ -43,7 +54,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
                    help="sequences per micro-batch")
     g.add_argument("--schedule", default=d.schedule,
-                   help="training schedule name (1f1b, gpipe, interleaved, zb-h1, zbv, ...)")
+                   help="training schedule name (1f1b, gpipe, interleaved, zb-h1, zb-h2, zbv, "
+                        "dualpipev, ...)")
     g.add_argument("--chunks", type=int, default=d.chunks,
                    help="model chunks per stage for interleaved/V schedules (default: the "
                         "schedule's)")
@@ -112,7 +124,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                     "batch fixed), simulate every candidate under the measured costs and "
                     "print them ranked by predicted step time, with the predicted memory of "
                     "the largest stage. Nothing is trained.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="the base count: the batch is this x --micro-batch-size sequences")
@@ -195,14 +207,14 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
                     "no torch work) and show one row per stage and one column per time unit "
                     "(F3 = forward of micro-batch 3, B3 = its backward, . = idle), the bubble "
                     "fraction and the buffers each stage needs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("name", help="schedule name (1f1b, gpipe, inference, interleaved, zb-h1, "
-                                "zbv, or a plugin's)")
+                                "zb-h2, zbv, dualpipev, or a plugin's)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P")
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches M")
     p.add_argument("--chunks", type=int, default=None,
                    help="model chunks (virtual stages) per rank (default: the schedule's "
-                        "default_chunks, e.g. 2 for interleaved and zbv)")
+                        "default_chunks, e.g. 2 for interleaved, zbv and dualpipev)")
     p.add_argument("--backward-cost", type=float, default=1.0,
                    help="duration of a backward relative to a forward (1 unit)")
     p.add_argument("--png", metavar="FILE", help="also draw the timeline to this PNG")
@@ -222,6 +234,7 @@ def schedule_report(result: object, name: str) -> str:
         f"makespan: {r.makespan:g} time units; busy per stage: "
         + ", ".join(f"{b:g}" for b in busy),
         f"bubble fraction: {r.bubble_fraction:.4f} ({100 * r.bubble_fraction:.1f}% idle)",
+        "span per stage (first compute to last): " + ", ".join(f"{x:g}" for x in r.spans),
         "buffers per stage: " + ", ".join(f"stage {s}: {n}" for s, n in enumerate(r.buffers)),
     ]
     return "\n".join(lines)
