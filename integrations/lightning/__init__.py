@@ -1,3 +1,13 @@
-"""``pipekernel.lightning``: a Lightning ``PipelineStrategy`` (optional extra ``[lightning]``).
+"""``pipekernel.lightning``: pipeline parallelism for ``lightning.pytorch.Trainer``
+(optional extra ``[lightning]``).
 
-Imported only when used; the core never imports it."""
+>>> import pipekernel.lightning  # registers Trainer(strategy="pipekernel")
+>>> trainer = Trainer(accelerator="cpu", devices=2,
+...                   strategy=pipekernel.lightning.PipelineStrategy(num_stages=2, micro_batches=4))
+
+Imported only when used; the core never imports it. See ``docs/lightning.md``.
+"""
+from pipekernel.lightning.batches import split_batch
+from pipekernel.lightning.strategy import CHECKPOINT_TAG, PipelineStrategy
+
+__all__ = ["PipelineStrategy", "split_batch", "CHECKPOINT_TAG"]
