@@ -175,3 +175,24 @@ def test_split_batch_cuts_nested_batches_and_refuses_uneven_ones():
         split_batch(batch, 4)
     with pytest.raises(pk.DataError, match="must be a pair"):
         split_batch([torch.ones(2)], 1)
+
+
+def test_gpt_example_trains_with_processes_the_trainer_starts(tmp_path):
+    """examples/lightning_gpt.py: Trainer(devices=2) with the default start method (the
+    script runs again for rank 1, as Lightning's DDP does), a checkpoint at the end."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "lightning_gpt.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "6", "--dim", "32",
+                          "--layers", "2", "--context", "32", "--batch-size", "8",
+                          "--micro-batches", "2", "--checkpoints", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1]
+    assert "over 6 steps on 2 stages x 1 replicas" in last, last
+    first, final = float(last.split()[1]), float(last.split()[3])
+    assert final < first, last
+    (checkpoint,) = tmp_path.glob("*.ckpt")
+    assert (checkpoint / "latest").read_text().strip() == "checkpoint"
