@@ -147,13 +147,16 @@ def test_misconfigurations_say_what_to_change(two_stages):
         assert "pk.PipelineModule(" in errors["linear"]
 
 
-def test_devices_not_a_multiple_of_the_stages_fail_before_any_process_starts():
+def test_devices_not_a_multiple_of_the_stages_and_lightning_precision_fail_in_the_trainer():
     from lightning.pytorch import Trainer
 
     from pipekernel.lightning import PipelineStrategy
     with pytest.raises(pk.ConfigError, match=r"3 processes, not a multiple of num_stages=2"
                                              r"(.|\n)*devices=2"):
         Trainer(accelerator="cpu", devices=3, strategy=PipelineStrategy(num_stages=2))
+    with pytest.raises(pk.ConfigError, match=r"chose MixedPrecision(.|\n)*PipelineStrategy\(precision="):
+        Trainer(accelerator="cpu", devices=2, precision="bf16-mixed",
+                strategy=PipelineStrategy(num_stages=2))
 
 
 def test_registered_by_name():

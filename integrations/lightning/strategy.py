@@ -143,7 +143,8 @@ class PipelineStrategy(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         # Lightning calls this from Trainer(...), before any process starts: a world the
-        # pipeline cannot be cut into fails here, in the user's process
+        # pipeline cannot be cut into, or Lightning's own mixed precision (which would wrap
+        # the pipeline's forward in autocast behind the engine's back), fails here
         world, model = self.num_nodes * self.num_processes, self._tensor_parallel_size()
         per_replica = (self.num_stages or 1) * model
         if world % per_replica:
@@ -153,6 +154,12 @@ class PipelineStrategy(DDPStrategy):
                 + (f" x tensor_parallel_size={model}" if model > 1 else ""),
                 hint=f"use devices x num_nodes = a multiple of {per_replica} (e.g. devices="
                      f"{per_replica}), or another PipelineStrategy(num_stages=...)")
+        if type(self.precision_plugin) is not Precision:
+            raise ConfigError(
+                f"Trainer(precision=...) chose {type(self.precision_plugin).__name__}; "
+                "PipelineStrategy applies pipekernel's precision policies instead",
+                hint="leave Trainer(precision) at '32-true' and pass "
+                     "PipelineStrategy(precision='bf16' / 'amp-bf16' / 'fp16', ...)")
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
@@ -203,10 +210,9 @@ class PipelineStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         self._check_module(fitting)
         pipeline = self._take_pipeline_module()
-        previous = self.engine
         self.engine = self._make_engine(pipeline)
         self._engine_open = True
-        self._attach_stage(previous)
+        self._attach_stage()
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
@@ -223,12 +229,6 @@ class PipelineStrategy(DDPStrategy):
                 hint="set self.automatic_optimization = False in __init__ and write "
                      "training_step as: loss = self.trainer.strategy.train_batch(batch); "
                      "self.log('train_loss', loss); return loss")
-        if type(self.precision_plugin) is not Precision:
-            raise ConfigError(
-                f"Trainer(precision=...) chose {type(self.precision_plugin).__name__}; "
-                "PipelineStrategy applies pipekernel's precision policies instead",
-                hint="leave Trainer(precision) at '32-true' and pass "
-                     "PipelineStrategy(precision='bf16' / 'amp-bf16' / 'fp16', ...)")
 
     def _take_pipeline_module(self) -> PipelineModule:
         module, name = self._pipeline_module, type(self.lightning_module).__name__
@@ -265,10 +265,10 @@ class PipelineStrategy(DDPStrategy):
                               data_parallel_size=self.world_size // (stages * model),
                               plugins=plugins, **options)
 
-    def _attach_stage(self, previous: PipelineEngine | None) -> None:
+    def _attach_stage(self) -> None:
         """Register the stage under the LightningModule (its parameters become
-        ``self.parameters()``); a second ``fit`` of the same module goes on from the
-        weights the previous engine trained, as with DDP."""
+        ``self.parameters()``); a second ``fit`` of the same module (same Trainer or a new
+        one) goes on from the weights its stage holds, as with DDP."""
         module, engine = self.lightning_module, self.engine
         held = getattr(module, self.stage_attribute, None)
         if held is not None and not isinstance(held, (StageModule, PipelineModule)):
@@ -276,9 +276,10 @@ class PipelineStrategy(DDPStrategy):
                 f"{type(module).__name__}.{self.stage_attribute} is a "
                 f"{type(held).__name__}; PipelineStrategy puts this rank's stage there",
                 hint=f"rename that attribute, or set PipelineStrategy.stage_attribute")
-        if previous is not None and previous.pipeline_module is engine.pipeline_module \
-                and previous.bounds == engine.bounds:
-            engine.module.load_state_dict(previous.module.state_dict())
+        if isinstance(held, StageModule) and held is not engine.module:
+            state = held.state_dict()
+            if state.keys() == engine.module.state_dict().keys():  # the same layers here
+                engine.module.load_state_dict(state)
         setattr(module, self.stage_attribute, engine.module)
 
     def _attach_optimizer(self) -> None:
@@ -445,6 +446,16 @@ class PipelineStrategy(DDPStrategy):
                               f"missing {missing}, unexpected {unexpected}",
                               hint="load it into the module it was saved from, or set "
                                    "self.strict_loading = False")
+
+    def on_exception(self, exception: BaseException) -> None:
+        """An error outside the engine (the module's own code, a callback) on one rank:
+        tell the others through the engine's abort board, so that a rank waiting in a
+        pipelined step for this one stops within a second, not after the timeout."""
+        super().on_exception(exception)
+        engine = self.engine
+        if engine is not None and self._engine_open and engine.failed is None:
+            engine.failed = exception  # close() then waits on no peer
+            engine.abort_board.publish(exception)
 
     def teardown(self) -> None:
         super().teardown()
