@@ -117,6 +117,9 @@ def test_resume_in_processes_the_trainer_starts_equals_the_straight_run(two_stag
     them) ends with the straight run's weights, bit for bit, and its losses."""
     root, straight = two_stages
     env = dict(os.environ)
+    # one thread per process, as run_ranks gave the straight run: bit-exact needs the same
+    # reduction order (Lightning's spawn would otherwise pick cores // processes threads)
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         trainer = _trainer(2, 2, str(tmp_path), start_method="spawn")
         trainer.fit(lm.PipeModel(record_dir=str(tmp_path)),
