@@ -101,8 +101,8 @@ class PipeModel(LightningModule):
 
     def record(self) -> dict[str, Any]:
         stage = getattr(self, "pipeline", None)
-        return {"train_losses": self.train_losses, "val_losses": self.val_losses,
-                "steps_seen": self.steps_seen, "global_step": self.trainer.global_step,
+        return {"train_losses": list(self.train_losses), "val_losses": list(self.val_losses),
+                "steps_seen": list(self.steps_seen), "global_step": self.trainer.global_step,
                 "epoch": self.trainer.current_epoch,
                 "before_step_calls": self.before_step_calls,
                 "callback_metrics": {k: float(v) for k, v in
@@ -112,6 +112,15 @@ class PipeModel(LightningModule):
                 "stage_parameters": sum(p.numel() for p in self.parameters()),
                 "lr": self.trainer.optimizers[0].param_groups[0]["lr"]
                 if self.trainer.optimizers else None}
+
+
+class FailingModel(PipeModel):
+    """Rank 1 raises in its own training_step before the second step."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1 and self.trainer.global_step == 1:
+            raise ValueError("the module failed on rank 1")
+        return super().training_step(batch, batch_idx)
 
 
 # -- the oracle: the same batches on one process ----------------------------------------

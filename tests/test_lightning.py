@@ -58,8 +58,21 @@ def _fit_worker(root: str, replicas: int, epochs: int, misconfigurations: bool) 
     out = {**model.record(), "stage": engine.stage, "dp_rank": engine.data_parallel_rank,
            "own_parameters": sorted(engine.module.state_dict())}
     if misconfigurations:
+        # the same Trainer validates again: a new engine, the stage's trained weights
+        (out["validate"],) = trainer.validate(model, verbose=False)
         out["errors"] = {kind: _misconfigured(kind) for kind in ("automatic", "linear")}
+        out["errors"]["rank 1 fails"] = _failing_rank()  # last: it breaks the group
     return out
+
+
+def _failing_rank() -> str:
+    """A rank failing in the module's own code, outside the engine, while its peer waits
+    inside a pipelined step: the peer stops with the cause, not a transfer timeout."""
+    try:
+        _trainer(2, 1, None).fit(lm.FailingModel())
+    except Exception as err:  # noqa: BLE001 - the test looks at which one
+        return f"{type(err).__name__}: {err}"
+    return "no error"
 
 
 def _check_against_oracle(results: list[dict], replicas: int, epochs: int) -> None:
@@ -140,7 +153,7 @@ def test_resume_in_processes_the_trainer_starts_equals_the_straight_run(two_stag
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_misconfigurations_say_what_to_change(two_stages):
+def test_misconfigurations_say_what_to_change_and_a_failing_rank_stops_its_peer(two_stages):
     _, results = two_stages
     for result in results:
         errors = result["errors"]
@@ -148,6 +161,10 @@ def test_misconfigurations_say_what_to_change(two_stages):
         assert "self.automatic_optimization = False" in errors["automatic"]
         assert "configure_model() returned Linear" in errors["linear"]
         assert "pk.PipelineModule(" in errors["linear"]
+        assert result["validate"]["val_loss"] == pytest.approx(result["val_losses"][-1], rel=1e-6)
+    assert results[1]["errors"]["rank 1 fails"] == "ValueError: the module failed on rank 1"
+    assert results[0]["errors"]["rank 1 fails"].startswith("PeerAbort")
+    assert "the module failed on rank 1" in results[0]["errors"]["rank 1 fails"]
 
 
 def test_devices_not_a_multiple_of_the_stages_and_lightning_precision_fail_in_the_trainer():
