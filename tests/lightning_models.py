@@ -16,7 +16,7 @@ import pipekernel as pk
 BATCH, MICRO = 4, 2          # samples per batch and replica; micro-batches per batch
 TRAIN_BATCHES = 2            # batches per epoch and replica
 VAL_BATCHES = 1
-LR, MOMENTUM, GAMMA = 0.1, 0.9, 0.5
+LR, MOMENTUM, GAMMA, EPOCH_GAMMA = 0.1, 0.9, 0.5, 0.8
 
 
 def pipeline_module() -> pk.PipelineModule:
@@ -67,9 +67,10 @@ class PipeModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = optimizer(self.parameters())
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
-        return {"optimizer": opt,
-                "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 2}}
+        every_2 = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+        per_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=EPOCH_GAMMA)
+        return [opt], [{"scheduler": every_2, "interval": "step", "frequency": 2},
+                       {"scheduler": per_epoch, "interval": "epoch"}]
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.trainer.strategy.train_batch(batch)
@@ -159,18 +160,22 @@ def reference_val_items(replicas: int) -> list[list[tuple]]:
 
 
 class _Scheduled(torch.optim.SGD):
-    """The module's optimizer and scheduler (StepLR every 2nd step) in one, for the oracle."""
+    """The module's optimizer and schedulers in one, for the oracle: the step scheduler
+    (every 2nd step) and the epoch one (an epoch is TRAIN_BATCHES = 2 steps)."""
 
     def __init__(self, params: Any) -> None:
         super().__init__(params, lr=LR, momentum=MOMENTUM)
         self.steps = 0
-        self.scheduler = torch.optim.lr_scheduler.StepLR(self, step_size=1, gamma=GAMMA)
+        self.every_2 = torch.optim.lr_scheduler.StepLR(self, step_size=1, gamma=GAMMA)
+        self.per_epoch = torch.optim.lr_scheduler.StepLR(self, step_size=1, gamma=EPOCH_GAMMA)
 
     def step(self, closure: Any = None) -> Any:
         out = super().step(closure)
         self.steps += 1
         if self.steps % 2 == 0:
-            self.scheduler.step()
+            self.every_2.step()
+        if self.steps % TRAIN_BATCHES == 0:
+            self.per_epoch.step()
         return out
 
 

@@ -95,7 +95,8 @@ def _check_against_oracle(results: list[dict], replicas: int, epochs: int) -> No
         assert result["global_step"] == len(steps)
         assert result["steps_seen"] == list(range(1, len(steps) + 1))  # after each step
         assert result["before_step_calls"] == len(steps)       # Lightning's hook, per step
-        assert result["lr"] == pytest.approx(lm.LR * lm.GAMMA ** (len(steps) // 2))
+        assert result["lr"] == pytest.approx(lm.LR * lm.GAMMA ** (len(steps) // 2)
+                                             * lm.EPOCH_GAMMA ** epochs)
         assert result["callback_metrics"]["train_loss"] == pytest.approx(result["train_losses"][-1])
     stages = {(r["stage"], r["dp_rank"]) for r in results}
     assert stages == {(s, d) for s in range(2) for d in range(replicas)}
