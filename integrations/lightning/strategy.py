@@ -120,7 +120,8 @@ class PipelineStrategy(DDPStrategy):
             raise ConfigError(f"PipelineStrategy(micro_batches={micro_batches!r}): a positive "
                               "int", hint="e.g. PipelineStrategy(micro_batches=4)")
         for name, instead in _RESERVED.items():
-            if name in engine_options:
+            if name in engine_options and not (name == "zero_stage"
+                                               and not engine_options[name]):
                 raise ConfigError(f"PipelineStrategy({name}=...) is not an option here",
                                   hint=instead)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
