@@ -7,6 +7,12 @@
 
 Imported only when used; the core never imports it. See ``docs/lightning.md``.
 """
+try:
+    import lightning.pytorch  # noqa: F401
+except ImportError as err:  # say which extra brings it
+    raise ImportError("pipekernel.lightning needs Lightning 2.x: pip install "
+                      "'pipekernel[lightning]' (or lightning>=2.2)") from err
+
 from pipekernel.lightning.batches import split_batch
 from pipekernel.lightning.strategy import CHECKPOINT_TAG, PipelineStrategy
 
