@@ -285,3 +285,43 @@ def test_iterables_and_cycles_are_accepted():
     # itertools.cycle is the recommended way to feed a finite loader
     it = itertools.cycle(mlp_data(0, 0, 1))
     assert next(it)[0].shape == (4, 8)
+
+
+
+def _set_optimizer_worker() -> tuple[list[float], dict]:
+    engine = pk.PipelineEngine(mlp(num_stages=2), None, micro_batches=2)
+    errors = []
+    try:
+        engine.set_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
+    except pk.ConfigError as err:
+        errors.append(str(err))
+    engine.set_optimizer(sgd(engine.module.parameters()),
+                         lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    losses = [float(engine.train_batch(iter(mlp_data(step, 0, 2)))) for step in range(3)]
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    lr = engine.optimizer.param_groups[0]["lr"]
+    engine.close()
+    return losses, state, errors, lr
+
+
+def test_set_optimizer_attaches_an_optimizer_and_scheduler_built_after_the_stage():
+    """A host (Lightning's configure_optimizers) builds them over engine.module once it
+    exists: the same training as a factory given to the constructor."""
+    class Halving(torch.optim.SGD):  # the reference's optimizer with the scheduler inside
+        def __init__(self, params):
+            super().__init__(params, lr=0.05, momentum=0.9)  # models.sgd
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self, 1, 0.5)
+
+        def step(self, closure=None):
+            super().step(closure)
+            self.scheduler.step()
+
+    results = run_ranks(_set_optimizer_worker, 2)
+    ref_losses, ref_state = reference_train(mlp(), Halving,
+                                            [[mlp_data(s, 0, 2)] for s in range(3)], 2)
+    for losses, state, errors, lr in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, ref_state[key], rtol=1e-5, atol=1e-6)
+        assert "does not train" in errors[0]
+        assert lr == pytest.approx(0.05 / 8)

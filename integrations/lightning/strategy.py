@@ -306,7 +306,7 @@ class PipelineStrategy(DDPStrategy):
         master = engine.precision.master
         for group in optimizer.param_groups:  # low precision steps fp32 master copies
             group["params"] = [master(p) for p in group["params"]]
-        engine.optimizer = optimizer
+        engine.set_optimizer(optimizer)  # the schedulers stay Lightning's (_step_schedulers)
 
     # -- the step ------------------------------------------------------------------
     def _need_engine(self, what: str) -> PipelineEngine:

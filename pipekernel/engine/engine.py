@@ -453,6 +453,22 @@ class PipelineEngine:
             return {}
         return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
 
+    def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """Replace the optimizer (and LR scheduler) after construction, for hosts that
+        build it only once the stage exists (Lightning's ``configure_optimizers`` runs over
+        ``engine.module.parameters()``). Takes what the constructor takes: a factory, an
+        optimizer over this stage's trained tensors (the fp32 master copies under low
+        precision, :meth:`precision.master <pipekernel.step.precision>`), or ``None``; the
+        scheduler is stepped after each step taken. Call it between batches, on every rank.
+
+        :raises ConfigError: as the constructor (tensors that are not this stage's, ...).
+        """
+        self.optimizer = self._make_optimizer(optimizer)
+        self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
+                             and not hasattr(lr_scheduler, "step") else lr_scheduler)
+        self.batch_step.optimizer = self.optimizer
+        self.batch_step.lr_scheduler = self.lr_scheduler
+
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         params = list(self.precision.optimizer_parameters(self.module))
         if isinstance(optimizer, torch.optim.Optimizer):
