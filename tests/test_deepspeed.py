@@ -164,6 +164,13 @@ def test_config_maps_to_pipekernel_settings(tmp_path):
     assert _parse({"bf16": {"enabled": True}}).precision == "bf16"
     static = _parse({"fp16": {"enabled": True, "loss_scale": 128}}).precision_options
     assert static["init_scale"] == static["min_scale"] == 128.0
+    from pipekernel.plugins.precision import LossScaler
+    for options in (s.precision_options, static):  # pipekernel's scaler takes them
+        LossScaler(**options)
+    fixed = LossScaler(**static)
+    fixed.update(True)
+    fixed.update(False)
+    assert fixed.scale == 128.0  # an overflow skips the step, the scale stays
     with pytest.raises(ConfigError, match="zero_optimization.stage 2"):
         _parse({"zero_optimization": {"stage": 2}})
     with pytest.raises(ConfigError, match="must divide distributed world size"):
@@ -251,6 +258,21 @@ def test_seed_layers_builds_each_layer_after_deepspeeds_seed():
         pipe.LayerSpec(lambda: None)
     with pytest.raises(ConfigError, match="topology"):
         pipe.PipelineModule(layers, num_stages=1, topology=object())
+
+
+def test_steps_per_print_prints_deepspeeds_line():
+    from types import SimpleNamespace
+
+    from pipekernel.deepspeed.report import InstructionTimes, StepReport
+    from pipekernel.schedules.instructions import Forward
+    lines, times = [], InstructionTimes()
+    report = StepReport(2, 16, times, out=lines.append)
+    times.pipekernel_after_instruction(Forward(micro_batch=0), 0.25)
+    for step in (1, 2):
+        report.pipekernel_after_train_batch(SimpleNamespace(global_steps=step, rank=0),
+                                            torch.tensor(1.5))
+    assert len(lines) == 2 and lines[0].startswith("steps: 2 loss: 1.5000 iter time (s): ")
+    assert "samples/sec: " in lines[0] and lines[1] == "time (s) per instruction: Forward: 0.250"
 
 
 # -- a script written for DeepSpeed, run by both -------------------------------------------

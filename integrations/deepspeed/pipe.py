@@ -172,7 +172,8 @@ class PipelineModule(nn.Module):
         self._layer_specs = list(layers)
         self.partition_method = partition_method
         self.parts = self.partition(num_stages)
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self._local_start = self.parts[self.stage_id]
+        self._local_stop = self.parts[self.stage_id + 1]
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.micro_offset = 0
         self._active_offset = 0  # the forward count the running micro-batch was given
