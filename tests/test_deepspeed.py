@@ -284,7 +284,30 @@ def _worker() -> dict:
     scratch = gpt_script.run("pipekernel", 2, 4)
     loaded = {stages: gpt_script.run("pipekernel", stages, 2, load=str(FIXTURES / "ckpt"),
                                      clip=0.0) for stages in (4, 2, 1)}
-    return {"scratch": scratch, "loaded": loaded}
+    return {"scratch": scratch, "loaded": loaded, "built": _built_optimizer()}
+
+
+def _built_optimizer() -> dict:
+    """A script that builds its optimizer and scheduler itself (4 stages, fp32): they are
+    used as they are; under bf16 a built scheduler is refused with the fix."""
+    import pipekernel.deepspeed as deepspeed
+    model = pipe.PipelineModule(gpt_script.layers(pipe), num_stages=4,
+                                loss_fn=gpt_script.loss_fn, partition_method="uniform")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=opt, lr_scheduler=sched, training_data=gpt_script.dataset(),
+        config=config)
+    engine.train_batch()
+    try:
+        deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                             config={**config, "bf16": {"enabled": True}})
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    return {"same": optimizer is opt and scheduler is sched, "lr": opt.param_groups[0]["lr"],
+            "refused": refused}
 
 
 @pytest.fixture(scope="module")
@@ -305,6 +328,12 @@ def test_deepspeed_checkpoint_loads_at_any_stage_count(pipekernel_run, stages):
     assert loaded["losses"] == pytest.approx(resumed["losses"], abs=1e-5)
     assert loaded["eval"] == pytest.approx(resumed["eval"], abs=1e-5)
     assert loaded["global_steps"] == resumed["global_steps"] == 4
+
+
+def test_a_built_optimizer_and_scheduler_are_used_as_they_are(pipekernel_run):
+    built = pipekernel_run["built"]
+    assert built["same"] and built["lr"] == 0.05  # one step of StepLR(gamma=0.5)
+    assert "lr_scheduler=lambda optimizer" in built["refused"]
 
 
 def test_script_gives_deepspeeds_losses(pipekernel_run):

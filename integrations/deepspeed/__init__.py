@@ -92,11 +92,17 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None,
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     settings = parse(config, world_size=model.world_size, num_stages=model.num_stages,
                      unsupported=unsupported)
+    keep_built = settings.precision == "fp32" and settings.zero_stage == 0
     factory = optimizer_factory(settings.optimizer, optimizer, model_parameters,
-                                lambda: list(model.stage_module().parameters()))
+                                lambda: list(model.stage_module().parameters()), keep_built)
     if settings.scheduler is not None and lr_scheduler is not None:
         raise ConfigError("an LR scheduler is given both in the config and as initialize("
                           "lr_scheduler=...)", hint="keep one of them")
+    if hasattr(lr_scheduler, "step") and not (keep_built and factory is optimizer):
+        raise ConfigError("a built LR scheduler steps the optimizer it was built over, and "
+                          "pipekernel builds the optimizer here (from the config, or over "
+                          "fp32 master weights / a ZeRO shard)",
+                          hint="pass lr_scheduler=lambda optimizer: Scheduler(optimizer, ...)")
     scheduler = build_scheduler(settings.scheduler) if settings.scheduler else lr_scheduler
     engine = PipelineEngine(model, settings, factory, scheduler, training_data, collate_fn,
                             engine_options)

@@ -64,6 +64,9 @@ def with_groups(make: Callable[[Any], torch.optim.Optimizer], model_parameters: 
     :param stage_parameters: returns the stage module's parameters, in the order of
         the ``params`` the engine passes (called when the engine builds the optimizer).
     """
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # a generator is read once
+
     def factory(params: list) -> torch.optim.Optimizer:
         if model_parameters is None:
             return make(params)
@@ -71,7 +74,7 @@ def with_groups(make: Callable[[Any], torch.optim.Optimizer], model_parameters: 
         if len(stage) != len(params):  # a ZeRO shard: the groups cannot be mapped
             return make(params)
         target = {id(p): q for p, q in zip(stage, params)}
-        groups = list(model_parameters)
+        groups = model_parameters
         if groups and isinstance(groups[0], dict):
             translated = [{**g, "params": [target[id(p)] for p in g["params"]
                                            if id(p) in target]} for g in groups]
@@ -81,11 +84,13 @@ def with_groups(make: Callable[[Any], torch.optim.Optimizer], model_parameters: 
 
 
 def optimizer_factory(section: dict | None, optimizer: Any, model_parameters: Any,
-                      stage_parameters: Callable[[], list]) -> Factory | None:
+                      stage_parameters: Callable[[], list], keep_built: bool = True
+                      ) -> Factory | torch.optim.Optimizer | None:
     """The factory for ``initialize``: the config's ``optimizer`` section, or the
     ``optimizer=`` argument (a factory ``f(params)``, or a built ``torch.optim``
-    optimizer, rebuilt from its class and ``defaults`` over the engine's tensors so
-    that low precision and ZeRO-1 work); ``None`` when neither is given.
+    optimizer: used as is with ``keep_built`` (fp32, no ZeRO: it steps the module's own
+    parameters), else rebuilt from its class and param groups over the engine's tensors
+    (the fp32 masters, a ZeRO shard)); ``None`` when neither is given.
 
     :raises ConfigError: both given (DeepSpeed refuses that too), or a bad section.
     """
@@ -98,6 +103,8 @@ def optimizer_factory(section: dict | None, optimizer: Any, model_parameters: An
                            stage_parameters)
     if optimizer is None:
         return None
+    if isinstance(optimizer, torch.optim.Optimizer) and keep_built:
+        return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
         cls, defaults = type(optimizer), dict(optimizer.defaults)
         groups = _groups_of(optimizer)
