@@ -284,7 +284,20 @@ def _worker() -> dict:
     scratch = gpt_script.run("pipekernel", 2, 4)
     loaded = {stages: gpt_script.run("pipekernel", stages, 2, load=str(FIXTURES / "ckpt"),
                                      clip=0.0) for stages in (4, 2, 1)}
-    return {"scratch": scratch, "loaded": loaded, "built": _built_optimizer()}
+    return {"scratch": scratch, "loaded": loaded, "built": _built_optimizer(),
+            "module_only": _module_only()}
+
+
+def _module_only() -> dict:
+    """``load_checkpoint(load_module_only=True)``: the weights, not the counters."""
+    import pipekernel.deepspeed as deepspeed
+    model = pipe.PipelineModule(gpt_script.layers(pipe), num_stages=4,
+                                loss_fn=gpt_script.loss_fn, partition_method="uniform")
+    engine, _, _, scheduler = deepspeed.initialize(model=model, config=gpt_script.config(0.0))
+    path, client = engine.load_checkpoint(str(FIXTURES / "ckpt"), load_module_only=True)
+    return {"steps": engine.global_steps, "scheduler": scheduler.last_batch_iteration,
+            "eval": gpt_script.evaluate(engine), "client": client,
+            "path": os.path.relpath(path, FIXTURES)}
 
 
 def _built_optimizer() -> dict:
@@ -330,6 +343,13 @@ def test_deepspeed_checkpoint_loads_at_any_stage_count(pipekernel_run, stages):
     assert loaded["global_steps"] == resumed["global_steps"] == 4
 
 
+def test_load_module_only_loads_the_weights_alone(pipekernel_run):
+    got = pipekernel_run["module_only"]
+    assert got["eval"] == pytest.approx(EXPECTED["saved"]["eval"], abs=1e-5)
+    assert (got["steps"], got["scheduler"], got["path"]) == (0, -1, os.path.join("ckpt", "step2"))
+    assert got["client"] == {"note": "fixture"}  # DeepSpeed's extra keys: the client state
+
+
 def test_a_built_optimizer_and_scheduler_are_used_as_they_are(pipekernel_run):
     built = pipekernel_run["built"]
     assert built["same"] and built["lr"] == 0.05  # one step of StepLR(gamma=0.5)
@@ -346,6 +366,32 @@ def test_script_gives_deepspeeds_losses(pipekernel_run):
     assert ours["losses"] == pytest.approx(theirs["losses"], abs=1e-5)
     assert ours["eval"] == pytest.approx(theirs["eval"], abs=1e-5)
     assert len(set(ours["losses"])) == 4
+
+
+def test_convert_refuses_what_it_cannot_carry_over_by_name(tmp_path):
+    import shutil
+
+    from pipekernel.deepspeed import convert
+    module = pipe.PipelineModule(gpt_script.layers(pipe), num_stages=1,
+                                 loss_fn=gpt_script.loss_fn, partition_method="uniform")
+    ckpt = tmp_path / "ds"
+    shutil.copytree(FIXTURES / "ckpt", ckpt)
+    stage0 = ckpt / "step2" / "mp_rank_00_model_states.pt"
+    saved = torch.load(stage0, weights_only=False)
+    state = saved["optimizer"]["state"]
+    state[0], state[1] = state[1], state[0]  # positions that no longer fit the model
+    torch.save(saved, stage0)
+    with pytest.raises(ConfigError, match=r"stage 0 .* 0\.weight \[8, 16\] vs \[32, 16\]"):
+        convert(ckpt, tmp_path / "a", module=module)
+    saved["optimizer"] = {"optimizer_state_dict": {}, "dynamic_loss_scale": True}
+    torch.save(saved, stage0)
+    with pytest.raises(ConfigError, match="load_optimizer_states=False"):
+        convert(ckpt, tmp_path / "b", module=module)
+    convert(ckpt, tmp_path / "c", module=module, optimizer=False)  # the weights still load
+    shutil.copy(ckpt / "step2" / "layer_02-model_states.pt",
+                ckpt / "step2" / "layer_02-model_01-model_states.pt")
+    with pytest.raises(ConfigError, match="tensor-parallel shard 1 of layer 2"):
+        convert(ckpt, tmp_path / "d", module=module)
 
 
 def test_convert_deepspeed_command_then_load_sequential(tmp_path, capsys):
