@@ -285,8 +285,42 @@ def _worker() -> dict:
     loaded = {stages: gpt_script.run("pipekernel", stages, 2, load=str(FIXTURES / "ckpt"),
                                      clip=0.0) for stages in (4, 2, 1)}
     return {"scratch": scratch, "loaded": loaded, "built": _built_optimizer(),
-            "module_only": _module_only()}
+            "module_only": _module_only(), "groups": _param_groups(),
+            "dropout": [_dropout_run(interval) for interval in (0, 1)]}
 
+
+def _param_groups() -> list:
+    """Param groups given as ``model_parameters`` reach the optimizer of each stage."""
+    import pipekernel.deepspeed as deepspeed
+    model = pipe.PipelineModule(gpt_script.layers(pipe), num_stages=4,
+                                loss_fn=gpt_script.loss_fn, partition_method="uniform")
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, config=gpt_script.config(),
+        model_parameters=[{"params": decay, "weight_decay": 0.1},
+                          {"params": rest, "weight_decay": 0.0}])
+    return [(len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups]
+
+
+def _dropout_run(interval: int) -> list[float]:
+    """Dropout with ``seed_layers`` at 4 stages, with and without recomputation (1F1B runs
+    later forwards before a micro-batch's backward recomputes: it must reseed as its
+    own forward did, or the gradients and the second loss change)."""
+    import pipekernel.deepspeed as deepspeed
+    specs = [pipe.LayerSpec(torch.nn.Linear, 8, 8), pipe.LayerSpec(torch.nn.Dropout, 0.5),
+             pipe.LayerSpec(torch.nn.Linear, 8, 8), pipe.LayerSpec(torch.nn.Dropout, 0.5),
+             pipe.LayerSpec(torch.nn.Linear, 8, 8), pipe.LayerSpec(torch.nn.Linear, 8, 8)]
+    model = pipe.PipelineModule(specs, num_stages=4, loss_fn=torch.nn.functional.mse_loss,
+                                partition_method="uniform", seed_layers=True,
+                                activation_checkpoint_interval=interval)
+    gen = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, generator=gen), torch.randn(8, generator=gen)) for _ in range(16)]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, training_data=data, config={
+            "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.5}}})
+    return [float(engine.train_batch()) for _ in range(2)]
 
 def _module_only() -> dict:
     """``load_checkpoint(load_module_only=True)``: the weights, not the counters."""
@@ -348,6 +382,17 @@ def test_load_module_only_loads_the_weights_alone(pipekernel_run):
     assert got["eval"] == pytest.approx(EXPECTED["saved"]["eval"], abs=1e-5)
     assert (got["steps"], got["scheduler"], got["path"]) == (0, -1, os.path.join("ckpt", "step2"))
     assert got["client"] == {"note": "fixture"}  # DeepSpeed's extra keys: the client state
+
+
+def test_model_parameters_groups_reach_each_stages_optimizer(pipekernel_run):
+    # rank 0 is stage 0 of [0, 2, 4, 5, 6]: two weights (the tied embedding, the
+    # positions) and no other parameter, so the second group is empty there and dropped
+    assert pipekernel_run["groups"] == [(2, 0.1)]
+
+
+def test_recomputation_reseeds_dropout_as_the_forward_did(pipekernel_run):
+    plain, recomputed = pipekernel_run["dropout"]
+    assert recomputed == pytest.approx(plain, abs=1e-6) and plain[0] != plain[1]
 
 
 def test_a_built_optimizer_and_scheduler_are_used_as_they_are(pipekernel_run):
