@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
+from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.engine.faults import AbortBoard, check_consistency
 from pipekernel.step.grad_reduce import GradReducer
 from pipekernel.kernel.loop import Kernel
@@ -499,6 +500,9 @@ class PipelineEngine(StepMixin):
             return self._mean_loss(cls.trains) if compute_loss else None
         except BaseException as err:
             cause = self._root_cause(err)
+            if isinstance(cause, PipelineError):  # which batch: the schedule step is not enough
+                cause.locate(**({"train_step": self.global_steps + 1} if cls.trains
+                                else {"eval_after": self.global_steps}))
             self.failed = cause
             self.abort_board.publish(cause)  # the others stop waiting for this rank
             self.runtime.abandon()
@@ -615,6 +619,17 @@ class PipelineEngine(StepMixin):
         from pipekernel.engine.checkpoint import load
         return load(self, path, tag)
 
+    def resume(self, path: Any) -> dict[str, Any] | None:
+        """Continue from the newest checkpoint under ``path`` if there is one: load the
+        checkpoint ``path/latest`` names and return :meth:`load_checkpoint`'s dict, or
+        return ``None`` (nothing changed: a fresh start) when there is none. Every rank
+        calls it; the ranks agree on the checkpoint first. Train on from
+        ``engine.global_steps``; with ``save_checkpoint(path)`` every ``k`` steps, a job
+        restarted after a failure (``torchrun --max-restarts``) loses at most ``k``
+        steps. See :func:`pipekernel.engine.checkpoint.resume` and docs/faults.md."""
+        from pipekernel.engine.checkpoint import resume
+        return resume(self, path)
+
     def close(self) -> None:
         """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
         collectives still allowed) and release the transport. After a failed batch
@@ -632,14 +647,16 @@ _ENGINES: dict[Any, int] = {}
 
 
 def _board_prefix(transport: Any) -> str:
-    """Store keys for one engine: the ranks it spans and how many engines this process
-    built over them before (every rank builds its engines in the same order)."""
+    """Store keys for one engine: this attempt of the job (see
+    :mod:`pipekernel.comm.attempt`), the ranks the engine spans and how many engines this
+    process built over them before (every rank builds its engines in the same order)."""
     ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
         if hasattr(transport, "global_rank") else (transport.world_size,)
     count = _ENGINES.get(ranks, 0)
     _ENGINES[ranks] = count + 1
     name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
-    return f"pipekernel/engine/{name}/{count}"
+    # keyed by attempt: a restarted job must not read a dead attempt's abort
+    return f"{attempt_prefix()}/engine/{name}/{count}"
 
 
 def _version() -> str:
