@@ -250,8 +250,8 @@ def stalled_worker():
 
 
 def test_a_silent_peer_ends_in_an_error_naming_it():
-    with pytest.raises(pk.RankError, match=r"rank 1 failed(.|\n)*stage 1, step 0, micro-batch 0, "
-                       r"instruction RECV_F0\] rank 1 waited 3s to receive from rank 0"):
+    with pytest.raises(pk.RankError, match=r"rank 1 failed(.|\n)*stage 1, train step 1, schedule step 0, "
+                       r"micro-batch 0, instruction RECV_F0\] rank 1 waited 3s to receive from rank 0"):
         run_ranks(stalled_worker, 2, timeout=300)
 
 

@@ -52,7 +52,7 @@ def test_kernel_missing_handler_names_rank_stage_step_and_instruction():
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]])
     text = str(info.value)
-    assert text.startswith("[rank 5, stage 2, step 1, instruction STEP] no handler for "
+    assert text.startswith("[rank 5, stage 2, schedule step 1, instruction STEP] no handler for "
                            "instruction OptimizerStep")
     assert "pipekernel_register_instructions" in text and "Forward" in text
 
