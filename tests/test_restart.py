@@ -128,3 +128,51 @@ def test_a_second_kill_past_the_restart_budget_ends_the_job_naming_the_first_fai
     assert re.search(rf"\[rank 0, stage 0, train step {KILL_STEP}, schedule step \d+, "
                      rf"micro-batch \d+, instruction \w+\] rank 0 failed to (receive from|"
                      rf"send to) rank 1", log), log[-4000:]
+
+
+# -- the pieces, without torchrun ----------------------------------------------------------
+def test_store_keys_are_those_of_the_attempt():
+    from pipekernel.comm.attempt import attempt_prefix, store_host
+
+    elastic = {"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1",
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert attempt_prefix(elastic) == "pipekernel/run/job7/attempt/1"
+    assert attempt_prefix({**elastic, "TORCHELASTIC_RESTART_COUNT": "0"}) != \
+        attempt_prefix(elastic)
+    assert attempt_prefix({}) == "pipekernel"
+    # who serves the store: torchrun's agent, a file (pk.launch), or rank 0 (raw env://)
+    assert store_host(elastic) is None
+    assert store_host({"MASTER_ADDR": "h", "MASTER_PORT": "1",
+                       "PIPEKERNEL_INIT_METHOD": "file:///tmp/s"}) is None
+    assert store_host({"MASTER_ADDR": "h", "MASTER_PORT": "1"}) == 0
+
+
+def _resume_worker(root: str) -> dict:
+    import pipekernel as pk
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    engine = pk.PipelineEngine(elastic_job.module(2), micro_batches=2, timeout=60,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    result = {"none": engine.resume(os.path.join(root, "empty"))}
+    mine = os.path.join(root, f"rank{rank}")  # a checkpoint on rank 0's "node" only
+    try:
+        engine.resume(mine)
+    except pk.ConfigError as err:
+        result["text"] = str(err)
+    engine.close()
+    return result
+
+
+def test_resume_starts_fresh_without_a_checkpoint_and_needs_one_view_of_it(tmp_path):
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / "latest").write_text("global_step4\n")
+    results = run_ranks(_resume_worker, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["none"] is None
+        root = tmp_path / f"rank{rank}"
+        assert result["text"] == (
+            f"[rank {rank}] the ranks disagree on their view of the checkpoints under {root}:\n"
+            f"    latest: 'global_step4' on rank 0; None on rank 1\n"
+            f"  how to fix: {root} must be one directory every rank shares (a shared file "
+            f"system), or hold the same checkpoints on every node")

@@ -476,7 +476,8 @@ def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
                           if os.path.exists(os.path.join(root, "latest")) else None)
     _agree(engine.transport, error, engine.rank)
     try:
-        check_consistency(engine.transport, {f"{root}/latest": tag}, "view of the checkpoints")
+        check_consistency(engine.transport, {"latest": tag},
+                          f"view of the checkpoints under {root}")
     except ConfigError as err:
         err.hint = (f"{root} must be one directory every rank shares (a shared file "
                     "system), or hold the same checkpoints on every node")
