@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
-    "NonFiniteLossError", "describe_where",
+    "NonFiniteLossError", "describe_where", "did_you_mean",
 ]
 
 #: location fields, in the order the bracket names them, with the words it uses
@@ -26,11 +26,26 @@ def describe_where(where: object) -> str:
 
     ``train step N``: the N-th training batch of the job (``engine.global_steps + 1``
     while it runs; after a resume it counts on from the checkpoint's steps, as checkpoint
-    tags do: ``global_stepN`` holds train steps 1 .. N). ``eval after train step N``: an ``eval_batch`` run
-    after N training steps. ``schedule step``: the step within the batch's schedule.
+    tags do: ``global_stepN`` holds train steps 1 .. N). ``eval after train step N``: an
+    ``eval_batch`` run after N training steps. ``schedule step``: the step within the batch's schedule.
     """
     get = where.get if isinstance(where, dict) else (lambda k: getattr(where, k, None))
     return ", ".join(f"{words} {get(key)}" for key, words in _WHERE if get(key) is not None)
+
+
+def did_you_mean(name: object, choices: object) -> str:
+    """``" (did you mean 'nccl'?)"`` for the closest of ``choices`` to ``name``, or ``""``.
+
+    For the message of an unknown-name error: a typo gets the fix, not just a list."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:  # case and separators: 'ZB_H1' for 'zb-h1'
+        folded = {str(c).lower().replace("_", "-"): str(c) for c in choices}
+        close = [folded[k] for k in (name.lower().replace("_", "-"),) if k in folded]
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class PipelineError(RuntimeError):

@@ -220,7 +220,8 @@ def bad_input_worker(case):
 
 @pytest.mark.parametrize("case,match", [
     # both stages read the iterator (inputs, labels); whichever runs dry first reports
-    ("short_iter", r"stage [01], step \d+, micro-batch 2, instruction LOAD2\] the data "
+    ("short_iter", r"stage [01], train step 1, schedule step \d+, micro-batch 2, "
+                   r"instruction LOAD2\] the data "
                    r"iterator ran out at micro-batch 2 of 4"),
     ("no_loss", "train_batch needs a loss function on the last stage(.|\n)*loss_fn="),
     ("bad_labels", r"micro-batch 0.*loss_fn\(outputs, labels\) failed(.|\n)*labels: \(tensor"),

@@ -495,20 +495,24 @@ class PipelineEngine(StepMixin):
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check)
-            self.kernel.run(steps)
+            self.kernel.run(steps, **self._when(cls))
             self.runtime.flush()
             return self._mean_loss(cls.trains) if compute_loss else None
         except BaseException as err:
             cause = self._root_cause(err)
-            if isinstance(cause, PipelineError):  # which batch: the schedule step is not enough
-                cause.locate(**({"train_step": self.global_steps + 1} if cls.trains
-                                else {"eval_after": self.global_steps}))
+            if isinstance(cause, PipelineError):  # errors from outside the kernel too
+                cause.locate(**self._when(cls))
             self.failed = cause
             self.abort_board.publish(cause)  # the others stop waiting for this rank
             self.runtime.abandon()
             if cause is err:
                 raise
             raise cause from err
+
+    def _when(self, cls: Any) -> dict[str, int]:
+        """Which batch this is, for errors: the schedule step alone does not say."""
+        return ({"train_step": self.global_steps + 1} if cls.trains
+                else {"eval_after": self.global_steps})
 
     def _root_cause(self, err: BaseException) -> BaseException:
         """A transport failure here is usually a symptom (the peer that failed closed its

@@ -4,7 +4,8 @@ The kernel knows nothing of models, tensors or transports. It owns a dispatch
 table ``{instruction type: handler}`` filled once at construction, calls the
 ``pipekernel_before_instruction`` / ``pipekernel_after_instruction`` hooks
 around each handler when a plugin implements them, and turns any failure into
-an error that names the rank, stage, step and instruction.
+an error that names the rank, stage, train step (given by the caller), schedule step and
+instruction.
 """
 from __future__ import annotations
 
@@ -73,8 +74,12 @@ class Kernel:
                 error.add_detail(f"(a pipekernel_instruction_error plugin failed: {hook_err!r})")
         return error
 
-    def run(self, steps: Iterable[Sequence[Instruction]]) -> None:
-        """Execute every instruction of every step, in order."""
+    def run(self, steps: Iterable[Sequence[Instruction]], **where: Any) -> None:
+        """Execute every instruction of every step, in order.
+
+        :param where: location fields of this run for its errors (the engine passes
+            ``train_step=N`` or ``eval_after=N``; see :func:`pipekernel.errors.describe_where`),
+            filled in before plugins see the error."""
         before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
         stage, clock = self.stage, self.clock
         for step_id, step in enumerate(steps):
@@ -90,14 +95,18 @@ class Kernel:
                         after(instruction, stage, clock() - start)
                 except PipelineError as err:
                     raise self._failed(err.locate(
-                        rank=self.rank, stage=stage, step=step_id,
+                        rank=self.rank, stage=stage, step=step_id, **where,
                         micro_batch=getattr(instruction, "micro_batch", None),
                         instruction=instruction), instruction)
                 except Exception as err:
+                    # a layer that failed tags the error (pipekernel_where): name it first
+                    where = getattr(err, "pipekernel_where", None)
+                    what = f"in {where} while running {instruction}" if where else \
+                        f"in the handler of {instruction}"
                     raise self._failed(InstructionError(
-                        f"{type(err).__name__} in the handler of {instruction}: {err}",
+                        f"{type(err).__name__} {what}: {err}",
                         hint="see the chained traceback above for the failing line",
-                        rank=self.rank, stage=stage, step=step_id,
+                        rank=self.rank, stage=stage, step=step_id, **where,
                         micro_batch=getattr(instruction, "micro_batch", None),
                         instruction=instruction), instruction) from err
         self.position = None
