@@ -74,10 +74,10 @@ class Kernel:
                 error.add_detail(f"(a pipekernel_instruction_error plugin failed: {hook_err!r})")
         return error
 
-    def run(self, steps: Iterable[Sequence[Instruction]], **where: Any) -> None:
+    def run(self, steps: Iterable[Sequence[Instruction]], **when: Any) -> None:
         """Execute every instruction of every step, in order.
 
-        :param where: location fields of this run for its errors (the engine passes
+        :param when: which batch this run is, for its errors (the engine passes
             ``train_step=N`` or ``eval_after=N``; see :func:`pipekernel.errors.describe_where`),
             filled in before plugins see the error."""
         before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
@@ -95,7 +95,7 @@ class Kernel:
                         after(instruction, stage, clock() - start)
                 except PipelineError as err:
                     raise self._failed(err.locate(
-                        rank=self.rank, stage=stage, step=step_id, **where,
+                        rank=self.rank, stage=stage, step=step_id, **when,
                         micro_batch=getattr(instruction, "micro_batch", None),
                         instruction=instruction), instruction)
                 except Exception as err:
@@ -106,7 +106,7 @@ class Kernel:
                     raise self._failed(InstructionError(
                         f"{type(err).__name__} {what}: {err}",
                         hint="see the chained traceback above for the failing line",
-                        rank=self.rank, stage=stage, step=step_id, **where,
+                        rank=self.rank, stage=stage, step=step_id, **when,
                         micro_batch=getattr(instruction, "micro_batch", None),
                         instruction=instruction), instruction) from err
         self.position = None
