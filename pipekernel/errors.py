@@ -27,7 +27,8 @@ def describe_where(where: object) -> str:
     ``train step N``: the N-th training batch of the job (``engine.global_steps + 1``
     while it runs; after a resume it counts on from the checkpoint's steps, as checkpoint
     tags do: ``global_stepN`` holds train steps 1 .. N). ``eval after train step N``: an
-    ``eval_batch`` run after N training steps. ``schedule step``: the step within the batch's schedule.
+    ``eval_batch`` run after N training steps. ``schedule step``: the step within the
+    batch's schedule.
     """
     get = where.get if isinstance(where, dict) else (lambda k: getattr(where, k, None))
     return ", ".join(f"{words} {get(key)}" for key, words in _WHERE if get(key) is not None)

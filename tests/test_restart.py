@@ -64,13 +64,37 @@ def _weights(out: Path, world: int) -> list[dict[str, torch.Tensor]]:
     return [torch.load(out / f"weights-{r}.pt", weights_only=True) for r in range(world)]
 
 
+def _reference_worker(out: str, views: str) -> dict:
+    """The uninterrupted job, then (same processes: a spawn costs more than an engine)
+    ``engine.resume`` where rank 0 sees a checkpoint and rank 1 none."""
+    import pipekernel as pk
+
+    result = elastic_job.train(out, STEPS, SAVE_EVERY, 2, 1)
+    rank = int(os.environ["RANK"])
+    engine = pk.PipelineEngine(elastic_job.module(2), micro_batches=2, timeout=60,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        engine.resume(os.path.join(views, f"rank{rank}"))  # a checkpoint on rank 0's node
+    except pk.ConfigError as err:
+        result["views"] = str(err)
+    engine.close()
+    return result
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
-    """An uninterrupted 2-stage run (no torchrun, no kill): each stage's final weights."""
-    out = tmp_path_factory.mktemp("reference")
-    results = run_ranks(elastic_job.train, 2, str(out), STEPS, SAVE_EVERY, 2, 1)
-    assert [r["resumed"] for r in results] == [False, False]
-    return _weights(out, 2)
+def reference_run(tmp_path_factory) -> tuple[list[dict], list[dict[str, torch.Tensor]], Path]:
+    """An uninterrupted 2-stage run (no torchrun, no kill): results and each stage's final
+    weights."""
+    out, views = tmp_path_factory.mktemp("reference"), tmp_path_factory.mktemp("views")
+    (views / "rank0").mkdir()
+    (views / "rank0" / "latest").write_text("global_step4\n")
+    results = run_ranks(_reference_worker, 2, str(out), str(views))
+    return results, _weights(out, 2), views
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> list[dict[str, torch.Tensor]]:
+    return reference_run[1]
 
 
 def _check_recovered(out: Path, proc: subprocess.CompletedProcess, world: int) -> float:
@@ -147,31 +171,12 @@ def test_store_keys_are_those_of_the_attempt():
     assert store_host({"MASTER_ADDR": "h", "MASTER_PORT": "1"}) == 0
 
 
-def _resume_worker(root: str) -> dict:
-    import pipekernel as pk
-
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    engine = pk.PipelineEngine(elastic_job.module(2), micro_batches=2, timeout=60,
-                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
-    result = {"none": engine.resume(os.path.join(root, "empty"))}
-    mine = os.path.join(root, f"rank{rank}")  # a checkpoint on rank 0's "node" only
-    try:
-        engine.resume(mine)
-    except pk.ConfigError as err:
-        result["text"] = str(err)
-    engine.close()
-    return result
-
-
-def test_resume_starts_fresh_without_a_checkpoint_and_needs_one_view_of_it(tmp_path):
-    (tmp_path / "rank0").mkdir()
-    (tmp_path / "rank0" / "latest").write_text("global_step4\n")
-    results = run_ranks(_resume_worker, 2, str(tmp_path))
+def test_resume_starts_fresh_without_a_checkpoint_and_needs_one_view_of_it(reference_run):
+    results, _, views = reference_run
     for rank, result in enumerate(results):
-        assert result["none"] is None
-        root = tmp_path / f"rank{rank}"
-        assert result["text"] == (
+        assert not result["resumed"] and result["first"] == 0  # no checkpoint: from step 0
+        root = views / f"rank{rank}"
+        assert result["views"] == (
             f"[rank {rank}] the ranks disagree on their view of the checkpoints under {root}:\n"
             f"    latest: 'global_step4' on rank 0; None on rank 1\n"
             f"  how to fix: {root} must be one directory every rank shares (a shared file "
