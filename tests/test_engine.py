@@ -9,6 +9,7 @@ from models import mlp, mlp_data, sgd, tied_lm, token_data
 from torch import nn
 
 import pipekernel as pk
+from pipekernel.schedules import instructions as isa
 from pipekernel.testing import reference_eval, reference_train, run_ranks
 
 
@@ -73,14 +74,30 @@ def surface_worker():
             call()
         except pk.PipelineError as err:
             errors.append(str(err))
-    return engine.stage, engine.num_stages, engine.data_parallel_rank, errors
+    # one way down: the step's instructions are the BatchStep's handlers, the runtime
+    # serves none of them, and it returns the batch's losses
+    table = engine.kernel.handlers
+    owners = {cls.__name__: getattr(table[cls], "__self__", None) is engine.batch_step
+              for cls in (isa.ReduceTiedGrads, isa.ReduceGrads, isa.OptimizerStep)}
+    step_in_runtime = sorted(c.__name__ for c in engine.runtime.handlers()
+                             if c in (isa.ReduceTiedGrads, isa.ReduceGrads, isa.OptimizerStep))
+    data = [(torch.ones(2, 8), torch.zeros(2, 4)) for _ in range(2)]
+    loss = engine.train_batch(iter(data))
+    losses = engine.runtime.end()
+    got = (len(losses.values), losses.micro_batches, float(loss))
+    return engine.stage, engine.num_stages, engine.data_parallel_rank, errors, owners, \
+        step_in_runtime, got
 
 
 def test_engine_surface_and_forward_points_to_train_batch():
     results = run_ranks(surface_worker, 2)
     assert [r[:3] for r in results] == [(0, 2, 0), (1, 2, 0)]
-    for _, _, _, errors in results:
+    for _, _, _, errors, owners, step_in_runtime, _ in results:
         assert len(errors) == 3 and all("train_batch" in e for e in errors)
+        assert all(owners.values()) and step_in_runtime == [], (owners, step_in_runtime)
+    first, last = results[0][-1], results[1][-1]
+    assert first[:2] == (0, []) and last[:2] == (2, [0, 1])  # only the last stage has losses
+    assert first[2] == last[2]  # the batch loss, the same on every rank
 
 
 def launch_worker(x):

@@ -76,6 +76,7 @@ from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _rea
                                          _write_file, latest_tag, layer_file, rank_file,
                                          read_meta)
 from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.nested import map_tensors
 
 __all__ = ["FORMAT_VERSION", "save", "load", "load_sequential", "read_meta", "latest_tag"]
 
@@ -181,13 +182,7 @@ def _group_of(optimizer: Any) -> dict[int, dict[str, Any]]:
 
 
 def _cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
 def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
