@@ -287,10 +287,37 @@ def _run_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- pipekernel convert-deepspeed -------------------------------------------------------------
+
+
+def _add_convert_deepspeed(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert-deepspeed", help="write a DeepSpeed pipeline checkpoint in pipekernel's format",
+        description="Convert the checkpoint DeepSpeed's pipeline engine saved under DS_DIR "
+                    "(DS_DIR/latest or --tag) into a pipekernel checkpoint under PK_DIR: "
+                    "weights, LR scheduler, counters and client state (the optimizer state "
+                    "needs the model: engine.load_checkpoint(DS_DIR) converts it too). "
+                    "See docs/deepspeed.md.")
+    p.add_argument("ds_dir", metavar="DS_DIR")
+    p.add_argument("pk_dir", metavar="PK_DIR")
+    p.add_argument("--tag", default=None, help="the tag to convert (default: DS_DIR/latest)")
+    p.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="the model's layer count, when its last layers have no weights "
+                        "(default: the highest layer file + 1)")
+    p.set_defaults(func=_run_convert_deepspeed)
+
+
+def _run_convert_deepspeed(args: argparse.Namespace) -> int:
+    from pipekernel.deepspeed import convert
+
+    print(convert(args.ds_dir, args.pk_dir, args.tag, num_layers=args.num_layers))
+    return 0
+
+
 # -- the command -----------------------------------------------------------------------------
 
 #: One function per subcommand; each adds its parser and sets ``func``.
-SUBCOMMANDS = [_add_train, _add_plan, _add_schedule, _add_plugins]
+SUBCOMMANDS = [_add_train, _add_plan, _add_schedule, _add_plugins, _add_convert_deepspeed]
 
 
 def build_parser() -> argparse.ArgumentParser:

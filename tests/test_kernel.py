@@ -99,7 +99,7 @@ def test_kernel_missing_handler_names_rank_stage_step_and_instruction():
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]])
     text = str(info.value)
-    assert text.startswith("[rank 5, stage 2, step 1, instruction STEP] no handler for "
+    assert text.startswith("[rank 5, stage 2, schedule step 1, instruction STEP] no handler for "
                            "instruction OptimizerStep")
     assert "pipekernel_register_instructions" in text and "Forward" in text
 
@@ -170,3 +170,16 @@ def test_errors_pickle_with_their_location():
     err = pk.TransportTimeout("late", peer=3, rank=1, hint="wait longer").locate(stage=2)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is pk.TransportTimeout and back.peer == 3 and str(back) == str(err)
+
+
+def test_errors_say_which_batch_in_words():
+    # the engine tells the kernel which batch runs: a train step or an eval after one
+    kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=1, stage=0)
+    with pytest.raises(pk.InstructionError) as info:
+        kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]], train_step=126)
+    assert str(info.value).startswith("[rank 1, stage 0, train step 126, schedule step 1, "
+                                      "instruction STEP] no handler for ")
+    with pytest.raises(pk.InstructionError) as info:
+        kernel.run([[isa.OptimizerStep()]], eval_after=125)
+    assert str(info.value).startswith("[rank 1, stage 0, eval after train step 125, "
+                                      "schedule step 0, instruction STEP] ")

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, TransportError
+from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import P2POp
 from pipekernel.transports.device_watch import DeviceWatch
 from pipekernel.transports.gloo import TorchDistributedTransport
@@ -323,8 +324,10 @@ class CupyNcclTransport:
             raise ConfigError("transport 'cupy-nccl' found no torch.distributed store to "
                               "exchange NCCL ids through",
                               hint="start with torchrun or pipekernel.engine.launch()")
-        made = store.add(f"pipekernel/cupy-nccl/{where}/made/{self.rank}", 1)
-        self._prefix = f"pipekernel/cupy-nccl/{where}/{made}"
+        # keyed by attempt (pipekernel.comm.attempt): a restart never reads a dead id
+        base = f"{attempt_prefix()}/cupy-nccl/{where}"
+        made = store.add(f"{base}/made/{self.rank}", 1)
+        self._prefix = f"{base}/{made}"
         self._fixed_lanes = lanes is not None
         self.max_tags = int(lanes) if lanes is not None else 0
         if self._fixed_lanes and self.max_tags < 1:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, PeerAbort, TransportError, TransportTimeout
+from pipekernel.comm.attempt import attempt, keyed_store
 from pipekernel.comm.transport import wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
@@ -191,14 +192,9 @@ class TorchDistributedTransport:
                     hint="start the processes with torchrun or pipekernel.engine.launch(), or call "
                          "torch.distributed.init_process_group() before creating the engine")
             _bind_defaults_before_init()
-            init = {}
-            if os.environ.get("PIPEKERNEL_INIT_METHOD"):  # pk.launch: a file store, no TCP port
-                init = {"init_method": _fresh_store(os.environ["PIPEKERNEL_INIT_METHOD"]),
-                        "rank": int(os.environ["RANK"]),
-                        "world_size": int(os.environ["WORLD_SIZE"])}
-            dist.init_process_group(self.backend,
-                                    timeout=datetime.timedelta(seconds=self._group_timeout()),
-                                    **init, **self._init_options())
+            timeout = datetime.timedelta(seconds=self._group_timeout())
+            dist.init_process_group(self.backend, timeout=timeout,
+                                    **_rendezvous(timeout), **self._init_options())
             _OWNED.add(self)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
@@ -356,6 +352,27 @@ class TorchDistributedTransport:
         if self._waiter_thread is not None:  # its gloo wait (if any) ended with the group
             self._waiter_thread.stop()
             self._waiter_thread = None
+
+
+def _rendezvous(timeout: datetime.timedelta) -> dict[str, Any]:
+    """How the process group this transport creates meets: ``init_process_group``'s
+    arguments beyond the backend.
+
+    * under ``pk.launch``: a file store (no TCP port), one per group (:func:`_fresh_store`);
+    * under torchelastic (torchrun): torch's ``env://`` store seen through this attempt's
+      prefix (:func:`pipekernel.comm.attempt.keyed_store`), so that a restarted world never
+      reads the gloo addresses a dead attempt left in the agent's store; every
+      ``new_group`` (lanes, control lane) keys under it too;
+    * otherwise: torch's ``env://`` default.
+    """
+    if os.environ.get("PIPEKERNEL_INIT_METHOD"):
+        return {"init_method": _fresh_store(os.environ["PIPEKERNEL_INIT_METHOD"]),
+                "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    if attempt() is None:
+        return {}
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return {"store": keyed_store(store), "rank": rank, "world_size": world_size}
 
 
 _GENERATION = [0]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
+from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
 from pipekernel.step.grad_reduce import GradReducer
@@ -453,6 +454,22 @@ class PipelineEngine:
             return {}
         return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
 
+    def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """Replace the optimizer (and LR scheduler) after construction, for hosts that
+        build it only once the stage exists (Lightning's ``configure_optimizers`` runs over
+        ``engine.module.parameters()``). Takes what the constructor takes: a factory, an
+        optimizer over this stage's trained tensors (the fp32 master copies under low
+        precision, :meth:`precision.master <pipekernel.step.precision>`), or ``None``; the
+        scheduler is stepped after each step taken. Call it between batches, on every rank.
+
+        :raises ConfigError: as the constructor (tensors that are not this stage's, ...).
+        """
+        self.optimizer = self._make_optimizer(optimizer)
+        self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
+                             and not hasattr(lr_scheduler, "step") else lr_scheduler)
+        self.batch_step.optimizer = self.optimizer
+        self.batch_step.lr_scheduler = self.lr_scheduler
+
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         params = list(self.precision.optimizer_parameters(self.module))
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -554,17 +571,24 @@ class PipelineEngine:
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check, losses=losses)
-            self.kernel.run(plan)
+            self.kernel.run(plan, **self._when(cls))
             losses = self.runtime.end()
             return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
             cause = self._root_cause(err)
+            if isinstance(cause, PipelineError):  # errors from outside the kernel too
+                cause.locate(**self._when(cls))
             self.failed = cause
             self.abort_board.publish(cause)  # the others stop waiting for this rank
             self.runtime.abandon()
             if cause is err:
                 raise
             raise cause from err
+
+    def _when(self, cls: Any) -> dict[str, int]:
+        """Which batch this is, for errors: the schedule step alone does not say."""
+        return ({"train_step": self.global_steps + 1} if cls.trains
+                else {"eval_after": self.global_steps})
 
     def _root_cause(self, err: BaseException) -> BaseException:
         """A transport failure here is usually a symptom (the peer that failed closed its
@@ -676,6 +700,17 @@ class PipelineEngine:
         from pipekernel.engine.checkpoint import load
         return load(self, path, tag)
 
+    def resume(self, path: Any) -> dict[str, Any] | None:
+        """Continue from the newest checkpoint under ``path`` if there is one: load the
+        checkpoint ``path/latest`` names and return :meth:`load_checkpoint`'s dict, or
+        return ``None`` (nothing changed: a fresh start) when there is none. Every rank
+        calls it; the ranks agree on the checkpoint first. Train on from
+        ``engine.global_steps``; with ``save_checkpoint(path)`` every ``k`` steps, a job
+        restarted after a failure (``torchrun --max-restarts``) loses at most ``k``
+        steps. See :func:`pipekernel.engine.checkpoint.resume` and docs/faults.md."""
+        from pipekernel.engine.checkpoint import resume
+        return resume(self, path)
+
     def close(self) -> None:
         """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
         collectives still allowed) and release the transport. After a failed batch
@@ -693,14 +728,16 @@ _ENGINES: dict[Any, int] = {}
 
 
 def _board_prefix(transport: Any) -> str:
-    """Store keys for one engine: the ranks it spans and how many engines this process
-    built over them before (every rank builds its engines in the same order)."""
+    """Store keys for one engine: this attempt of the job (see
+    :mod:`pipekernel.comm.attempt`), the ranks the engine spans and how many engines this
+    process built over them before (every rank builds its engines in the same order)."""
     ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
         if hasattr(transport, "global_rank") else (transport.world_size,)
     count = _ENGINES.get(ranks, 0)
     _ENGINES[ranks] = count + 1
     name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
-    return f"pipekernel/engine/{name}/{count}"
+    # keyed by attempt: a restarted job must not read a dead attempt's abort
+    return f"{attempt_prefix()}/engine/{name}/{count}"
 
 
 def _version() -> str:

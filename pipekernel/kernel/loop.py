@@ -119,12 +119,15 @@ class Kernel:
             step_of += [step_id] * len(step)
         return flat, step_of, None
 
-    def run(self, steps: Any) -> None:
+    def run(self, steps: Any, **when: Any) -> None:
         """Execute every instruction of every step, in order.
 
         :param steps: an iterable of steps (sequences of instructions), or a plan
             with ``stream`` (the instructions in order) and ``step_of`` (each one's
             step), walked by index with its handlers resolved once per plan.
+        :param when: which batch this run is, for its errors (the engine passes
+            ``train_step=N`` or ``eval_after=N``; see :func:`pipekernel.errors.describe_where`),
+            filled in before plugins see the error.
         """
         stream, step_of, calls = self._program(steps)
         self._stream, self._step_of = stream, step_of
@@ -146,7 +149,7 @@ class Kernel:
                     after(instruction, stage, clock() - start)
             except PipelineError as err:
                 raise self._failed(err.locate(
-                    rank=self.rank, stage=stage, step=step_of[index],
+                    rank=self.rank, stage=stage, step=step_of[index], **when,
                     micro_batch=getattr(instruction, "micro_batch", None),
                     instruction=instruction), instruction)
             except Exception as err:
@@ -157,7 +160,7 @@ class Kernel:
                 raise self._failed(InstructionError(
                     f"{type(err).__name__} {what}: {err}",
                     hint="see the chained traceback above for the failing line",
-                    rank=self.rank, stage=stage, step=step_of[index],
+                    rank=self.rank, stage=stage, step=step_of[index], **when,
                     micro_batch=getattr(instruction, "micro_batch", None),
                     instruction=instruction), instruction) from err
         self._at = -1

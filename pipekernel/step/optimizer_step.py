@@ -196,7 +196,7 @@ class BatchStep:
                 f"{self.topology.data_size} replica(s) (loss_reduction='tokens')",
                 hint="the token_count loss_fn returns must be > 0 over the batch: check "
                      "the padding mask of the labels", rank=self.rank, stage=self.stage,
-                step=self.global_steps + 1)
+                train_step=self.global_steps + 1)
         # every tensor-parallel rank of a last stage counts the same tokens
         return self.micro_batches * self._loss_copies() / total_tokens
 
@@ -256,7 +256,7 @@ class BatchStep:
             hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
                  "data of those micro-batches, or pass nonfinite='skip' to skip such "
                  "steps on every rank", rank=self.rank, stage=self.stage,
-            step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
+            train_step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
 
     def _loss_copies(self) -> int:
         """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""
