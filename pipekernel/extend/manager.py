@@ -162,9 +162,11 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
             if isinstance(plugin, type):  # a class: one instance per manager, so per engine
                 plugin = plugin()
             _register(pm, plugin, ep.name, distribution_of(ep))
+    given = []
     for plugin in plugins:
-        _register(pm, plugin, plugin_name(pm, plugin), ("", ""))
-    _warn_unknown_disabled(blocked, [ep.name for ep in eps], pm)
+        given.append(plugin_name(pm, plugin))
+        _register(pm, plugin, given[-1], ("", ""))
+    _warn_unknown_disabled(blocked, [*(ep.name for ep in eps), *given], pm)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
@@ -179,10 +181,11 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
 def _warn_unknown_disabled(blocked: set[str], installed: list[str],
                            pm: pluggy.PluginManager) -> None:
     """A disabled name that names no plugin is most likely a typo: say so, with the fix."""
-    known = [*installed, *(name for name, plugin in pm.list_name_plugin() if plugin is not None)]
+    known = sorted({*installed,
+                    *(name for name, plugin in pm.list_name_plugin() if plugin is not None)})
     for name in sorted(blocked - set(known)):
         warnings.warn(f"plugin {name!r} was disabled but no installed plugin has that name"
-                      f"{did_you_mean(name, known)}; installed: {', '.join(sorted(known))}",
+                      f"{did_you_mean(name, known)}; installed: {', '.join(known)}",
                       stacklevel=3)
 
 
