@@ -46,7 +46,7 @@ import torch
 
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm.transport import P2POp
-from pipekernel.transports.device_watch import DeviceWatch
+from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
@@ -275,15 +275,20 @@ class CupyNcclTransport:
         (as for gloo); only members create the transport.
     :param lanes: independent lanes (tags), one communicator each (default 8).
     :param watch_interval: seconds between the device watch's rounds (default 1).
+    :param grace: seconds a host has, after a timeout aborted the communicators, to reach
+        a transport call before the process is ended (default 10; see
+        :mod:`pipekernel.transports.device_watch`).
     """
 
     backend = "cupy-nccl"
 
     def __init__(self, timeout: float = 300.0, group: Any = None, lanes: int = 8,
-                 watch_interval: float = 1.0, **options: Any) -> None:
+                 watch_interval: float = 1.0, grace: float = 10.0, **options: Any) -> None:
         if options:
             raise ConfigError(f"unknown cupy-nccl transport options: {sorted(options)}",
-                              hint="supported options: timeout, group, lanes, watch_interval")
+                              hint="supported options: timeout, group, lanes, watch_interval, "
+                                   "grace")
+        self._grace = float(grace)
         nccl = load_cupy_nccl()  # before anything else: the error says what to install
         import cupy
 
@@ -311,7 +316,8 @@ class CupyNcclTransport:
         """The device side: the watch, then the world's and the lanes' communicators."""
         self._watch = DeviceWatch(self.rank, lambda event: bool(event.query()),
                                   describe=self.describe,
-                                  on_expire=lambda _: self._abort(), interval=watch_interval)
+                                  on_expire=lambda _: self._abort(), on_stuck=end_process,
+                                  grace=self._grace, interval=watch_interval)
         self._ops = _Ops(nccl, torch.cuda, self._watch, lambda: self.timeout)
         world = list(range(self.world_size))
         members = [self.control.global_rank(r) for r in world]
