@@ -46,6 +46,7 @@ import torch
 
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm.transport import P2POp
+from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
@@ -290,6 +291,7 @@ class CupyNcclTransport:
                                    "grace")
         self._grace = float(grace)
         nccl = load_cupy_nccl()  # before anything else: the error says what to install
+        check_max_connections(int(lanes), "cupy-nccl")  # before CUDA starts
         import cupy
 
         from pipekernel.transports.gloo import GlooTransport

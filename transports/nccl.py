@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm.transport import P2POp
+from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import _OPS, TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
@@ -130,9 +131,10 @@ class NcclTransport(TorchDistributedTransport):
     backend = "nccl"
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
+        lanes = int(options.pop("lanes", 8))
+        check_max_connections(lanes, "nccl")  # before CUDA starts (transports/connections.py)
         self._cuda = cuda_device_from_env("nccl")
         torch.cuda.set_device(self._cuda)
-        lanes = int(options.pop("lanes", 8))
         interval = float(options.pop("watch_interval", 1.0))
         self._backstop = float(options.pop("backstop", 60.0))
         grace = float(options.pop("grace", 10.0))

@@ -13,7 +13,7 @@ import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
 from pipekernel.engine.faults import AbortBoard, check_consistency
-from pipekernel.step.grad_reduce import GradReducer
+from pipekernel.step.grad_reduce import GradReducer, settled_parameters
 from pipekernel.kernel.loop import Kernel
 from pipekernel.stage.loss import TokenLoss, check_loss_reduction
 from pipekernel.stage.module import PipelineModule
@@ -402,7 +402,19 @@ class PipelineEngine(StepMixin):
         reducer = self.grad_reducer
         if reducer is None or reducer.bucket_bytes <= 0:
             return {}
-        return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
+        return {"before_last_backward": lambda: reducer.arm(final=self._settled_parameters()),
+                "after_last_backward": reducer.backward_done}
+
+    def _settled_parameters(self) -> list[torch.Tensor]:
+        """Parameters of this stage's other chunks, final before its last backward (see
+        :func:`~pipekernel.step.grad_reduce.settled_parameters`), per micro-batch count."""
+        cache = self.__dict__.setdefault("_settled_cache", {})
+        if self.micro_batches not in cache:
+            _, _, plan = self._steps(self.schedule_cls)
+            module = self.module
+            parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
+            cache[self.micro_batches] = settled_parameters(plan.stream, parts)
+        return cache[self.micro_batches]
 
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         params = list(self.precision.optimizer_parameters(self.module))
