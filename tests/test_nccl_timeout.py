@@ -135,3 +135,23 @@ def test_nccl_ends_a_stuck_process_by_default():
     transport.rank, transport.timeout = 0, 1.0
     transport._global = None
     assert transport._make_watch(1.0, 10.0, thread=False).on_stuck is end_process
+
+
+def test_the_engine_reports_the_overdue_transfer_not_what_the_abort_caused(monkeypatch):
+    """After the watch aborted the communicators the host may hit a CUDA/NCCL error
+    anywhere; the rank ends with the transport's TransportTimeout instead."""
+    from types import SimpleNamespace
+
+    from pipekernel.engine.engine import PipelineEngine
+
+    clock = Clock()
+    transport, _, _ = fake_nccl(monkeypatch, clock=clock, thread=False, on_stuck=lambda e: None)
+    transport.batch_isend_irecv([P2POp("recv", torch.zeros(1), 0, 0)])[0].wait()
+    engine = SimpleNamespace(transport=transport, abort_board=None)
+    assert transport.failure is None
+    crash = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert PipelineEngine._root_cause(engine, crash) is crash
+    clock.now += 10
+    transport._watch.poll()
+    cause = PipelineEngine._root_cause(engine, crash)
+    assert isinstance(cause, TransportTimeout) and cause.peer == 0

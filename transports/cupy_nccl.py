@@ -427,6 +427,13 @@ class CupyNcclTransport:
                 self._comms.append(None)  # type: ignore[arg-type]  # same index everywhere
         return self._groups[key]
 
+    @property
+    def failure(self) -> Any:
+        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
+        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
+        watch = getattr(self, "_watch", None)
+        return watch.error if watch is not None else None
+
     def synchronize(self) -> None:
         """Block the host until every waited-on operation finished (bounded); see
         :meth:`pipekernel.transports.nccl.NcclTransport.synchronize`."""

@@ -255,6 +255,13 @@ class NcclTransport(TorchDistributedTransport):
         self._watch.wait_for(handle._work, self.timeout, "finish a barrier with", None,
                              abort_check=getattr(self, "abort_check", None))
 
+    @property
+    def failure(self) -> Any:
+        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
+        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
+        watch = getattr(self, "_watch", None)
+        return watch.error if watch is not None else None
+
     def synchronize(self) -> None:
         """Block the host until every transfer waited on so far finished on the GPU, each
         within ``timeout`` of its wait; ``TransportTimeout`` naming the peer otherwise.

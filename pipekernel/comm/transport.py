@@ -94,6 +94,9 @@ Optional members (the core uses them when present)
   naming the peer after ``timeout``; such a transport bounds its waits with a
   watch thread instead (:mod:`pipekernel.transports.device_watch`), and raises an
   overdue transfer's timeout at its next call.
+* ``failure``: such a transport's overdue-transfer error once its watch found one
+  (else ``None``). The core reports it in place of whatever the host then hit (a
+  CUDA or NCCL error from the communicators the watch aborted).
 * ``abort_check``: the core sets it to a callable (or ``None``) that raises when
   another rank has failed. A wait that blocks calls it about once per
   ``abort_interval`` seconds (default 0.5) and lets what it raises propagate, so

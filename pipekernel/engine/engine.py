@@ -521,7 +521,12 @@ class PipelineEngine(StepMixin):
     def _root_cause(self, err: BaseException) -> BaseException:
         """A transport failure here is usually a symptom (the peer that failed closed its
         connections): the failure another rank published, if any, else ``err``. Most
-        waits check that themselves; sends, collectives and posting errors land here."""
+        waits check that themselves; sends, collectives and posting errors land here.
+        A device transport's overdue transfer (``transport.failure``) wins over what the
+        host hit after the watch aborted the communicators."""
+        failure = getattr(self.transport, "failure", None)
+        if failure is not None and failure is not err and not isinstance(err, PeerAbort):
+            return failure
         if not isinstance(err, TransportError):
             return err
         try:
