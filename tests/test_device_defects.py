@@ -155,3 +155,24 @@ def test_a_bucket_with_missing_gradients_is_filled_without_host_copies():
     assert syncs.records == []
     flags = reducer.buckets[0].flags.tolist()
     assert sorted(flags) == [0.0, 0.0, 0.0, 1.0]
+
+
+# -- gpu/check.sh ----------------------------------------------------------------------
+def test_the_gpu_check_parses_and_names_only_files_that_exist():
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = root / "gpu" / "check.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    named = set(re.findall(r"\b((?:tests|benchmarks)/[\w/]+\.py)", text))
+    assert "tests/test_cuda_device.py" in named
+    assert [name for name in sorted(named) if not (root / name).exists()] == []
+    if shutil.which("nvidia-smi") is None:  # here: one summary line, exit 2, nothing run
+        run = subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2
+        assert run.stdout.strip().splitlines()[-1].startswith("GPU CHECK: 0 passed")
