@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipekernel.errors import ConfigError
+from pipekernel.schedules.instructions import Backward, BackwardWeight
 from pipekernel.schedules.interleaved import Interleaved1F1B
 from pipekernel.schedules.zero_bubble import ZBV
 from pipekernel.stage import device as device_mod
@@ -116,13 +117,16 @@ def test_other_chunks_parameters_are_settled_before_the_last_backward(schedule):
     parts = [[torch.nn.Parameter(torch.zeros(1))], [torch.nn.Parameter(torch.zeros(1))]]
     for stage in range(2):
         steps = schedule(2, stage, 4, 2).steps()
-        stream = [ins for step in steps for ins in step]
-        last = [ins for ins in stream if type(ins).__name__ in ("Backward", "BackwardWeight")][-1]
-        settled = settled_parameters(stream, parts)
-        assert settled == parts[1 - last.chunk]
-    assert settled_parameters(stream, parts[:1]) == []  # one chunk: nothing settles early
+        chunks = [ins.chunk for step in steps for ins in step
+                  if isinstance(ins, (Backward, BackwardWeight))]
+        last = chunks[-1]
+        # the other chunk's last backward ran earlier: its gradients are final
+        assert max(i for i, c in enumerate(chunks) if c != last) < len(chunks) - 1
+        assert settled_parameters(last, parts) == parts[1 - last]
+    assert settled_parameters(0, parts[:1]) == []  # one chunk: nothing settles early
+    assert settled_parameters(None, parts) == []  # no backward
     shared = parts[0][0]
-    assert settled_parameters(stream, [[shared], [shared]]) == []  # still accumulating
+    assert settled_parameters(1, [[shared], [shared]]) == []  # still accumulating
 
 
 class Handle:

@@ -23,6 +23,7 @@ from pipekernel.extend.manager import (make_plugin_manager, make_precision, make
                                        resolve_schedule)
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
+from pipekernel.schedules.instructions import Backward, BackwardWeight
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.grid.partitioned import ActivationPartitioner
@@ -413,7 +414,10 @@ class PipelineEngine(StepMixin):
             _, _, plan = self._steps(self.schedule_cls)
             module = self.module
             parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
-            cache[self.micro_batches] = settled_parameters(plan.stream, parts)
+            backwards = [ins.chunk for ins in plan.stream
+                         if isinstance(ins, (Backward, BackwardWeight))]
+            cache[self.micro_batches] = settled_parameters(
+                backwards[-1] if backwards else None, parts)
         return cache[self.micro_batches]
 
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:

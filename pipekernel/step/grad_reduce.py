@@ -284,30 +284,27 @@ class GradReducer:
                 f"world={self.world})")
 
 
-def settled_parameters(stream: Sequence[Any], parts: Sequence[Iterable[torch.Tensor]]
+def settled_parameters(last_chunk: int | None, parts: Sequence[Iterable[torch.Tensor]]
                        ) -> list[torch.Tensor]:
     """The parameters whose gradients are final before the stage's last backward.
 
-    :param stream: the stage's instructions of one batch, in execution order.
+    :param last_chunk: the chunk of the stage's last ``Backward``/``BackwardWeight`` of
+        the batch (``None``: the stage runs no backward).
     :param parts: the parameters of each chunk the stage holds (``parts[chunk]``).
 
     A stage holding several chunks (interleaved, zbv) runs each chunk's last backward at
-    a different time: only the chunk of the stream's last ``Backward``/``BackwardWeight``
-    still accumulates when :meth:`GradReducer.arm` is called; every other chunk's
-    parameters (not shared with that chunk) are settled, so passing them as ``final``
-    lets their buckets start at once instead of after the whole backward.
+    a different time: only ``last_chunk`` still accumulates when
+    :meth:`GradReducer.arm` is called; every other chunk's parameters (not shared with
+    it) are settled, so passing them as ``final`` lets their buckets start at once
+    instead of after the whole backward.
     """
-    from pipekernel.schedules import instructions as isa
-
-    backwards = [ins for ins in stream if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
-    if not backwards or len(parts) < 2:
+    if last_chunk is None or len(parts) < 2:
         return []
-    last = backwards[-1].chunk
-    busy = {id(p) for p in parts[last]}
+    busy = {id(p) for p in parts[last_chunk]}
     seen: set[int] = set()
     out = []
     for chunk, params in enumerate(parts):
-        if chunk == last:
+        if chunk == last_chunk:
             continue
         for p in params:
             if id(p) not in busy and id(p) not in seen:
