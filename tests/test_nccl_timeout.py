@@ -155,3 +155,19 @@ def test_the_engine_reports_the_overdue_transfer_not_what_the_abort_caused(monke
     transport._watch.poll()
     cause = PipelineEngine._root_cause(engine, crash)
     assert isinstance(cause, TransportTimeout) and cause.peer == 0
+
+
+def test_a_bounded_host_wait_that_expires_aborts_the_communicators_too(monkeypatch):
+    clock, stuck = Clock(), []
+    transport, log, _ = fake_nccl(monkeypatch, clock=clock, thread=False, on_stuck=stuck.append)
+    transport.batch_isend_irecv([P2POp("recv", torch.zeros(1), 0, 0)])[0].wait()
+
+    def nap(seconds):
+        clock.now += 1.0
+
+    with pytest.raises(TransportTimeout, match="receive from rank 0"):
+        transport._watch.synchronize(sleep=nap)
+    assert log == ["lane0", "lane1", "lane2", "group"] and transport.failure is not None
+    clock.now += 60
+    transport._watch.poll()
+    assert stuck == [] and log == ["lane0", "lane1", "lane2", "group"]  # once, host informed

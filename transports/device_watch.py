@@ -147,7 +147,12 @@ class DeviceWatch:
             self._items = [item for item in items if not self.done(item.work)]
             overdue = next((item for item in self._items if now >= item.deadline), None)
         if overdue is not None:
-            self.error = self._timeout(overdue)
+            self._expire(overdue, now)
+
+    def _expire(self, item: _Item, now: float) -> None:
+        """The first timeout: keep it, run ``on_expire`` (once, whoever found it)."""
+        if self.error is None:
+            self.error = self._timeout(item)
             self._expired_at = now
             self._call(self.on_expire)
 
@@ -200,7 +205,7 @@ class DeviceWatch:
             now = self.clock()
             overdue = next((item for item in items if now >= item.deadline), None)
             if overdue is not None:
-                self.error = self.error or self._timeout(overdue)
+                self._expire(overdue, now)  # aborts the communicators, as the thread would
                 self.raised = True
                 raise self._timeout(overdue)
             if abort_check is not None and now - last_check >= 0.5:
