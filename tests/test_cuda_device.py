@@ -26,18 +26,23 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _sync_worker():
-    from test_host_syncs import HOST_MEMORY
+EVERYTHING = {"precision": "fp16", "max_grad_norm": 1.0, "nonfinite": "skip",
+              "loss_reduction": "tokens"}
+
+
+def _sync_worker(options):
+    from test_host_syncs import HOST_MEMORY, mean_loss
     from test_token_loss import MICRO_BATCHES, padded_data, padded_lm
     from models import sgd
 
     import pipekernel as pk
     from pipekernel.testing import HostSyncs
 
-    engine = pk.PipelineEngine(padded_lm(1), optimizer=sgd, micro_batches=MICRO_BATCHES,
-                               transport="nccl", precision="fp16", max_grad_norm=1.0,
-                               nonfinite="skip", loss_reduction="tokens", timeout=60,
-                               check_data_steps=0)
+    module = padded_lm(1)
+    if options.get("loss_reduction") != "tokens":
+        module.loss_fn = mean_loss
+    engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=MICRO_BATCHES,
+                               transport="nccl", timeout=60, check_data_steps=0, **options)
     engine.train_batch(iter(padded_data(0, 0, MICRO_BATCHES)))  # warm-up: allocations
     torch.cuda.synchronize()
     out = []
@@ -57,8 +62,9 @@ def _sync_worker():
     return out
 
 
-def test_a_cuda_train_step_synchronises_the_host_once():
-    (per_step,) = run_ranks(_sync_worker, 1, timeout=300)
+@pytest.mark.parametrize("options", [{}, EVERYTHING], ids=["fp32-default", "fp16-clip-skip-tokens"])
+def test_a_cuda_train_step_synchronises_the_host_once(options):
+    (per_step,) = run_ranks(_sync_worker, 1, options, timeout=300)
     for step, (calls, cuda) in enumerate(per_step, start=1):
         print(f"step {step}: calls {calls}; CUDA synchronisations {len(cuda)}: {cuda}")
         assert [what for what, _ in calls] == ["tolist"], calls
