@@ -51,26 +51,32 @@ class StepMixin:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         found_inf = self.precision.unscale_(params)  # a device flag, a bool or None
         clip = self.max_grad_norm is not None
-        # One all-reduce over the world of one device vector carries the overflow flags,
-        # the squared norm, the non-finite-loss flags, the token count and the batch's
-        # loss, read with one host synchronisation (pipekernel/step/stats.py), so every
-        # stage and replica takes the same decision and the step waits for the device once.
-        stats = self._step_stats(training=True)
-        stats.put(stats.OVERFLOW, found_inf)
-        if clip:
-            stats.put(stats.NORM_SQ, self._local_grad_norm_sq())
-        if self.nonfinite == "skip":
-            stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]))
-        self.transport.all_reduce(stats.vec)
-        values = stats.read()
-        self._read_stats = (stats, values)  # the batch's loss comes from the same read
-        overflow = values[stats.OVERFLOW] > 0
-        skipped = overflow or values[stats.BAD] > 0
+        skip_bad, tokens = self.nonfinite == "skip", self.token_loss is not None
+        overflow = skipped = False
         scale = 1.0  # gradients are divided by the tokens per micro-batch and replica
-        if self.token_loss is not None:
-            scale = self._token_scale(values[stats.TOKENS])
-        if clip:
-            self.last_grad_norm = math.sqrt(values[stats.NORM_SQ]) * scale  # after the rescale
+        if found_inf is not None or clip or skip_bad or tokens:
+            # One all-reduce over the world of one device vector carries the overflow
+            # flags, the squared norm, the non-finite-loss flags, the token count and the
+            # batch's loss, read with one host synchronisation (pipekernel/step/stats.py):
+            # every stage and replica takes the same decision, the step waits for the
+            # device once, and the batch's loss needs no second read. (With nothing to
+            # decide the step does not wait for the other stages; the loss is read once,
+            # after the batch.)
+            stats = self._step_stats(training=True)
+            stats.put(stats.OVERFLOW, found_inf)
+            if clip:
+                stats.put(stats.NORM_SQ, self._local_grad_norm_sq())
+            if skip_bad:
+                stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]))
+            self.transport.all_reduce(stats.vec)
+            values = stats.read()
+            self._read_stats = (stats, values)
+            overflow = values[stats.OVERFLOW] > 0
+            skipped = overflow or values[stats.BAD] > 0
+            if tokens:
+                scale = self._token_scale(values[stats.TOKENS])
+            if clip:
+                self.last_grad_norm = math.sqrt(values[stats.NORM_SQ]) * scale  # rescaled
         if not skipped:
             coef = self._clip_coef(self.last_grad_norm) if clip else 1.0  # type: ignore[arg-type]
             if scale * coef != 1.0:
