@@ -103,7 +103,7 @@ def _timeout_worker():
     from pipekernel.errors import TransportTimeout
     from pipekernel.transports.nccl import NcclTransport
 
-    transport = NcclTransport(timeout=2.0, watch_interval=0.2, grace=60.0)
+    transport = NcclTransport(timeout=2.0, watch_interval=0.2, grace=60.0, lanes=2)
     buf = torch.empty(1 << 10, device=transport.device)
     start = time.monotonic()
     handle = transport.batch_isend_irecv([P2POp("recv", buf, 0, 0)])[0]  # no send, ever
