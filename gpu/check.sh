@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
-# GPU checks for pipekernel, in one run under 5 minutes on one GPU (see docs/gpu.md):
+# GPU checks for pipekernel, in one run under 7 minutes on one GPU (see docs/gpu.md):
 #   info         the GPU, driver, torch, CUDA and NCCL versions
 #   conformance  the transport conformance suite on nccl and cupy-nccl (every GPU up to 4
 #                ranks; on one GPU the one-rank checks: NCCL refuses two ranks per GPU)
 #   pipeline     several stages on one GPU via transport="staged": 1F1B, ZB-H1, ZBV fp32
 #                parity and bf16/fp16 within tolerance (tests/test_cuda_pipeline.py)
 #   engine       one-stage nccl engine parity, transport="auto" and bf16 (tests/test_cuda.py)
+#   device       issue 20 on one GPU (tests/test_cuda_device.py): one host sync per CUDA
+#                train step (counted calls and CUDA's sync debug mode), eager NCCL lanes
+#                over a host-made gloo group, CUDA_DEVICE_MAX_CONNECTIONS, an unmatched
+#                nccl receive ending in TransportTimeout, pinned batches reused at once
 #   checkpoint   activation-checkpoint peak memory and gradients on CUDA
 #   other        every remaining CUDA test (pytest -m cuda)
 #   benchmark    the GPU column of benchmarks/activation_checkpoint.py (small size)
 #   watch        the cost of the device watch (benchmarks/device_watch.py)
 # Every step has its own time limit, all within one overall budget (BUDGET seconds,
-# default 290). Last line: "GPU CHECK: N passed, M failed, K skipped ...".
+# default 380). Last line: "GPU CHECK: N passed, M failed, K skipped ...".
 # Exit codes: 0 nothing failed, 1 a step failed, 2 no CUDA device here.
 # Results go to $OUT when it is set, else ./gpu-out.
-# Usage (repo root or anywhere): bash gpu/check.sh   [PYTHON=/path/to/python BUDGET=290]
+# Usage (repo root or anywhere): bash gpu/check.sh   [PYTHON=/path/to/python BUDGET=380]
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 PY=${PYTHON:-python3}
 DEST=${OUT:-./gpu-out}
-BUDGET=${BUDGET:-290}
+BUDGET=${BUDGET:-380}
 export PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 no_cuda() {
@@ -100,10 +104,11 @@ fi
 pytest_step conformance 90 tests/test_transports.py
 pytest_step pipeline 130 tests/test_cuda_pipeline.py
 pytest_step engine 50 tests/test_cuda.py
+pytest_step device 90 tests/test_cuda_device.py
 pytest_step checkpoint 50 tests/test_activation_checkpoint.py
 pytest_step other 40 tests --ignore=tests/test_transports.py \
     --ignore=tests/test_cuda_pipeline.py --ignore=tests/test_cuda.py \
-    --ignore=tests/test_activation_checkpoint.py
+    --ignore=tests/test_cuda_device.py --ignore=tests/test_activation_checkpoint.py
 run_step benchmark 60 "$PY" benchmarks/activation_checkpoint.py --devices cuda --blocks 16 \
     --batch 8 --seq 512 --dim 512 --intervals 0 1 2 4 8 --repeats 3
 run_step watch 20 "$PY" benchmarks/device_watch.py

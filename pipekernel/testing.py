@@ -5,6 +5,8 @@
   everything killed after a timeout.
 * :func:`reference_train` — the parity oracle: the same layers on one process
   with gradient accumulation.
+* :class:`HostSyncs` — counts the calls that synchronise the host with a GPU,
+  also where the tensors live on the CPU (so the count is tested without one).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from pipekernel.nested import map_tensors
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.stage.module import PipelineModule
 
-__all__ = ["run_ranks", "check_transport", "reference_train", "reference_eval", "assert_parity", "TensorBytes"]
+__all__ = ["run_ranks", "check_transport", "reference_train", "reference_eval", "assert_parity", "TensorBytes",
+           "HostSyncs"]
 
 
 def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300.0,
@@ -223,3 +226,73 @@ def check_transport(transport: str | Callable[..., Transport], nprocs: int = 3, 
     opts = {"timeout": 60.0, **(options or {})}
     results = launch(_conformance_worker, nprocs, (transport, opts, timeout_check), timeout=timeout)
     return results[0]
+
+
+#: Tensor methods that make the host wait for the device when the tensor is on a GPU.
+_READS = frozenset({"__bool__", "__float__", "__int__", "__index__", "__complex__", "item",
+                    "tolist", "numpy", "cpu"})
+
+
+class HostSyncs:
+    """Counts host synchronisations inside a ``with`` block, wherever the tensors live.
+
+    On a GPU each of these blocks the host until the device caught up: reading a tensor
+    (``bool(t)``, ``float(t)``, ``int(t)``, ``t.item()``, ``t.tolist()``, ``t.numpy()``,
+    ``t.cpu()``), making a tensor from host data on a device (``torch.tensor(data,
+    device=...)``: a pageable copy, which torch synchronises), and indexing with a host
+    list (``t[[1, 2]] = 0``: the index is copied to the device). Counted from the calls
+    themselves (a ``TorchFunctionMode``), so a CPU run counts what a GPU run would pay.
+    ``records`` holds ``(what, "file:line")`` of each, the line being the first frame in
+    ``pipekernel`` (else the caller).
+
+    Not counted (no Python-visible call): a host sync inside a C++ library (a NCCL or
+    gloo wait) and ``.to("cpu")``/``copy_`` between devices (on a CPU-only run every
+    tensor is on the CPU, so they cannot be told from no-ops).
+    """
+
+    def __init__(self) -> None:
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+        self.records: list[tuple[str, str]] = []
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = getattr(func, "__name__", "")
+                if name in _READS or (name in ("tensor", "as_tensor") and args
+                                      and not isinstance(args[0], torch.Tensor)
+                                      and kwargs.get("device") is not None) or (
+                        name in ("__setitem__", "__getitem__") and len(args) > 1
+                        and isinstance(args[1], list)):
+                    counter.records.append((name, _where()))
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+
+    @property
+    def count(self) -> int:
+        """How many synchronising calls were seen."""
+        return len(self.records)
+
+    def __enter__(self) -> HostSyncs:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+
+def _where() -> str:
+    """``file:line`` of the first caller frame outside torch and this module."""
+    import os
+    import sys
+
+    skip = (os.path.dirname(torch.__file__), __file__)
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    name = frame.f_code.co_filename
+    return f"{'/'.join(name.split(os.sep)[-2:])}:{frame.f_lineno}"

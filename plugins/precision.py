@@ -203,7 +203,7 @@ class FP16(LowPrecision):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scaler.scale
 
-    def unscale_(self, params: Iterable[torch.Tensor]) -> bool:
+    def unscale_(self, params: Iterable[torch.Tensor]) -> bool | torch.Tensor:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return False
@@ -212,7 +212,7 @@ class FP16(LowPrecision):
         for g in grads:
             g.mul_(inv)
             bad.append(~torch.isfinite(g).all())
-        return bool(torch.stack(bad).any())  # one device sync, not one per tensor
+        return torch.stack(bad).any()  # a device flag: the engine reads it with the step's
 
     def update(self, skipped: bool) -> None:
         self.scaler.update(skipped)

@@ -295,7 +295,7 @@ def test_fp32_accumulation_and_state_dict_round_trip():
         policy.after_backward(module)
     total = policy.master(module.weight).grad
     torch.testing.assert_close(total, torch.full((4, 4), 2048 * float(tiny[0, 0])))
-    assert policy.unscale_(policy.optimizer_parameters(module)) is False
+    assert not policy.unscale_(policy.optimizer_parameters(module))  # a device flag, False
     state = policy.state_dict()
     other = FP16()
     torch.manual_seed(1)

@@ -110,9 +110,13 @@ def test_transfers_round_trip_and_metadata_follows_changes(with_control):
         assert messages == fast + 3 * changes
         assert control_messages == 0
     else:
-        # data lane: one message per fast transfer, one void per change after the first
+        # data lane: one message per transfer after the first (the data, or a void); the
+        # host lane: a header each, metadata per change, the data only when it outgrew
+        # every earlier payload (first, (4,9) float32, (4,9) float64): the tuple and
+        # the return to (4,6) fit the posted device message
         assert messages == fast + (changes - 1)
-        assert control_messages == len(expected) + 2 * changes
+        grew = 3
+        assert control_messages == len(expected) + changes + grew
 
 
 def _fast_path_bytes():
@@ -253,6 +257,47 @@ def test_a_key_set_change_is_a_metadata_change_and_only_it_costs_extra_messages(
         per_transfer.append(counts["messages"] - before)
     # fused headers: a change is void + metadata + data (3 messages), the fast path 1
     assert per_transfer == [3, 1, 3, 1, 3, 3, 1]
+
+
+def _control_pair():
+    """Loopback data lanes plus loopback host lanes (headers), counting host bytes."""
+    queues, counts = {}, {"messages": 0}
+    host_queues, host_counts = {}, {"messages": 0}
+    a, b = _Loopback(0, queues, counts), _Loopback(1, queues, counts)
+    ca, cb = _Loopback(0, host_queues, host_counts), _Loopback(1, host_queues, host_counts)
+    return Channel(a, 1, control=ca), Channel(b, 0, control=cb), counts, host_counts
+
+
+def _control_transfer(sender, receiver, obj):
+    ops, ctrl = sender.send_ops(obj)
+    handles = sender.control.batch_isend_irecv(ctrl) + sender.transport.batch_isend_irecv(ops)
+    pending = receiver.recv_ops()
+    pending.control_handles = receiver.control.batch_isend_irecv(pending.control_ops)
+    pending.handles = receiver.transport.batch_isend_irecv(pending.ops)
+    got = receiver.finish(pending)
+    for h in handles:
+        h.wait()
+    return got, [op.tensor.numel() * op.tensor.element_size() for op in ctrl]
+
+
+def test_a_new_sequence_length_sends_only_header_and_shape_on_the_host_lane():
+    """Control lane (device data): a length change whose payload fits the largest one so
+    far ships its data in the posted device message; only the header and the metadata
+    cross the host lane. Only a payload larger than ever before goes through the host."""
+    sender, receiver, counts, host = _control_pair()
+    lengths = [8, 8, 5, 12, 3, 12, 7, 7]
+    kinds = []
+    for i, length in enumerate(lengths):
+        obj = {"h": torch.randn(2, length, generator=torch.Generator().manual_seed(i)),
+               "ids": torch.arange(length)}
+        got, host_sizes = _control_transfer(sender, receiver, obj)
+        assert _equal(got, obj), (i, got)
+        kinds.append({1: "fast", 2: "shape", 3: "host data"}[len(host_sizes)])
+        if kinds[-1] == "shape":  # the header and the metadata, nothing else
+            assert host_sizes == [HEADER_BYTES, 8 * len(sender._sent_meta)]
+    assert kinds == ["host data", "fast", "shape", "host data", "shape", "shape", "shape",
+                     "fast"]
+    assert counts["messages"] == len(lengths) - 1  # one device message per transfer after the first
 
 
 def test_renamed_key_with_the_same_tensors_is_detected():

@@ -47,7 +47,8 @@ import torch
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import P2POp
-from pipekernel.transports.device_watch import DeviceWatch
+from pipekernel.transports.connections import check_max_connections
+from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
@@ -278,16 +279,23 @@ class CupyNcclTransport:
     :param lanes: lanes (tags), one communicator each; default: as many as the pipeline
         needs, opened by the engine (:meth:`open_lanes`).
     :param watch_interval: seconds between the device watch's rounds (default 1).
+    :param grace: seconds a host has, after a timeout aborted the communicators, to reach
+        a transport call before the process is ended (default 10; see
+        :mod:`pipekernel.transports.device_watch`).
     """
 
     backend = "cupy-nccl"
 
     def __init__(self, timeout: float = 300.0, group: Any = None, lanes: int | None = None,
-                 watch_interval: float = 1.0, **options: Any) -> None:
+                 watch_interval: float = 1.0, grace: float = 10.0, **options: Any) -> None:
         if options:
             raise ConfigError(f"unknown cupy-nccl transport options: {sorted(options)}",
-                              hint="supported options: timeout, group, lanes, watch_interval")
+                              hint="supported options: timeout, group, lanes, watch_interval, "
+                                   "grace")
+        self._grace = float(grace)
         nccl = load_cupy_nccl()  # before anything else: the error says what to install
+        # before CUDA starts; checked again as lanes open
+        check_max_connections(int(lanes or 0), "cupy-nccl")
         import cupy
 
         from pipekernel.transports.gloo import GlooTransport
@@ -314,7 +322,8 @@ class CupyNcclTransport:
         """The device side: the watch, then the world's and the lanes' communicators."""
         self._watch = DeviceWatch(self.rank, lambda event: bool(event.query()),
                                   describe=self.describe,
-                                  on_expire=lambda _: self._abort(), interval=watch_interval)
+                                  on_expire=lambda _: self._abort(), on_stuck=end_process,
+                                  grace=self._grace, interval=watch_interval)
         self._ops = _Ops(nccl, torch.cuda, self._watch, lambda: self.timeout)
         world = list(range(self.world_size))
         members = [self.control.global_rank(r) for r in world]
@@ -343,6 +352,7 @@ class CupyNcclTransport:
         :mod:`pipekernel.comm.transport`). A count fixed by ``lanes`` is kept."""
         if self._fixed_lanes or count <= self.max_tags:
             return
+        check_max_connections(count, "cupy-nccl")
         world = list(range(self.world_size))
         self._lanes += [self._communicator(world) for _ in range(count - self.max_tags)]
         self.max_tags = count
@@ -435,6 +445,13 @@ class CupyNcclTransport:
             if self.rank not in ranks:
                 self._comms.append(None)  # type: ignore[arg-type]  # same index everywhere
         return self._groups[key]
+
+    @property
+    def failure(self) -> Any:
+        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
+        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
+        watch = getattr(self, "_watch", None)
+        return watch.error if watch is not None else None
 
     def synchronize(self) -> None:
         """Block the host until every waited-on operation finished (bounded); see

@@ -10,9 +10,15 @@ bounds such work instead:
   seconds and asks each registered item whether it finished (``done(work)``:
   ``Work.is_completed()`` or ``cudaEventQuery`` — a query, never a device sync).
   An item past its deadline becomes a :class:`~pipekernel.errors.TransportTimeout`
-  naming the peer, ``on_expire(error)`` runs once (e.g. abort the communicators
-  so the stuck kernels end) and every later call of :meth:`check` — each
-  transport call makes one — raises it.
+  naming the peer, ``on_expire(error)`` runs once (abort the communicators, so
+  the stuck kernels end and a host sitting in a CUDA synchronisation gets control
+  back) and every later call of :meth:`check` — each transport call makes one —
+  raises it.
+* If no :meth:`check` raised it ``grace`` seconds after the expiry (the host is
+  still blocked, e.g. in a device synchronisation the abort did not end),
+  ``on_stuck(error)`` runs once: the transports end the process with the error's
+  text (:func:`end_process`), as torch's NCCL watchdog tears a process down. So an
+  overdue transfer ends the rank within ``timeout + interval + grace`` seconds.
 * :meth:`wait_for` and :meth:`synchronize` are the bounded *host* waits, for the
   places that must block (a barrier, the end of a test, ``close``): they poll
   ``done`` with short sleeps, so they are kept off the per-transfer path.
@@ -25,6 +31,8 @@ says how ``gpu/check.sh`` times it.)
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +40,24 @@ from typing import Any
 
 from pipekernel.errors import TransportTimeout
 
-__all__ = ["DeviceWatch"]
+__all__ = ["DeviceWatch", "end_process", "STUCK_EXIT_CODE"]
+
+#: The exit status of a process :func:`end_process` ended (a rank whose host stayed
+#: blocked after its overdue transfer's communicators were aborted).
+STUCK_EXIT_CODE = 75
+
+
+def end_process(error: BaseException) -> None:
+    """Write ``error`` to stderr and end the process at once (``os._exit``, status
+    :data:`STUCK_EXIT_CODE`): the host thread is stuck in native code, so raising
+    cannot reach it and a normal exit would wait for it."""
+    try:
+        sys.stderr.write(f"pipekernel: {type(error).__name__}: {error}\n"
+                         "pipekernel: the host stayed blocked after the communicators were "
+                         "aborted; ending the process\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(STUCK_EXIT_CODE)
 
 
 class _Item:
@@ -51,6 +76,9 @@ class DeviceWatch:
     :param done: ``done(work) -> bool``, ``True`` once ``work`` finished; must not block.
     :param describe: ``describe(peer) -> str`` for messages (``"rank 3"``).
     :param on_expire: called once with the first timeout error (from the watch thread).
+    :param on_stuck: called once with that error if no :meth:`check` raised it within
+        ``grace`` seconds of the expiry (from the watch thread; e.g. :func:`end_process`).
+    :param grace: seconds the host gets, after the expiry, to reach a transport call.
     :param interval: seconds between the thread's rounds.
     :param clock: monotonic seconds (a fake in tests).
     :param thread: start the watch thread on the first :meth:`watch` (``False`` in
@@ -60,11 +88,17 @@ class DeviceWatch:
     def __init__(self, rank: int, done: Callable[[Any], bool], *,
                  describe: Callable[[int], str] = lambda peer: f"rank {peer}",
                  on_expire: Callable[[TransportTimeout], None] | None = None,
-                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 on_stuck: Callable[[TransportTimeout], None] | None = None,
+                 grace: float = 10.0, interval: float = 1.0, clock: Callable[[], float] = time.monotonic,
                  thread: bool = True) -> None:
         self.rank, self.done, self.describe = rank, done, describe
         self.on_expire, self.interval, self.clock = on_expire, interval, clock
+        self.on_stuck, self.grace = on_stuck, grace
         self.error: TransportTimeout | None = None
+        #: set once a :meth:`check` (or a bounded wait) handed ``error`` to the host
+        self.raised = False
+        self._expired_at: float | None = None
+        self._stuck_called = False
         self._items: list[_Item] = []
         self._lock = threading.Lock()
         self._use_thread = thread
@@ -93,23 +127,41 @@ class DeviceWatch:
     def check(self) -> None:
         """Raise the timeout the watch found, if any (every transport call makes this check)."""
         if self.error is not None:
+            self.raised = True
             raise self.error
 
     # -- the watch -----------------------------------------------------------------------
     def poll(self) -> None:
-        """One round: forget finished items; turn the first overdue one into ``error``."""
+        """One round: forget finished items; turn the first overdue one into ``error``
+        (and call ``on_expire``); after that, only watch for the host staying away
+        (``on_stuck`` after ``grace``): aborted work is not queried again."""
         now = self.clock()
+        if self.error is not None:
+            if (self._expired_at is not None and not self.raised and not self._stuck_called
+                    and now >= self._expired_at + self.grace):
+                self._stuck_called = True  # the host never came back for the error
+                self._call(self.on_stuck)
+            return
         with self._lock:
             items = self._items
             self._items = [item for item in items if not self.done(item.work)]
             overdue = next((item for item in self._items if now >= item.deadline), None)
-        if overdue is not None and self.error is None:
-            self.error = self._timeout(overdue)
-            if self.on_expire is not None:
-                try:
-                    self.on_expire(self.error)
-                except Exception:  # noqa: BLE001 - the error itself is what matters
-                    pass
+        if overdue is not None:
+            self._expire(overdue, now)
+
+    def _expire(self, item: _Item, now: float) -> None:
+        """The first timeout: keep it, run ``on_expire`` (once, whoever found it)."""
+        if self.error is None:
+            self.error = self._timeout(item)
+            self._expired_at = now
+            self._call(self.on_expire)
+
+    def _call(self, hook: Callable[[TransportTimeout], None] | None) -> None:
+        if hook is not None:
+            try:
+                hook(self.error)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - the error itself is what matters
+                pass
 
     def pending(self) -> int:
         """How many waited-on items are not known to be finished."""
@@ -153,7 +205,8 @@ class DeviceWatch:
             now = self.clock()
             overdue = next((item for item in items if now >= item.deadline), None)
             if overdue is not None:
-                self.error = self.error or self._timeout(overdue)
+                self._expire(overdue, now)  # aborts the communicators, as the thread would
+                self.raised = True
                 raise self._timeout(overdue)
             if abort_check is not None and now - last_check >= 0.5:
                 abort_check()

@@ -24,15 +24,28 @@ Timeouts, two layers:
 1. :class:`~pipekernel.transports.device_watch.DeviceWatch`: every waited-on
    transfer is registered with its deadline; a daemon thread queries
    ``Work.is_completed()`` (an event query, no device sync) once per
-   ``watch_interval`` seconds and turns an overdue one into a
-   ``TransportTimeout`` naming the peer, raised by the next transport call
-   (and by :meth:`synchronize`). A peer that died is usually seen earlier, on
-   the gloo control lane, whose waits are bounded and abort-aware.
+   ``watch_interval`` seconds. An overdue one becomes a ``TransportTimeout``
+   naming the peer and the thread **aborts the lanes' and the group's
+   communicators** at once: the stuck kernels end, so a host blocked in a CUDA
+   synchronisation (``.item()``, ``synchronize``) gets control back, and the next
+   transport call raises the timeout (a CUDA or NCCL error the abort caused in a
+   wait is replaced by it). A host that still has not come back ``grace`` seconds
+   later (default 10) is ended by
+   :func:`~pipekernel.transports.device_watch.end_process` with the timeout's
+   text. So an overdue transfer ends the rank within ``timeout + watch_interval
+   (+ grace)`` seconds. A peer that died is usually seen earlier, on the gloo
+   control lane, whose waits are bounded and abort-aware.
 2. The process group's own NCCL watchdog, with the groups' timeout set to
-   ``timeout + backstop`` seconds (default backstop 60): it aborts a
-   communicator whose operation never finishes, which ends kernels stuck in
-   NCCL (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` decides whether the process is torn
-   down too). The backstop lets layer 1 report first, with the peer's name.
+   ``timeout + backstop`` seconds (default backstop 60): a last resort should
+   the watch thread itself be stuck. The backstop lets layer 1 report first,
+   with the peer's name.
+
+Lanes are NCCL process groups whatever made the default group (the host may have
+made it with gloo, or with ``"cpu:gloo,cuda:nccl"``: a lane inheriting gloo would
+carry CUDA tensors through the host, or fail), each initialised eagerly on this GPU
+(``device_id``): its one communicator exists after construction, the batched
+point-to-point calls run on it, and a rank that cannot make it fails at start
+rather than inside the first batch.
 
 The wire's headers and metadata changes ride on ``control``, a gloo transport
 over the same ranks (host memory), so the hot path never reads device memory.
@@ -48,7 +61,8 @@ import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm.transport import P2POp
-from pipekernel.transports.device_watch import DeviceWatch
+from pipekernel.transports.connections import check_max_connections
+from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import _OPS, TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
@@ -93,6 +107,7 @@ class _DeviceHandle:
         try:
             self._work.wait()  # no timeout: stream ordering only (see the module docstring)
         except RuntimeError as err:
+            transport._watch.check()  # aborted after a timeout: that is the error to report
             peer = transport.describe(self._peer) if self._peer is not None else "its group"
             raise TransportError(f"rank {transport.rank} failed to {self._what} {peer}: {err}",
                                  rank=transport.rank, peer=self._peer,
@@ -112,32 +127,45 @@ class NcclTransport(TorchDistributedTransport):
     :param watch_interval: seconds between the device watch's rounds (default 1).
     :param backstop: seconds the process groups' own NCCL watchdog waits beyond
         ``timeout`` before it aborts a communicator (default 60).
+    :param grace: seconds a host has, after a timeout aborted the communicators, to
+        reach a transport call and raise it before the process is ended (default 10).
     """
 
     backend = "nccl"
 
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
+        # before CUDA starts (transports/connections.py); checked again as lanes open
+        check_max_connections(int(options.get("lanes") or 0), "nccl")
         self._cuda = cuda_device_from_env("nccl")
         torch.cuda.set_device(self._cuda)
         lanes = options.pop("lanes", None)  # None: as many as the engine opens
         interval = float(options.pop("watch_interval", 1.0))
         self._backstop = float(options.pop("backstop", 60.0))
+        grace = float(options.pop("grace", 10.0))
         if lanes is not None and int(lanes) < 1:
             raise ConfigError(f"nccl transport option lanes={lanes} must be >= 1",
                               hint="leave it out: the engine opens as many as it needs")
         self.timeout = float(timeout)
         super().__init__(timeout, group, **options)
-        self._watch = DeviceWatch(self.rank, lambda work: work.is_completed(),
-                                  describe=self.describe, interval=interval)
+        self._lanes: list[Any] = []
+        self._watch = self._make_watch(interval, grace)
         self._fixed_lanes = lanes is not None
         self._make_lanes(int(lanes) if lanes is not None else 0)
+
+    def _make_watch(self, interval: float, grace: float, **fakes: Any) -> DeviceWatch:
+        """The device watch: an overdue transfer aborts every communicator this rank
+        uses (lanes and group), then ends the process if the host stays blocked
+        (``fakes``: ``clock``/``thread``/``on_stuck`` for tests)."""
+        fakes.setdefault("on_stuck", end_process)
+        return DeviceWatch(self.rank, lambda work: work.is_completed(), describe=self.describe,
+                           on_expire=lambda _: self._abort_groups(), interval=interval,
+                           grace=grace, **fakes)
 
     def _make_lanes(self, count: int) -> None:
         """Every rank creates the control lane and ``count`` lanes at construction, in the
         same order (``new_group`` is collective)."""
         ranks, kwargs = self._group_args()
-        # lanes apart from self.group: a collective never queues behind a posted receive
-        self._lanes = [dist.new_group(ranks, **kwargs) for _ in range(count)]
+        self._lanes = [self._new_lane(ranks, kwargs) for _ in range(count)]
         self.max_tags = count
         from pipekernel.transports.gloo import GlooTransport
 
@@ -160,9 +188,16 @@ class NcclTransport(TorchDistributedTransport):
         ``lanes`` option is kept (the engine then reports a shortfall)."""
         if self._fixed_lanes or count <= self.max_tags:
             return
+        check_max_connections(count, "nccl")
         ranks, kwargs = self._group_args()
-        self._lanes += [dist.new_group(ranks, **kwargs) for _ in range(count - self.max_tags)]
+        self._lanes += [self._new_lane(ranks, kwargs) for _ in range(count - self.max_tags)]
         self.max_tags = count
+
+    def _new_lane(self, ranks: list[int], kwargs: dict[str, Any]) -> Any:
+        """One lane: an NCCL process group apart from ``self.group`` (a collective never
+        queues behind a posted receive), NCCL and eager on this GPU whoever made the
+        default group (see the module docstring)."""
+        return dist.new_group(ranks, backend="nccl", device_id=self._cuda, **kwargs)
 
     def _timedelta(self) -> Any:
         import datetime
@@ -246,6 +281,13 @@ class NcclTransport(TorchDistributedTransport):
         self._watch.wait_for(handle._work, self.timeout, "finish a barrier with", None,
                              abort_check=getattr(self, "abort_check", None))
 
+    @property
+    def failure(self) -> Any:
+        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
+        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
+        watch = getattr(self, "_watch", None)
+        return watch.error if watch is not None else None
+
     def synchronize(self) -> None:
         """Block the host until every transfer waited on so far finished on the GPU, each
         within ``timeout`` of its wait; ``TransportTimeout`` naming the peer otherwise.
@@ -261,13 +303,38 @@ class NcclTransport(TorchDistributedTransport):
         if control is not None:
             control.close()
         if self._watch.error is not None or self._watch.pending():
-            self._abort_lanes()
+            self._abort_groups()
         super().close()
 
-    def _abort_lanes(self) -> None:
-        for group in self._lanes:
-            try:
-                group.abort()
-            except Exception:  # noqa: BLE001 - already broken or not abortable
-                pass
+    def _abort_groups(self) -> None:
+        """Abort the lanes' communicators and the group's (``self.group``, or the world
+        when the transport spans it), within one NCCL group call where torch offers
+        it (aborting communicators one by one can block on each other). Called from
+        the watch thread on a timeout, and by :meth:`close` after one."""
+        groups = [*self._lanes, self.group if self.group is not None else dist.group.WORLD]
+        nccl = _nccl_backend(groups[0])
+        if nccl is not None:
+            _quietly(nccl._group_start)
+        for group in groups:
+            if group is not None:
+                _quietly(group.abort)
+        if nccl is not None:
+            _quietly(nccl._group_end)
+
+
+def _nccl_backend(group: Any) -> Any:
+    """``group``'s NCCL backend object if it has ``_group_start``/``_group_end``, else None."""
+    try:
+        backend = group._get_backend(torch.device("cuda"))
+    except Exception:  # noqa: BLE001 - a fake, a non-NCCL group, an older torch
+        return None
+    return backend if hasattr(backend, "_group_start") and hasattr(backend, "_group_end") \
+        else None
+
+
+def _quietly(call: Any) -> None:
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - already broken or not abortable: aborting is best effort
+        pass
 

@@ -115,6 +115,9 @@ Optional members (the core uses them when present)
   naming the peer after ``timeout``; such a transport bounds its waits with a
   watch thread instead (:mod:`pipekernel.transports.device_watch`), and raises an
   overdue transfer's timeout at its next call.
+* ``failure``: such a transport's overdue-transfer error once its watch found one
+  (else ``None``). The core reports it in place of whatever the host then hit (a
+  CUDA or NCCL error from the communicators the watch aborted).
 * ``open_lanes(count)``: a transport whose lanes cost something (one NCCL
   communicator each) may create them only when asked: the engine calls it on
   every rank, at the same point and with the same ``count`` (the pipeline's

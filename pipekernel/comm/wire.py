@@ -34,11 +34,22 @@ exactly that *void* message, flagged in its header, so the pre-posted receive
 matches; then the new metadata and the data follow as extra messages on the
 host lane (the same lane when fused), all with the channel's tag. Those extra
 messages are why the communication plan keeps at most one receive per channel
-posted ahead: a receive posted further ahead would take them. On a device transport they go over the
-host lane so that they can never queue behind the device lane's in-order
-operations (a late device receive could deadlock under rendezvous sends); the
-cost is a copy through host memory once per change. No manual reset exists or
-is needed.
+posted ahead: a receive posted further ahead would take them. No manual reset
+exists or is needed.
+
+On a control lane (device data) the data message has a **capacity**: the largest
+payload the channel carried so far, which both ends track alike (the receiver
+posts that many bytes, the sender sends that many, the payload at the front). A
+change whose payload fits the capacity (a shorter sequence, another dtype of no
+more bytes) sends its data *in* the posted device message; only the header and the
+new metadata cross the host lane (header code 2). Only a payload larger than any
+before (and the first transfer) takes the host path above (code 1): extra device
+messages posted late would break the lane's posting order that the schedule proof
+relies on (a late device receive can deadlock under rendezvous sends), so the data
+goes through host memory then, and the capacity grows to it. The price of the
+capacity is padding: after a long sequence, shorter ones move the long one's bytes
+(as padding to the longest length would) instead of a device->host->device copy
+each time the length changes.
 """
 from __future__ import annotations
 
@@ -315,6 +326,8 @@ class Channel:
         self._sent_key: tuple | None = None  # what _sent_meta encodes, compared per transfer
         self._sent_layout: _Layout | None = None
         self._recv_layout: _Layout | None = None
+        # control lane only: bytes of the device data message, the same on both ends
+        self._sent_cap = self._recv_cap = 0
         #: Bytes this channel put on the wire (data, headers and metadata), for benchmarks.
         self.bytes_sent = 0
         #: Tensor bytes sent, by dtype name (``"bfloat16"``, ...): what the packed
@@ -333,20 +346,37 @@ class Channel:
         if key == self._sent_key:
             layout = self._sent_layout
             self._count(layout.dtype_bytes)
+            if self.control is not None:
+                return self._in_place(tensors, layout, _UNCHANGED, [])
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=self.transport.device)
             layout.pack(tensors, buf)
-            if self.control is None:
-                buf[:HEADER_BYTES].zero_()
-                self.bytes_sent += layout.payload
-                return [P2POp("send", buf, self.peer, self.tag)], []
-            self.bytes_sent += layout.payload + HEADER_BYTES
-            return ([P2POp("send", buf, self.peer, self.tag)],
-                    [P2POp("send", _UNCHANGED, self.peer, self.tag)])
+            buf[:HEADER_BYTES].zero_()
+            self.bytes_sent += layout.payload
+            return [P2POp("send", buf, self.peer, self.tag)], []
         meta = encode(tensors, structure)
-        ops = self._changed(tensors, meta, self._start)
+        layout = _Layout(meta, self._start)
+        if self.control is not None and self._sent_layout is not None \
+                and layout.payload <= self._sent_cap:  # fits the posted device message
+            meta_tensor = torch.tensor(meta, dtype=torch.int64)
+            self.bytes_sent += meta_tensor.numel() * 8
+            ops = self._in_place(tensors, layout, _header(2, len(meta)),
+                                 [P2POp("send", meta_tensor, self.peer, self.tag)])
+            self._sent_meta, self._sent_layout = meta, layout
+        else:
+            ops = self._changed(tensors, meta, self._start)
         self._sent_key = key
         self._count(self._sent_layout.dtype_bytes)
         return ops
+
+    def _in_place(self, tensors: list[torch.Tensor], layout: _Layout, header: torch.Tensor,
+                  extra: list[P2POp]) -> tuple[list[P2POp], list[P2POp]]:
+        """Control lane: the data in one device message of the channel's capacity; the
+        header (and ``extra``: new metadata) on the host lane."""
+        buf = torch.empty(self._sent_cap, dtype=torch.uint8, device=self.transport.device)
+        layout.pack(tensors, buf)
+        self.bytes_sent += self._sent_cap + HEADER_BYTES
+        return ([P2POp("send", buf, self.peer, self.tag)],
+                [P2POp("send", header, self.peer, self.tag), *extra])
 
     def _count(self, dtype_bytes: dict[str, int]) -> None:
         payload = self.payload
@@ -376,11 +406,12 @@ class Channel:
             self.bytes_sent += void.numel() + meta_tensor.numel() * 8 + buf.numel()
         else:
             meta_tensor = torch.tensor(meta, dtype=torch.int64)
-            if old is not None:  # the receiver posted a data receive of the old size
-                data_ops.append(P2POp("send", torch.empty(old.payload, dtype=torch.uint8,
+            if old is not None:  # the receiver posted a data receive of the capacity
+                data_ops.append(P2POp("send", torch.empty(self._sent_cap, dtype=torch.uint8,
                                                           device=self.transport.device),
                                       self.peer, self.tag))
-                self.bytes_sent += old.payload
+                self.bytes_sent += self._sent_cap
+            self._sent_cap = max(self._sent_cap, layout.payload)
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=host)
             layout.pack([t.detach().to(host) for t in tensors], buf)
             control_ops = [P2POp("send", _header(1, len(meta)), self.peer, self.tag),
@@ -401,7 +432,7 @@ class Channel:
             pending.header = torch.empty(2, dtype=torch.int64)
             pending.control_ops.append(P2POp("recv", pending.header, self.peer, self.tag))
             if layout is not None:
-                pending.buf = torch.empty(layout.payload, dtype=torch.uint8,
+                pending.buf = torch.empty(self._recv_cap, dtype=torch.uint8,
                                           device=self.transport.device)
                 pending.ops.append(P2POp("recv", pending.buf, self.peer, self.tag))
         return pending
@@ -426,11 +457,14 @@ class Channel:
         lane = self.control if self.control is not None else self.transport
         meta = torch.empty(length, dtype=torch.int64, device=lane.device)
         lane.irecv(meta, self.peer, self.tag).wait()
-        layout = _Layout(meta.tolist(), self._start)
+        layout = _Layout(meta.tolist(), self._start)  # host memory
+        self._recv_layout = layout
+        if changed == 2:  # the data came in the posted device message
+            return layout.unpack(pending.buf)
         buf = torch.empty(layout.payload, dtype=torch.uint8, device=lane.device)
         lane.irecv(buf, self.peer, self.tag).wait()
-        self._recv_layout = layout
         if self.control is not None:
+            self._recv_cap = max(self._recv_cap, layout.payload)
             buf = buf.to(self.transport.device)
         return layout.unpack(buf)
 

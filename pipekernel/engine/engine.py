@@ -15,7 +15,7 @@ from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportEr
 from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
-from pipekernel.step.grad_reduce import GradReducer
+from pipekernel.step.grad_reduce import GradReducer, settled_parameters
 from pipekernel.kernel.loop import Kernel
 from pipekernel.stage.loss import TokenLoss, check_loss_reduction
 from pipekernel.stage.module import PipelineModule
@@ -25,6 +25,7 @@ from pipekernel.extend.manager import (make_plugin_manager, make_precision, make
                                        resolve_schedule)
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
+from pipekernel.schedules.instructions import Backward, BackwardWeight
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.grid.partitioned import ActivationPartitioner
@@ -452,7 +453,22 @@ class PipelineEngine:
         reducer = self.grad_reducer
         if reducer is None or reducer.bucket_bytes <= 0:
             return {}
-        return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
+        return {"before_last_backward": lambda: reducer.arm(final=self._settled_parameters()),
+                "after_last_backward": reducer.backward_done}
+
+    def _settled_parameters(self) -> list[torch.Tensor]:
+        """Parameters of this stage's other chunks, final before its last backward (see
+        :func:`~pipekernel.step.grad_reduce.settled_parameters`), per micro-batch count."""
+        cache = self.__dict__.setdefault("_settled_cache", {})
+        if self.micro_batches not in cache:
+            _, _, plan = self._steps(self.schedule_cls)
+            module = self.module
+            parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
+            backwards = [ins.chunk for ins in plan.stream
+                         if isinstance(ins, (Backward, BackwardWeight))]
+            cache[self.micro_batches] = settled_parameters(
+                backwards[-1] if backwards else None, parts)
+        return cache[self.micro_batches]
 
     def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
         """Replace the optimizer (and LR scheduler) after construction, for hosts that
@@ -593,7 +609,12 @@ class PipelineEngine:
     def _root_cause(self, err: BaseException) -> BaseException:
         """A transport failure here is usually a symptom (the peer that failed closed its
         connections): the failure another rank published, if any, else ``err``. Most
-        waits check that themselves; sends, collectives and posting errors land here."""
+        waits check that themselves; sends, collectives and posting errors land here.
+        A device transport's overdue transfer (``transport.failure``) wins over what the
+        host hit after the watch aborted the communicators."""
+        failure = getattr(self.transport, "failure", None)
+        if failure is not None and failure is not err and not isinstance(err, PeerAbort):
+            return failure
         if not isinstance(err, TransportError):
             return err
         try:

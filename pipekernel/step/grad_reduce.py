@@ -50,7 +50,7 @@ import torch
 
 from pipekernel.errors import PipelineError
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "settled_parameters"]
 
 _HOOKED, _AFTER_BACKWARD, _LATE = 0, 1, 2
 _KINDS = {_HOOKED: "hooked", _AFTER_BACKWARD: "after_backward", _LATE: "late"}
@@ -248,8 +248,8 @@ class GradReducer:
             grads = [zero.expand(n) if g is None else g for g, n in zip(grads, bucket.sizes)]
         torch.cat([g.reshape(-1) for g in grads], out=bucket.data)
         bucket.flags.fill_(1)
-        if missing:
-            bucket.flags[missing] = 0
+        for k in missing:  # fills: indexing with a host list would copy it to the device
+            bucket.flags[k] = 0
         bucket.missing = missing
         bucket.handle = self.transport.iall_reduce(bucket.buffer, "sum", self.group)
 
@@ -282,6 +282,35 @@ class GradReducer:
         return (f"GradReducer({len(self.params)} parameters, {len(self.buckets)} buckets "
                 f"{[b.nbytes for b in self.buckets]} bytes, {kinds}, "
                 f"world={self.world})")
+
+
+def settled_parameters(last_chunk: int | None, parts: Sequence[Iterable[torch.Tensor]]
+                       ) -> list[torch.Tensor]:
+    """The parameters whose gradients are final before the stage's last backward.
+
+    :param last_chunk: the chunk of the stage's last ``Backward``/``BackwardWeight`` of
+        the batch (``None``: the stage runs no backward).
+    :param parts: the parameters of each chunk the stage holds (``parts[chunk]``).
+
+    A stage holding several chunks (interleaved, zbv) runs each chunk's last backward at
+    a different time: only ``last_chunk`` still accumulates when
+    :meth:`GradReducer.arm` is called; every other chunk's parameters (not shared with
+    it) are settled, so passing them as ``final`` lets their buckets start at once
+    instead of after the whole backward.
+    """
+    if last_chunk is None or len(parts) < 2:
+        return []
+    busy = {id(p) for p in parts[last_chunk]}
+    seen: set[int] = set()
+    out = []
+    for chunk, params in enumerate(parts):
+        if chunk == last_chunk:
+            continue
+        for p in params:
+            if id(p) not in busy and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
 
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """The end of a batch: gradient reductions, the optimizer step (unscaling, the token
 rescale, clipping, skipping a step on overflow or a non-finite loss, all decided by one small
-all-reduce) and the batch's loss, the same on every rank.
+all-reduce read by the host once: :mod:`pipekernel.step.stats`) and the batch's loss, the same
+on every rank.
 
 :class:`BatchStep` serves the step's instructions (``ReduceTiedGrads``, ``ReduceGrads``,
 ``OptimizerStep``) in the kernel's dispatch table like the runtime's handlers serve the
@@ -10,6 +11,7 @@ the runtime.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -18,6 +20,7 @@ import torch
 from pipekernel.errors import ConfigError, DataError, NonFiniteLossError
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.schedules import instructions as isa
+from pipekernel.step.stats import StepStats, nonfinite_flag
 
 __all__ = ["BatchStep", "BatchLosses"]
 
@@ -71,12 +74,15 @@ class BatchStep:
         self._last_step_taken = True
         self.losses = BatchLosses()
         self.micro_batches, self.global_steps = 1, 0
+        #: the step's read statistics, for the batch's loss (pipekernel/step/stats.py)
+        self._read_stats: tuple[StepStats, list[float]] | None = None
 
     def begin(self, micro_batches: int, global_steps: int) -> BatchLosses:
         """Start a batch of ``micro_batches`` after ``global_steps`` steps; returns the
         fresh :class:`BatchLosses` the runtime fills for it."""
         self.micro_batches, self.global_steps = micro_batches, global_steps
         self.losses = BatchLosses()
+        self._read_stats = None
         return self.losses
 
     @property
@@ -130,29 +136,34 @@ class BatchStep:
             raise ConfigError("train_batch needs an optimizer",
                               hint="pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1)")
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        found_inf = self.precision.unscale_(params)
+        found_inf = self.precision.unscale_(params)  # a device flag, a bool or None
         clip = self.max_grad_norm is not None
-        skip_bad = self.nonfinite == "skip"
-        tokens = self.token_loss is not None
-        skipped = overflow = False
+        skip_bad, tokens = self.nonfinite == "skip", self.token_loss is not None
+        overflow = skipped = False
         scale = 1.0  # gradients are divided by the tokens per micro-batch and replica
         if found_inf is not None or clip or skip_bad or tokens:
-            # One all-reduce over the world carries the overflow flags, the squared norm,
-            # the non-finite-loss flags and the token count, so every stage and replica
-            # takes the same decision.
-            device = self.transport.device
-            stats = torch.tensor([float(bool(found_inf)), self._local_grad_norm_sq() if clip
-                                  else 0.0, self._bad_losses() if skip_bad else 0.0, 0.0],
-                                 dtype=torch.float64, device=device)
-            if tokens:
-                stats[3] = self.token_loss.local_tokens(device)
-            self.transport.all_reduce(stats)
-            overflow = bool(stats[0] > 0)
-            skipped = overflow or bool(stats[2] > 0)
-            if tokens:
-                scale = self._token_scale(float(stats[3]))
+            # One all-reduce over the world of one device vector carries the overflow
+            # flags, the squared norm, the non-finite-loss flags, the token count and the
+            # batch's loss, read with one host synchronisation (pipekernel/step/stats.py):
+            # every stage and replica takes the same decision, the step waits for the
+            # device once, and the batch's loss needs no second read. (With nothing to
+            # decide the step does not wait for the other stages; the loss is read once,
+            # after the batch.)
+            stats = self._step_stats(training=True)
+            stats.put(stats.OVERFLOW, found_inf)
             if clip:
-                self.last_grad_norm = float(stats[1].sqrt()) * scale  # after the rescale
+                stats.put(stats.NORM_SQ, self._local_grad_norm_sq())
+            if skip_bad:
+                stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]))
+            self.transport.all_reduce(stats.vec)
+            values = stats.read()
+            self._read_stats = (stats, values)
+            overflow = values[stats.OVERFLOW] > 0
+            skipped = overflow or values[stats.BAD] > 0
+            if tokens:
+                scale = self._token_scale(values[stats.TOKENS])
+            if clip:
+                self.last_grad_norm = math.sqrt(values[stats.NORM_SQ]) * scale  # rescaled
         if not skipped:
             coef = self._clip_coef(self.last_grad_norm) if clip else 1.0  # type: ignore[arg-type]
             if scale * coef != 1.0:
@@ -164,27 +175,35 @@ class BatchStep:
         self._last_step_taken = not skipped
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _bad_losses(self) -> float:
-        """1.0 if a loss of this batch on this rank is NaN/inf (last stage only)."""
-        losses = self.losses.values
-        if not losses:
-            return 0.0
-        return float((~torch.isfinite(torch.stack(losses).float())).any())
+    def _batch_losses(self) -> tuple[list[torch.Tensor], list[int]]:
+        """This rank's losses of the batch and the micro-batch of each."""
+        return self.losses.values, self.losses.micro_batches
 
-    def _local_grad_norm_sq(self) -> float:
-        """This rank's share of the global squared gradient norm: one replica counts
-        (gradients are equal after the data-parallel reduction), a tied weight
-        counts on the first stage holding it only, and a parameter replicated over the
-        tensor-parallel group on its rank 0 only (shards count on every rank)."""
+    def _step_stats(self, training: bool) -> StepStats:
+        """The batch's statistics vector with this rank's losses and tokens in it."""
+        losses, micro_batches = self._batch_losses()
+        stats = StepStats(self.transport.device, self.micro_batches, self.transport.world_size,
+                          flags=training and self.nonfinite == "error")
+        stats.put_losses(losses, micro_batches, self.rank)
+        if self.token_loss is not None:
+            stats.put(stats.TOKENS, self.token_loss.local_tokens(stats.vec.device))
+        return stats
+
+    def _local_grad_norm_sq(self) -> torch.Tensor | None:
+        """This rank's share of the global squared gradient norm (0-dim float64 on the
+        device, ``None`` for nothing): one replica counts (gradients are equal after the
+        data-parallel reduction), a tied weight counts on the first stage holding it only,
+        and a parameter replicated over the tensor-parallel group on its rank 0 only
+        (shards count on every rank)."""
         if self.topology.data_rank != 0:
-            return 0.0
+            return None
         replicated = self.topology.model_rank != 0  # counted on tensor-parallel rank 0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
         squares = [grad.detach().double().pow(2).sum()
                    for p, grad in self._master_grads(self.module.parameters())
                    if id(p) not in not_owner and not (replicated and sharded_dim(p) is None)]
-        return float(torch.stack(squares).sum()) if squares else 0.0  # one device sync
+        return torch.stack(squares).sum() if squares else None  # stays on the device
 
     def _token_scale(self, total_tokens: float) -> float:
         """The factor turning accumulated ``Σ loss_sum / micro_batches`` gradients
@@ -213,41 +232,33 @@ class BatchStep:
     def _mean_loss(self, training: bool = False) -> torch.Tensor:
         """The batch's loss, the same on every rank: one all-reduce of the last stages'
         loss sum (and token count), and, when training with ``nonfinite="error"``, of
-        which micro-batches and ranks had a NaN/inf loss."""
-        losses = self.losses.values
-        m, world = self.micro_batches, self.transport.world_size
-        flagged = training and self.nonfinite == "error"
-        tokens = self.token_loss is not None
-        vec = torch.zeros(2 + (m + world if flagged else 0), device=self.transport.device,
-                          dtype=torch.float64 if tokens else torch.float32)
-        if losses:
-            stacked = torch.stack(losses)
-            vec[0] = stacked.sum().detach().to(vec.dtype)
-            if flagged:
-                bad = (~torch.isfinite(stacked.float())).to(vec.dtype)
-                index = torch.tensor(self.losses.micro_batches, dtype=torch.int64,
-                                     device=vec.device)
-                vec[2:2 + m].index_add_(0, index, bad.to(vec.device))
-                vec[2 + m + self.rank] = bad.max()
-        if tokens:
-            vec[1] = self.token_loss.local_tokens(vec.device)
-        self.transport.all_reduce(vec)  # only last stages contribute
-        out = vec.cpu()
-        if flagged and not torch.isfinite(out[0]):
-            self._raise_nonfinite(out[2:].tolist())
-        if not tokens:
-            return (out[0] / (m * self._loss_copies())).reshape(())
-        if out[1] <= 0:
+        which micro-batches and ranks had a NaN/inf loss. A train step already carried
+        these in its statistics (read once there); otherwise they are all-reduced here
+        and read with one host synchronisation."""
+        read, self._read_stats = self._read_stats, None
+        if training and read is not None:
+            stats, values = read
+        else:
+            stats = self._step_stats(training)
+            self.transport.all_reduce(stats.vec)  # only last stages contribute
+            values = stats.read()
+        loss_sum = values[stats.LOSS]
+        if stats.flags and not math.isfinite(loss_sum):
+            self._raise_nonfinite(stats.bad_micro_batches(values), stats.bad_ranks(values))
+        if self.token_loss is None:
+            # float32 as the losses (the reference's division)
+            return torch.tensor(loss_sum, dtype=torch.float32) / (
+                self.micro_batches * self._loss_copies())
+        tokens = values[stats.TOKENS]
+        if tokens <= 0:
             raise DataError(f"the batch has no tokens (loss_reduction='tokens'): the "
-                            f"token counts of its {m} micro-batch(es) sum to {float(out[1]):g}",
+                            f"token counts of its {self.micro_batches} micro-batch(es) sum to "
+                            f"{tokens:g}",
                             hint="the token_count loss_fn returns must be > 0 over the batch",
                             rank=self.rank, stage=self.stage)
-        return (out[0] / out[1]).to(torch.float32).reshape(())
+        return torch.tensor(loss_sum / tokens, dtype=torch.float32)
 
-    def _raise_nonfinite(self, values: list[float]) -> None:
-        m, world = self.micro_batches, self.transport.world_size
-        mbs = [i for i in range(m) if values[i] > 0]
-        ranks = [r for r in range(world) if values[m + r] > 0]
+    def _raise_nonfinite(self, mbs: list[int], ranks: list[int]) -> None:
         raise NonFiniteLossError(
             f"the loss is NaN/inf at train step {self.global_steps + 1} "
             f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
@@ -256,7 +267,7 @@ class BatchStep:
             hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
                  "data of those micro-batches, or pass nonfinite='skip' to skip such "
                  "steps on every rank", rank=self.rank, stage=self.stage,
-            train_step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
+            step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
 
     def _loss_copies(self) -> int:
         """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""

@@ -14,7 +14,7 @@ When the engine calls what (one rank, one ``train_batch``)::
     after_backward(module)                  per Backward, after autograd ran
     master(param)                           whenever the engine needs the gradient of ``param``
                                             (tied/data-parallel reduction, clipping)
-    unscale_(params) -> bool | None         once per OptimizerStep, before clipping
+    unscale_(params) -> flag | None         once per OptimizerStep, before clipping
     step(optimizer)                         once per OptimizerStep unless skipped
     update(skipped)                         once per OptimizerStep, after the world agreed
     metrics()                               once per train_batch (merged into the hook's metrics)
@@ -24,7 +24,10 @@ The step protocol is what lets a policy skip a step on *every* rank together:
 each rank's ``unscale_`` reports only its own overflow; the engine sums the
 flags (and the squared gradient norm, when clipping) in **one** all-reduce over
 the whole world, so every stage and replica reaches the same decision, then
-calls ``step`` (or not) and ``update(skipped)`` on every rank.
+calls ``step`` (or not) and ``update(skipped)`` on every rank. The flag should
+stay on the device (a 0-dim tensor): the engine reads it together with the rest of
+the step's statistics, in the step's one host synchronisation; a Python bool works
+too, at the price of the synchronisation that made it.
 
 Implementers subclass :class:`Precision` and override what they change; the
 defaults are the identity policy (fp32). The core checks at engine start that a
@@ -94,12 +97,12 @@ class Precision:
         """Called after each micro-batch's backward (e.g. move low-precision
         gradients into fp32 accumulators)."""
 
-    def unscale_(self, params: Iterable[torch.Tensor]) -> bool | None:
+    def unscale_(self, params: Iterable[torch.Tensor]) -> bool | torch.Tensor | None:
         """Unscale the gradients of ``params`` (the optimizer's parameters) in place.
 
-        :returns: ``True`` if this rank found an inf/NaN, ``False`` if not, or
-            ``None`` if the policy never skips a step (then the engine does not
-            communicate for it).
+        :returns: a 0-dim tensor on the device, nonzero if this rank found an
+            inf/NaN (preferred: no host synchronisation); or ``True``/``False``; or
+            ``None`` if the policy never skips a step.
         """
         return None
 
