@@ -219,3 +219,37 @@ def test_structure_and_batches_in_one_process():
         hf.split_batch({"ids": 1})
     with pytest.raises(DataError, match="no 'labels'"):
         hf.causal_lm_loss(torch.zeros(1, 2, 3), None)
+
+
+def _run(*args, timeout=600):
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_example_trains_saves_and_loads_back(tmp_path):
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "hf_llama.py")
+    out = _run(script, "--steps", "12", "--out", str(tmp_path / "out"))
+    last = out.strip().splitlines()[-1]
+    first, final = (float(x) for x in last.split()[1:4:2])
+    assert "over 12 steps on 2 stages" in last and final < 0.8 * first, out
+    assert "loaded LlamaForCausalLM" in out
+
+
+def test_cli_trains_a_small_random_llama(tmp_path):
+    import json
+    out = _run("-m", "pipekernel.apps.cli", "train", "--hf", "llama", "--steps", "12",
+               "--out", str(tmp_path), "--dim", "32", "--layers", "2", "--heads", "2",
+               "--context", "32", "--micro-batch-size", "8", "--micro-batches", "2",
+               "--corpus-bytes", "100000", "--sample-bytes", "8", "--lr", "1e-2",
+               "--no-progress")
+    summary = json.loads((tmp_path / "train.json").read_text())
+    assert "model: Hugging Face llama" in out and "Decoder0" in out
+    assert summary["loss_last5"] < summary["loss_first5"] - 0.5, summary["losses"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(summary["paths"]["hf"])
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 2
