@@ -7,7 +7,7 @@ process checks every result against the same Hugging Face model trained in one p
 """
 from __future__ import annotations
 
-import copy
+import functools
 import os
 
 import pytest
@@ -25,7 +25,7 @@ VOCAB, LENGTH, ROWS, MICRO_BATCHES, STEPS = 128, 8, 2, 4, 2
 
 
 def gpt2():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4,
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=6, n_head=4,
                                      n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     torch.manual_seed(1)
@@ -34,7 +34,7 @@ def gpt2():
 
 def llama():
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=4, num_attention_heads=4,
+                                      num_hidden_layers=6, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=32,
                                       tie_word_embeddings=False)
     torch.manual_seed(2)
@@ -89,14 +89,19 @@ def _worker(directory):
         results[run] = (losses, hf_state(engine))
         if run == RUNS[-1]:  # 4 stages of Llama back to the Hugging Face format
             hf.save_pretrained(engine, directory)
+        if run == RUNS[-2]:  # a pipekernel checkpoint of 2 stages x 2 replicas, 2 chunks
+            engine.save_checkpoint(directory + "-checkpoint")
         engine.close()
     # each stage loads only its own tensors from the saved directory
     module = hf.pipeline_module(directory, num_stages=4)
-    engine = pk.PipelineEngine(module, micro_batches=1, timeout=120, loss_reduction="tokens")
+    engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=1, timeout=120,
+                               loss_reduction="tokens")
     own = sum(t.numel() * t.element_size() for t in engine.module.state_dict().values())
     item = batches(0, 0)[0]
     loss, outputs = engine.eval_batch(iter([item]), return_outputs=True)
     results["load"] = (module.source.bytes_read, own, loss.item(), outputs, hf_state(engine))
+    engine.load_checkpoint(directory + "-checkpoint")  # reshaped onto 4 stages x 1 chunk
+    results["reshaped"] = hf_state(engine)
     engine.close()
     # bf16 and schedule="auto" (the planner profiles dict inputs) train too
     _, results["bf16"] = _train("llama", 2, 2, "1f1b", None, 0, precision="bf16")
@@ -111,6 +116,7 @@ def _worker(directory):
     return results
 
 
+@functools.lru_cache(maxsize=None)
 def reference(name, replicas):
     """The same Hugging Face model trained in one process: per step, the loss summed over
     every micro-batch of every replica, divided by the labelled tokens."""
@@ -157,6 +163,9 @@ def test_hf_models_train_to_parity_save_and_load(tmp_path):
             saved = transformers.AutoModelForCausalLM.from_pretrained(directory)
             for rank in results:  # the round trip: from_pretrained equals the pipeline
                 check_state(rank[run][1], saved, "saved")
+    _, interleaved = reference("llama", 2)  # RUNS[-2]
+    for rank in results:
+        check_state(rank["reshaped"], interleaved, "reshaped checkpoint")
     files = [os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".safetensors")]
     total = sum(os.path.getsize(f) for f in files)
     item = batches(0, 0)[0]

@@ -18,6 +18,8 @@ The chain, with what travels between layers (and so between stages):
 3. :class:`Decoder` — one Hugging Face decoder layer, called exactly as the base model
    would call it.
 4. :class:`Epilogue` — the base model's children that run after the layers (final norm).
+   The prologue and the epilogue are one pipeline layer with the first and the last
+   decoder layer (:class:`Chain`).
 5. the output projection (:class:`Mirror` of ``lm_head``, or the tied embeddings through
    :func:`tied_logits`).
 """
@@ -34,7 +36,7 @@ from torch import nn
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["Mirror", "Embed", "Prologue", "Decoder", "Epilogue", "Head", "tied_logits",
+__all__ = ["Mirror", "Embed", "Prologue", "Decoder", "Epilogue", "Chain", "Head", "tied_logits",
            "embed_tokens"]
 
 
@@ -249,6 +251,22 @@ class Epilogue(Mirror):
         for module in self.steps:
             hidden = module(hidden)
         return hidden
+
+
+class Chain(Mirror):
+    """Several of the above as one pipeline layer: the prologue with the first decoder layer,
+    the epilogue with the last, so every pipeline layer holds parameters (a stage of only
+    rotary embeddings would have nothing to train)."""
+
+    def __init__(self, parts: Sequence[Mirror]) -> None:
+        super().__init__({path: part.at(path) for part in parts for path in part.paths})
+        self.__dict__["parts"] = list(parts)
+
+    def forward(self, x: Any) -> Any:
+        for part in self.parts:
+            part.training = self.training
+            x = part(x)
+        return x
 
 
 class Head(Mirror):

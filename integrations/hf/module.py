@@ -1,8 +1,8 @@
 """``pipeline_module``: a Hugging Face causal LM as a :class:`~pipekernel.PipelineModule`.
 
-The layer list (see :mod:`pipekernel.hf.layers`): the input embeddings, the prologue (what
-the base model computes before its layers), every decoder layer, the epilogue (final
-norm), the output projection. Each is a ``LayerSpec`` whose factory asks the weight source
+The layer list (see :mod:`pipekernel.hf.layers`): the input embeddings, every decoder
+layer (the first with the prologue: what the base model computes before its layers; the
+last with the epilogue: the final norm), the output projection. Each is a ``LayerSpec`` whose factory asks the weight source
 (:mod:`pipekernel.hf.weights`) for its own modules only, so a stage materialises its own
 layers and nothing else. Tied input/output embeddings are one ``TiedLayerSpec`` key.
 """
@@ -13,12 +13,11 @@ from typing import Any
 
 from torch import nn
 
-from pipekernel.errors import ConfigError
 from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pipekernel.hf.batches import split_batch
-from pipekernel.hf.layers import (Decoder, Embed, Epilogue, Head, Prologue, embed_tokens,
-                                  tied_logits)
+from pipekernel.hf.layers import (Chain, Decoder, Embed, Epilogue, Head, Prologue,
+                                  embed_tokens, tied_logits)
 from pipekernel.hf.loss import causal_lm_loss
 from pipekernel.hf.structure import Structure, find_structure
 from pipekernel.hf.weights import make_source
@@ -65,7 +64,8 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     :raises ConfigError: the model is not a decoder-only causal LM this can split, naming
         the piece that was not found.
 
-    The layers: ``[embeddings, prologue, decoder 0, ..., decoder N-1, epilogue, head]``.
+    The layers: ``[embeddings, prologue + decoder 0, decoder 1, ..., decoder N-1 + epilogue,
+    head]`` (every layer holds parameters; see :mod:`pipekernel.hf.layers`).
     """
     source = make_source(model_or_path)
     structure = find_structure(source.model, layers=layers, tail=tail)
@@ -89,28 +89,21 @@ def _layer_specs(source: Any, s: Structure) -> list[LayerSpec]:
     def decoder(j: int) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
             path = f"{s.layers}.{j}"
-            return Decoder(path, source.build(path), j)
+            parts = [Decoder(path, source.build(path), j)]
+            if j == 0:
+                parts.insert(0, prologue())
+            if j == s.num_layers - 1:
+                parts.append(Epilogue({p: source.build(p) for p in s.tail}))
+            return Chain(parts) if len(parts) > 1 else parts[0]
         make.__name__ = f"Decoder{j}"
         return make
-
-    def epilogue() -> nn.Module:
-        return Epilogue({p: source.build(p) for p in s.tail})
 
     def head() -> nn.Module:
         return Head(s.lm_head, source.build(s.lm_head))
 
-    for fn, name in ((embed, "Embed"), (prologue, "Prologue"), (epilogue, "Epilogue"),
-                     (head, "Head")):
+    for fn, name in ((embed, "Embed"), (head, "Head")):
         fn.__name__ = name
     first = TiedLayerSpec(TIED_KEY, embed, forward_fn=embed_tokens) if s.tied else LayerSpec(embed)
     last = TiedLayerSpec(TIED_KEY, embed, forward_fn=tied_logits) if s.tied else LayerSpec(head)
-    return [first, LayerSpec(prologue), *(LayerSpec(decoder(j)) for j in range(s.num_layers)),
-            LayerSpec(epilogue), last]
+    return [first, *(LayerSpec(decoder(j)) for j in range(s.num_layers)), last]
 
-
-def hf_key(structure_key: str) -> str:
-    """The Hugging Face key of a stage's ``state_dict`` key ``"{layer}.{hf key}"``."""
-    index, _, name = structure_key.partition(".")
-    if not index.isdigit():
-        raise ConfigError(f"{structure_key!r} is not a pipeline state_dict key")
-    return name
