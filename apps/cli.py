@@ -11,7 +11,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "HelpFormatter"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` once: not when the help already says its default in words,
+    nor for a default of ``None`` (the option is then simply off unless given)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS, False):
+            return text
+        return super()._get_help_string(action)
 
 
 # -- pipekernel train ----------------------------------------------------------------------
@@ -27,7 +38,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                     "parallelism. Without a launcher it starts stages x data-parallel local "
                     "processes (CPU, gloo); under torchrun it runs this rank only. Writes a "
                     "metrics CSV/JSONL, a Chrome trace and a timeline PNG under --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("parallelism")
     g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
     g.add_argument("--data-parallel", type=int, default=d.data_parallel,
@@ -116,7 +127,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                     "batch fixed), simulate every candidate under the measured costs and "
                     "print them ranked by predicted step time, with the predicted memory of "
                     "the largest stage. Nothing is trained.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
     p.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="the base count: the batch is this x --micro-batch-size sequences")
@@ -203,7 +214,7 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
                     "no torch work) and show one row per stage and one column per time unit "
                     "(F3 = forward of micro-batch 3, B3 = its backward, . = idle), the bubble "
                     "fraction and the buffers each stage needs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("name", help="schedule name (1f1b, gpipe, inference, interleaved, zb-h1, "
                                 "zbv, or a plugin's)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-import pipekernel.grid.tensor_parallel as tp
+from pipekernel import tensor_parallel as tp
 from pipekernel.plugins.counting import CountingPlugin
 from pipekernel.grid.zero import optimizer_state_bytes
 

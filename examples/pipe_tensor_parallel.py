@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipekernel as pk
-import pipekernel.grid.tensor_parallel as tp
+from pipekernel import tensor_parallel as tp
 
 WIDTH, BLOCKS, MICRO_BATCHES, STEPS = 32, 4, 4, 5
 

@@ -27,12 +27,18 @@ try:
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
+# For users. Plugin, schedule and transport authors import from pipekernel.plugin (docs/api.md);
+# Kernel, make_plugin_manager, hookspec, P2POp, StageModule and Topology stay importable here
+# for existing code but belong to that audience.
 __all__ = [
-    "PipelineEngine", "PipelineModule", "LayerSpec", "TiedLayerSpec", "StageModule", "Kernel",
-    "Topology", "launch", "make_plugin_manager", "hookimpl", "hookspec", "PipelineError",
-    "ConfigError", "DataError", "InstructionError", "ScheduleError", "TransportError",
-    "TransportTimeout", "UnknownNameError", "RankError", "LaunchInterrupted", "PeerAbort", "NonFiniteLossError",
-    "__version__", "load_sequential", "balance", "profile", "memory", "PartitionContext",
-    "PartitionReport", "P2POp", "auto", "Plan", "skippable", "Skip", "stash", "pop",
-    "tensor_parallel",
+    # model
+    "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
+    "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
+    # training
+    "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
+    # errors
+    "PipelineError", "ConfigError", "UnknownNameError", "DataError", "ScheduleError",
+    "InstructionError", "TransportError", "TransportTimeout", "PeerAbort", "NonFiniteLossError",
+    "RankError", "LaunchInterrupted",
+    "__version__",
 ]

@@ -9,10 +9,25 @@ from __future__ import annotations
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
-    "NonFiniteLossError",
+    "NonFiniteLossError", "did_you_mean",
 ]
 
 _WHERE_FIELDS = ("rank", "stage", "step", "micro_batch", "instruction")
+
+
+def did_you_mean(name: object, choices: object) -> str:
+    """``" (did you mean 'nccl'?)"`` for the closest of ``choices`` to ``name``, or ``""``.
+
+    For the message of an unknown-name error: a typo gets the fix, not just a list."""
+    import difflib
+
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)
+    if not close:  # case and separators: 'ZB_H1' for 'zb-h1'
+        folded = {str(c).lower().replace("_", "-"): str(c) for c in choices}
+        close = [folded[k] for k in (name.lower().replace("_", "-"),) if k in folded]
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class PipelineError(RuntimeError):

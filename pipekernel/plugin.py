@@ -8,6 +8,8 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
 * transports: :class:`Transport`, :class:`Handle`, :class:`P2POp`, :func:`wait_sliced`, and
   the conformance suite (:func:`check_transport` starts processes,
   :func:`run_transport_conformance` runs it on ranks you started);
+* embedding: :class:`Kernel` (the instruction loop with your handlers),
+  :func:`make_plugin_manager`;
 * schedules: :class:`Schedule`, :data:`BUILTIN_SCHEDULES`, :func:`simulate`,
   :func:`plan_communication` / :class:`CommPlan`, and every instruction class.
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 from pipekernel.comm.conformance import run_transport_conformance
 from pipekernel.comm.transport import Handle, P2POp, Transport, wait_sliced
 from pipekernel.extend.hookspecs import hookimpl, hookspec
+from pipekernel.extend.manager import make_plugin_manager
+from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import BUILTIN_SCHEDULES, Schedule, SimulationResult, simulate
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
@@ -28,7 +32,7 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
 from pipekernel.testing import check_transport
 
 __all__ = [
-    "hookimpl", "hookspec",
+    "hookimpl", "hookspec", "make_plugin_manager", "Kernel",
     "Transport", "Handle", "P2POp", "wait_sliced", "check_transport", "run_transport_conformance",
     "Schedule", "BUILTIN_SCHEDULES", "simulate", "SimulationResult", "plan_communication",
     "CommPlan", "lanes_needed",

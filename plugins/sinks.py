@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from pipekernel.errors import ConfigError, UnknownNameError
+from pipekernel.errors import ConfigError, UnknownNameError, did_you_mean
 
 __all__ = ["Sink", "ConsoleSink", "CSVSink", "JSONLSink", "TraceSink", "TensorBoardSink",
            "WandbSink", "SINKS", "SINKS_GROUP", "make_sink", "flatten_record"]
@@ -274,6 +274,6 @@ def make_sink(spec: Any, **options: Any) -> Any:
         if ep.name == spec:
             return ep.load()(**options)
     names = sorted({*SINKS, *(ep.name for ep in entry_points(SINKS_GROUP))})
-    raise UnknownNameError(f"unknown monitor sink {spec!r}",
+    raise UnknownNameError(f"unknown monitor sink {spec!r}{did_you_mean(spec, names)}",
                            hint=f"available sinks: {', '.join(names)}; third-party sinks are "
                                 f"published in the {SINKS_GROUP!r} entry-point group")

@@ -15,6 +15,7 @@ import queue
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -22,7 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipekernel.errors import PipelineError
+from pipekernel.errors import ConfigError, PipelineError
 
 __all__ = ["launch", "RankError", "LaunchInterrupted", "free_port"]
 
@@ -107,11 +108,23 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
            env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes; return their results by rank.
 
+    Inside a world a launcher already started (torchrun: ``TORCHELASTIC_RUN_ID``, ``RANK``
+    and ``WORLD_SIZE`` set), ``launch`` *joins* it instead of starting processes of its
+    own: it runs ``fn(*args)`` once, in this process, as this rank, and returns a list of
+    ``nprocs`` entries holding this rank's result at its index and ``None`` elsewhere — so
+    one script runs the same with ``python train.py`` and ``torchrun ... train.py``.
+    ``nprocs`` must then equal ``WORLD_SIZE``. Inside a SLURM job step of several tasks
+    without torchrun's variables it refuses (each task would start its own copy of the job).
+
     :param fn: a picklable (module-level) function.
     :param timeout: seconds before every process is killed and an error raised.
     :param threads: ``torch.set_num_threads`` in each worker (``None`` leaves it).
     :raises RankError: naming the first rank that failed, with its traceback.
+    :raises ConfigError: inside a launched world that does not fit ``nprocs``.
     """
+    world = _launched_world(nprocs)
+    if world is not None:
+        return _join(fn, args, world, nprocs, threads)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = str(free_port())
@@ -151,22 +164,70 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
+def _launched_world(nprocs: int) -> tuple[int, int] | None:
+    """``(rank, world size)`` when another launcher started this process as one rank of a
+    world (torchrun / torchelastic), ``None`` when ``launch`` should start its own."""
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") and "RANK" in env and "WORLD_SIZE" in env:
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        if size != nprocs:
+            raise ConfigError(
+                f"pk.launch(fn, nprocs={nprocs}) runs inside a torchrun world of "
+                f"WORLD_SIZE={size} (this is RANK={rank}): it would start {nprocs} more "
+                f"processes per rank",
+                hint=f"start torchrun with {nprocs} processes in all (e.g. torchrun "
+                     f"--nproc-per-node {nprocs} script.py), or pass nprocs={size}; pk.launch "
+                     "then runs fn on each torchrun rank")
+        return rank, size
+    tasks = int(env.get("SLURM_NTASKS", "1") or 1)
+    if tasks > 1 and "RANK" not in env:
+        raise ConfigError(
+            f"pk.launch(fn, nprocs={nprocs}) runs in one of {tasks} SLURM tasks: every task "
+            f"would start its own copy of the job",
+            hint=f"run the script once per node under torchrun, e.g. srun --ntasks-per-node 1 "
+                 f"torchrun --nnodes $SLURM_NNODES --nproc-per-node <gpus per node> "
+                 f"--rdzv-backend c10d --rdzv-endpoint <first node>:29500 script.py "
+                 f"(pk.launch then joins torchrun's world), or start it with one task")
+    return None
+
+
+def _join(fn: Callable, args: Sequence[Any], world: tuple[int, int], nprocs: int,
+          threads: int | None) -> list[Any]:
+    rank, _ = world
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    results: list[Any] = [None] * nprocs
+    results[rank] = fn(*args)
+    return results
+
+
 def _stop_workers(procs: list[Any], results: Any, interrupt: BaseException) -> LaunchInterrupted:
     """SIGTERM every worker, collect what they report for a few seconds; the error to
-    raise names the first rank that failed other than by the interruption."""
+    raise names the first rank that failed other than by the interruption. A second
+    Ctrl-C meanwhile kills the workers at once and still ends with that summary."""
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+    print(f"pipekernel: stopping {len(procs)} workers (Ctrl-C again to kill them at once)",
+          file=sys.stderr, flush=True)
     first = None
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and (any(p.is_alive() for p in procs)
-                                           or not results.empty()):
-        try:
-            rank, ok, value, tb = results.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        if not ok and first is None and not _is_interrupt(value, tb):
-            first = (rank, value, tb)
+    try:
+        while time.monotonic() < deadline and (any(p.is_alive() for p in procs)
+                                               or not results.empty()):
+            try:
+                rank, ok, value, tb = results.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not ok and first is None and not _is_interrupt(value, tb):
+                first = (rank, value, tb)
+    except KeyboardInterrupt:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+        interrupt = KeyboardInterrupt(f"{str(interrupt) or 'interrupted (Ctrl-C)'}, then killed "
+                                      "by a second Ctrl-C")
     why = str(interrupt) or "interrupted (Ctrl-C)"
     stopped = [r for r in range(len(procs))]
     if first is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import warnings
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import pluggy
 
 from pipekernel.extend import builtin, hookspecs
-from pipekernel.errors import ConfigError, UnknownNameError
+from pipekernel.errors import ConfigError, UnknownNameError, did_you_mean
 from pipekernel.step.precision import REQUIRED
 
 __all__ = ["make_plugin_manager", "PluginManager", "PluginLoadError", "PLUGINS_GROUP", "TRANSPORTS_GROUP",
@@ -172,6 +173,7 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
             _register(pm, plugin, ep.name, distribution_of(ep))
     for plugin in plugins:
         _register(pm, plugin, plugin_name(pm, plugin), ("", ""))
+    _warn_unknown_disabled(blocked, [ep.name for ep in eps], pm)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
@@ -181,6 +183,16 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
                           hint=f"hook names must match pipekernel.extend.hookspecs exactly: {hooks}"
                           ) from err
     return pm
+
+
+def _warn_unknown_disabled(blocked: set[str], installed: list[str],
+                           pm: pluggy.PluginManager) -> None:
+    """A disabled name that names no plugin is most likely a typo: say so, with the fix."""
+    known = [*installed, *(name for name, plugin in pm.list_name_plugin() if plugin is not None)]
+    for name in sorted(blocked - set(known)):
+        warnings.warn(f"plugin {name!r} was disabled but no installed plugin has that name"
+                      f"{did_you_mean(name, known)}; installed: {', '.join(sorted(known))}",
+                      stacklevel=3)
 
 
 def _own_version() -> str:
@@ -218,7 +230,7 @@ def resolve_schedule(pm: pluggy.PluginManager, name: str) -> Any:
     """The schedule class registered as ``name``."""
     table = registered_schedules(pm)
     if name not in table:
-        raise UnknownNameError(f"unknown schedule {name!r}",
+        raise UnknownNameError(f"unknown schedule {name!r}{did_you_mean(name, table)}",
                                hint=f"available schedules: {', '.join(sorted(table))}; add one "
                                     "with a plugin implementing pipekernel_register_schedules")
     return table[name]
@@ -237,9 +249,11 @@ def make_transport(pm: pluggy.PluginManager, name: str, options: dict[str, Any])
         name = auto_transport()
     transport = pm.hook.pipekernel_make_transport(name=name, options=options)
     if transport is None:
-        names = ", ".join(ep.name for ep in entry_points(TRANSPORTS_GROUP)) or "none"
+        installed = [ep.name for ep in entry_points(TRANSPORTS_GROUP)]
+        names = ", ".join(installed) or "none"
         raise UnknownNameError(
-            f"unknown transport {name!r}; installed transports: {names}",
+            f"unknown transport {name!r}{did_you_mean(name, [*installed, 'auto'])}; "
+            f"installed transports: {names}",
             hint=f"pick one of the installed names (or 'auto'), install a package that "
                  f"provides {name!r}, or " + _PUBLISH_HINT.format(
                      group=TRANSPORTS_GROUP, name=name, obj="MyTransport"))
@@ -255,7 +269,8 @@ def make_precision(pm: pluggy.PluginManager, name: str, options: dict[str, Any])
     """
     precision = pm.hook.pipekernel_make_precision(name=name, options=options)
     if precision is None:
-        raise UnknownNameError(f"unknown precision {name!r}",
+        raise UnknownNameError(f"unknown precision {name!r}"
+                               f"{did_you_mean(name, provided_names(pm, 'precision'))}",
                                hint=f"available precisions: {_available(pm, 'precision')}; or "
                                     "install a precision plugin that provides it")
     missing = [m for m in REQUIRED if not callable(getattr(precision, m, None))]

@@ -94,8 +94,12 @@ class Kernel:
                         micro_batch=getattr(instruction, "micro_batch", None),
                         instruction=instruction), instruction)
                 except Exception as err:
+                    # a layer that failed tags the error (pipekernel_where): name it first
+                    where = getattr(err, "pipekernel_where", None)
+                    what = f"in {where} while running {instruction}" if where else \
+                        f"in the handler of {instruction}"
                     raise self._failed(InstructionError(
-                        f"{type(err).__name__} in the handler of {instruction}: {err}",
+                        f"{type(err).__name__} {what}: {err}",
                         hint="see the chained traceback above for the failing line",
                         rank=self.rank, stage=stage, step=step_id,
                         micro_batch=getattr(instruction, "micro_batch", None),

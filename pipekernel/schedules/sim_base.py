@@ -4,6 +4,7 @@ and backwards, micro-batch checks) and the event loop's skeleton. Layer 0: no to
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -66,24 +67,43 @@ def format_grid(result: SimulationResult) -> str:
     A cell shows the compute instruction running in that unit (``F3``, ``B3``,
     ``F3c1`` ...) or ``.`` when the stage is idle. Rows are labelled
     ``stage N |``; cells are padded to the same width and separated by a space.
+    When instructions last a fraction of a unit (the zero-bubble schedules' B and W
+    halves), a column is that fraction and a first line says so: no instruction is
+    ever hidden behind another in one cell.
     """
     return _grid(result.timeline, result.makespan)
 
 
+def _quantum(timeline) -> Fraction:
+    """The largest column width (a unit fraction, at most 1) on which every start and
+    end falls; ``0`` if none up to 1/16 does (then cells list what overlaps them)."""
+    times = [Fraction(x).limit_denominator(1 << 20) for events in timeline
+             for start, end, _ in events for x in (start, end)]
+    denominator = 1
+    for x in times:
+        denominator = math.lcm(denominator, x.denominator)
+    return Fraction(1, denominator) if denominator <= 16 else Fraction(0)
+
+
 def _grid(timeline, makespan: float) -> str:
-    columns = math.ceil(makespan)
-    rows = [[_cell(events, t) for t in range(columns)] for events in timeline]
+    q = _quantum(timeline)
+    step = q or Fraction(1)
+    columns = math.ceil(Fraction(makespan).limit_denominator(1 << 20) / step)
+    rows = [[_cell(events, t * step, (t + 1) * step) for t in range(columns)]
+            for events in timeline]
     width = max((len(cell) for row in rows for cell in row), default=1)
     label = len(f"stage {len(rows) - 1}")
-    return "\n".join(f"{f'stage {s}':<{label}} | " + " ".join(c.ljust(width) for c in row).rstrip()
-                     for s, row in enumerate(rows))
+    lines = [f"{f'stage {s}':<{label}} | " + " ".join(c.ljust(width) for c in row).rstrip()
+             for s, row in enumerate(rows)]
+    if step != 1:
+        lines.insert(0, f"(one column = {step} time unit)")
+    return "\n".join(lines)
 
 
-def _cell(events, t: int) -> str:
-    for start, end, instruction in events:
-        if start < t + 1 and end > t:
-            return str(instruction)
-    return "."
+def _cell(events, lo: Fraction, hi: Fraction) -> str:
+    inside = [str(instruction) for start, end, instruction in events
+              if start < hi and end > lo]
+    return "+".join(inside) or "."
 
 
 def _kind(instruction: Instruction) -> str:

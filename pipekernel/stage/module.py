@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pipekernel.stage import skips
-from pipekernel.errors import ConfigError
+from pipekernel.errors import ConfigError, did_you_mean
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
 
@@ -170,16 +170,33 @@ class _Part:
 
 
 def _run_calls(calls: Sequence[tuple[int, Any, Callable | None]], x: Any) -> Any:
-    for _, layer, forward_fn in calls:
-        x = layer(x) if forward_fn is None else forward_fn(layer, x)
+    for index, layer, forward_fn in calls:
+        try:
+            x = layer(x) if forward_fn is None else forward_fn(layer, x)
+        except Exception as err:
+            raise _name_layer(err, index, layer)
     return x
+
+
+def _name_layer(err: Exception, index: int, layer: Any) -> Exception:
+    """Tag ``err`` with the failing layer (global index and class) for the kernel's
+    ``InstructionError``; the innermost tag wins (a nested pipeline names its own layer)."""
+    if getattr(err, "pipekernel_where", None) is None:
+        try:
+            err.pipekernel_where = f"layer {index} ({type(layer).__name__})"
+        except AttributeError:  # an exception type with __slots__: keep it untagged
+            pass
+    return err
 
 
 def _run_scoped(calls: Sequence[tuple[int, Any, Callable | None]], x: Any,
                 scope: skips.SkipScope) -> Any:
     for index, layer, forward_fn in calls:
-        x = scope.run(index, layer if forward_fn is None else
-                      (lambda v, layer=layer, fn=forward_fn: fn(layer, v)), x)
+        try:
+            x = scope.run(index, layer if forward_fn is None else
+                          (lambda v, layer=layer, fn=forward_fn: fn(layer, v)), x)
+        except Exception as err:
+            raise _name_layer(err, index, layer)
     return x
 
 
@@ -305,7 +322,10 @@ class PipelineModule:
         bounds = pm.hook.pipekernel_partition(method=self.partition_method, layers=self.layers,
                                               num_stages=num_stages, context=context)
         if bounds is None:
-            raise ConfigError(f"no partition plugin understands partition={self.partition_method!r}",
+            from pipekernel.extend.manager import provided_names
+            known = provided_names(pm, "partition")
+            raise ConfigError(f"no partition plugin understands partition={self.partition_method!r}"
+                              f"{did_you_mean(self.partition_method, known)}",
                               hint="use 'parameters', 'uniform', 'type:<regex>', 'memory', "
                                    "pk.profile(sample), pk.memory(sample), pk.balance(costs), "
                                    "a cost function or explicit boundaries [0, ..., len(layers)]")
