@@ -1,11 +1,11 @@
 """Peak memory per pipeline rank of a Hugging Face Llama loaded stage by stage, against
-loading the whole model in one process.
+training the whole model in one process.
 
     python benchmarks/hf_memory.py [--hidden 1024] [--layers 16] [--stages 4]
 
 The checkpoint is written piece by piece (one decoder layer in memory at a time), so no
-process here ever holds the whole model except the one that measures
-``AutoModelForCausalLM.from_pretrained``. Each pipeline rank then builds its stage with
+process here ever holds the whole model except the one that measures one training
+step of it (``AutoModelForCausalLM.from_pretrained``, SGD, the same tokens). Each pipeline rank then builds its stage with
 ``pipekernel.hf.pipeline_module(directory)``, runs one training step (SGD, no optimizer
 state), and reports its peak RSS growth (``ru_maxrss`` after minus before: the imports are
 not counted), the checkpoint bytes it read and its own parameter bytes. Local gloo
@@ -64,11 +64,20 @@ def write_checkpoint(directory: str, cfg) -> int:
     return total
 
 
-def whole(directory: str) -> dict:
-    """Peak RSS growth of loading the whole model in one process."""
+def whole(directory: str, seq: int) -> dict:
+    """Peak RSS growth of one training step of the whole model in one process (loaded with
+    ``from_pretrained``, whose memory-mapped tensors are read when first used)."""
     from transformers import AutoModelForCausalLM
+
+    import pipekernel.hf as hf
     before = _peak_mb()
     model = AutoModelForCausalLM.from_pretrained(directory)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        loss, count = hf.causal_lm_loss(model(input_ids=ids).logits, ids)
+        (loss / count).backward()
+    opt.step()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"peak_growth_mb": _peak_mb() - before, "param_mb": params / MB}
 
@@ -101,15 +110,15 @@ def main() -> None:
         print(f"checkpoint: {size / MB:.0f} MiB fp32 (Llama, hidden {args.hidden}, "
               f"{args.layers} layers, vocab 32000)")
         ranks = pk.launch(stage, args.stages, (directory, args.seq), timeout=3600)
-        one = pk.launch(whole, 1, (directory,), timeout=3600)[0]
-    print(f"whole model, from_pretrained in one process: peak RSS +{one['peak_growth_mb']:.0f} "
+        one = pk.launch(whole, 1, (directory, args.seq), timeout=3600)[0]
+    print(f"whole model, one step in one process: peak RSS +{one['peak_growth_mb']:.0f} "
           f"MiB ({one['param_mb']:.0f} MiB of parameters)")
     print("pipeline rank | stage | read from checkpoint | own parameters | peak RSS growth: "
           "built | after 1 step")
     for r, s in enumerate(ranks):
         print(f"{r:>13} | {s['stage']:>5} | {s['read_mb']:>16.0f} MiB | {s['own_param_mb']:>10.0f} "
               f"MiB | {s['built_growth_mb']:>8.0f} MiB | {s['step_growth_mb']:>8.0f} MiB "
-              f"({s['step_growth_mb'] / one['peak_growth_mb']:.0%} of whole)")
+              f"({s['step_growth_mb'] / max(one['peak_growth_mb'], 1):.0%} of whole)")
 
 
 if __name__ == "__main__":
