@@ -136,7 +136,6 @@ class Prologue(Mirror):
         shell = copy.copy(base)
         shell._modules = dict(base._modules)
         shell._parameters, shell._buffers = dict(base._parameters), dict(base._buffers)
-        shell._forward_hooks, shell._forward_pre_hooks = dict(), dict()
         prefix = base_path + "." if base_path else ""
         for path, module in children.items():
             shell._modules[path[len(prefix):]] = module

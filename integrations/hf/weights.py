@@ -52,9 +52,16 @@ class ModelSource:
     def build(self, path: str) -> nn.Module:
         device = _target_device()
         module = self.model.get_submodule(path)
-        if device.type == "meta":
-            return copy.deepcopy(module).to("meta")
+        if device.type == "meta":  # counting parameters: copy no data
+            memo = {id(t): _meta_like(t) for t in (*module.parameters(), *module.buffers())}
+            return copy.deepcopy(module, memo)
         return copy.deepcopy(module).to(device)
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty_like(t, device="meta")
+    return nn.Parameter(empty, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+        else empty
 
 
 class _MetaSource:
