@@ -7,8 +7,8 @@ The checkpoint is written piece by piece (one decoder layer in memory at a time)
 process here ever holds the whole model except the one that measures one training
 step of it (``AutoModelForCausalLM.from_pretrained``, SGD, the same tokens). Each pipeline rank then builds its stage with
 ``pipekernel.hf.pipeline_module(directory)``, runs one training step (SGD, no optimizer
-state), and reports its peak RSS growth (``ru_maxrss`` after minus before: the imports are
-not counted), the checkpoint bytes it read and its own parameter bytes. Local gloo
+state), and reports its peak RSS growth (``ru_maxrss`` after minus the RSS before: the imports
+are not counted), the checkpoint bytes it read and its own parameter bytes. Local gloo
 processes on the CPU.
 """
 from __future__ import annotations
@@ -28,6 +28,12 @@ MB = 2 ** 20
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _rss_mb() -> float:
+    """Resident memory now (the baseline: the process's peak may lie above it)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
 
 
 def config(hidden: int, layers: int):
@@ -70,7 +76,7 @@ def whole(directory: str, seq: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     import pipekernel.hf as hf
-    before = _peak_mb()
+    before = _rss_mb()
     model = AutoModelForCausalLM.from_pretrained(directory)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(0))
@@ -83,8 +89,10 @@ def whole(directory: str, seq: int) -> dict:
 
 
 def stage(directory: str, seq: int) -> dict:
+    import transformers  # noqa: F401  (imported before measuring, as in whole())
+
     import pipekernel.hf as hf
-    before = _peak_mb()
+    before = _rss_mb()
     module = hf.pipeline_module(directory)
     engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
                                micro_batches=2, loss_reduction="tokens", timeout=1200)
