@@ -41,7 +41,8 @@ class HandEmbed(nn.Module):
         self.embed = copy.deepcopy(hf_model.model.embed_tokens)
         self.rotary = copy.deepcopy(hf_model.model.rotary_emb)
 
-    def forward(self, ids: torch.Tensor) -> dict:
+    def forward(self, inputs: dict) -> dict:
+        ids = inputs["input_ids"]
         h = self.embed(ids)
         pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
         cos, sin = self.rotary(h, pos)
@@ -70,11 +71,12 @@ class HandHead(nn.Module):
 
 
 def hand_module(hf_model, layers: int, bounds: list[int]) -> pk.PipelineModule:
-    import pipekernel.hf as hf
+    import pipekernel.hf as hf  # the same loss and dict batches as the wrapped model
     specs = [pk.LayerSpec(HandEmbed, hf_model),
              *(pk.LayerSpec(HandLayer, hf_model, j) for j in range(layers)),
              pk.LayerSpec(HandHead, hf_model)]
-    return pk.PipelineModule(specs, loss_fn=hf.causal_lm_loss, partition=bounds)
+    return pk.PipelineModule(specs, loss_fn=hf.causal_lm_loss, partition=bounds,
+                             batch_fn=hf.split_batch)
 
 
 def data(step: int) -> list:
@@ -93,9 +95,7 @@ def worker(hidden: int, layers: int, rounds: int, steps: int) -> dict:
     sgd = (lambda p: torch.optim.SGD(p, lr=1e-2))
     wrapped = pk.PipelineEngine(hf.pipeline_module(hf_model, partition=bounds), optimizer=sgd,
                                 micro_batches=MICRO_BATCHES, loss_reduction="tokens")
-    hand_pm = hand_module(hf_model, layers, bounds)
-    hand_pm.batch_fn = hf.split_batch
-    hand = pk.PipelineEngine(hand_pm, optimizer=sgd, micro_batches=MICRO_BATCHES,
+    hand = pk.PipelineEngine(hand_module(hf_model, layers, bounds), optimizer=sgd, micro_batches=MICRO_BATCHES,
                              loss_reduction="tokens")
     times = {"wrapped": [], "hand": []}
     losses = {"wrapped": [], "hand": []}
