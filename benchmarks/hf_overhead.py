@@ -8,8 +8,10 @@ writes today: an embedding layer that also computes the rotary ``(cos, sin)``, a
 per decoder layer that passes them on in a dict, a norm + head layer; the causal mask is
 left to SDPA (no padding). Both engines are built in the same processes from the same
 model and run in interleaved rounds (``steps`` batches each per round); the report is the
-median over rounds of the wrapped / hand-written step time, and the losses of both (equal
-when the two compute the same thing).
+median over rounds of the wrapped / hand-written step time (wall, and CPU seconds per rank,
+which other jobs on a loaded machine disturb less), the same for forward + backward of all
+layers in one process (no communication), and the losses of both (equal when the two
+compute the same thing).
 """
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ def worker(hidden: int, layers: int, rounds: int, steps: int) -> dict:
     hand = pk.PipelineEngine(hand_module(hf_model, layers, bounds), optimizer=sgd, micro_batches=MICRO_BATCHES,
                              loss_reduction="tokens")
     times = {"wrapped": [], "hand": []}
+    cpu = {"wrapped": [], "hand": []}
     losses = {"wrapped": [], "hand": []}
     for engine in (wrapped, hand):  # warm-up: metadata handshakes, allocator
         engine.train_batch(iter(data(10_000)))
@@ -105,13 +108,37 @@ def worker(hidden: int, layers: int, rounds: int, steps: int) -> dict:
         order = (("wrapped", wrapped), ("hand", hand)) if r % 2 == 0 else \
             (("hand", hand), ("wrapped", wrapped))
         for name, engine in order:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for s in range(steps):
                 losses[name].append(engine.train_batch(iter(data(r * steps + s))).item())
             times[name].append((time.perf_counter() - start) / steps)
+            cpu[name].append((time.process_time() - start_cpu) / steps)
     wrapped.close()
     hand.close()
-    return {"times": times, "losses": losses}
+    return {"times": times, "cpu": cpu, "losses": losses}
+
+
+def one_process(hidden: int, layers: int, rounds: int) -> tuple[float, float, float]:
+    """Median CPU seconds of forward + backward over every layer, built as one stage, and
+    the median of the per-round ratios: the wrapper's cost without communication."""
+    import pipekernel.hf as hf
+    torch.set_num_threads(1)
+    hf_model = model(hidden, layers)
+    n = layers + 2
+    stacks = {"wrapped": hf.pipeline_module(hf_model).build_stage(0, [0, n]),
+              "hand": hand_module(hf_model, layers, [0, n]).build_stage(0, [0, n])}
+    inputs = {"input_ids": data(0)[0]["input_ids"]}
+    seconds = {"wrapped": [], "hand": []}
+    for r in range(rounds + 1):
+        for name in (("wrapped", "hand") if r % 2 else ("hand", "wrapped")):
+            start = time.process_time()
+            loss, count = hf.causal_lm_loss(stacks[name](inputs), inputs["input_ids"])
+            loss.backward()
+            if r:  # round 0 warms up
+                seconds[name].append(time.process_time() - start)
+    ratios = [w / h for w, h in zip(seconds["wrapped"], seconds["hand"])]
+    return (statistics.median(seconds["wrapped"]), statistics.median(seconds["hand"]),
+            statistics.median(ratios))
 
 
 def main() -> None:
@@ -121,17 +148,24 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
-    result = pk.launch(worker, 2, (args.hidden, args.layers, args.rounds, args.steps),
-                       timeout=3600)[0]
-    t = result["times"]
-    ratios = [w / h for w, h in zip(t["wrapped"], t["hand"])]
+    results = pk.launch(worker, 2, (args.hidden, args.layers, args.rounds, args.steps),
+                        timeout=3600)
+    result = results[0]
     print(f"Llama hidden {args.hidden}, {args.layers} layers, 2 stages, {MICRO_BATCHES} "
           f"micro-batches of {ROWS}x{SEQ} tokens, {args.rounds} interleaved rounds of "
           f"{args.steps} steps")
-    print(f"step seconds, median: wrapped {statistics.median(t['wrapped']):.4f}, "
-          f"hand-written {statistics.median(t['hand']):.4f}")
-    print(f"wrapped / hand-written per round: {', '.join(f'{x:.3f}' for x in ratios)}; "
-          f"median {statistics.median(ratios):.3f}")
+    t = result["times"]
+    for what, series in (("wall", t), *((f"CPU rank {r}", x["cpu"]) for r, x in
+                                        enumerate(results))):
+        ratios = [w / h for w, h in zip(series["wrapped"], series["hand"])]
+        print(f"{what} seconds per step, median: wrapped {statistics.median(series['wrapped']):.4f}"
+              f", hand-written {statistics.median(series['hand']):.4f}; wrapped / hand-written "
+              f"per round: {', '.join(f'{x:.3f}' for x in ratios)}; median "
+              f"{statistics.median(ratios):.3f}")
+    one = one_process(args.hidden, args.layers, 5 * args.rounds)
+    print(f"one process, forward + backward of all layers (CPU seconds, {5 * args.rounds} "
+          f"interleaved rounds): wrapped {one[0]:.4f}, hand-written {one[1]:.4f}, median of "
+          f"the per-round ratios {one[2]:.3f}")
     diff = max(abs(a - b) for a, b in zip(result["losses"]["wrapped"], result["losses"]["hand"]))
     print(f"largest loss difference between the two: {diff:.2e}")
 
