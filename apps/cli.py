@@ -54,7 +54,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
                    help="sequences per micro-batch")
     g.add_argument("--schedule", default=d.schedule,
-                   help="training schedule name (1f1b, gpipe, interleaved, zb-h1, zbv, ...)")
+                   help="training schedule name (1f1b, gpipe, interleaved, zb-h1, zb-h2, zbv, "
+                        "dualpipev, ...)")
     g.add_argument("--chunks", type=int, default=d.chunks,
                    help="model chunks per stage for interleaved/V schedules (default: the "
                         "schedule's)")
@@ -216,12 +217,12 @@ def _add_schedule(sub: argparse._SubParsersAction) -> None:
                     "fraction and the buffers each stage needs.",
         formatter_class=HelpFormatter)
     p.add_argument("name", help="schedule name (1f1b, gpipe, inference, interleaved, zb-h1, "
-                                "zbv, or a plugin's)")
+                                "zb-h2, zbv, dualpipev, or a plugin's)")
     p.add_argument("--stages", type=int, required=True, help="pipeline stages P")
     p.add_argument("--micro-batches", type=int, required=True, help="micro-batches M")
     p.add_argument("--chunks", type=int, default=None,
                    help="model chunks (virtual stages) per rank (default: the schedule's "
-                        "default_chunks, e.g. 2 for interleaved and zbv)")
+                        "default_chunks, e.g. 2 for interleaved, zbv and dualpipev)")
     p.add_argument("--backward-cost", type=float, default=1.0,
                    help="duration of a backward relative to a forward (1 unit)")
     p.add_argument("--png", metavar="FILE", help="also draw the timeline to this PNG")
@@ -241,6 +242,7 @@ def schedule_report(result: object, name: str) -> str:
         f"makespan: {r.makespan:g} time units; busy per stage: "
         + ", ".join(f"{b:g}" for b in busy),
         f"bubble fraction: {r.bubble_fraction:.4f} ({100 * r.bubble_fraction:.1f}% idle)",
+        "span per stage (first compute to last): " + ", ".join(f"{x:g}" for x in r.spans),
         "buffers per stage: " + ", ".join(f"stage {s}: {n}" for s, n in enumerate(r.buffers)),
     ]
     return "\n".join(lines)
@@ -293,10 +295,37 @@ def _run_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- pipekernel convert-deepspeed -------------------------------------------------------------
+
+
+def _add_convert_deepspeed(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert-deepspeed", help="write a DeepSpeed pipeline checkpoint in pipekernel's format",
+        description="Convert the checkpoint DeepSpeed's pipeline engine saved under DS_DIR "
+                    "(DS_DIR/latest or --tag) into a pipekernel checkpoint under PK_DIR: "
+                    "weights, LR scheduler, counters and client state (the optimizer state "
+                    "needs the model: engine.load_checkpoint(DS_DIR) converts it too). "
+                    "See docs/deepspeed.md.")
+    p.add_argument("ds_dir", metavar="DS_DIR")
+    p.add_argument("pk_dir", metavar="PK_DIR")
+    p.add_argument("--tag", default=None, help="the tag to convert (default: DS_DIR/latest)")
+    p.add_argument("--num-layers", type=int, default=None, metavar="N",
+                   help="the model's layer count, when its last layers have no weights "
+                        "(default: the highest layer file + 1)")
+    p.set_defaults(func=_run_convert_deepspeed)
+
+
+def _run_convert_deepspeed(args: argparse.Namespace) -> int:
+    from pipekernel.deepspeed import convert
+
+    print(convert(args.ds_dir, args.pk_dir, args.tag, num_layers=args.num_layers))
+    return 0
+
+
 # -- the command -----------------------------------------------------------------------------
 
 #: One function per subcommand; each adds its parser and sets ``func``.
-SUBCOMMANDS = [_add_train, _add_plan, _add_schedule, _add_plugins]
+SUBCOMMANDS = [_add_train, _add_plan, _add_schedule, _add_plugins, _add_convert_deepspeed]
 
 
 def build_parser() -> argparse.ArgumentParser:

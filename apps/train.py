@@ -359,11 +359,11 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
 def _resume(engine: pk.PipelineEngine, cfg: TrainConfig) -> int:
     """Load the latest checkpoint under ``cfg.checkpoints`` if there is one; the step
     to continue from."""
-    if not os.path.exists(os.path.join(cfg.checkpoints, "latest")):
+    info = engine.resume(cfg.checkpoints)
+    if info is None:
         if engine.rank == 0:
             _print(f"resume: no checkpoint under {cfg.checkpoints}, starting at step 0")
         return 0
-    info = engine.load_checkpoint(cfg.checkpoints)
     step = info["global_steps"]
     if step >= cfg.steps:
         raise pk.ConfigError(f"the checkpoint {info['directory']} is at step {step}, which "

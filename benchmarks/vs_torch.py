@@ -4,8 +4,19 @@ One command runs every configuration side by side, in interleaved rounds (round 
 runs each configuration once, the order rotated by ``r``), and prints a markdown table:
 
     python benchmarks/vs_torch.py [--sizes 256,64] [--rounds 6] [--steps N]
-                                  [--pk-schedules 1f1b,gpipe,interleaved,zb-h1,zbv]
+                                  [--pk-schedules 1f1b,gpipe,interleaved,zb-h1,zb-h2,zbv,dualpipev]
+                                  [--processes shared,separate]
     python benchmarks/vs_torch.py --quick      # d=64 only, 2 rounds, few steps (< 2 min)
+
+``--processes`` says where the engines run, and each value gets its own table:
+
+* ``shared``: both engines' configurations live in the same two worker processes (one
+  ``pk.launch`` per size), each with its own process group; rounds interleave every
+  configuration of both engines.
+* ``separate``: each engine in processes of its own: every round launches fresh workers
+  for the references (``single``, ``limit``), then for pipekernel's configurations, then
+  for torch's (the order rotated by the round), so no engine shares an interpreter, an
+  allocator or a gloo context with the other; each launch warms up before it times.
 
 Model: Embedding(512, d) -> 8 x TransformerEncoderLayer(d, nhead=4, 4d, dropout=0,
 batch_first) under a causal mask -> LayerNorm -> Linear(d, 512); cross-entropy on the
@@ -20,7 +31,7 @@ Configurations (one at a time: every block of timed steps sits between two barri
   = 2 x sequences of one / wall time — what 2 cores can give.
 * ``pk <schedule>``: pipekernel, 2 gloo processes, 2 stages, explicit boundaries
   ``[0, 5, 11]`` (embedding + 4 blocks | 4 blocks + norm + head); schedules that need
-  ``chunks=2`` (interleaved, zbv) use the 4 parts ``[0, 3, 5, 7, 11]`` and run only
+  ``chunks=2`` (interleaved, zbv, dualpipev) use the 4 parts ``[0, 3, 5, 7, 11]`` and run only
   when the engine has a ``chunks`` parameter. Unknown schedule names are skipped
   with a note.
 * ``torch <Schedule>``: ``torch.distributed.pipelining`` with ``PipelineStage`` objects
@@ -39,8 +50,10 @@ process group.
 Reported per configuration: sequences/s (32 sequences per step / median over rounds of
 the round's mean step time; 2 untimed warm-up steps first), ratio to ``limit``, ratio
 to torch's matching schedule (1f1b <-> Schedule1F1B, gpipe <-> ScheduleGPipe,
-interleaved <-> ScheduleInterleaved1F1B, zbv <-> ScheduleZBVZeroBubble, zb-h1 vs
-Schedule1F1B), and the peak bytes autograd holds saved for backward per rank
+interleaved <-> ScheduleInterleaved1F1B, zbv <-> ScheduleZBVZeroBubble, dualpipev <->
+ScheduleDualPipeV, zb-h1 and zb-h2 vs Schedule1F1B) as the median of the per-round ratios
+(torch's step time over pipekernel's in the same round) with their min–max, and the peak
+bytes autograd holds saved for backward per rank
 (activations; parameters and their views excluded), counted with
 ``torch.autograd.graph.saved_tensors_hooks`` during the second warm-up step the same
 way for every engine. (``ru_maxrss`` is printed once per worker as well, but it covers
@@ -79,7 +92,9 @@ TORCH = {"1F1B": ("single", 1), "GPipe": ("single", 1), "Interleaved1F1B": ("loo
          "ZBVZeroBubble": ("v", 2), "DualPipeV": ("v", 2)}
 #: pipekernel schedule -> torch schedule it is compared with
 PAIR = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B",
-        "zbv": "ZBVZeroBubble", "zb-h1": "1F1B", "dualpipev": "DualPipeV"}
+        "zbv": "ZBVZeroBubble", "zb-h1": "1F1B", "zb-h2": "1F1B", "dualpipev": "DualPipeV"}
+#: every pipekernel training schedule the benchmark knows
+PK_SCHEDULES = "1f1b,gpipe,interleaved,zb-h1,zb-h2,zbv,dualpipev"
 
 
 class CausalBlock(nn.Module):
@@ -261,11 +276,12 @@ class Torch:
 
 
 def worker(d: int, seq: int, pk_schedules: list[str], torch_schedules: list[str],
-           rounds: int, steps: int, warmup: int) -> dict:
+           rounds: int, steps: int, warmup: int, references: bool = True) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(minutes=30))
     rank = dist.get_rank()
-    configs = [Single("single", d, seq, rank, (0,)), Single("limit", d, seq, rank, (0, 1))]
+    configs = ([Single("single", d, seq, rank, (0,)), Single("limit", d, seq, rank, (0, 1))]
+               if references else [])
     configs += [PK(s, d, seq, rank) for s in pk_schedules]
     configs += [Torch(s, d, seq, rank) for s in torch_schedules]
     losses: dict[str, list] = {c.name: [] for c in configs}
@@ -333,7 +349,25 @@ def available_torch(names: list[str]) -> tuple[list[str], list[str]]:
     return ok, notes
 
 
-def table(label: str, d: int, seq: int, results: list[dict], steps: int, rounds: int) -> str:
+def merge(parts: list[list[dict]]) -> list[dict]:
+    """Per rank, the results of several launches (one per engine and round) as one."""
+    merged = []
+    for rank in range(2):
+        out: dict = {"times": {}, "losses": {}, "saved": {}, "sequences": {}, "maxrss": 0}
+        for results in parts:
+            r = results[rank]
+            for name, t in r["times"].items():
+                out["times"].setdefault(name, []).extend(t)
+            for key in ("losses", "saved", "sequences"):
+                for name, value in r[key].items():
+                    out[key].setdefault(name, value)
+            out["maxrss"] = max(out["maxrss"], r["maxrss"])
+        merged.append(out)
+    return merged
+
+
+def table(label: str, d: int, seq: int, results: list[dict], steps: int, rounds: int,
+          processes: str) -> str:
     times = {name: [max(r["times"][name][i] for r in results) for i in range(rounds)]
              for name in results[0]["times"]}
     seq_s = {name: results[0]["sequences"][name] / statistics.median(t)
@@ -341,14 +375,23 @@ def table(label: str, d: int, seq: int, results: list[dict], steps: int, rounds:
     loss = {name: next((r["losses"][name] for r in results if r["losses"][name][0] is not None))
             for name in times}
     ref = loss["single"]
-    lines = [f"### d={d}, sequence {seq} (median of {rounds} rounds x {steps} steps)", "",
-             "| config | s/step | rounds min–max | seq/s | x limit | x torch same | "
-             "saved-for-backward peak MiB r0 / r1 | step-0 loss | Δ step 0 | Δ step 1 |",
+    where = ("both engines side by side in the same two worker processes"
+             if processes == "shared" else
+             "each engine in processes of its own (fresh workers per engine and round)")
+    lines = [f"### d={d}, sequence {seq}: {where} (median of {rounds} rounds x {steps} steps)",
+             "",
+             "| config | s/step | rounds min–max | seq/s | x limit | x torch same (per-round "
+             "median, min–max) | saved-for-backward peak MiB r0 / r1 | step-0 loss | "
+             "Δ step 0 | Δ step 1 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, t in times.items():
         kind, _, sched = name.partition(" ")
         other = f"torch {PAIR.get(sched, '')}"
-        vs = f"{seq_s[name] / seq_s[other]:.2f}" if kind == "pk" and other in seq_s else "—"
+        vs = "—"
+        if kind == "pk" and other in times:
+            ratios = [o / p for o, p in zip(times[other], t)]
+            vs = (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}, "
+                  f"{other.split(' ')[1]})")
         mem = " / ".join("—" if r["saved"][name] is None else f"{r['saved'][name] / 2**20:.1f}"
                          for r in results)
         deltas = [f"{abs(a - b):.1e}" for a, b in zip(loss[name], ref)]
@@ -357,8 +400,25 @@ def table(label: str, d: int, seq: int, results: list[dict], steps: int, rounds:
                      f"{seq_s[name] / seq_s['limit']:.2f} | {vs} | {mem} | {loss[name][0]:.6f} | "
                      f"{deltas[0]} | {deltas[1] if len(deltas) > 1 else '—'} |")
     rss = " / ".join(f"{r['maxrss'] / 2**20:.0f}" for r in results)
-    lines += ["", f"ru_maxrss per worker (all configurations of this size together): {rss} MiB"]
+    lines += ["", f"ru_maxrss per worker (largest over its launches): {rss} MiB"]
     return "\n".join(lines)
+
+
+def run_size(d: int, seq: int, pk_names: list[str], torch_names: list[str], rounds: int,
+             steps: int, warmup: int, processes: str) -> list[dict]:
+    """Every configuration's per-round times for one size, the engines placed as
+    ``processes`` says (see the module docstring)."""
+    if processes == "shared":
+        return pk.launch(worker, 2, (d, seq, pk_names, torch_names, rounds, steps, warmup),
+                         timeout=3600)
+    groups = [([], [], True), (pk_names, [], False), ([], torch_names, False)]
+    parts = []
+    for r in range(rounds):
+        for pk_group, torch_group, refs in groups[r % 3:] + groups[:r % 3]:
+            if pk_group or torch_group or refs:
+                parts.append(pk.launch(worker, 2, (d, seq, pk_group, torch_group, 1, steps,
+                                                   warmup, refs), timeout=3600))
+    return merge(parts)
 
 
 def main() -> None:
@@ -369,7 +429,10 @@ def main() -> None:
                         help="timed steps per configuration per round (default: 3 at d=256, "
                              "20 at d=64)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--pk-schedules", default="1f1b,gpipe,interleaved,zb-h1,zbv")
+    parser.add_argument("--pk-schedules", default=PK_SCHEDULES)
+    parser.add_argument("--processes", default="shared,separate",
+                        help="comma-separated: shared (both engines in the same workers), "
+                             "separate (each engine in workers of its own); one table each")
     parser.add_argument("--torch-schedules",
                         default="1F1B,GPipe,Interleaved1F1B,ZBVZeroBubble,DualPipeV")
     parser.add_argument("--quick", action="store_true",
@@ -391,11 +454,14 @@ def main() -> None:
             parser.error(f"unknown size {label!r}; sizes: {', '.join(SIZES)}")
         d, seq, default_steps = SIZES[label]
         steps = args.steps or default_steps
-        start = time.perf_counter()
-        results = pk.launch(worker, 2, (d, seq, pk_names, torch_names, args.rounds, steps,
-                                        args.warmup), timeout=3600)
-        print(table(label, d, seq, results, steps, args.rounds))
-        print(f"({time.perf_counter() - start:.0f} s)\n", flush=True)
+        for processes in args.processes.split(","):
+            if processes not in ("shared", "separate"):
+                parser.error(f"unknown --processes value {processes!r}: shared or separate")
+            start = time.perf_counter()
+            results = run_size(d, seq, pk_names, torch_names, args.rounds, steps, args.warmup,
+                               processes)
+            print(table(label, d, seq, results, steps, args.rounds, processes))
+            print(f"({time.perf_counter() - start:.0f} s)\n", flush=True)
 
 
 if __name__ == "__main__":

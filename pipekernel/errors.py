@@ -1,18 +1,37 @@
 """Errors a user can cause, each saying what went wrong, where, and how to fix it.
 
-``PipelineError`` carries an optional location (rank, stage, step, micro-batch,
-instruction) that the kernel fills in as the error travels up; ``str()`` puts
-the location first so a log line from any rank is self-explaining.
+``PipelineError`` carries an optional location (rank, stage, train step, schedule step,
+micro-batch, instruction) that the kernel and the engine fill in as the error travels up;
+``str()`` puts the location first, in words (:func:`describe_where`), so a log line from
+any rank is self-explaining.
 """
 from __future__ import annotations
 
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
-    "NonFiniteLossError", "did_you_mean",
+    "NonFiniteLossError", "describe_where", "did_you_mean",
 ]
 
-_WHERE_FIELDS = ("rank", "stage", "step", "micro_batch", "instruction")
+#: location fields, in the order the bracket names them, with the words it uses
+_WHERE = (("rank", "rank"), ("stage", "stage"), ("train_step", "train step"),
+          ("eval_after", "eval after train step"), ("step", "schedule step"),
+          ("micro_batch", "micro-batch"), ("instruction", "instruction"))
+_WHERE_FIELDS = tuple(key for key, _ in _WHERE)
+
+
+def describe_where(where: object) -> str:
+    """``"rank 1, stage 1, train step 126, schedule step 6, micro-batch 3, instruction F3"``
+    from an object's (or a mapping's) location fields; unknown ones are left out.
+
+    ``train step N``: the N-th training batch of the job (``engine.global_steps + 1``
+    while it runs; after a resume it counts on from the checkpoint's steps, as checkpoint
+    tags do: ``global_stepN`` holds train steps 1 .. N). ``eval after train step N``: an
+    ``eval_batch`` run after N training steps. ``schedule step``: the step within the
+    batch's schedule.
+    """
+    get = where.get if isinstance(where, dict) else (lambda k: getattr(where, k, None))
+    return ", ".join(f"{words} {get(key)}" for key, words in _WHERE if get(key) is not None)
 
 
 def did_you_mean(name: object, choices: object) -> str:
@@ -35,10 +54,12 @@ class PipelineError(RuntimeError):
 
     def __init__(self, message: str, *, hint: str | None = None, rank: int | None = None,
                  stage: int | None = None, step: int | None = None,
-                 micro_batch: int | None = None, instruction: object = None) -> None:
+                 micro_batch: int | None = None, instruction: object = None,
+                 train_step: int | None = None, eval_after: int | None = None) -> None:
         self.message = message
         self.hint = hint
         self.rank, self.stage, self.step = rank, stage, step
+        self.train_step, self.eval_after = train_step, eval_after
         self.micro_batch, self.instruction = micro_batch, instruction
         self.details: list[str] = []  # diagnostics added by plugins, printed under the message
         super().__init__(message)
@@ -51,13 +72,12 @@ class PipelineError(RuntimeError):
     def locate(self, **where: object) -> PipelineError:
         """Fill in location fields that are still unknown; returns ``self``."""
         for key, value in where.items():
-            if getattr(self, key) is None and value is not None:
+            if getattr(self, key, None) is None and value is not None:
                 setattr(self, key, value)
         return self
 
     def __str__(self) -> str:
-        where = ", ".join(f"{key.replace('_', '-')} {getattr(self, key)}"
-                          for key in _WHERE_FIELDS if getattr(self, key) is not None)
+        where = describe_where(self)
         text = f"[{where}] {self.message}" if where else self.message
         text = f"{text}\n  how to fix: {self.hint}" if self.hint else text
         for detail in getattr(self, "details", ()):
@@ -116,7 +136,7 @@ class TransportTimeout(TransportError):
 class PeerAbort(PipelineError):
     """Another rank failed first and said so (see :mod:`pipekernel.engine.faults`).
 
-    The location fields (``rank``, ``stage``, ``step``, ``micro_batch``,
+    The location fields (``rank``, ``stage``, ``train_step``, ``step``, ``micro_batch``,
     ``instruction``) are the *failing* rank's; ``error_type`` is the class name of
     its error. Where this rank was when it learnt of the failure is in ``seen_by``
     (this rank) and ``seen_at`` (its instruction), and in the message.
@@ -129,7 +149,11 @@ class PeerAbort(PipelineError):
         self.seen_at: object = None
 
     def locate(self, **where: object) -> PipelineError:
-        """Keep the failing rank's location; remember this rank's instruction."""
+        """Keep the failing rank's location (its train step, when it did not say, is this
+        rank's: ranks fail within one batch); remember this rank's instruction."""
+        for key in ("train_step", "eval_after"):
+            if getattr(self, key, None) is None and where.get(key) is not None:
+                setattr(self, key, where[key])
         if self.seen_at is None and where.get("instruction") is not None:
             self.seen_at = where["instruction"]
             self.add_detail(f"rank {self.seen_by} stopped at {where['instruction']}"

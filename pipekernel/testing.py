@@ -16,6 +16,7 @@ import torch
 from pipekernel.comm.conformance import run_transport_conformance
 from pipekernel.comm.transport import Transport
 from pipekernel.engine.launch import launch
+from pipekernel.nested import map_tensors
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.stage.module import PipelineModule
 
@@ -40,11 +41,7 @@ def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any]
 
 
 def _to(obj: Any, device: torch.device | str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    return obj
+    return map_tensors(lambda t: t.to(device), obj)  # dicts too, as the engine moves them
 
 
 def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.optim.Optimizer],

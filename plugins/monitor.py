@@ -238,7 +238,7 @@ class Monitor:
     def _count(self, instruction: Any) -> None:
         from pipekernel.comm.wire import flatten
 
-        inputs = self.engine.runtime.buffers[instruction.buffer].inputs
+        inputs = self.engine.runtime.inputs_of(instruction)
         if inputs is None:
             return
         tensors, _ = flatten(inputs)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pipekernel.errors import ConfigError
+from pipekernel.nested import map_tensors, tensors_of
 from pipekernel.extend.hookspecs import hookimpl
 from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.stage.partitioning import Balance, Memory, PartitionContext, Profile
@@ -182,35 +183,17 @@ def _cuts_exhaustive(best: list[float], pw: list[float], pa: list[float], k: flo
 # ---------------------------------------------------------------------------
 
 def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(o, device) for k, o in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.to(device), obj)
 
 
 def _leaf(obj: Any) -> Any:
     """Detached copy of ``obj`` whose float tensors require grad (like a received activation)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        return t.requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_leaf(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _leaf(o) for k, o in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.detach().requires_grad_(True)
+                       if t.is_floating_point() or t.is_complex() else t.detach(), obj)
 
 
 def _grad_outputs(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _grad_outputs(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _grad_outputs(o)]
-    return []
+    return [t for t in tensors_of(obj) if t.requires_grad]
 
 
 def _sync(device: torch.device) -> None:
@@ -429,14 +412,7 @@ def _skip_bytes(declaration: tuple, scope: SkipScope, known: dict[str, int],
     return total + sum(known.get(name, 0) for name in pop_names)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
+_tensors = tensors_of
 
 
 def _meta_static_bytes(module: PipelineModule,

@@ -91,6 +91,7 @@ class LowPrecision(Precision):
         return cast_floats(outputs, torch.float32 if last else self.dtype)
 
     def after_backward(self, module: torch.nn.Module) -> None:
+        sums, grads = [], []  # fp32 accumulation: the sum is done in master's dtype
         for _, param, master in self._pairs:
             grad = param.grad
             if grad is None:
@@ -98,14 +99,18 @@ class LowPrecision(Precision):
             if master.grad is None:
                 master.grad = grad.float()
             else:
-                master.grad.add_(grad)  # fp32 accumulation: the sum is done in master's dtype
+                sums.append(master.grad)
+                grads.append(grad)
             param.grad = None
+        if sums:
+            torch._foreach_add_(sums, grads)  # one call, not one add_ per parameter
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
-        with torch.no_grad():
-            for _, param, master in self._pairs:
-                param.copy_(master)
+        if self._pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([p for _, p, _ in self._pairs],
+                                     [m for _, _, m in self._pairs])
 
     def state_dict(self) -> dict[str, Any]:
         return {"master_weights": {name: master.detach().clone()

@@ -1,5 +1,8 @@
 """The communication model end to end: the runtime posts what the plan says, and real
-pipelines train under NCCL's rules (rendezvous sends, in order per peer) on CPU."""
+pipelines train under NCCL's rules on CPU (rendezvous sends; a lane is one ordered stream
+per rank, whatever the peer: tests/rendezvous_transport.py). 4 stages x 8 micro-batches
+fill the pipeline: under per-pair order they passed with the old lanes, under this one
+they deadlock with them (tests/test_lanes.py)."""
 from __future__ import annotations
 
 import pytest
@@ -14,13 +17,13 @@ from pipekernel.testing import assert_parity, reference_train, run_ranks
 STEPS = 2
 
 
-def _train(model, stages, micro_batches, schedule, chunks=None, naive=False):
+def _train(model, stages, micro_batches, schedule, chunks=None, naive=False, timeout=60):
     build, data = MODELS[model]
     engine = pk.PipelineEngine(build(num_stages=stages), optimizer=sgd,
                                micro_batches=micro_batches, schedule=schedule,
-                               transport="rendezvous", plugins=[RendezvousPlugin()], timeout=8,
-                               chunks=chunks)
-    if naive:  # the old model: every op posted alone where it stands, one lane per pair
+                               transport="rendezvous", plugins=[RendezvousPlugin()],
+                               timeout=timeout, chunks=chunks)
+    if naive:  # the old model: every op posted alone where it stands, all on one lane
         steps, buffers, plan = engine._steps(engine.schedule_cls)
         posts = tuple((ins,) if isinstance(ins, P2P) and not plan.local[i] and plan.peers[i]
                       else () for i, ins in enumerate(plan.stream))
@@ -41,8 +44,8 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False):
 
 
 @pytest.mark.parametrize("schedule,stages,micro_batches,chunks", [
-    ("1f1b", 2, 4, None), ("1f1b", 4, 5, None), ("gpipe", 3, 3, None),
-    ("interleaved", 2, 4, 2), ("zb-h1", 3, 4, None), ("zbv", 2, 4, 2)])
+    ("1f1b", 4, 8, None), ("gpipe", 3, 3, None), ("interleaved", 4, 8, 2),
+    ("zb-h1", 4, 8, None), ("zbv", 3, 4, 2)])
 def test_pipelines_train_under_rendezvous_semantics(schedule, stages, micro_batches, chunks):
     results = run_ranks(_train, stages, "mlp", stages, micro_batches, schedule, chunks,
                         timeout=240)
@@ -64,6 +67,47 @@ def test_naive_posting_deadlocks_under_rendezvous():
     stream per pair (the old model), deadlocks 1F1B under rendezvous sends — each side's
     receive queues behind its own send; the engine must end with an error, not hang."""
     with pytest.raises(pk.RankError) as info:
-        run_ranks(_train, 2, "mlp", 2, 4, "1f1b", None, True, timeout=300)
+        run_ranks(_train, 2, "mlp", 2, 4, "1f1b", None, True, 8, timeout=300)
     assert isinstance(info.value.original, TransportError)
     assert "RECV_" in str(info.value.original)  # names the instruction it was blocked on
+
+
+def _lane_order(t, lane, back, send_lane):
+    """Rank 1 posts a receive from rank 0 on ``lane`` and then a send to rank 2 on
+    ``send_lane``; rank 0 sends only once rank 2, served by that send, has written to it
+    (on ``back``). On another lane the send goes ahead; on the receive's lane it waits
+    behind it, whatever the peer: a cycle."""
+    import torch
+
+    data = torch.zeros(4)
+    try:
+        if t.rank == 0:
+            t.irecv(data, 2, tag=back).wait()
+            t.isend(data + 1, 1, tag=lane).wait()
+        elif t.rank == 1:
+            got = t.irecv(data, 0, tag=lane)
+            sent = t.isend(torch.full((4,), 5.0), 2, tag=send_lane)
+            sent.wait()
+            got.wait()
+        else:
+            t.irecv(data, 1, tag=send_lane).wait()
+            t.isend(data, 0, tag=back).wait()
+    except TransportError as err:
+        return type(err).__name__
+    return data.tolist()
+
+
+def _lane_order_worker():
+    import torch
+
+    from rendezvous_transport import RendezvousTransport
+
+    torch.set_num_threads(1)
+    t = RendezvousTransport(timeout=2)
+    return _lane_order(t, 0, 1, 2), _lane_order(t, 3, 4, 3)  # the last one deadlocks
+
+
+def test_the_emulator_runs_a_lane_in_posting_order_whatever_the_peer():
+    results = run_ranks(_lane_order_worker, 3, timeout=240)
+    assert [apart for apart, _ in results] == [[5.0] * 4, [6.0] * 4, [5.0] * 4]
+    assert [shared for _, shared in results] == ["TransportTimeout"] * 3

@@ -18,7 +18,7 @@ def test_writing_a_plugin_shows_the_tested_package_verbatim(name):
     assert (PACKAGE / name).read_text() in blocks, f"docs/writing-a-plugin.md lacks {name} as is"
 
 
-@pytest.mark.parametrize("doc", ["writing-a-plugin.md", "embedding.md"])
+@pytest.mark.parametrize("doc", ["writing-a-plugin.md", "embedding.md", "lightning.md"])
 def test_files_the_docs_mention_exist(doc):
     text = (ROOT / "docs" / doc).read_text()
     paths = set(re.findall(r"`((?:examples|tests|docs|pipekernel)/[\w./-]+)`", text))

@@ -9,6 +9,7 @@ from models import mlp, mlp_data, sgd, tied_lm, token_data
 from torch import nn
 
 import pipekernel as pk
+from pipekernel.schedules import instructions as isa
 from pipekernel.testing import reference_eval, reference_train, run_ranks
 
 
@@ -73,14 +74,30 @@ def surface_worker():
             call()
         except pk.PipelineError as err:
             errors.append(str(err))
-    return engine.stage, engine.num_stages, engine.data_parallel_rank, errors
+    # one way down: the step's instructions are the BatchStep's handlers, the runtime
+    # serves none of them, and it returns the batch's losses
+    table = engine.kernel.handlers
+    owners = {cls.__name__: getattr(table[cls], "__self__", None) is engine.batch_step
+              for cls in (isa.ReduceTiedGrads, isa.ReduceGrads, isa.OptimizerStep)}
+    step_in_runtime = sorted(c.__name__ for c in engine.runtime.handlers()
+                             if c in (isa.ReduceTiedGrads, isa.ReduceGrads, isa.OptimizerStep))
+    data = [(torch.ones(2, 8), torch.zeros(2, 4)) for _ in range(2)]
+    loss = engine.train_batch(iter(data))
+    losses = engine.runtime.end()
+    got = (len(losses.values), losses.micro_batches, float(loss))
+    return engine.stage, engine.num_stages, engine.data_parallel_rank, errors, owners, \
+        step_in_runtime, got
 
 
 def test_engine_surface_and_forward_points_to_train_batch():
     results = run_ranks(surface_worker, 2)
     assert [r[:3] for r in results] == [(0, 2, 0), (1, 2, 0)]
-    for _, _, _, errors in results:
+    for _, _, _, errors, owners, step_in_runtime, _ in results:
         assert len(errors) == 3 and all("train_batch" in e for e in errors)
+        assert all(owners.values()) and step_in_runtime == [], (owners, step_in_runtime)
+    first, last = results[0][-1], results[1][-1]
+    assert first[:2] == (0, []) and last[:2] == (2, [0, 1])  # only the last stage has losses
+    assert first[2] == last[2]  # the batch loss, the same on every rank
 
 
 def launch_worker(x):
@@ -226,7 +243,8 @@ def bad_input_worker(case):
 
 @pytest.mark.parametrize("case,match", [
     # both stages read the iterator (inputs, labels); whichever runs dry first reports
-    ("short_iter", r"stage [01], step \d+, micro-batch 2, instruction LOAD2\] the data "
+    ("short_iter", r"stage [01], train step 1, schedule step \d+, micro-batch 2, "
+                   r"instruction LOAD2\] the data "
                    r"iterator ran out at micro-batch 2 of 4"),
     ("no_loss", "train_batch needs a loss function on the last stage(.|\n)*loss_fn="),
     ("bad_labels", r"micro-batch 0.*loss_fn\(outputs, labels\) failed(.|\n)*labels: \(tensor"),
@@ -256,8 +274,8 @@ def stalled_worker():
 
 
 def test_a_silent_peer_ends_in_an_error_naming_it():
-    with pytest.raises(pk.RankError, match=r"rank 1 failed(.|\n)*stage 1, step 0, micro-batch 0, "
-                       r"instruction RECV_F0\] rank 1 waited 3s to receive from rank 0"):
+    with pytest.raises(pk.RankError, match=r"rank 1 failed(.|\n)*stage 1, train step 1, schedule step 0, "
+                       r"micro-batch 0, instruction RECV_F0\] rank 1 waited 3s to receive from rank 0"):
         run_ranks(stalled_worker, 2, timeout=300)
 
 
@@ -274,3 +292,43 @@ def test_iterables_and_cycles_are_accepted():
     # itertools.cycle is the recommended way to feed a finite loader
     it = itertools.cycle(mlp_data(0, 0, 1))
     assert next(it)[0].shape == (4, 8)
+
+
+
+def _set_optimizer_worker() -> tuple[list[float], dict]:
+    engine = pk.PipelineEngine(mlp(num_stages=2), None, micro_batches=2)
+    errors = []
+    try:
+        engine.set_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
+    except pk.ConfigError as err:
+        errors.append(str(err))
+    engine.set_optimizer(sgd(engine.module.parameters()),
+                         lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    losses = [float(engine.train_batch(iter(mlp_data(step, 0, 2)))) for step in range(3)]
+    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    lr = engine.optimizer.param_groups[0]["lr"]
+    engine.close()
+    return losses, state, errors, lr
+
+
+def test_set_optimizer_attaches_an_optimizer_and_scheduler_built_after_the_stage():
+    """A host (Lightning's configure_optimizers) builds them over engine.module once it
+    exists: the same training as a factory given to the constructor."""
+    class Halving(torch.optim.SGD):  # the reference's optimizer with the scheduler inside
+        def __init__(self, params):
+            super().__init__(params, lr=0.05, momentum=0.9)  # models.sgd
+            self.scheduler = torch.optim.lr_scheduler.StepLR(self, 1, 0.5)
+
+        def step(self, closure=None):
+            super().step(closure)
+            self.scheduler.step()
+
+    results = run_ranks(_set_optimizer_worker, 2)
+    ref_losses, ref_state = reference_train(mlp(), Halving,
+                                            [[mlp_data(s, 0, 2)] for s in range(3)], 2)
+    for losses, state, errors, lr in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        for key, value in state.items():
+            torch.testing.assert_close(value, ref_state[key], rtol=1e-5, atol=1e-6)
+        assert "does not train" in errors[0]
+        assert lr == pytest.approx(0.05 / 8)

@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.engine.launch import free_port
+from pipekernel.engine.launch import free_port, start_context
 
 TIMEOUT = 60.0   # the engine's timeout: what a rank without abort propagation would wait
 FAST = 15.0      # fault -> last rank's error, with a wide margin for a loaded machine
-HARNESS = 120.0  # the harness kills everything after this
+HARNESS = 300.0  # the harness kills everything after this (a starved machine is slow)
 
 #: figures for the report: (test, faults injected, ranks with a named error, worst seconds)
 FIGURES: list[tuple[str, int, int, float]] = []
@@ -42,6 +42,7 @@ FIGURES: list[tuple[str, int, int, float]] = []
 
 # -- the harness ------------------------------------------------------------------------
 def _child(fn, args, rank, env, results):
+    os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
@@ -50,15 +51,17 @@ def _child(fn, args, rank, env, results):
         results.put((rank, {"uncaught": f"{type(err).__name__}: {err}"}))
 
 
-def run_faulty(fn, nprocs, *args):
+def run_faulty(fn, nprocs, *args, tcp_store=False):
     """Run ``fn(*args)`` on ``nprocs`` ranks; ``({rank: result}, {rank: exit code})``.
-    Ranks that die report nothing; every process is gone when this returns."""
-    ctx = mp.get_context("spawn")
+    Ranks that die report nothing; every process is gone when this returns.
+    ``tcp_store``: a raw ``env://`` launch, rank 0 serving the TCP store (else a file store,
+    as ``pk.launch``)."""
+    ctx = start_context()  # as pk.launch's workers: forked from a server that imported torch
     results = ctx.Queue()
     store = tempfile.mkdtemp(prefix="pk-faults-")
-    base = {"WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+    base = {**os.environ, "WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()), "GLOO_SOCKET_IFNAME": "lo",
-            "PIPEKERNEL_INIT_METHOD": f"file://{store}/store"}
+            **({} if tcp_store else {"PIPEKERNEL_INIT_METHOD": f"file://{store}/store"})}
     procs = [ctx.Process(target=_child, args=(fn, args, r, {**base, "RANK": str(r),
                                                              "LOCAL_RANK": str(r)}, results))
              for r in range(nprocs)]
@@ -146,14 +149,16 @@ def data(step, n=4):
 def worker(case, stages, fault_file, steps=3):
     os.environ["PK_FAULT_FILE"] = fault_file
     rank = int(os.environ["RANK"])
-    kind = {"raise": "raise", "kill": "kill", "reshape": "reshape"}.get(case)
+    kind = {"raise": "raise", "kill": "kill", "kill-first": "kill",
+            "reshape": "reshape"}.get(case)
     micro_batches = 3 if case == "config" and rank == 2 else 4
     options = {"nonfinite": "skip"} if case == "nonfinite-skip" else {}
     start = time.time()
     engine = None
     losses = []
     try:
-        engine = pk.PipelineEngine(model(stages, kind), micro_batches=micro_batches,
+        engine = pk.PipelineEngine(model(stages, kind, 0 if case == "kill-first" else 2),
+                                   micro_batches=micro_batches,
                                    optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
                                    timeout=TIMEOUT, **options)
         for step in range(steps):
@@ -215,14 +220,15 @@ def fault_file(tmp_path):
 
 
 # -- the faults ---------------------------------------------------------------------------
-ABORT = (r"rank {r} failed first \(stage {r}, step \d+, micro-batch {m}, instruction "
-         r"{ins}\) with {typ}")
+ABORT = (r"rank {r} failed first \(stage {r}, train step {t}, schedule step \d+, "
+         r"micro-batch {m}, instruction {ins}\) with {typ}")
 
 
 def test_a_layer_that_raises_ends_every_rank_naming_it(fault_file):
     results, codes = run_faulty(worker, 4, "raise", 4, fault_file)
-    expect = {r: ABORT.format(r=2, m=1, ins="F1", typ="InstructionError") for r in (0, 1, 3)}
-    expect[2] = r"\[rank 2, stage 2, step \d+, micro-batch 1, instruction F1\] ValueError.*boom"
+    expect = {r: ABORT.format(r=2, t=2, m=1, ins="F1", typ="InstructionError") for r in (0, 1, 3)}
+    expect[2] = (r"\[rank 2, stage 2, train step 2, schedule step \d+, micro-batch 1, "
+                 r"instruction F1\] ValueError.*boom")
     _check("layer raises", results, codes, fault_file, expect)
     for r in (0, 1, 3):  # the failing rank's location travels with the error
         assert (results[r]["type"], results[r]["rank"], results[r]["stage"],
@@ -239,6 +245,20 @@ def test_a_killed_rank_ends_every_survivor_naming_its_peer(fault_file):
     _check("peer SIGKILLed", results, codes, fault_file, expect, dead=(2,))
 
 
+def test_the_store_hosts_death_is_named_not_its_closed_connection(fault_file):
+    # a raw env:// launch (no torchrun agent): rank 0 serves the store, so killing it
+    # closes the store too; every survivor names rank 0 (not "connection closed")
+    results, codes = run_faulty(worker, 2, "kill-first", 2, fault_file, tcp_store=True)
+    expect = {r: r"^\[rank 0, train step 2\] the store's host, rank 0, is gone: rank 0 died "
+                 r"or failed first \(the store connection failed: .*\n  how to fix: rank 0: "
+                 r"look at its log and exit code; under torchrun the agent hosts the store "
+                 r"instead, and --max-restarts restarts a job that lost a rank"
+              for r in (1,)}
+    _check("store host SIGKILLed", results, codes, fault_file, expect, dead=(0,))
+    for r in (1,):
+        assert (results[r]["type"], results[r]["rank"]) == ("PeerAbort", 0)
+
+
 def test_configuration_mismatch_is_an_error_on_every_rank(fault_file):
     results, codes = run_faulty(worker, 4, "config", 4, fault_file)
     pattern = r"disagree on their configuration.*micro_batches: 4 on ranks 0, 1, 3; 3 on rank 2"
@@ -248,23 +268,28 @@ def test_configuration_mismatch_is_an_error_on_every_rank(fault_file):
 
 def test_iterator_running_out_on_the_first_stage_only(fault_file):
     results, codes = run_faulty(worker, 4, "short-iter", 4, fault_file)
-    expect = {r: r"rank 0 failed first \(stage 0, step \d+, micro-batch 2.*DataError.*ran out"
+    expect = {r: r"rank 0 failed first \(stage 0, train step 2, schedule step \d+, "
+                 r"micro-batch 2.*DataError.*ran out"
               for r in (1, 2, 3)}
-    expect[0] = r"\[rank 0, stage 0, step \d+, micro-batch 2, instruction LOAD2\].*ran out"
+    expect[0] = (r"\[rank 0, stage 0, train step 2, schedule step \d+, micro-batch 2, "
+                 r"instruction LOAD2\].*ran out")
     _check("first stage's iterator runs out", results, codes, fault_file, expect)
 
 
 def test_labels_of_the_wrong_structure_on_the_last_stage(fault_file):
     results, codes = run_faulty(worker, 4, "bad-labels", 4, fault_file)
-    expect = {r: r"rank 3 failed first \(stage 3, step \d+, micro-batch 0.*loss_fn" for r in range(3)}
-    expect[3] = r"\[rank 3, stage 3, step \d+, micro-batch 0.*loss_fn\(outputs, labels\) failed"
+    expect = {r: r"rank 3 failed first \(stage 3, train step 2, schedule step \d+, "
+                 r"micro-batch 0.*loss_fn" for r in range(3)}
+    expect[3] = (r"\[rank 3, stage 3, train step 2, schedule step \d+, micro-batch 0.*"
+                 r"loss_fn\(outputs, labels\) failed")
     _check("wrong label structure", results, codes, fault_file, expect)
 
 
 def test_loaders_shuffled_differently_are_caught(fault_file):
     results, codes = run_faulty(worker, 2, "shuffled", 2, fault_file)
     expect = {0: r"rank 1 failed first.*micro-batch 0.*DataError.*fingerprints differ",
-              1: r"\[rank 1, stage 1, step 0, micro-batch 0.*micro-batch 0: the labels the last "
+              1: r"\[rank 1, stage 1, train step 1, schedule step 0, micro-batch 0.*"
+                 r"micro-batch 0: the labels the last "
                  r"stage read are not the ones the first stage read"}
     _check("loaders shuffled differently", results, codes, fault_file, expect)
 

@@ -47,12 +47,59 @@ def test_kernel_dispatches_in_order_and_calls_hooks():
     assert kernel.position is None
 
 
+def test_kernel_walks_a_plan_by_index_and_resolves_its_handlers_once():
+    from pipekernel.schedules.comm import plan_communication
+
+    steps = [[isa.LoadMicroBatch(0), isa.Forward(0)], [isa.SendActivation(0)],
+             [isa.LoadMicroBatch(1), isa.Forward(1)], [isa.SendActivation(1)]]
+    plan = plan_communication(steps, stage=0, num_stages=2)
+    entered, done = [], []
+
+    class Table(dict):  # counts the lookups the kernel makes in the dispatch table
+        lookups = 0
+
+        def get(self, key, default=None):
+            Table.lookups += 1
+            return super().get(key, default)
+
+    kernel = pk.Kernel({isa.MicroBatchInstruction: lambda i: done.append(str(i))},
+                       enter=entered.append)
+    kernel.handlers = Table(kernel.handlers)
+    for _ in range(3):
+        kernel.run(plan)
+    assert entered == [0, 1, 2, 3, 4, 5] * 3  # the stream index, before each handler
+    assert done == [str(i) for i in plan.stream] * 3
+    # one MRO walk per instruction type (3 types, 2-3 classes each), none per instruction
+    assert Table.lookups <= 9
+    with pytest.raises(pk.InstructionError, match=r"step 1, micro-batch 0"):
+        pk.Kernel({isa.LoadMicroBatch: lambda i: None, isa.Forward: lambda i: None,
+                   isa.SendActivation: lambda i: 1 / 0}).run(plan)
+
+
+def test_one_container_walker_keeps_every_container():
+    from collections import namedtuple
+
+    from pipekernel.nested import map_tensors, tensors_of
+    from pipekernel.testing import _to
+
+    Pair = namedtuple("Pair", "a b")
+    obj = {"x": [torch.ones(1), (torch.zeros(2), None)], "p": Pair(torch.ones(3), "s")}
+    doubled = map_tensors(lambda t: t * 2, obj)
+    assert list(doubled) == ["x", "p"] and isinstance(doubled["x"], list)
+    assert isinstance(doubled["x"][1], tuple) and doubled["x"][1][1] is None
+    assert isinstance(doubled["p"], Pair) and doubled["p"].b == "s"
+    assert [t.numel() for t in tensors_of(doubled)] == [1, 2, 3]
+    assert float(doubled["p"].a.sum()) == 6.0
+    moved = _to(obj, "cpu")  # the test oracle's mover keeps dicts (it dropped them before)
+    assert isinstance(moved, dict) and torch.equal(moved["x"][0], obj["x"][0])
+
+
 def test_kernel_missing_handler_names_rank_stage_step_and_instruction():
     kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=5, stage=2)
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]])
     text = str(info.value)
-    assert text.startswith("[rank 5, stage 2, step 1, instruction STEP] no handler for "
+    assert text.startswith("[rank 5, stage 2, schedule step 1, instruction STEP] no handler for "
                            "instruction OptimizerStep")
     assert "pipekernel_register_instructions" in text and "Forward" in text
 
@@ -123,3 +170,16 @@ def test_errors_pickle_with_their_location():
     err = pk.TransportTimeout("late", peer=3, rank=1, hint="wait longer").locate(stage=2)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is pk.TransportTimeout and back.peer == 3 and str(back) == str(err)
+
+
+def test_errors_say_which_batch_in_words():
+    # the engine tells the kernel which batch runs: a train step or an eval after one
+    kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=1, stage=0)
+    with pytest.raises(pk.InstructionError) as info:
+        kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]], train_step=126)
+    assert str(info.value).startswith("[rank 1, stage 0, train step 126, schedule step 1, "
+                                      "instruction STEP] no handler for ")
+    with pytest.raises(pk.InstructionError) as info:
+        kernel.run([[isa.OptimizerStep()]], eval_after=125)
+    assert str(info.value).startswith("[rank 1, stage 0, eval after train step 125, "
+                                      "schedule step 0, instruction STEP] ")

@@ -68,7 +68,7 @@ def test_instruction_error_hook_adds_details_to_the_located_error():
         run([Diagnose()], [[isa.Forward(0)], [isa.RecvGrad(4)]],
             {isa.Forward: lambda i: None, isa.RecvGrad: fail})
     text = str(info.value)
-    assert "[rank 0, stage 3, step 1, micro-batch 4, instruction RECV_B4]" in text
+    assert "[rank 0, stage 3, schedule step 1, micro-batch 4, instruction RECV_B4]" in text
     assert text.endswith("seen by a plugin at RECV_B4") and info.value.peer == 2
 
     def crash(instruction):

@@ -49,16 +49,18 @@ def test_the_console_script_lives_beside_the_apps():
 # -- the layers, as folders: each may import only the ones listed (and itself) ---------------
 # Bottom to top. ``errors`` is the shared vocabulary every layer speaks; ``testing`` and the
 # two facades (``pipekernel``, ``pipekernel.plugin``) sit on top of everything.
+_BASE = {"errors", "nested"}  # the shared vocabulary: errors and the container walker
 LAYERS = {
     "errors": set(),
-    "schedules": {"errors"},                       # layer 0: ISA, schedules, simulator
-    "comm": {"errors"},                            # transport protocol, wire, collectives
-    "grid": {"errors", "comm"},                    # topology, TP, ZeRO, partitioned activations
-    "kernel": {"errors", "schedules"},             # layer 1: the instruction loop
-    "step": {"errors", "grid"},                    # reductions, precision protocol, optimizer step
-    "extend": {"errors", "schedules", "comm", "step"},  # hookspecs, plugin manager, built-ins
-    "stage": {"errors", "schedules", "comm", "grid", "kernel", "step", "extend"},
-    "engine": {"errors", "schedules", "comm", "grid", "kernel", "step", "extend", "stage"},
+    "nested": set(),                               # the one nested-container walker
+    "schedules": _BASE,                            # layer 0: ISA, schedules, simulator
+    "comm": _BASE,                                 # transport protocol, wire, collectives
+    "grid": _BASE | {"comm"},                      # topology, TP, ZeRO, partitioned activations
+    "kernel": _BASE | {"schedules"},               # layer 1: the instruction loop
+    "step": _BASE | {"schedules", "grid"},         # reductions, precision, the step's handlers
+    "extend": _BASE | {"schedules", "comm", "step"},  # hookspecs, plugin manager, built-ins
+    "stage": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend"},
+    "engine": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend", "stage"},
 }
 TOP = {"__init__", "plugin", "testing"}
 

@@ -74,6 +74,17 @@ def test_zbv_mixed_dtype_activations():
     check("masked", 2, 1, 3, "zbv")
 
 
+def test_zb_h2_two_stages():
+    # up to 2 S - 1 = 3 parts in flight on stage 0, W deferred into the tail
+    check("mlp", 2, 1, 5, "zb-h2", optimizer=adam)
+
+
+def test_dualpipev_two_stages():
+    # full backwards paired with forwards in the steady state, I/W splits in the drain,
+    # the tied embedding on the first and the last part (both on stage 0)
+    check("tied", 2, 1, 4, "dualpipev", optimizer=adam)
+
+
 def bad_chunks_worker():
     build, _ = MODELS["mlp"]
     pk.PipelineEngine(build(num_stages=2), optimizer=sgd, micro_batches=4, schedule="zbv",

@@ -44,6 +44,8 @@ def test_auto_picks_the_predicted_fastest_and_ranks_every_candidate():
     for name, cls in TRAINING.items():
         for chunks in {c for c in (1, 2) if cls.min_chunks <= c <= cls.max_chunks}:
             assert {(name, chunks, m) for m in costs} <= seen
+    simulated = {c.schedule for c in plan.candidates if c.predicted_step_s is not None}
+    assert {"zb-h1", "zb-h2", "zbv", "dualpipev"} <= simulated
     # the prediction is the simulator's makespan under the per-stage costs
     cls, m, c = TRAINING[plan.schedule], plan.micro_batches, plan.chunks
     layer = costs[m].forward_s[0]

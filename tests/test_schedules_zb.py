@@ -1,4 +1,5 @@
-"""Layer 0: interleaved 1F1B, ZB-H1 and ZB-V, checked by the simulator (no torch)."""
+"""Layer 0: interleaved 1F1B, ZB-H1, ZB-H2, ZB-V and DualPipeV, checked by the simulator
+(no torch)."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from pipekernel.schedules.instructions import (
 )
 from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
 from pipekernel.schedules import (
-    ZBH1, ZBV, Interleaved1F1B, OneFOneB, format_grid, simulate,
+    ZBH1, ZBH2, ZBV, DualPipeV, Interleaved1F1B, OneFOneB, format_grid, simulate,
 )
 from pipekernel.schedules.comm import plan_communication
 from pipekernel.schedules.placement import peer
@@ -32,7 +33,10 @@ def _cases():
             if _interleaved_valid(stages, micro_batches, chunks):
                 yield Interleaved1F1B, stages, micro_batches, chunks
         yield ZBH1, stages, micro_batches, 1
+        yield ZBH2, stages, micro_batches, 1
         yield ZBV, stages, micro_batches, 2
+        if micro_batches >= 2 * stages:
+            yield DualPipeV, stages, micro_batches, 2
 
 
 def _pair_orders(cls, stages, micro_batches, chunks):
@@ -57,6 +61,11 @@ def _pair_orders(cls, stages, micro_batches, chunks):
     return sent, received
 
 
+def _by_kind(orders):
+    return {(pair, kind): [m for m in messages if m[0] == kind]
+            for pair, messages in orders.items() for kind in ("act", "grad")}
+
+
 # -- the grid: every size simulates, buffers are declared exactly ---------------------------
 
 def test_every_size_simulates_with_exact_buffers_and_ordered_pairs():
@@ -67,6 +76,11 @@ def test_every_size_simulates_with_exact_buffers_and_ordered_pairs():
                          for s in range(stages))
         assert result.buffers == declared, (cls.name, stages, micro_batches, chunks)
         sent, received = _pair_orders(cls, stages, micro_batches, chunks)
+        if cls is DualPipeV:
+            # its pairs send a forward's activation and another micro-batch's gradient to
+            # the same rank in either order: each kind has its own lane (the engine
+            # requires the transport's lanes), so the order holds per kind
+            sent, received = _by_kind(sent), _by_kind(received)
         assert sent == received, (cls.name, stages, micro_batches, chunks)
 
 
@@ -75,6 +89,11 @@ def test_registered_by_name_with_their_chunk_rules():
     assert resolve_schedule(pm, "interleaved") is Interleaved1F1B
     assert resolve_schedule(pm, "zb-h1") is ZBH1
     assert resolve_schedule(pm, "zbv") is ZBV
+    assert resolve_schedule(pm, "zb-h2") is ZBH2
+    assert resolve_schedule(pm, "dualpipev") is DualPipeV
+    assert (ZBH2.placement, ZBH2.max_chunks) == ("loop", 1)
+    assert (DualPipeV.placement, DualPipeV.min_chunks, DualPipeV.max_chunks,
+            DualPipeV.default_chunks) == ("v", 2, 2, 2)
     assert (Interleaved1F1B.placement, Interleaved1F1B.min_chunks, Interleaved1F1B.max_chunks,
             Interleaved1F1B.default_chunks) == ("loop", 1, 8, 2)
     assert (ZBH1.placement, ZBH1.max_chunks) == ("loop", 1)
@@ -111,7 +130,7 @@ def test_conventions_loads_steps_and_tail():
             for step in steps:  # one compute instruction per step
                 assert sum(isinstance(i, COMPUTE) for i in step) == 1
             loads = [i for step in steps for i in step if isinstance(i, LoadMicroBatch)]
-            if cls is ZBV or stages == 1:  # one stage holds both ends: one load, chunk 0
+            if cls.placement == "v" or stages == 1:  # one stage holds both ends: one load
                 expected = [0] * micro_batches if s == 0 else []
             else:
                 expected = ([0] * micro_batches if s == 0 else []) + (
@@ -124,7 +143,7 @@ def test_conventions_loads_steps_and_tail():
                         assert (i.micro_batch, i.chunk) == (compute.micro_batch, compute.chunk)
                     if isinstance(i, (RecvGrad, SendGrad)):
                         assert isinstance(compute, (Backward, BackwardInput))
-            if cls is not Interleaved1F1B:
+            if cls not in (Interleaved1F1B, DualPipeV):  # DualPipeV mixes B with I/W
                 flat = [i for step in steps for i in step]
                 assert not any(isinstance(i, Backward) for i in flat)
 
@@ -147,18 +166,82 @@ def test_zbv_turn_of_the_v_is_a_local_hand_off():
 @pytest.mark.parametrize("stages,micro_batches", [(4, 8), (2, 8), (4, 16), (8, 16)])
 def test_bubble_below_1f1b(stages, micro_batches):
     base = simulate(OneFOneB, stages, micro_batches, costs=COSTS).bubble_fraction
-    for cls, chunks in ((Interleaved1F1B, 2), (ZBH1, 1), (ZBV, 2)):
+    for cls, chunks in ((Interleaved1F1B, 2), (ZBH1, 1), (ZBH2, 1), (ZBV, 2), (DualPipeV, 2)):
+        if cls is DualPipeV and micro_batches < 2 * stages:
+            continue
         bubble = simulate(cls, stages, micro_batches, chunks, costs=COSTS).bubble_fraction
         assert bubble < base, (cls.name, bubble, base)
     zbv = simulate(ZBV, stages, micro_batches, 2, costs=COSTS).bubble_fraction
     assert zbv < simulate(ZBH1, stages, micro_batches, costs=COSTS).bubble_fraction
 
 
-def test_zbh1_memory_is_1f1b_memory_on_every_stage():
+def test_zero_bubble_memory_is_the_papers():
+    # ZB-H1: no stage above 1F1B's peak (stage 0's min(S, M)); ZB-H2: at most 2 S - 1
     for stages, micro_batches in SIZES:
-        ones = simulate(OneFOneB, stages, micro_batches).buffers
-        zb = simulate(ZBH1, stages, micro_batches, costs=COSTS).buffers
-        assert all(z <= o for z, o in zip(zb, ones)), (stages, micro_batches, zb, ones)
+        peak = max(simulate(OneFOneB, stages, micro_batches).buffers)
+        assert peak == min(stages, micro_batches)
+        assert max(simulate(ZBH1, stages, micro_batches, costs=COSTS).buffers) == peak
+        h2 = simulate(ZBH2, stages, micro_batches, costs=COSTS).buffers
+        assert max(h2) == min(2 * stages - 1, micro_batches), (stages, micro_batches, h2)
+
+
+@pytest.mark.parametrize("stages", [4, 8])
+@pytest.mark.parametrize("micro_batches", [8, 16, 32])
+def test_zero_bubble_times_are_the_papers(stages, micro_batches):
+    """Qi et al. (ICLR 2024) Table 1 at T_F = T_B = T_W = 1: 1F1B takes
+    M (F+B+W) + (p-1)(F+B+W), ZB-H1 M (F+B+W) + (p-1)(F+B-W), ZB-H2's stages
+    M (F+B+W) + (p-1)(F+B-2W) each (a parallelogram: the paper drops the end-of-batch
+    synchronisation; with it the batch adds the fill (p-1) F). ZB-H2 needs M >= 2p - 1
+    micro-batches to fill its warm-up: with fewer, stage 0 waits 2p - 1 - M units for
+    its first backward whatever the schedule."""
+    p, m = stages, micro_batches
+    work = 3 * m
+    assert simulate(OneFOneB, p, m, costs=COSTS).makespan == work + (p - 1) * 3
+    h1 = simulate(ZBH1, p, m, costs=COSTS)
+    assert h1.makespan == work + (p - 1) * 1
+    assert h1.bubble_fraction == pytest.approx(1 - work / (work + p - 1))
+    h2 = simulate(ZBH2, p, m, costs=COSTS)
+    assert max(h2.spans) == work + (p - 1) * 0 + max(0, 2 * p - 1 - m)
+    if m >= 2 * p - 1:
+        assert h2.spans == (work,) * p  # no stage idles between its first F and last W
+    assert h2.makespan == h1.makespan  # the fill, paid once with the synchronisation
+
+
+def test_zb_h2_beats_zb_h1_when_the_weight_pass_is_cheap():
+    # (p-1)(F+B-2W) < (p-1)(F+B-W): with W < F the parallelogram's spans are shorter
+    costs = {Forward: 1.0, BackwardInput: 1.0, BackwardWeight: 0.5}
+    h1 = simulate(ZBH1, 4, 16, costs=costs)
+    h2 = simulate(ZBH2, 4, 16, costs=costs)
+    assert max(h2.spans) < max(h1.spans)
+    assert h2.makespan <= h1.makespan
+
+
+def test_dualpipev_needs_two_micro_batches_per_stage():
+    with pytest.raises(ConfigError, match=r"dualpipev with 4 stage\(s\) needs micro_batches "
+                                          r">= 8 \(2 x num_stages\), got 6"):
+        DualPipeV(4, 0, 6)
+    with pytest.raises(ConfigError, match="exactly 2"):
+        DualPipeV(2, 0, 4, chunks=1)
+
+
+def test_dualpipev_pairs_forward_and_backward_of_different_micro_batches():
+    stages, micro_batches = 4, 12
+    result = simulate(DualPipeV, stages, micro_batches, 2, costs=COSTS)
+    for s in range(stages):
+        ops = [(type(i).__name__[0] if not isinstance(i, (BackwardInput, BackwardWeight))
+                else type(i).__name__[-5], i.chunk, i.micro_batch)
+               for _, _, i in result.timeline[s]]
+        # the steady state alternates F chunk 0, B chunk 1, F chunk 1, B chunk 0
+        steady = [(k, c) for k, c, _ in ops]
+        pattern = [("F", 0), ("B", 1), ("F", 1), ("B", 0)]
+        runs = sum(steady[i:i + 4] == pattern for i in range(len(steady) - 3))
+        assert runs >= micro_batches - 2 * stages + s, (s, steady)
+        pairs = [(a, b) for a, b in zip(ops, ops[1:]) if a[0] == "F" and b[0] == "B"]
+        assert all(a[2] != b[2] or a[1] != b[1] for a, b in pairs)
+    # the V's memory: at most 2 S + 1 parts (half a stage each) per rank
+    assert max(result.buffers) <= 2 * stages + 1
+    zbv = simulate(ZBV, stages, micro_batches, 2, costs=COSTS)
+    assert result.makespan <= zbv.makespan
 
 
 def test_zbv_memory_is_1f1b_first_stage_memory():

@@ -445,3 +445,90 @@ def test_custom_function_split_nodes(position):
     if position != "first":
         torch.testing.assert_close(gx, gx_ref, rtol=0, atol=ATOL)
     assert_same_grads(model, ref)
+
+
+# ---------------------------------------------------------------- checkpointing, compile, plans
+
+class Checkpointed(nn.Module):
+    """Two Linear + tanh blocks, each under activation checkpointing."""
+
+    def __init__(self, reentrant=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+class Compiled(nn.Module):
+    """A torch.compile'd Linear + LayerNorm between two eager Linears: the compiled part is
+    one custom autograd Function holding an activation and parameters (aot_eager: no C++
+    toolchain needed, the same autograd structure as inductor's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.post = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+        self.compiled = torch.compile(self.inner, backend="aot_eager", dynamic=False)
+
+    def forward(self, x):
+        return self.post(torch.tanh(self.compiled(torch.tanh(self.pre(x)))))
+
+
+@pytest.mark.parametrize("build,position", [
+    (Checkpointed, "middle"), (Checkpointed, "first"), (Checkpointed, "last"),
+    (Compiled, "middle")], ids=["checkpoint-middle", "checkpoint-first", "checkpoint-last",
+                                "compiled-middle"])  # one compile only: it is slow on CPU
+def test_checkpointed_and_compiled_layers_split_like_a_full_backward(build, position):
+    torch.manual_seed(0)
+    model = build()
+    ref = copy.deepcopy(model)
+    if isinstance(model, Compiled):  # the reference runs the same layers eagerly
+        ref.compiled = ref.inner
+    for seed in range(2):  # two micro-batches: the second reuses the first one's plan
+        gx = split_step(model, position, seed)
+        gx_ref = full_step(ref, position, seed)
+        if position != "first":
+            torch.testing.assert_close(gx, gx_ref, rtol=0, atol=ATOL)
+    assert_same_grads(model, ref)
+
+
+def test_reentrant_checkpointing_is_a_clear_error():
+    model = Checkpointed(reentrant=True)
+    x = torch.randn(2, 8, requires_grad=True)
+    out = model(x)
+    with pytest.raises(PipelineError, match=r"use_reentrant=True.*\n.*use_reentrant=False"):
+        backward_input([out], [torch.ones_like(out)], [x], list(model.parameters()))
+
+
+def test_the_split_is_planned_once_per_graph_shape(monkeypatch):
+    from pipekernel.stage import split_backward as sb
+    monkeypatch.setattr(sb, "_PLANS", {})
+    made = []
+    real = sb._Plan
+    monkeypatch.setattr(sb, "_Plan", lambda *a: made.append(a) or real(*a))
+
+    class Branchy(nn.Module):
+        """The graph's shape depends on the data: a second Linear for positive sums."""
+
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.b(h) * h if bool(x.sum() > 0) else h
+
+    torch.manual_seed(0)
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    for seed in range(6):
+        split_step(model, "middle", seed)
+        full_step(ref, "middle", seed)
+    assert_same_grads(model, ref)
+    shapes = {bool(sample(Branchy, seed).sum() > 0) for seed in range(6)}
+    assert len(made) == len(shapes) == 2  # one plan per shape, reused for the other seeds

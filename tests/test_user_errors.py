@@ -37,8 +37,8 @@ def test_instruction_error_names_the_failing_layer_and_its_class():
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(3)]])
     assert str(info.value).startswith(
-        "[rank 1, stage 1, step 0, micro-batch 3, instruction F3] ValueError in layer 2 "
-        "(Broken) while running F3: shapes do not fit")
+        "[rank 1, stage 1, schedule step 0, micro-batch 3, instruction F3] ValueError in "
+        "layer 2 (Broken) while running F3: shapes do not fit")
 
 
 # -- did you mean -----------------------------------------------------------------------------

@@ -263,6 +263,20 @@ def test_renamed_key_with_the_same_tensors_is_detected():
     assert list(got) == ["b"]
 
 
+def test_scalars_equal_in_python_but_not_on_the_wire_are_a_metadata_change():
+    """The fast path compares a key, not the encoded metadata: ``1 == True == 1.0`` and
+    ``0.0 == -0.0`` in Python, so the key must still tell them apart."""
+    sender, receiver, counts = _pair()
+    x = torch.ones(2)
+    per_transfer = []
+    for value in [1, True, 1.0, 1.0, 0.0, -0.0, -0.0, 1]:
+        before = counts["messages"]
+        got = _transfer(sender, receiver, (x, value))
+        assert type(got[1]) is type(value) and str(got[1]) == str(value), (got, value)
+        per_transfer.append(counts["messages"] - before)
+    assert per_transfer == [3, 3, 3, 1, 3, 3, 1, 3]  # a change: 3 messages, the fast path 1
+
+
 @pytest.mark.parametrize("value,path", [({"a": {"b": "text"}}, r"outputs\['a'\]\['b'\] is a str"),
                                         ({"a": [torch.ones(1), object()]}, r"outputs\['a'\]\[1\]"),
                                         ({1: torch.ones(1)}, r"outputs has the key 1 \(int\)"),

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, TransportError
+from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import P2POp
 from pipekernel.transports.device_watch import DeviceWatch
 from pipekernel.transports.gloo import TorchDistributedTransport
@@ -164,7 +165,8 @@ class _EventHandle:
         self._done = event is None  # nothing was posted (an empty message)
 
     def is_completed(self) -> bool:
-        return self._done or bool(self._event.query())
+        # really finished: a wait() only ordered the current stream after the event
+        return self._event is None or bool(self._event.query())
 
     def wait(self) -> None:
         ops = self._ops
@@ -273,13 +275,14 @@ class CupyNcclTransport:
     :param timeout: seconds for every wait.
     :param group: a torch.distributed process group to span instead of the world
         (as for gloo); only members create the transport.
-    :param lanes: independent lanes (tags), one communicator each (default 8).
+    :param lanes: lanes (tags), one communicator each; default: as many as the pipeline
+        needs, opened by the engine (:meth:`open_lanes`).
     :param watch_interval: seconds between the device watch's rounds (default 1).
     """
 
     backend = "cupy-nccl"
 
-    def __init__(self, timeout: float = 300.0, group: Any = None, lanes: int = 8,
+    def __init__(self, timeout: float = 300.0, group: Any = None, lanes: int | None = None,
                  watch_interval: float = 1.0, **options: Any) -> None:
         if options:
             raise ConfigError(f"unknown cupy-nccl transport options: {sorted(options)}",
@@ -321,14 +324,28 @@ class CupyNcclTransport:
             raise ConfigError("transport 'cupy-nccl' found no torch.distributed store to "
                               "exchange NCCL ids through",
                               hint="start with torchrun or pipekernel.engine.launch()")
-        made = store.add(f"pipekernel/cupy-nccl/{where}/made/{self.rank}", 1)
-        self._prefix = f"pipekernel/cupy-nccl/{where}/{made}"
-        self.max_tags = int(lanes)
-        if self.max_tags < 1:
-            raise ConfigError(f"cupy-nccl transport option lanes={lanes} must be >= 1")
+        # keyed by attempt (pipekernel.comm.attempt): a restart never reads a dead id
+        base = f"{attempt_prefix()}/cupy-nccl/{where}"
+        made = store.add(f"{base}/made/{self.rank}", 1)
+        self._prefix = f"{base}/{made}"
+        self._fixed_lanes = lanes is not None
+        self.max_tags = int(lanes) if lanes is not None else 0
+        if self._fixed_lanes and self.max_tags < 1:
+            raise ConfigError(f"cupy-nccl transport option lanes={lanes} must be >= 1",
+                              hint="leave it out: the engine opens as many as it needs")
         self._world = self._communicator(world)
         self._lanes = [self._communicator(world) for _ in range(self.max_tags)]
         self._groups: dict[tuple[int, ...], _Comm | None] = {}
+
+    def open_lanes(self, count: int) -> None:
+        """Create lane communicators up to ``count``; called by the engine on every rank
+        with the number the pipeline needs (optional member,
+        :mod:`pipekernel.comm.transport`). A count fixed by ``lanes`` is kept."""
+        if self._fixed_lanes or count <= self.max_tags:
+            return
+        world = list(range(self.world_size))
+        self._lanes += [self._communicator(world) for _ in range(count - self.max_tags)]
+        self.max_tags = count
 
     # -- set-up --------------------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, PeerAbort, TransportError, TransportTimeout
+from pipekernel.comm.attempt import attempt, keyed_store
 from pipekernel.comm.transport import wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
@@ -52,7 +53,6 @@ class _Handle:
             return
         transport = self._transport
         timeout, rank = transport.timeout, transport.rank
-        peer = transport.describe(self._peer) if self._peer is not None else "its group"
         if self._work.is_completed():
             error = None
             try:
@@ -68,37 +68,48 @@ class _Handle:
                                        getattr(transport, "abort_check", None),
                                        getattr(transport, "abort_interval", 0.5))
             except PeerAbort as err:
-                err.add_detail(f"rank {rank} was waiting to {self._what} {peer}")
+                err.add_detail(f"rank {rank} was waiting to {self._what} {self._describe()}")
                 raise
             error = box.error if finished else RuntimeError("Timed out (the waiter thread "
                                                             "never reported)")
         if error is not None:
-            check = getattr(transport, "abort_check", None)
-            if check is not None:  # a closed connection or a timeout is usually a symptom:
-                try:               # report the failure another rank published, if any
-                    check()
-                except PeerAbort as err:
-                    err.add_detail(f"rank {rank} was waiting to {self._what} {peer} "
-                                   f"({type(error).__name__}: {str(error)[:200]})")
-                    raise err from error
-            text = str(error)
-            if "imed out" in text or "timeout" in text.lower():
-                raise TransportTimeout(
-                    f"rank {rank} waited {timeout:g}s to {self._what} {peer} "
-                    f"and gave up", peer=self._peer, rank=rank,
-                    hint=f"check that rank {self._peer} is alive and runs the same schedule; "
-                         f"raise timeout= if it is just slow" if self._peer is not None else
-                         "check that every member of the group is alive and calls the same "
-                         "collectives in the same order; raise timeout= if one is just "
-                         "slow") from error
-            died = "closed" in text or "reset" in text.lower()
-            raise TransportError(
-                f"rank {rank} failed to {self._what} {peer}: {error}", rank=rank,
-                peer=self._peer,
-                hint=(f"{peer}'s connection closed: it probably died or failed first; look "
-                      f"at its log" if died and self._peer is not None else
-                      f"look at the log of {peer}: it probably failed first")) from error
+            self._raise(error)
         self._done = True
+
+    def _describe(self) -> str:
+        """The peer in words (error paths only: built when needed, not per wait)."""
+        if self._peer is None:
+            return "its group"
+        return self._transport.describe(self._peer)
+
+    def _raise(self, error: BaseException) -> None:
+        transport, peer = self._transport, self._describe()
+        timeout, rank = transport.timeout, transport.rank
+        check = getattr(transport, "abort_check", None)
+        if check is not None:  # a closed connection or a timeout is usually a symptom:
+            try:               # report the failure another rank published, if any
+                check()
+            except PeerAbort as err:
+                err.add_detail(f"rank {rank} was waiting to {self._what} {peer} "
+                               f"({type(error).__name__}: {str(error)[:200]})")
+                raise err from error
+        text = str(error)
+        if "imed out" in text or "timeout" in text.lower():
+            raise TransportTimeout(
+                f"rank {rank} waited {timeout:g}s to {self._what} {peer} "
+                f"and gave up", peer=self._peer, rank=rank,
+                hint=f"check that rank {self._peer} is alive and runs the same schedule; "
+                     f"raise timeout= if it is just slow" if self._peer is not None else
+                     "check that every member of the group is alive and calls the same "
+                     "collectives in the same order; raise timeout= if one is just "
+                     "slow") from error
+        died = "closed" in text or "reset" in text.lower()
+        raise TransportError(
+            f"rank {rank} failed to {self._what} {peer}: {error}", rank=rank,
+            peer=self._peer,
+            hint=(f"{peer}'s connection closed: it probably died or failed first; look "
+                  f"at its log" if died and self._peer is not None else
+                  f"look at the log of {peer}: it probably failed first")) from error
 
 
 class _Box:
@@ -167,6 +178,7 @@ class TorchDistributedTransport:
         self._waiter_thread: _Waiter | None = None
         self.group = group
         self._groups: dict[tuple[int, ...], Any] = {}
+        self._texts: dict[tuple[str, Any], str] = {}  # (collective, group) -> its words
         self._owns_group = not dist.is_initialized()
         if group is not None and self._owns_group:
             raise ConfigError("transport option group= needs an initialised process group",
@@ -180,14 +192,9 @@ class TorchDistributedTransport:
                     hint="start the processes with torchrun or pipekernel.engine.launch(), or call "
                          "torch.distributed.init_process_group() before creating the engine")
             _bind_defaults_before_init()
-            init = {}
-            if os.environ.get("PIPEKERNEL_INIT_METHOD"):  # pk.launch: a file store, no TCP port
-                init = {"init_method": _fresh_store(os.environ["PIPEKERNEL_INIT_METHOD"]),
-                        "rank": int(os.environ["RANK"]),
-                        "world_size": int(os.environ["WORLD_SIZE"])}
-            dist.init_process_group(self.backend,
-                                    timeout=datetime.timedelta(seconds=self._group_timeout()),
-                                    **init, **self._init_options())
+            timeout = datetime.timedelta(seconds=self._group_timeout())
+            dist.init_process_group(self.backend, timeout=timeout,
+                                    **_rendezvous(timeout), **self._init_options())
             _OWNED.add(self)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
@@ -275,9 +282,17 @@ class TorchDistributedTransport:
             raise TransportError(f"{what} over {ranks} failed on rank {self.rank}: {err}",
                                  rank=self.rank, hint="a peer in the group probably failed or "
                                  "timed out first; look at its log") from err
-        ranks = dist.get_process_group_ranks(group) if group is not None else None
-        return _Handle(work, self, None, f"finish a {what} over ranks {ranks} with"
-                       if ranks is not None else f"finish a {what} with")
+        return _Handle(work, self, None, self._finish_text(what, group))
+
+    def _finish_text(self, what: str, group: Any) -> str:
+        """How a wait for a collective names it (once per kind and group, not per call)."""
+        key = (what, group)
+        text = self._texts.get(key)
+        if text is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else None
+            text = self._texts[key] = (f"finish a {what} over ranks {ranks} with"
+                                       if ranks is not None else f"finish a {what} with")
+        return text
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
         self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op]).wait()
@@ -337,6 +352,27 @@ class TorchDistributedTransport:
         if self._waiter_thread is not None:  # its gloo wait (if any) ended with the group
             self._waiter_thread.stop()
             self._waiter_thread = None
+
+
+def _rendezvous(timeout: datetime.timedelta) -> dict[str, Any]:
+    """How the process group this transport creates meets: ``init_process_group``'s
+    arguments beyond the backend.
+
+    * under ``pk.launch``: a file store (no TCP port), one per group (:func:`_fresh_store`);
+    * under torchelastic (torchrun): torch's ``env://`` store seen through this attempt's
+      prefix (:func:`pipekernel.comm.attempt.keyed_store`), so that a restarted world never
+      reads the gloo addresses a dead attempt left in the agent's store; every
+      ``new_group`` (lanes, control lane) keys under it too;
+    * otherwise: torch's ``env://`` default.
+    """
+    if os.environ.get("PIPEKERNEL_INIT_METHOD"):
+        return {"init_method": _fresh_store(os.environ["PIPEKERNEL_INIT_METHOD"]),
+                "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+    if attempt() is None:
+        return {}
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    return {"store": keyed_store(store), "rank": rank, "world_size": world_size}
 
 
 _GENERATION = [0]

@@ -82,7 +82,8 @@ class _DeviceHandle:
         self._done = False
 
     def is_completed(self) -> bool:
-        return self._done or self._work.is_completed()
+        # really finished: a wait() only ordered the current stream after the work
+        return self._work.is_completed()
 
     def wait(self) -> None:
         transport = self._transport
@@ -105,7 +106,9 @@ class NcclTransport(TorchDistributedTransport):
     """GPU transport over NCCL (see the module docstring; options of
     :class:`TorchDistributedTransport` plus these).
 
-    :param lanes: independent lanes (tags), one process group each (default 8).
+    :param lanes: lanes (tags), one process group (one NCCL communicator) each; default:
+        as many as the pipeline needs, opened by the engine (:meth:`open_lanes`;
+        :func:`~pipekernel.schedules.lanes.lanes_needed`).
     :param watch_interval: seconds between the device watch's rounds (default 1).
     :param backstop: seconds the process groups' own NCCL watchdog waits beyond
         ``timeout`` before it aborts a communicator (default 60).
@@ -116,25 +119,23 @@ class NcclTransport(TorchDistributedTransport):
     def __init__(self, timeout: float = 300.0, group: Any = None, **options: Any) -> None:
         self._cuda = cuda_device_from_env("nccl")
         torch.cuda.set_device(self._cuda)
-        lanes = int(options.pop("lanes", 8))
+        lanes = options.pop("lanes", None)  # None: as many as the engine opens
         interval = float(options.pop("watch_interval", 1.0))
         self._backstop = float(options.pop("backstop", 60.0))
-        if lanes < 1:
-            raise ConfigError(f"nccl transport option lanes={lanes} must be >= 1")
+        if lanes is not None and int(lanes) < 1:
+            raise ConfigError(f"nccl transport option lanes={lanes} must be >= 1",
+                              hint="leave it out: the engine opens as many as it needs")
         self.timeout = float(timeout)
         super().__init__(timeout, group, **options)
         self._watch = DeviceWatch(self.rank, lambda work: work.is_completed(),
                                   describe=self.describe, interval=interval)
-        self._make_lanes(lanes)
+        self._fixed_lanes = lanes is not None
+        self._make_lanes(int(lanes) if lanes is not None else 0)
 
     def _make_lanes(self, count: int) -> None:
-        """Every rank creates the lanes at construction, in the same order (``new_group``
-        is collective)."""
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None \
-            else list(range(dist.get_world_size()))
-        # on a host's subgroup only its members get here: they synchronise among themselves
-        kwargs = {"timeout": self._timedelta(),
-                  **({"use_local_synchronization": True} if self.group is not None else {})}
+        """Every rank creates the control lane and ``count`` lanes at construction, in the
+        same order (``new_group`` is collective)."""
+        ranks, kwargs = self._group_args()
         # lanes apart from self.group: a collective never queues behind a posted receive
         self._lanes = [dist.new_group(ranks, **kwargs) for _ in range(count)]
         self.max_tags = count
@@ -142,6 +143,26 @@ class NcclTransport(TorchDistributedTransport):
 
         self.control = GlooTransport(timeout=self.timeout,
                                      group=dist.new_group(ranks, backend="gloo", **kwargs))
+
+    def _group_args(self) -> tuple[list[int], dict[str, Any]]:
+        """The ranks and ``new_group`` options of the lanes and the control lane."""
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None \
+            else list(range(dist.get_world_size()))
+        # on a host's subgroup only its members get here: they synchronise among themselves
+        kwargs = {"timeout": self._timedelta(),
+                  **({"use_local_synchronization": True} if self.group is not None else {})}
+        return ranks, kwargs
+
+    def open_lanes(self, count: int) -> None:
+        """Create lanes up to ``count`` (one process group, one NCCL communicator each);
+        called by the engine on every rank with the number the pipeline needs
+        (optional member, :mod:`pipekernel.comm.transport`). A count fixed by the
+        ``lanes`` option is kept (the engine then reports a shortfall)."""
+        if self._fixed_lanes or count <= self.max_tags:
+            return
+        ranks, kwargs = self._group_args()
+        self._lanes += [dist.new_group(ranks, **kwargs) for _ in range(count - self.max_tags)]
+        self.max_tags = count
 
     def _timedelta(self) -> Any:
         import datetime

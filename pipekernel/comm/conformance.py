@@ -368,6 +368,9 @@ def run_transport_conformance(transport: Transport, *, timeout_check: float | No
     :returns: the names of the checks that passed.
     :raises ConformanceError: at the first check that fails, naming it and the rank.
     """
+    opener = getattr(transport, "open_lanes", None)
+    if opener is not None:  # lanes made on demand (nccl, cupy-nccl): the checks use 4
+        opener(4)
     run = _Run(transport)
     passed = []
     solo = transport.world_size == 1

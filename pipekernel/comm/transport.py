@@ -21,32 +21,52 @@ Contract for implementers
   transport maps its ranks to the job's, the core never sees the difference.
 * **Point-to-point** (``isend``/``irecv``) is asynchronous: both return a
   :class:`Handle` at once. The caller owns the tensor and will not touch it
-  until ``handle.wait()`` returned. Messages between the same pair of ranks
-  arrive in the order they were posted (FIFO per direction and *tag*): the k-th
-  send from A to B with tag t fills B's k-th receive from A with tag t.
-* **Tags are independent lanes.** Operations with different tags between the
-  same pair never wait for one another, whatever the order they were posted in
-  (gloo: its tags; NCCL: one communicator per tag, since NCCL has no tags and
-  runs a communicator's operations in order on one stream). A transport supports
-  tags ``0 .. max_tags - 1``. The runtime gives each *channel* (one kind of
-  traffic of one chunk in one direction) its own tag, so a lane only ever
-  carries one channel's messages in one direction, in order.
+  until ``handle.wait()`` returned. Messages between the same pair of ranks on
+  the same lane arrive in the order they were posted: the k-th send from A to B
+  on lane t fills B's k-th receive from A on lane t, whatever they carry.
+* **Lanes (tags).** A lane is **one ordered stream per rank**: the operations a
+  rank posts on one lane complete in posting order **across all peers** (a
+  receive from rank 1 posted before a send to rank 3 on the same lane holds that
+  send back until it completes), and the operations posted together in one call
+  on one lane form **one group that progresses together**. Operations on
+  different lanes never wait for one another, whatever the order they were
+  posted in. This is NCCL's behaviour with one communicator per lane (NCCL has no
+  tags; a communicator runs a rank's operations in order on one stream, a group
+  call as one unit); a transport may be weaker (gloo matches by pair and tag and
+  runs every operation at once) but the core only relies on this. A transport
+  supports lanes ``0 .. max_tags - 1`` and maps each to one stream (one
+  communicator), the same lane number on every rank. The plan's ``lanes[i]``
+  (:class:`~pipekernel.schedules.comm.CommPlan`) is exactly that number: the
+  runtime gives each lane one *channel* at each rank
+  (:mod:`pipekernel.schedules.lanes`), so that no receive can hold back an
+  unrelated send, and :func:`~pipekernel.schedules.simulate` proves the plans
+  under these rules.
 * **Sends may rendezvous.** An implementer may make a send complete only once
   the peer posted the matching receive (NCCL does; so does gloo, even for a
   one-byte message: its send is posted at once but completes only once
-  received), and may run a lane's operations in posting order on one stream,
-  so a receive posted *after* a send on the same lane waits for that send. The core never relies on a send completing before its receive is
+  received). The core never relies on a send completing before its receive is
   posted, and never waits on a send it does not have to.
 * **Batched point-to-point** (``batch_isend_irecv``) posts a *group* of
   :class:`P2POp` — the ``torch.distributed.batch_isend_irecv`` / NCCL group-call
   model — and returns one handle per op, in order. What a caller may rely on:
-  the ops of one group progress together, so a group holding a send to and a
-  receive from the same peer completes even when that peer's group lists them in
-  the other order (both "send first"); groups posted one after the other to the
-  same peer complete in order. What an implementer must guarantee: exactly that,
-  and per-pair FIFO matching across groups and single ``isend``/``irecv`` calls
-  alike. A transport with no group call posts the ops one by one, in order, if
-  its sends never block the poster (gloo: every op is asynchronous).
+  the ops of one group on one lane progress together, so a group holding a send
+  to and a receive from the same peer completes even when that peer's group lists
+  them in the other order (both "send first"); groups posted one after the other
+  on one lane complete in order. What an implementer must guarantee: exactly
+  that, and per-pair FIFO matching per lane across groups and single
+  ``isend``/``irecv`` calls alike. A group may span several lanes; it is then one
+  group per lane, posted in the order of the lanes' first use. A transport with
+  no group call posts the ops one by one, in order, if its sends never block the
+  poster (gloo: every op is asynchronous).
+* **Waiting** (:meth:`Handle.wait`): on a *host* transport (gloo) ``wait()``
+  blocks until the transfer finished: the received tensor holds the data and a
+  sent tensor may be reused. On a *device* transport (nccl, cupy-nccl) it
+  blocks nothing: it orders the caller's current device stream after the
+  transfer, so work enqueued on that stream afterwards sees the received data
+  and may overwrite a sent tensor, and it bounds the transfer by ``timeout``
+  (a watch thread; see ``synchronize`` below). On both, ``is_completed()`` is
+  ``True`` only once the transfer really finished (on a device: its event has
+  completed), never merely because ``wait()`` was called.
 * **Control lane** (optional attribute ``control``): a transport whose tensors
   live on a device (NCCL, CuPy) offers a host transport over the same ranks
   (e.g. gloo on a CPU group) with tags. The wire protocol then sends each
@@ -94,6 +114,14 @@ Optional members (the core uses them when present)
   naming the peer after ``timeout``; such a transport bounds its waits with a
   watch thread instead (:mod:`pipekernel.transports.device_watch`), and raises an
   overdue transfer's timeout at its next call.
+* ``open_lanes(count)``: a transport whose lanes cost something (one NCCL
+  communicator each) may create them only when asked: the engine calls it on
+  every rank, at the same point and with the same ``count`` (the pipeline's
+  :func:`~pipekernel.schedules.lanes.lanes_needed`), before the first transfer,
+  possibly more than once with a larger count; afterwards ``max_tags >= count``,
+  or it raised :class:`~pipekernel.errors.ConfigError` naming ``count`` (a lane
+  count fixed by an option that is too small). Without it, ``max_tags`` must
+  already be large enough (:func:`require_lanes` says by how much).
 * ``abort_check``: the core sets it to a callable (or ``None``) that raises when
   another rank has failed. A wait that blocks calls it about once per
   ``abort_interval`` seconds (default 0.5) and lets what it raises propagate, so
@@ -112,7 +140,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Transport", "Handle", "P2POp", "wait_sliced"]
+from pipekernel.errors import ConfigError
+
+__all__ = ["Transport", "Handle", "P2POp", "wait_sliced", "require_lanes"]
 
 
 def wait_sliced(wait: Callable[[float], bool], timeout: float,
@@ -142,6 +172,28 @@ def wait_sliced(wait: Callable[[float], bool], timeout: float,
             check()
 
 
+def require_lanes(transport: Any, needed: int, *, name: str, layout: str,
+                  rank: int | None = None) -> None:
+    """Make sure ``transport`` offers ``needed`` lanes: ``open_lanes(needed)`` when it has
+    it (called by every rank at the same point), then check ``max_tags``.
+
+    :param name: the transport's name, and ``layout`` the pipeline's (for the message).
+    :raises ConfigError: naming the number of lanes needed and how to get them.
+    """
+    opener = getattr(transport, "open_lanes", None)
+    if needed > 0 and opener is not None:
+        opener(needed)
+    offered = getattr(transport, "max_tags", 1)
+    if offered < needed:
+        raise ConfigError(
+            f"transport {name!r} offers {offered} lane(s) (tags) and {layout} needs "
+            f"{needed}",
+            hint=f"a lane carries one channel at each rank, so that no receive holds back a "
+                 f"send (pipekernel/schedules/lanes.py); give the transport {needed} lanes "
+                 f"(nccl, cupy-nccl: transport_options={{'lanes': {needed}}}, or leave "
+                 f"'lanes' out: they open as many as needed)", rank=rank)
+
+
 @dataclass(frozen=True)
 class P2POp:
     """One operation of a :meth:`Transport.batch_isend_irecv` group.
@@ -162,14 +214,18 @@ class P2POp:
 
 @runtime_checkable
 class Handle(Protocol):
-    """An in-flight point-to-point transfer."""
+    """An in-flight point-to-point transfer (or asynchronous collective)."""
 
     def wait(self) -> None:
-        """Block until the transfer finished; raise ``TransportTimeout`` naming the
-        peer if it does not finish within the transport's timeout."""
+        """Make the transfer's result usable: a host transport blocks until it finished;
+        a device transport orders the current stream after it (the host does not
+        block). Raises ``TransportTimeout`` naming the peer if it does not finish
+        within the transport's timeout (a device transport: at a later call, see the
+        module docstring). Waiting again is a no-op."""
 
     def is_completed(self) -> bool:
-        """``True`` once the transfer finished (never blocks)."""
+        """``True`` once the transfer really finished (never blocks; on a device, not
+        merely because ``wait()`` ordered the stream after it)."""
 
 
 @runtime_checkable
@@ -185,7 +241,9 @@ class Transport(Protocol):
     timeout: float
     #: ``torch.device`` that tensors must live on for this transport.
     device: Any
-    #: Number of independent lanes (tags) point-to-point operations may use.
+    #: Number of lanes (tags ``0 .. max_tags - 1``) point-to-point operations may use,
+    #: each one ordered stream per rank (see the module docstring; ``open_lanes`` may
+    #: raise it).
     max_tags: int
 
     def isend(self, tensor: Any, dst: int, tag: int = 0) -> Handle:

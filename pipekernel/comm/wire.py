@@ -49,6 +49,7 @@ import torch
 
 from pipekernel.errors import DataError
 from pipekernel.comm.transport import P2POp
+from pipekernel.nested import map_tensors  # re-exported: the wire's users walk with it
 
 __all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv",
            "HEADER_BYTES", "Partitioned", "PartitionSpec"]
@@ -124,12 +125,20 @@ def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
         return tensors, ("dict", tuple(obj), tuple(parts))
     if obj is None or isinstance(obj, (bool, float)) or (
             isinstance(obj, int) and _INT64[0] <= obj <= _INT64[1]):
-        return [], ("value", obj)
+        return [], _value(obj)
     raise DataError(f"{where} is a {type(obj).__name__}; only tensors, None, bool, int (64-bit), "
                     "float and (nested) tuples, lists and dicts of them can cross a stage "
                     "boundary",
                     hint="return tensors (or tuples/dicts of them) from the layers at stage "
                          "boundaries; encode other values as tensors")
+
+
+def _value(obj: Any) -> tuple:
+    """The structure node of a scalar: ``("value", obj, exact)``, where ``exact`` tells
+    apart what ``==`` does not and the metadata does (``1``/``True``/``1.0``, ``0.0``/``-0.0``),
+    so that equal structures always encode the same."""
+    exact = struct.pack("<d", obj) if type(obj) is float else type(obj)
+    return ("value", obj, exact)
 
 
 def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
@@ -148,18 +157,6 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
     if kind == "dict":
         return dict(zip(structure[1], out))
     return tuple(out) if kind == "tuple" else out
-
-
-def map_tensors(fn: Any, obj: Any) -> Any:
-    """``obj`` with every tensor ``t`` replaced by ``fn(t)``: tuples, lists and dicts
-    keep their type and keys, other values are kept as they are."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(fn, item) for item in obj)
-    if isinstance(obj, dict):
-        return {key: map_tensors(fn, item) for key, item in obj.items()}
-    return obj
 
 
 def _encode_structure(structure: Any, out: list[int]) -> None:
@@ -203,12 +200,12 @@ def _decode_structure(data: list[int], pos: int) -> tuple[Any, int]:
         ndim = data[pos + 2]
         return PartitionSpec(data[pos + 1], data[pos + 3:pos + 3 + ndim]), pos + 3 + ndim
     if code == _NONE:
-        return ("value", None), pos + 1
+        return _value(None), pos + 1
     if code in (_BOOL, _INT, _FLOAT):
         raw = data[pos + 1]
         value = bool(raw) if code == _BOOL else raw if code == _INT else \
             struct.unpack("<d", struct.pack("<q", raw))[0]
-        return ("value", value), pos + 2
+        return _value(value), pos + 2
     parts, keys, pos = [], [], pos + 2
     for _ in range(data[pos - 1]):
         if code == _DICT:
@@ -251,17 +248,20 @@ def decode(data: list[int]) -> tuple[list[tuple[torch.dtype, bool, tuple[int, ..
 class _Layout:
     """Where each tensor of a transfer sits in the packed buffer."""
 
-    __slots__ = ("specs", "structure", "offsets", "payload")
+    __slots__ = ("specs", "structure", "offsets", "payload", "dtype_bytes")
 
     def __init__(self, meta: list[int], start: int) -> None:
         self.specs, self.structure = decode(meta)
         self.offsets, offset = [], start
+        self.dtype_bytes: dict[str, int] = {}  # tensor bytes by dtype name, per transfer
         for dtype, _, shape in self.specs:
             numel = 1
             for n in shape:
                 numel *= n
             self.offsets.append((offset, numel * dtype.itemsize))
             offset += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+            name = _NAMES[dtype]
+            self.dtype_bytes[name] = self.dtype_bytes.get(name, 0) + numel * dtype.itemsize
         self.payload = offset  # total bytes, header included when ``start`` is
 
     def unpack(self, buf: torch.Tensor) -> Any:
@@ -312,6 +312,7 @@ class Channel:
         self.control = None if control is transport else control
         self._start = 0 if self.control is not None else HEADER_BYTES
         self._sent_meta: list[int] | None = None
+        self._sent_key: tuple | None = None  # what _sent_meta encodes, compared per transfer
         self._sent_layout: _Layout | None = None
         self._recv_layout: _Layout | None = None
         #: Bytes this channel put on the wire (data, headers and metadata), for benchmarks.
@@ -326,23 +327,31 @@ class Channel:
         (in this order within its group) and keeps them alive until waited on.
         ``where`` names ``obj`` in the error a value that cannot cross raises."""
         tensors, structure = flatten(obj, where)
-        meta = encode(tensors, structure)
-        device, start = self.transport.device, self._start
-        payload = self.payload
-        for t in tensors:
-            name = _NAMES[t.dtype]
-            payload[name] = payload.get(name, 0) + t.numel() * t.element_size()
-        if meta == self._sent_meta:
+        # The metadata is encoded only when it changed: the key (the structure, hashable
+        # and compared in C, and each tensor's dtype, flag and shape) is what it encodes.
+        key = (structure, [(t.dtype, t.requires_grad, t.shape) for t in tensors])
+        if key == self._sent_key:
             layout = self._sent_layout
-            buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
+            self._count(layout.dtype_bytes)
+            buf = torch.empty(layout.payload, dtype=torch.uint8, device=self.transport.device)
             layout.pack(tensors, buf)
             if self.control is None:
                 buf[:HEADER_BYTES].zero_()
                 self.bytes_sent += layout.payload
                 return [P2POp("send", buf, self.peer, self.tag)], []
             self.bytes_sent += layout.payload + HEADER_BYTES
-            return [P2POp("send", buf, self.peer, self.tag)], [P2POp("send", _header(0, 0), self.peer, self.tag)]
-        return self._changed(tensors, meta, start)
+            return ([P2POp("send", buf, self.peer, self.tag)],
+                    [P2POp("send", _UNCHANGED, self.peer, self.tag)])
+        meta = encode(tensors, structure)
+        ops = self._changed(tensors, meta, self._start)
+        self._sent_key = key
+        self._count(self._sent_layout.dtype_bytes)
+        return ops
+
+    def _count(self, dtype_bytes: dict[str, int]) -> None:
+        payload = self.payload
+        for name, nbytes in dtype_bytes.items():
+            payload[name] = payload.get(name, 0) + nbytes
 
     def _changed(self, tensors: list[torch.Tensor], meta: list[int], start: int
                  ) -> tuple[list[P2POp], list[P2POp]]:
@@ -428,3 +437,8 @@ class Channel:
 
 def _header(changed: int, length: int) -> torch.Tensor:
     return torch.tensor([changed, length], dtype=torch.int64)
+
+
+#: The header of every unchanged transfer on a control lane: only ever sent (read), so one
+#: tensor serves every transfer of every channel.
+_UNCHANGED = _header(0, 0)

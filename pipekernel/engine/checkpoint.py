@@ -76,8 +76,10 @@ from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _rea
                                          _write_file, latest_tag, layer_file, rank_file,
                                          read_meta)
 from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.nested import map_tensors
 
-__all__ = ["FORMAT_VERSION", "save", "load", "load_sequential", "read_meta", "latest_tag"]
+__all__ = ["FORMAT_VERSION", "save", "load", "resume", "load_sequential", "read_meta",
+           "latest_tag"]
 
 _log = logging.getLogger("pipekernel.engine.checkpoint")
 _MASTERS = "master_weights"
@@ -181,13 +183,7 @@ def _group_of(optimizer: Any) -> dict[int, dict[str, Any]]:
 
 
 def _cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu(v) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
 def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
@@ -452,6 +448,36 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
             "data_position": engine.trained_micro_batches,
             "client_state": mine.get("client_state"),
             "exact": exact, "meta": meta}
+
+
+def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
+    """Load the checkpoint ``root/latest`` names if there is one: the one call that makes
+    a job (re)started by torchrun, a scheduler or by hand continue where it left off.
+
+    Collective: every rank calls it with the same ``root``. The ranks first agree (one
+    small all-reduce) on which checkpoint they see, then load it as :func:`load` does
+    (bit-exact at the same shape). Training continues at ``engine.global_steps``.
+
+    :returns: :func:`load`'s dict, or ``None`` when ``root/latest`` exists on no rank
+        (a fresh start: nothing changed).
+    :raises ConfigError: the ranks see different checkpoints (or some none): ``root``
+        must be one directory every rank shares.
+    :raises DataError: ``latest`` names a missing or truncated checkpoint.
+    """
+    from pipekernel.engine.faults import check_consistency
+
+    root = os.fspath(root)
+    tag, error = _attempt(lambda: latest_tag(root)
+                          if os.path.exists(os.path.join(root, "latest")) else None)
+    _agree(engine.transport, error, engine.rank)
+    try:
+        check_consistency(engine.transport, {"latest": tag},
+                          f"view of the checkpoints under {root}")
+    except ConfigError as err:
+        err.hint = (f"{root} must be one directory every rank shares (a shared file "
+                    "system), or hold the same checkpoints on every node")
+        raise
+    return None if tag is None else load(engine, root, tag)
 
 
 def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
+from pipekernel.comm.attempt import attempt_prefix
+from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
 from pipekernel.step.grad_reduce import GradReducer
 from pipekernel.kernel.loop import Kernel
@@ -28,7 +30,7 @@ from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.grid.partitioned import ActivationPartitioner
 from pipekernel.schedules.skips import add_skip_transfers
 from pipekernel.stage.skip_routing import check_schedules, router_for
-from pipekernel.step.optimizer_step import StepMixin
+from pipekernel.step.optimizer_step import BatchStep
 from pipekernel.grid.tensor_parallel import context as tp_context
 from pipekernel.grid.tensor_parallel import make_group as make_tp_group
 from pipekernel.grid.tensor_parallel import sharded_dim
@@ -40,7 +42,7 @@ _partition_log = logging.getLogger("pipekernel.partition")
 _plan_log = logging.getLogger("pipekernel.plan")
 
 
-class PipelineEngine(StepMixin):
+class PipelineEngine:
     """Train and evaluate a :class:`PipelineModule` with pipeline × data parallelism.
 
     Every rank of the world constructs the engine with the same arguments.
@@ -172,6 +174,18 @@ class PipelineEngine(StepMixin):
                max_grad_norm: float | None, lr_scheduler: Any, chunks: int | None,
                transport: str, nonfinite: str, check_data_steps: int,
                loss_reduction: str, parallel: ParallelConfig) -> None:
+        self._check_options(module, nonfinite, check_data_steps, loss_reduction)
+        micro_batches = self._choose_schedule(module, optimizer, schedule, chunks, micro_batches,
+                                              data_parallel_size, parallel, transport,
+                                              eval_schedule)
+        self._agree(module, micro_batches, precision, eval_schedule, parallel)
+        self._partition(module, optimizer, micro_batches)
+        self._build_stage(module, micro_batches, transport)
+        self._build_step(optimizer, precision, precision_options, max_grad_norm, lr_scheduler)
+        self._build_kernel(module, parallel, micro_batches)
+
+    def _check_options(self, module: PipelineModule, nonfinite: str, check_data_steps: int,
+                       loss_reduction: str) -> None:
         if nonfinite not in ("error", "skip"):
             raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
@@ -182,6 +196,13 @@ class PipelineEngine(StepMixin):
         self.token_loss = TokenLoss(module.loss_fn) if loss_reduction == "tokens" \
             and module.loss_fn is not None else None
         self._batches_run = 0
+
+    def _choose_schedule(self, module: PipelineModule, optimizer: Any, schedule: Any,
+                         chunks: int | None, micro_batches: int,
+                         data_parallel_size: int | None, parallel: ParallelConfig,
+                         transport: str, eval_schedule: str) -> int:
+        """The topology, the schedule (the planner's with ``"auto"``), chunks and placement;
+        the micro-batch count (the planner may choose it)."""
         world, rank = self.transport.world_size, self.transport.rank
         self.parallel = parallel
         tp = parallel.tensor_parallel_size
@@ -208,15 +229,18 @@ class PipelineEngine(StepMixin):
         self.schedule_cls(num_stages, 0, micro_batches, self.chunks)  # its own clear errors
         if self.chunks > 1:
             check_placement(self.placement, self.chunks)
-        lanes = lanes_needed(self.chunks)
-        if num_stages > 1 and getattr(self.transport, "max_tags", 1) < lanes:
-            raise ConfigError(
-                f"transport {transport!r} offers {getattr(self.transport, 'max_tags', 1)} "
-                f"lane(s) (tags) and {self.chunks} chunk(s) per stage need {lanes}",
-                hint="each channel has its own lane so that no receive holds back a send; "
-                     "use a transport with more tags (see pipekernel/comm/transport.py)")
+        if not hasattr(self.transport, "open_lanes"):  # fail before partitioning
+            self._require_lanes(transport, num_stages, [])
         self.eval_schedule_cls = _eval_schedule(resolve_schedule(self.pm, eval_schedule),
                                                 self.placement, self.chunks)
+        return micro_batches
+
+    def _agree(self, module: PipelineModule, micro_batches: int, precision: str,
+               eval_schedule: str, parallel: ParallelConfig) -> None:
+        """Check that every rank got the same configuration (one all-gather)."""
+        world, num_stages = self.transport.world_size, self.num_stages
+        nonfinite, check_data_steps = self.nonfinite, self.check_data_steps
+        loss_reduction = self.loss_reduction
         # before anything that depends on it communicates: every rank must agree
         fields = {"pipekernel version": _version(), "world size": world,
                   "stages": num_stages, "data parallel size": self.topology.data_size,
@@ -230,6 +254,10 @@ class PipelineEngine(StepMixin):
                   "loss_reduction": loss_reduction, **parallel.fields(),
                   "skip connections": sorted(module.skip_names.items())}
         check_consistency(self.transport, fields)
+
+    def _partition(self, module: PipelineModule, optimizer: Any, micro_batches: int) -> None:
+        """Split the layers into parts (every rank the same bounds) and report it."""
+        num_stages, rank = self.num_stages, self.transport.rank
         # every rank partitions here, before any group exists: plugins may broadcast
         in_flight = [self.schedule_cls(num_stages, s, micro_batches, self.chunks).num_buffers()
                      for s in range(num_stages)]
@@ -252,6 +280,10 @@ class PipelineEngine(StepMixin):
         self.partition_report = PartitionReport.build(module, self.bounds, context)
         if rank == 0:
             _partition_log.info("%s", self.partition_report.format())
+
+    def _build_stage(self, module: PipelineModule, micro_batches: int, transport: str) -> None:
+        """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
+        num_stages = self.num_stages
         #: This rank's :class:`~pipekernel.grid.tensor_parallel.TensorParallelGroup`.
         self.tp_group = make_tp_group(self.topology, self.transport)
         positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
@@ -261,11 +293,16 @@ class PipelineEngine(StepMixin):
         #: Skip connections between parts (:mod:`pipekernel.stage.skips`), or ``None``.
         self.skip_router = router_for(module, self.bounds, self.module, positions, self.stage)
         self.skip_edges = self.skip_router.edges if self.skip_router is not None else []
+        # after check_consistency: opening lanes is collective, every rank opens as many
+        self._require_lanes(transport, num_stages, self.skip_edges)
         if self.skip_edges:
             check_schedules([self.schedule_cls, self.eval_schedule_cls], num_stages,
-                            micro_batches, self.chunks, self.skip_edges, self.transport,
-                            transport)
+                            micro_batches, self.chunks, self.skip_edges)
         self._skips_proven = {micro_batches}  # counts whose skip routing was simulated
+
+    def _build_step(self, optimizer: Any, precision: str, precision_options: dict | None,
+                    max_grad_norm: float | None, lr_scheduler: Any) -> None:
+        """Precision, process groups, reducers, optimizer and LR scheduler."""
         self.precision = make_precision(self.pm, precision, dict(precision_options or {}))
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and max_grad_norm > 0):
@@ -279,26 +316,34 @@ class PipelineEngine(StepMixin):
         self.optimizer = self._make_optimizer(optimizer)
         self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
                              and not hasattr(lr_scheduler, "step") else lr_scheduler)
+
+    def _build_kernel(self, module: PipelineModule, parallel: ParallelConfig,
+                      micro_batches: int) -> None:
+        """The stage runtime, the batch step and the kernel over both's handlers."""
+        rank = self.transport.rank
         self.runtime = StageRuntime(self.module, self.topology, self.transport,
                                     self.token_loss or module.loss_fn,
-                                    self.precision, reduce_tied=self.reduce_tied_grads,
-                                    reduce_grads=self.reduce_grads,
-                                    optimizer_step=self._optimizer_step,
-                                    chunks=self.chunks, placement=self.placement,
+                                    self.precision, chunks=self.chunks, placement=self.placement,
                                     wire=ActivationPartitioner(self.tp_group)
                                     if parallel.partitions else None,
                                     skips=self.skip_router, **self._backward_callbacks())
-        handlers = self.runtime.handlers()
+        #: The :class:`~pipekernel.step.optimizer_step.BatchStep`: reductions, the
+        #: optimizer step and the batch loss.
+        self.batch_step = BatchStep(
+            module=self.module, precision=self.precision, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, transport=self.transport, topology=self.topology,
+            tied_groups=self.tied_groups, tied_reducers=self._tied_reducers,
+            grad_reducer=self.grad_reducer, max_grad_norm=self.max_grad_norm,
+            nonfinite=self.nonfinite, token_loss=self.token_loss)
+        handlers = {**self.runtime.handlers(), **self.batch_step.handlers()}
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
-        self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage)
+        self.kernel = Kernel(handlers, hook=self.pm.hook, rank=rank, stage=self.stage,
+                             enter=self.runtime.enter)
         self.global_steps = 0
         self.skipped_steps = 0
         #: Micro-batches each replica trained on so far (the counts may change).
         self.trained_micro_batches = 0
-        self._last_step_taken = True
-        #: Global gradient norm of the last step (before clipping), when clipping.
-        self.last_grad_norm: float | None = None
         self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
         self._checked_micro_batches = micro_batches  # agreed on by the check above
         self.pm.hook.pipekernel_configure(engine=self)
@@ -315,6 +360,11 @@ class PipelineEngine(StepMixin):
         if self.transport.rank == 0:
             _plan_log.info("%s", plan.format())
         return plan
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the last step (before clipping), when clipping."""
+        return self.batch_step.last_grad_norm
 
     # -- where this process sits ---------------------------------------------
     @property
@@ -404,6 +454,22 @@ class PipelineEngine(StepMixin):
             return {}
         return {"before_last_backward": reducer.arm, "after_last_backward": reducer.backward_done}
 
+    def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
+        """Replace the optimizer (and LR scheduler) after construction, for hosts that
+        build it only once the stage exists (Lightning's ``configure_optimizers`` runs over
+        ``engine.module.parameters()``). Takes what the constructor takes: a factory, an
+        optimizer over this stage's trained tensors (the fp32 master copies under low
+        precision, :meth:`precision.master <pipekernel.step.precision>`), or ``None``; the
+        scheduler is stepped after each step taken. Call it between batches, on every rank.
+
+        :raises ConfigError: as the constructor (tensors that are not this stage's, ...).
+        """
+        self.optimizer = self._make_optimizer(optimizer)
+        self.lr_scheduler = (lr_scheduler(self.optimizer) if callable(lr_scheduler)
+                             and not hasattr(lr_scheduler, "step") else lr_scheduler)
+        self.batch_step.optimizer = self.optimizer
+        self.batch_step.lr_scheduler = self.lr_scheduler
+
     def _make_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         params = list(self.precision.optimizer_parameters(self.module))
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -453,7 +519,7 @@ class PipelineEngine(StepMixin):
         if getattr(self, "skip_edges", None) and micro_batches not in self._skips_proven:
             # the skips' routing proven for the new count too (once per count)
             check_schedules([self.schedule_cls, self.eval_schedule_cls], self.num_stages,
-                            micro_batches, self.chunks, self.skip_edges, self.transport, "")
+                            micro_batches, self.chunks, self.skip_edges)
             self._skips_proven.add(micro_batches)
 
     def _agree_micro_batches(self) -> None:
@@ -464,6 +530,16 @@ class PipelineEngine(StepMixin):
                           "micro-batch count (set_micro_batches(n) or train_batch(..., "
                           "micro_batches=n) must change it on every rank for the same batch)")
         self._checked_micro_batches = self.micro_batches
+
+    def _require_lanes(self, name: str, num_stages: int, skips: list) -> None:
+        """Open (or check) the transport's lanes for this pipeline's layout: one per
+        channel at each rank (:mod:`pipekernel.schedules.lanes`)."""
+        needed = lanes_needed(num_stages=num_stages, chunks=self.chunks,
+                              placement=self.placement, skips=skips)
+        layout = (f"{num_stages} stage(s) x {self.chunks} chunk(s) ({self.placement!r} "
+                  f"placement)" + (f" with skip edges {list(skips)}" if skips else ""))
+        require_lanes(self.transport, needed, name=name, layout=layout,
+                      rank=self.transport.rank)
 
     def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
         """The schedule's steps, buffer count and communication plan for the current
@@ -494,20 +570,28 @@ class PipelineEngine(StepMixin):
             steps, num_buffers, plan = self._steps(cls)
             if self.token_loss is not None:
                 self.token_loss.reset()
+            losses = self.batch_step.begin(self.micro_batches, self.global_steps)
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check)
-            self.kernel.run(steps)
-            self.runtime.flush()
-            return self._mean_loss(cls.trains) if compute_loss else None
+                               check_data=check, losses=losses)
+            self.kernel.run(plan, **self._when(cls))
+            losses = self.runtime.end()
+            return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
             cause = self._root_cause(err)
+            if isinstance(cause, PipelineError):  # errors from outside the kernel too
+                cause.locate(**self._when(cls))
             self.failed = cause
             self.abort_board.publish(cause)  # the others stop waiting for this rank
             self.runtime.abandon()
             if cause is err:
                 raise
             raise cause from err
+
+    def _when(self, cls: Any) -> dict[str, int]:
+        """Which batch this is, for errors: the schedule step alone does not say."""
+        return ({"train_step": self.global_steps + 1} if cls.trains
+                else {"eval_after": self.global_steps})
 
     def _root_cause(self, err: BaseException) -> BaseException:
         """A transport failure here is usually a symptom (the peer that failed closed its
@@ -567,9 +651,10 @@ class PipelineEngine(StepMixin):
         loss = self._run(self.schedule_cls, data_iter, True, False)
         self.global_steps += 1
         self.trained_micro_batches += self.micro_batches
-        self.skipped_steps += not self._last_step_taken
+        taken = self.batch_step.last_step_taken
+        self.skipped_steps += not taken
         metrics = {"step": self.global_steps, "seconds": time.perf_counter() - start,
-                   "skipped": not self._last_step_taken, **self.precision.metrics()}
+                   "skipped": not taken, **self.precision.metrics()}
         if self.max_grad_norm is not None:
             metrics["grad_norm"] = self.last_grad_norm
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
@@ -618,6 +703,17 @@ class PipelineEngine(StepMixin):
         from pipekernel.engine.checkpoint import load
         return load(self, path, tag)
 
+    def resume(self, path: Any) -> dict[str, Any] | None:
+        """Continue from the newest checkpoint under ``path`` if there is one: load the
+        checkpoint ``path/latest`` names and return :meth:`load_checkpoint`'s dict, or
+        return ``None`` (nothing changed: a fresh start) when there is none. Every rank
+        calls it; the ranks agree on the checkpoint first. Train on from
+        ``engine.global_steps``; with ``save_checkpoint(path)`` every ``k`` steps, a job
+        restarted after a failure (``torchrun --max-restarts``) loses at most ``k``
+        steps. See :func:`pipekernel.engine.checkpoint.resume` and docs/faults.md."""
+        from pipekernel.engine.checkpoint import resume
+        return resume(self, path)
+
     def close(self) -> None:
         """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
         collectives still allowed) and release the transport. After a failed batch
@@ -635,14 +731,16 @@ _ENGINES: dict[Any, int] = {}
 
 
 def _board_prefix(transport: Any) -> str:
-    """Store keys for one engine: the ranks it spans and how many engines this process
-    built over them before (every rank builds its engines in the same order)."""
+    """Store keys for one engine: this attempt of the job (see
+    :mod:`pipekernel.comm.attempt`), the ranks the engine spans and how many engines this
+    process built over them before (every rank builds its engines in the same order)."""
     ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
         if hasattr(transport, "global_rank") else (transport.world_size,)
     count = _ENGINES.get(ranks, 0)
     _ENGINES[ranks] = count + 1
     name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
-    return f"pipekernel/engine/{name}/{count}"
+    # keyed by attempt: a restarted job must not read a dead attempt's abort
+    return f"{attempt_prefix()}/engine/{name}/{count}"
 
 
 def _version() -> str:

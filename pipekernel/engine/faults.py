@@ -24,9 +24,13 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, PeerAbort, TransportTimeout
+from pipekernel.comm.attempt import store_host
+from pipekernel.errors import ConfigError, PeerAbort, TransportTimeout, describe_where
 
 __all__ = ["AbortBoard", "check_consistency", "all_gather_objects"]
+
+#: the failing rank's location fields an abort record carries (rank aside)
+_LOCATION = ("stage", "train_step", "eval_after", "step", "micro_batch", "instruction")
 
 
 class AbortBoard:
@@ -43,6 +47,8 @@ class AbortBoard:
         self.store, self.prefix, self.rank = store, prefix, rank
         self._key = f"{prefix}/abort"
         self.published = False
+        #: the record naming the store's host, once its store was found gone
+        self.host_gone: dict[str, Any] | None = None
 
     def publish(self, error: BaseException) -> None:
         """Tell the other ranks that this one failed (the first publisher wins); not
@@ -61,7 +67,7 @@ class AbortBoard:
             "hint": getattr(error, "hint", None),
             "peer": getattr(error, "peer", None),
         }
-        for key in ("stage", "step", "micro_batch", "instruction"):
+        for key in _LOCATION:
             value = getattr(error, key, None)
             record[key] = None if value is None else (value if isinstance(value, int)
                                                       else str(value))
@@ -72,7 +78,11 @@ class AbortBoard:
             pass
 
     def check(self) -> None:
-        """Raise :class:`PeerAbort` if some rank published a failure."""
+        """Raise :class:`PeerAbort` if some rank published a failure, or if the store's
+        host is a rank (rank 0 of a raw ``env://`` launch) and its store is gone: that
+        rank died, which is the failure to name (not the closed connection)."""
+        if self.host_gone is not None:
+            raise peer_abort(self.host_gone, self.rank)
         store = self.store
         if store is None:
             return
@@ -80,24 +90,35 @@ class AbortBoard:
             if not store.check([self._key]):
                 return
             record = json.loads(store.get(self._key).decode())
-        except Exception:  # store unreachable (its host died): stop asking
+        except Exception as err:  # store unreachable: its host died; stop asking
             self.store = None
-            return
+            host = store_host()
+            if host is None or host == self.rank:
+                return
+            self.host_gone = {
+                "rank": host, "type": "StoreHostGone", "lost": True,
+                "message": f"the store's host, rank {host}, is gone: rank {host} died or "
+                           f"failed first (the store connection failed: "
+                           f"{str(err).splitlines()[0][:80]})",
+                "hint": "look at its log and exit code; under torchrun the agent hosts the "
+                        "store instead, and --max-restarts restarts a job that lost a rank "
+                        "(docs/faults.md)"}
+            raise peer_abort(self.host_gone, self.rank) from err
         if record.get("rank") == self.rank:
             return  # our own failure: the original error is on its way up
         raise peer_abort(record, self.rank)
 
 
 def peer_abort(record: Mapping[str, Any], seen_by: int) -> PeerAbort:
-    where = ", ".join(f"{k.replace('_', '-')} {record[k]}"
-                      for k in ("stage", "step", "micro_batch", "instruction")
-                      if record.get(k) is not None)
-    message = (f"rank {record['rank']} failed first ({where}) with {record['type']}: "
-               f"{record['message']}")
+    where = describe_where({k: record.get(k) for k in _LOCATION})
+    message = record["message"] if record.get("lost") else (
+        f"rank {record['rank']} failed first ({where}) with {record['type']}: "
+        f"{record['message']}")
     hint = record.get("hint") or f"look at rank {record['rank']}'s log and traceback"
     return PeerAbort(message, hint=f"rank {record['rank']}: {hint}",
                      error_type=record["type"], seen_by=seen_by, rank=record["rank"],
                      stage=record.get("stage"), step=record.get("step"),
+                     train_step=record.get("train_step"), eval_after=record.get("eval_after"),
                      micro_batch=record.get("micro_batch"),
                      instruction=record.get("instruction"))
 

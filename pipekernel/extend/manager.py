@@ -25,6 +25,7 @@ from typing import Any
 import pluggy
 
 from pipekernel.extend import builtin, hookspecs
+from pipekernel.extend.installed import PLUGINS_GROUP, TRANSPORTS_GROUP, entry_points
 from pipekernel.errors import ConfigError, UnknownNameError, did_you_mean
 from pipekernel.step.precision import REQUIRED
 
@@ -32,8 +33,6 @@ __all__ = ["make_plugin_manager", "PluginManager", "PluginLoadError", "PLUGINS_G
            "DISABLE_ENV", "NO_AUTOLOAD_ENV", "entry_points", "plugin_name", "resolve_schedule",
            "make_transport", "make_precision", "provided_names"]
 
-PLUGINS_GROUP = "pipekernel.plugins"
-TRANSPORTS_GROUP = "pipekernel.transports"
 DISABLE_ENV = "PIPEKERNEL_DISABLE_PLUGINS"
 NO_AUTOLOAD_ENV = "PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD"
 #: The core's own implementations: they cannot be disabled (pytest's "essential plugins").
@@ -66,14 +65,6 @@ class PluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__("pipekernel")
         self.sources: dict[str, tuple[str, str]] = {}
-
-
-def entry_points(group: str) -> list[importlib.metadata.EntryPoint]:
-    """The installed entry points of ``group``, sorted by name (metadata only, no imports)."""
-    seen: dict[str, importlib.metadata.EntryPoint] = {}
-    for ep in importlib.metadata.entry_points(group=group):
-        seen.setdefault(ep.name, ep)  # a name installed twice: the first on sys.path wins
-    return [seen[name] for name in sorted(seen)]
 
 
 def distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str, str]:
@@ -171,9 +162,11 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
             if isinstance(plugin, type):  # a class: one instance per manager, so per engine
                 plugin = plugin()
             _register(pm, plugin, ep.name, distribution_of(ep))
+    given = []
     for plugin in plugins:
-        _register(pm, plugin, plugin_name(pm, plugin), ("", ""))
-    _warn_unknown_disabled(blocked, [ep.name for ep in eps], pm)
+        given.append(plugin_name(pm, plugin))
+        _register(pm, plugin, given[-1], ("", ""))
+    _warn_unknown_disabled(blocked, [*(ep.name for ep in eps), *given], pm)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as err:
@@ -188,10 +181,11 @@ def make_plugin_manager(plugins: Iterable[Any] = (), *, autoload: bool | None = 
 def _warn_unknown_disabled(blocked: set[str], installed: list[str],
                            pm: pluggy.PluginManager) -> None:
     """A disabled name that names no plugin is most likely a typo: say so, with the fix."""
-    known = [*installed, *(name for name, plugin in pm.list_name_plugin() if plugin is not None)]
+    known = sorted({*installed,
+                    *(name for name, plugin in pm.list_name_plugin() if plugin is not None)})
     for name in sorted(blocked - set(known)):
         warnings.warn(f"plugin {name!r} was disabled but no installed plugin has that name"
-                      f"{did_you_mean(name, known)}; installed: {', '.join(sorted(known))}",
+                      f"{did_you_mean(name, known)}; installed: {', '.join(known)}",
                       stacklevel=3)
 
 

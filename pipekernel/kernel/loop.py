@@ -26,29 +26,51 @@ class Kernel:
 
     :param handlers: ``{instruction class: callable(instruction)}``. Lookup is by
         exact type first, then along the MRO, so a handler for a base class
-        serves its subclasses.
+        serves its subclasses (resolved once per type, not per instruction).
     :param hook: a pluggy ``HookRelay`` (``pm.hook``) or ``None``. Only
         ``pipekernel_before_instruction`` and ``pipekernel_after_instruction``
         are used, and only if some plugin implements them.
     :param rank: global rank, for error messages.
     :param stage: pipeline stage, for error messages and hooks.
     :param clock: host seconds now (default :func:`time.perf_counter`), read before and
-        after each handler for ``pipekernel_after_instruction``'s ``seconds``; handlers
-        that launch device work return before it ends, so on a GPU this is host time.
+        after each handler for ``pipekernel_after_instruction``'s ``seconds`` (only when
+        some plugin implements it); handlers that launch device work return before it
+        ends, so on a GPU this is host time.
+    :param enter: ``enter(index)`` is called with each instruction's index in the
+        flattened stream right before its handler (and before the ``before`` hook): the
+        stage runtime posts the transfers due there and knows where it is without
+        looking the instruction up. ``None``: nothing is called.
     """
 
     def __init__(self, handlers: Mapping[type, Handler], *, hook: Any = None,
                  rank: int | None = None, stage: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 enter: Callable[[int], None] | None = None) -> None:
         self.handlers: Mapping[type, Handler] = MappingProxyType(dict(handlers))
         self.hook, self.rank, self.stage = hook, rank, stage
-        self.clock = clock
-        self.position: tuple[int, Instruction] | None = None  # where the loop is now
+        self.clock, self.enter = clock, enter
+        self._by_type: dict[type, Handler] = {}  # each type's handler, resolved once
+        self._plans: dict[int, tuple[Any, list[Handler]]] = {}  # id(plan) -> its handlers
+        self._stream: Sequence[Instruction] = ()
+        self._step_of: Sequence[int] = ()
+        self._at = -1  # index in ``_stream`` of the instruction running now; -1: none
+
+    @property
+    def position(self) -> tuple[int, Instruction] | None:
+        """``(step, instruction)`` the loop is at now (``None`` between runs)."""
+        if self._at < 0:
+            return None
+        return self._step_of[self._at], self._stream[self._at]
 
     def _handler(self, instruction: Instruction) -> Handler:
-        for cls in type(instruction).__mro__:
-            handler = self.handlers.get(cls)
+        cls = type(instruction)
+        handler = self._by_type.get(cls)
+        if handler is not None:
+            return handler
+        for base in cls.__mro__:
+            handler = self.handlers.get(base)
             if handler is not None:
+                self._by_type[cls] = handler
                 return handler
         known = ", ".join(sorted(c.__name__ for c in self.handlers))
         raise InstructionError(
@@ -73,38 +95,75 @@ class Kernel:
                 error.add_detail(f"(a pipekernel_instruction_error plugin failed: {hook_err!r})")
         return error
 
-    def run(self, steps: Iterable[Sequence[Instruction]]) -> None:
-        """Execute every instruction of every step, in order."""
-        before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
-        stage, clock = self.stage, self.clock
-        for step_id, step in enumerate(steps):
-            for instruction in step:
-                self.position = (step_id, instruction)
+    def _program(self, program: Any) -> tuple[Sequence[Instruction], Sequence[int],
+                                              list[Handler] | None]:
+        """``(stream, step of each index, handlers by index or None)`` of ``program``:
+        a plan (anything with ``stream`` and ``step_of``, e.g. a
+        :class:`~pipekernel.schedules.comm.CommPlan`; its handlers resolved once and
+        kept) or an iterable of steps (flattened here, every run)."""
+        stream = getattr(program, "stream", None)
+        if stream is not None:
+            kept = self._plans.get(id(program))
+            if kept is None or kept[0] is not program:
                 try:
-                    handler = self._handler(instruction)
-                    if before is not None:
-                        before(instruction, stage)
+                    calls = [self._handler(ins) for ins in stream]
+                except PipelineError:
+                    calls = None  # the loop reports it at the instruction that has none
+                if len(self._plans) > 64:  # plans are cached by their owner; bound ours
+                    self._plans.clear()
+                kept = self._plans[id(program)] = (program, calls)
+            return stream, program.step_of, kept[1]
+        flat, step_of = [], []
+        for step_id, step in enumerate(program):
+            flat += step
+            step_of += [step_id] * len(step)
+        return flat, step_of, None
+
+    def run(self, steps: Any, **when: Any) -> None:
+        """Execute every instruction of every step, in order.
+
+        :param steps: an iterable of steps (sequences of instructions), or a plan
+            with ``stream`` (the instructions in order) and ``step_of`` (each one's
+            step), walked by index with its handlers resolved once per plan.
+        :param when: which batch this run is, for its errors (the engine passes
+            ``train_step=N`` or ``eval_after=N``; see :func:`pipekernel.errors.describe_where`),
+            filled in before plugins see the error.
+        """
+        stream, step_of, calls = self._program(steps)
+        self._stream, self._step_of = stream, step_of
+        before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
+        stage, clock, enter = self.stage, self.clock, self.enter
+        for index, instruction in enumerate(stream):
+            self._at = index
+            try:
+                handler = calls[index] if calls is not None else self._handler(instruction)
+                if enter is not None:
+                    enter(index)
+                if before is not None:
+                    before(instruction, stage)
+                if after is None:
+                    handler(instruction)
+                else:
                     start = clock()
                     handler(instruction)
-                    if after is not None:
-                        after(instruction, stage, clock() - start)
-                except PipelineError as err:
-                    raise self._failed(err.locate(
-                        rank=self.rank, stage=stage, step=step_id,
-                        micro_batch=getattr(instruction, "micro_batch", None),
-                        instruction=instruction), instruction)
-                except Exception as err:
-                    # a layer that failed tags the error (pipekernel_where): name it first
-                    where = getattr(err, "pipekernel_where", None)
-                    what = f"in {where} while running {instruction}" if where else \
-                        f"in the handler of {instruction}"
-                    raise self._failed(InstructionError(
-                        f"{type(err).__name__} {what}: {err}",
-                        hint="see the chained traceback above for the failing line",
-                        rank=self.rank, stage=stage, step=step_id,
-                        micro_batch=getattr(instruction, "micro_batch", None),
-                        instruction=instruction), instruction) from err
-        self.position = None
+                    after(instruction, stage, clock() - start)
+            except PipelineError as err:
+                raise self._failed(err.locate(
+                    rank=self.rank, stage=stage, step=step_of[index], **when,
+                    micro_batch=getattr(instruction, "micro_batch", None),
+                    instruction=instruction), instruction)
+            except Exception as err:
+                # a layer that failed tags the error (pipekernel_where): name it first
+                where = getattr(err, "pipekernel_where", None)
+                what = f"in {where} while running {instruction}" if where else \
+                    f"in the handler of {instruction}"
+                raise self._failed(InstructionError(
+                    f"{type(err).__name__} {what}: {err}",
+                    hint="see the chained traceback above for the failing line",
+                    rank=self.rank, stage=stage, step=step_of[index], **when,
+                    micro_batch=getattr(instruction, "micro_batch", None),
+                    instruction=instruction), instruction) from err
+        self._at = -1
 
 
 def _direct(caller: Any, names: tuple[str, ...]) -> Callable[..., None] | None:

@@ -20,16 +20,18 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
     waited on: a transfer whose metadata changed sends extra messages on its
     lane that a receive posted further ahead would take, and the receiver sizes
     a receive from the metadata of the one before (see :mod:`pipekernel.comm.wire`).
-* Every channel — one kind of traffic (activations or gradients) of one sending
-  chunk in one direction between two stages — has its own **lane** (transport
-  tag, :func:`lane_of`). A pair of ranks runs each lane's operations in order
-  (NCCL: one stream per communicator), but lanes never wait for one another,
-  and a lane carries one channel in one direction only: a receive posted early
-  can never hold back an unrelated send, which is what deadlocks 1F1B when a
-  pair shares one ordered stream (each side's send waits behind its own
-  receive). The runtime never waits on a send before the batch ends, so under
-  rendezvous sends the only waits are receives whose data the peer produces —
-  the same dependencies as with buffered sends — and collectives.
+* Every channel — one kind of traffic (activations or gradients, or one skip
+  edge's skips or their gradients) from one pipeline position to another — gets a
+  **lane** (transport tag, :mod:`pipekernel.schedules.lanes`) that carries no other
+  channel at either of its two ranks. A lane is one ordered stream per rank, whatever
+  the peer (NCCL: one communicator; :mod:`pipekernel.comm.transport`), so with one
+  channel per lane at each rank a receive posted early can only wait for the
+  transfers before it on its own channel, never hold back an unrelated send — which
+  is what deadlocks 1F1B when a stage's receive from stage ``s - 1`` and its send to
+  ``s + 1`` share a lane (stage 1's ``SEND_B0`` behind its early ``RECV_B1``) or when
+  a pair shares one ordered stream. The runtime never waits on a send before the
+  batch ends, so under rendezvous sends the only waits are receives whose data the
+  peer produces — the same dependencies as with buffered sends — and collectives.
   Posting is bounded by the receive's own position: at the latest it is posted
   right before it is waited on.
 * Everything posted at one point of the stream is posted as **one group**
@@ -38,23 +40,23 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
 * A transfer whose peer is the stage itself (one stage holding consecutive
   positions, e.g. the turn of a V) is a **local hand-off**: never posted.
 * Skip connections (:mod:`pipekernel.schedules.skips`) are two more channels per
-  edge, each with its own lane, planned by the same rules.
+  edge, with lanes from the same map, planned by the same rules.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipekernel.schedules.instructions import (
     Instruction, MicroBatchInstruction, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
     SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
 )
+from pipekernel.schedules.lanes import channel_of, lane_map, lanes_needed
 from pipekernel.schedules.placement import locate
 from pipekernel.schedules.placement import peer as placement_peer
-from pipekernel.schedules.skips import skip_edge_of, skip_lane
 
-__all__ = ["CommPlan", "plan_communication", "peer_of", "lane_of", "lanes_needed", "SENDS",
-           "RECVS", "P2P"]
+__all__ = ["CommPlan", "plan_communication", "peer_of", "lanes_needed", "SENDS", "RECVS", "P2P"]
 
 SENDS = (SendActivation, SendGrad, SendSkip, SendSkipGrad)
 RECVS = (RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad)
@@ -77,24 +79,6 @@ def peer_of(instruction: MicroBatchInstruction, stage: int, num_stages: int, chu
                           placement)
 
 
-def lane_of(instruction: MicroBatchInstruction, stage: int, peer: tuple[int, int]) -> int:
-    """The lane (transport tag) of a point-to-point instruction of ``stage`` talking to
-    ``peer = (stage, chunk)``: ``4 * sending chunk + 2 * kind + direction`` (kind 0 for
-    activations, 1 for gradients; direction 0 when the sender's stage is the lower).
-    Both sides compute the same lane from their own view of the transfer."""
-    sending = isinstance(instruction, SENDS)
-    sender_stage, sender_chunk = (stage, instruction.chunk) if sending else peer
-    receiver_stage = peer[0] if sending else stage
-    kind = 0 if isinstance(instruction, (SendActivation, RecvActivation)) else 1
-    return 4 * sender_chunk + 2 * kind + (0 if sender_stage < receiver_stage else 1)
-
-
-def lanes_needed(chunks: int, skip_edges: int = 0) -> int:
-    """How many lanes (``Transport.max_tags``) a schedule with ``chunks`` needs, plus
-    two per skip edge (:func:`pipekernel.schedules.skips.skip_lane`)."""
-    return 4 * chunks + 2 * skip_edges
-
-
 @dataclass(frozen=True)
 class CommPlan:
     """One stage's instruction stream with its posting points.
@@ -107,8 +91,9 @@ class CommPlan:
     * ``peers[i]``: ``(stage, chunk)`` of the peer of ``stream[i]`` if it is a
       point-to-point instruction with one, else ``None``.
     * ``local[i]``: ``True`` when ``stream[i]`` is a hand-off to or from this stage.
-    * ``lanes[i]``: the lane (:func:`lane_of`) of a remote point-to-point
-      instruction, else ``None``.
+    * ``lanes[i]``: the lane of a remote point-to-point instruction
+      (:func:`~pipekernel.schedules.lanes.lane_map`), else ``None``: exactly what a
+      transport maps to one communicator (one ordered stream per rank).
     """
 
     stage: int
@@ -128,6 +113,25 @@ class CommPlan:
         return where
 
 
+_ROLES = frozenset(P2P)
+
+
+def _route(ins: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
+           placement: str, layout: Any) -> tuple[tuple[int, int] | None, bool, int | None]:
+    """``(peer, local, lane)`` of a point-to-point instruction (see :class:`CommPlan`)."""
+    if not 0 <= ins.chunk < chunks:
+        return None, False, None
+    peer = peer_of(ins, stage, num_stages, chunks, placement)
+    if peer is None:
+        return None, False, None
+    if peer[0] == stage:
+        return peer, True, None
+    lane = layout.lane(channel_of(ins, stage, num_stages, placement))
+    if lane is None:  # a skip edge nobody declared: no peer to talk to
+        return None, False, None
+    return peer, False, lane
+
+
 def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, num_stages: int,
                        chunks: int = 1, placement: str = "loop",
                        trains: bool | None = None,
@@ -137,8 +141,8 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     ``trains`` is accepted so that every posting policy (the simulator's
     ``posting=`` hook) has one signature; this policy does not need it.
     ``skips``: the sorted skip edges ``(producer, consumer)`` of the model
-    (:func:`pipekernel.schedules.skips.check_skip_edges`); each gets two lanes of
-    its own, and its instructions (inserted by
+    (:func:`pipekernel.schedules.skips.check_skip_edges`); their two channels each
+    get a lane (:mod:`pipekernel.schedules.lanes`), and its instructions (inserted by
     :func:`~pipekernel.schedules.skips.add_skip_transfers`) are planned like the
     activations and gradients: a skip receive at once, a skip-gradient receive once
     the skip it answers was sent.
@@ -156,27 +160,28 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n
     lanes: list[int | None] = [None] * n
+    layout = lane_map(num_stages, chunks, placement, tuple(sorted(map(tuple, skips))))
+    # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
+    seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
+    sent_at: dict[tuple, int] = {}
     for i, ins in enumerate(stream):
-        if isinstance(ins, P2P) and 0 <= ins.chunk < chunks:
-            peers[i] = peer_of(ins, stage, num_stages, chunks, placement)
-            local[i] = peers[i] is not None and peers[i][0] == stage
-            if peers[i] is not None and not local[i]:
-                if isinstance(ins, SkipInstruction):
-                    lanes[i] = skip_lane(list(skips), skip_edge_of(ins, stage, num_stages,
-                                                                   placement),
-                                         isinstance(ins, (SendSkipGrad, RecvSkipGrad)), chunks)
-                    if lanes[i] is None:  # an edge nobody declared: no peer to talk to
-                        peers[i] = None
-                else:
-                    lanes[i] = lane_of(ins, stage, peers[i])
-    sent_at = {(type(ins), ins.chunk, ins.micro_batch, getattr(ins, "peer", None)): i
-               for i, ins in enumerate(stream) if isinstance(ins, (SendActivation, SendSkip))}
+        cls = type(ins)
+        if cls not in _ROLES and not isinstance(ins, P2P):
+            continue
+        key = (cls, ins.chunk, getattr(ins, "peer", None))
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)
+        peers[i], local[i], lanes[i] = found
+        if cls is SendActivation or cls is SendSkip:
+            sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
     for i, ins in enumerate(stream):
-        if isinstance(ins, SENDS) and peers[i] is not None and not local[i]:
+        if peers[i] is None or local[i]:
+            continue
+        if isinstance(ins, SENDS):
             posts[i].append(i)
-        if not (isinstance(ins, RECVS) and peers[i] is not None and not local[i]):
             continue
         answers = _ANSWERS.get(type(ins))
         if answers is None:
@@ -191,5 +196,6 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         last_recv_on[channel] = i
         posts[min(max(earliest, 0), i)].append(i)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(tuple(stream[j] for j in sorted(group)) for group in posts),
+                    posts=tuple(tuple(stream[j] for j in sorted(group)) if group else ()
+                                for group in posts),
                     peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))

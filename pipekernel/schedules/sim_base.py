@@ -60,6 +60,16 @@ class SimulationResult:
     waits: tuple[float, ...] = ()
     semantics: str = "rendezvous"
 
+    @property
+    def spans(self) -> tuple[float, ...]:
+        """Per stage, the time from the start of its first compute instruction to the end
+        of its last: the stage's own iteration time, bubbles inside it included, without
+        the pipeline's fill before it and the wait for the end-of-batch synchronisation
+        after it (what the zero-bubble paper counts when batches follow one another
+        without that synchronisation). ``0`` for a stage that computes nothing."""
+        return tuple(events[-1][1] - events[0][0] if events else 0.0
+                     for events in self.timeline)
+
 
 def format_grid(result: SimulationResult) -> str:
     """An ASCII grid: one row per stage, one column per time unit.

@@ -60,7 +60,7 @@ class _Rendezvous(_Simulation):
     def _setup(self) -> None:
         n_stages = self.S
         self.plans: list[CommPlan] = []
-        # stage -> stream index -> [((peer, lane), ops to it posted there)]
+        # stage -> stream index -> [(lane, the group's ops on that lane)]
         self.groups: list[list[list[tuple[int, list[_Op]]]]] = []
         self.op_at: list[dict[int, _Op]] = []
         self.queues: list[dict[int, deque]] = [dict() for _ in range(n_stages)]
@@ -127,20 +127,26 @@ class _Rendezvous(_Simulation):
             by_id.setdefault(id(stream[i][1]), []).append(i)
         groups: dict[int, list[_Op]] = {}
         op_at: dict[int, _Op] = {}
+        peers = plan.peers
         for g, group in enumerate(plan.posts):
             for ins in group:
-                candidates = [i for i in by_id.get(id(ins), ()) if i not in op_at]
-                at = next((i for i in candidates if i >= g), None)
+                candidates = by_id.get(id(ins), ())
+                if len(candidates) == 1:  # the usual case: one object, one index
+                    at = candidates[0] if candidates[0] >= g and candidates[0] not in op_at \
+                        else None
+                else:
+                    at = next((i for i in candidates if i >= g and i not in op_at), None)
                 if at is None:
                     what = ("is not a point-to-point instruction to another stage"
-                            if not candidates else "runs before that")
+                            if not [i for i in candidates if i not in op_at]
+                            else "runs before that")
                     self.problems.append(f"stage {stage}: the posting plan posts {ins} at "
                                          f"stream index {g}, but it {what}")
                     continue
-                if isinstance(ins, _SENDS) and at != g:
+                if at != g and isinstance(ins, _SENDS):
                     self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
                                          "posting plan posts a send before its data exists")
-                op = _Op(stage, plan.peers[at][0], lane(at), at, stream[at][0], ins)
+                op = _Op(stage, peers[at][0], lane(at), at, stream[at][0], ins)
                 op_at[at] = op
                 groups.setdefault(g, []).append(op)
         for i in remote:
@@ -154,10 +160,10 @@ class _Rendezvous(_Simulation):
         split: list = [()] * n
         for g, group in groups.items():
             group.sort(key=lambda op: op.index)
-            by_peer: dict[tuple[int, int | None], list[_Op]] = {}
-            for op in group:
-                by_peer.setdefault((op.peer, op.lane), []).append(op)
-            split[g] = list(by_peer.items())
+            by_lane: dict[int | None, list[_Op]] = {}
+            for op in group:  # one unit per lane, whatever the peers
+                by_lane.setdefault(op.lane, []).append(op)
+            split[g] = list(by_lane.items())
         return split, op_at
 
     def _check_pair(self, send: _Op, recv: _Op) -> None:
@@ -180,22 +186,22 @@ class _Rendezvous(_Simulation):
     def _post(self, stage: int, at: float) -> None:
         """Post the group planned at the current instruction."""
         todo: list[_Op] = []
-        for channel, ops in self.groups[stage][self.stages[stage].pc]:
-            queue = self.queues[stage].setdefault(channel, deque())
+        for lane, ops in self.groups[stage][self.stages[stage].pc]:
+            queue = self.queues[stage].setdefault(lane, deque())
             unit = _Unit(ops, at, queue)
             for op in ops:
                 op.unit = unit
             self.pending[stage] += len(ops)
             queue.append(unit)
             if len(queue) == 1:
-                self._activate(stage, channel, unit)
+                self._activate(stage, lane, unit)
                 todo.extend(ops)
         self._progress(todo)
 
-    def _activate(self, stage: int, channel: tuple, unit: _Unit) -> None:
-        """``unit`` heads its ``(peer, lane)`` queue: it may progress from now on."""
+    def _activate(self, stage: int, lane: int | None, unit: _Unit) -> None:
+        """``unit`` heads its lane's queue: it may progress from now on."""
         unit.active = True
-        unit.start = max(unit.post, self.last_end[stage].get(channel, 0.0))
+        unit.start = max(unit.post, self.last_end[stage].get(lane, 0.0))
 
     def _progress(self, todo: list[_Op]) -> None:
         """Complete every transfer that can complete now, and what that unblocks."""
@@ -218,10 +224,10 @@ class _Rendezvous(_Simulation):
                 if unit.left == 0:
                     queue = unit.queue
                     queue.popleft()
-                    self.last_end[o.rank][(o.peer, o.lane)] = unit.end
+                    self.last_end[o.rank][o.lane] = unit.end
                     if queue:
                         following = queue[0]
-                        self._activate(o.rank, (o.peer, o.lane), following)
+                        self._activate(o.rank, o.lane, following)
                         todo.extend(following.ops)
 
     # -- the event loop ----------------------------------------------------------------

@@ -15,28 +15,28 @@ and proves that a schedule
 
 Two communication semantics:
 
-``"rendezvous"`` (the default; the strictest any transport has: NCCL, and gloo
-for large messages — see "Communication model" in the design). Each stage runs
-the :class:`~pipekernel.schedules.comm.CommPlan` that the runtime runs,
-computed by :func:`~pipekernel.schedules.comm.plan_communication` (or by the
-``posting=`` hook):
+``"rendezvous"`` (the default; the strictest any transport has: NCCL with one
+communicator per lane, and gloo for large messages — the contract in
+:mod:`pipekernel.comm.transport`). Each stage runs the
+:class:`~pipekernel.schedules.comm.CommPlan` that the runtime runs, computed by
+:func:`~pipekernel.schedules.comm.plan_communication` (or by the ``posting=`` hook):
 
 * before ``stream[i]`` runs, the group ``posts[i]`` is posted (non-blocking); a
   receive instruction waits for its own transfer to complete; a send never
   blocks the poster's compute;
 * matching is FIFO per ordered pair of stages and *lane* (``plan.lanes``, the
-  transport tag of the transfer's channel, :func:`~pipekernel.schedules.comm.lane_of`),
+  transport tag of the transfer's channel, :mod:`pipekernel.schedules.lanes`),
   and tagless within a lane: the k-th send from A to B on a lane matches the
   k-th receive B posted from A on that lane, whatever it says. A plan without
-  lanes puts all of a pair's traffic on one lane (a transport without tags).
+  lanes puts all of a stage's traffic on one lane (a transport without tags).
   A pair that disagrees (kind, micro-batch, chunk) is reported with both
   instructions;
-* a transfer completes only when both of its operations are *active*. A
-  group's operations to one peer on one lane form one *unit*; at a rank, a
-  unit becomes active only when every earlier unit of that rank to that peer
-  on that lane has completed (a lane's operations complete in posting order;
-  operations posted together progress together). Units to different peers or
-  on different lanes are independent;
+* a transfer completes only when both of its operations are *active*. A lane is
+  **one ordered stream per rank, whatever the peer**: a group's operations on
+  one lane form one *unit* (to any number of peers), and at a rank a unit becomes
+  active only when every earlier unit of that rank on that lane has completed (a
+  lane's operations complete in posting order; operations posted together
+  progress together). Units on different lanes are independent;
 * a local hand-off (``plan.local[i]``, a stage that is its own peer) completes
   at once; its receive needs the send to have run;
 * ``ReduceTiedGrads`` and ``OptimizerStep`` are world collectives (every stage
@@ -199,8 +199,9 @@ def _error(schedule, num_stages, micro_batches, chunks, problems, semantics) -> 
     hint = ("fix the schedule's steps(); every send needs a matching receive in the same "
             "order, and a buffer may be reused only after its micro-batch is done")
     if semantics == "rendezvous":
-        hint += ("; a send completes only when its receive is posted and every earlier "
-                 "transfer between the two stages has completed")
+        hint += ("; a send completes only when its receive is posted and every operation "
+                 "its stage and the receiver's posted earlier on the same lane (to any "
+                 "peer) has completed")
     return ScheduleError(
         f"schedule {name!r} is invalid for {num_stages} stage(s) x {micro_batches} "
         f"micro-batch(es) x {chunks} chunk(s) ({semantics} sends): {len(problems)} "

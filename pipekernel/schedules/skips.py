@@ -20,8 +20,8 @@ Why every schedule stays deadlock-free: the consumer's forward of ``m`` already
 depends on the producer's forward of ``m`` through the activations of the
 positions in between, and the producer's backward of ``m`` on the consumer's
 backward through their gradients, so a skip transfer adds no dependency the
-schedule did not have; each edge's traffic has its own lanes
-(:func:`skip_lane`), posted by the same plan (:mod:`pipekernel.schedules.comm`:
+schedule did not have; each edge's two channels get lanes like the others
+(:mod:`pipekernel.schedules.lanes`), posted by the same plan (:mod:`pipekernel.schedules.comm`:
 receives ahead, sends never waited on before the batch ends). The simulator
 checks it under rendezvous semantics all the same (``simulate(..., skips=...)``),
 and an edge whose consumer does not come after its producer is rejected by
@@ -38,10 +38,7 @@ from pipekernel.schedules.instructions import (
 )
 from pipekernel.schedules.placement import position
 
-__all__ = ["check_skip_edges", "add_skip_transfers", "skip_lane", "skip_edge_of"]
-
-#: The lanes before the skip lanes (activations and gradients: 4 per chunk).
-_BASE_LANES_PER_CHUNK = 4
+__all__ = ["check_skip_edges", "add_skip_transfers", "skip_edge_of"]
 
 
 def check_skip_edges(edges: Iterable[Sequence[int]], num_positions: int) -> list[tuple[int, int]]:
@@ -66,17 +63,6 @@ def check_skip_edges(edges: Iterable[Sequence[int]], num_positions: int) -> list
                             hint="a skip connection goes from an earlier layer (stash) to a "
                                  "later one (pop); reorder the layers or the names")
     return sorted(out)
-
-
-def skip_lane(edges: Sequence[tuple[int, int]], edge: tuple[int, int], grad: bool,
-              chunks: int) -> int | None:
-    """The lane of one edge's skips (``grad=False``) or of their gradients; after the
-    ``4 * chunks`` lanes of activations and gradients. ``None`` for an unknown edge."""
-    try:
-        index = edges.index(edge)
-    except ValueError:
-        return None
-    return _BASE_LANES_PER_CHUNK * chunks + 2 * index + int(grad)
 
 
 def skip_edge_of(instruction: Instruction, stage: int, num_stages: int,

@@ -1,15 +1,34 @@
-"""Zero-bubble schedules: ZB-H1 and ZB-V (Qi et al., "Zero Bubble Pipeline
+"""Zero-bubble schedules: ZB-H1, ZB-H2 and ZB-V (Qi et al., "Zero Bubble Pipeline
 Parallelism", ICLR 2024). Layer 0: no torch.
 
-Both split each backward into ``BackwardInput`` (I: the gradient of the part's
+All split each backward into ``BackwardInput`` (I: the gradient of the part's
 inputs, sent upstream at once) and ``BackwardWeight`` (W: the gradient of its
 weights, which nothing downstream waits for). W can then be moved into what
 would otherwise be pipeline bubbles.
 
-The order of each stage is built once per ``(num_stages, micro_batches)`` by
-:func:`plan`, a list scheduler that plays the whole pipeline forward in unit
-time (F = I = W = 1) and lets every idle stage pick, in this order of
-preference:
+``zb-h1`` and ``zb-h2`` are the paper's handcrafted schedules (its section 3,
+Table 1), one chunk per stage; :func:`handcrafted` builds a stage's order from two
+numbers, its warm-up forwards and its in-flight cap (a part counts from its F to
+its W). At equal costs (``T_F = T_I = T_W``) the simulator measures the paper's
+times exactly:
+
+* ``zb-h1``: warm-up ``S - s``, cap ``S`` on every stage (the peak of 1F1B, which
+  1F1B reaches only on stage 0): iteration time ``M (F+I+W) + (S-1)(F+I-W)``, a
+  third of 1F1B's bubble. Later stages hold up to ``S`` parts and defer their W
+  into the tail, so every stage ends together.
+* ``zb-h2``: warm-up ``2 S - 1 - 2 s``, cap ``2 S - 1``: the warm-up fills the bubble
+  before the first I and the tail's W turn the trapezoid into a parallelogram —
+  each stage computes without a gap from its first F to its last W
+  (``SimulationResult.spans`` = ``M (F+I+W) + (S-1)(F+I-2W)``, zero at equal costs,
+  when ``M >= 2 S - 1``; with fewer micro-batches stage 0 cannot fill the warm-up).
+  The batch's makespan adds the pipeline's fill ``(S-1) F``: pipekernel ends every
+  batch with a synchronising optimizer step, which the paper removes
+  ("post-validation"); back to back without it, stage ``s`` would start the next
+  batch ``s F`` late and the parallelogram would tile.
+
+``zbv`` is planned by :func:`plan`, a list scheduler that plays the whole
+pipeline forward in unit time (F = I = W = 1) and lets every idle stage pick, in
+this order of preference:
 
 1. the next ``I`` whose output gradient has arrived (deepest chunk first);
 2. the next ``F`` whose input has arrived, if the stage has room for one more
@@ -24,10 +43,8 @@ every send meets its receive in order. The memory cap counts parts whose ``W``
 has not run, i.e. buffers: the same count the simulator reports. The admission
 limit at position 0 keeps the plan from ever being stuck: a stage that lacks a
 slot for a forward of an admitted micro-batch always holds a pending ``W``.
-
-* ``zb-h1``: caps ``min(S - s, M)`` — 1F1B's buffers on every stage.
-* ``zbv``: caps ``min(2 S, 2 M)`` parts of half a stage each — the activation
-  memory of 1F1B's first stage, on every rank.
+``zbv`` caps ``min(2 S, 2 M)`` parts of half a stage each — the activation
+memory of 1F1B's first stage, on every rank.
 """
 from __future__ import annotations
 
@@ -39,7 +56,7 @@ from pipekernel.errors import ScheduleError
 from pipekernel.schedules.ordered import Op, OrderedSchedule
 from pipekernel.schedules.placement import locate, position
 
-__all__ = ["ZBH1", "ZBV", "plan"]
+__all__ = ["ZBH1", "ZBH2", "ZBV", "plan", "handcrafted"]
 
 
 @lru_cache(maxsize=256)
@@ -155,6 +172,36 @@ def plan(num_stages: int, micro_batches: int, chunks: int, placement: str,
     return tuple(tuple(o) for o in ops)
 
 
+def handcrafted(micro_batches: int, warmup: int, cap: int) -> tuple[Op, ...]:
+    """One stage's order of a one-chunk zero-bubble schedule (``zb-h1``, ``zb-h2``).
+
+    ``warmup`` forwards (at most ``micro_batches``), then for each micro-batch in
+    order: its ``I``; then, while forwards are left, the next ``F`` — preceded by the
+    oldest pending ``W`` when the stage already holds ``cap`` parts — and once they
+    are all done, the oldest pending ``W``; the remaining ``W`` last. The stage never
+    holds more than ``max(cap, warmup)`` parts (counted from F to W).
+    """
+    M = micro_batches
+    ops: list[Op] = [("F", 0, k) for k in range(min(warmup, M))]
+    next_f = live = len(ops)
+    pending: deque[int] = deque()
+    for k in range(M):
+        ops.append(("I", 0, k))
+        pending.append(k)
+        if next_f < M:
+            if live >= cap:
+                ops.append(("W", 0, pending.popleft()))
+                live -= 1
+            ops.append(("F", 0, next_f))
+            next_f += 1
+            live += 1
+        else:
+            ops.append(("W", 0, pending.popleft()))
+            live -= 1
+    ops.extend(("W", 0, k) for k in pending)
+    return tuple(ops)
+
+
 class _ZeroBubble(OrderedSchedule):
     trains = True
 
@@ -166,19 +213,42 @@ class _ZeroBubble(OrderedSchedule):
                     self.caps(), self.num_stages)[self.stage]
 
 
-class ZBH1(_ZeroBubble):
-    """ZB-H1: 1F1B with the backward split into I and W, W deferred into the bubbles.
+class ZBH1(OrderedSchedule):
+    """ZB-H1 (the paper's handcrafted schedule): 1F1B's peak memory, a third of its bubble.
 
-    One chunk, ``"loop"`` placement, any sizes. Stage ``s`` never holds more
-    than ``min(S - s, M)`` parts (1F1B's buffers), counting a part until its W.
+    One chunk, ``"loop"`` placement, any sizes. Stage ``s`` runs ``min(S - s, M)``
+    warm-up forwards and holds at most ``min(S, M)`` parts (counting a part until
+    its W) — the peak of 1F1B, which 1F1B reaches on stage 0 only. At equal costs
+    a batch takes ``M (F+I+W) + (S-1)(F+I-W)`` (see the module docstring).
     """
 
     name = "zb-h1"
     placement = "loop"
+    trains = True
 
-    def caps(self) -> tuple[int, ...]:
-        S, M = self.num_stages, self.micro_batches
-        return tuple(min(S - s, M) for s in range(S))
+    def order(self) -> Sequence[Op]:
+        S, s = self.num_stages, self.stage
+        return handcrafted(self.micro_batches, S - s, S)
+
+
+class ZBH2(OrderedSchedule):
+    """ZB-H2 (the paper's handcrafted schedule): no bubble inside a stage, ``2 S - 1``
+    parts in flight.
+
+    One chunk, ``"loop"`` placement, any sizes. Stage ``s`` runs
+    ``min(2 S - 1 - 2 s, M)`` warm-up forwards and holds at most ``min(2 S - 1, M)``
+    parts. With ``M >= 2 S - 1`` every stage computes without a gap from its first
+    F to its last W (a parallelogram; see the module docstring for what the
+    end-of-batch synchronisation adds).
+    """
+
+    name = "zb-h2"
+    placement = "loop"
+    trains = True
+
+    def order(self) -> Sequence[Op]:
+        S, s = self.num_stages, self.stage
+        return handcrafted(self.micro_batches, 2 * S - 1 - 2 * s, 2 * S - 1)
 
 
 class ZBV(_ZeroBubble):

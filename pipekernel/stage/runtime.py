@@ -25,7 +25,9 @@ from pipekernel.schedules.comm import SENDS, CommPlan
 from pipekernel.schedules.placement import position
 from pipekernel.stage.skip_routing import SkipRouter, SkipState
 from pipekernel.grid.topology import Topology
-from pipekernel.comm.wire import Channel, flatten, map_tensors
+from pipekernel.step.optimizer_step import BatchLosses
+from pipekernel.comm.wire import Channel, flatten
+from pipekernel.nested import map_tensors
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -75,9 +77,6 @@ class StageRuntime:
     :param loss_fn: ``loss_fn(outputs, labels)``; used at the last pipeline position.
     :param precision: the :class:`~pipekernel.step.precision.Precision` policy (forward,
         loss scaling, gradient accumulation).
-    :param reduce_tied: callable summing tied gradients across stages.
-    :param reduce_grads: callable averaging gradients across replicas.
-    :param optimizer_step: callable stepping the optimizer.
     :param chunks: parts per stage; :param placement: which parts
         (:mod:`pipekernel.schedules.placement`).
     :param before_last_backward: called right before the last instruction of the
@@ -93,9 +92,8 @@ class StageRuntime:
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
-                 loss_fn: Callable | None, precision: Any, *,
-                 reduce_tied: Callable[[], None], reduce_grads: Callable[[], None],
-                 optimizer_step: Callable[[], None], chunks: int = 1, placement: str = "loop",
+                 loss_fn: Callable | None, precision: Any, *, chunks: int = 1,
+                 placement: str = "loop",
                  before_last_backward: Callable[[], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
                  wire: Any = None, skips: SkipRouter | None = None) -> None:
@@ -111,8 +109,6 @@ class StageRuntime:
         self.parts = [module.part(c) if hasattr(module, "part") else module
                       for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
-        self._reduce_tied, self._reduce_grads = reduce_tied, reduce_grads
-        self._optimizer_step = optimizer_step
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else _same
@@ -125,45 +121,86 @@ class StageRuntime:
         self.micro_batches = 1
         self.compute_loss = True
         self.keep_outputs = False
-        self.losses: list[torch.Tensor] = []
-        self.loss_micro_batches: list[int] = []  # which micro-batch each loss is
+        self.losses = BatchLosses()  # this batch's, returned by end()
         self.outputs: list[Any] = []
         self.check_data = False
         self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
         self._plan: CommPlan | None = None
-        self._index: dict[isa.Instruction, int] = {}
-        self._posted = 0          # posts[:_posted] are out
+        self._compiled: dict[int, _Compiled] = {}  # id(plan) -> what is known once per plan
+        self._run: _Compiled | None = None  # the current plan's
+        self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[Any] = []        # handles of sends in flight
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
-        self._last_backward = -1
 
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
               plan: CommPlan | None = None, *, compute_loss: bool = True,
-              keep_outputs: bool = False, check_data: bool = False) -> None:
+              keep_outputs: bool = False, check_data: bool = False,
+              losses: BatchLosses | None = None) -> None:
         """Start a batch that runs ``plan.stream`` (built by the engine once per schedule).
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
         (see :func:`pipekernel.stage.fingerprint.fingerprint`); every rank of a pipeline must pass
-        the same value.
+        the same value. The losses computed go into ``losses`` (a fresh
+        :class:`~pipekernel.step.optimizer_step.BatchLosses` if ``None``), which
+        :meth:`end` returns.
         """
         self.flush()
         self.check_data, self._fingerprints = check_data, {}
-        self.loss_micro_batches = []
         self.data_iter, self.micro_batches = data_iter, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.buffers = [Buffer() for _ in range(num_buffers)]
-        self.losses, self.outputs, self.labels = [], [], {}
-        self._plan, self._posted, self._recvs, self._local = plan, 0, {}, {}
-        self._index = {ins: i for i, ins in enumerate(plan.stream)} if plan is not None else {}
-        self._last_backward = -1
-        if plan is not None and (self._before_last_backward is not None
-                                 or self._after_last_backward is not None):
-            weights = [i for i, ins in enumerate(plan.stream)
-                       if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
-            self._last_backward = weights[-1] if weights else -1
+        self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
+        self.losses = losses if losses is not None else BatchLosses()
+        self.outputs, self.labels = [], {}
+        self._plan, self._at, self._recvs, self._local = plan, -1, {}, {}
+        self._run = self._compile(plan) if plan is not None else None
+
+    def _compile(self, plan: CommPlan) -> _Compiled:
+        """What the runtime needs of ``plan`` at each index, worked out once per plan (the
+        engine caches its plans): the groups to post with their channels, and the index
+        of the batch's last weight-gradient instruction."""
+        run = self._compiled.get(id(plan))
+        if run is not None and run.plan is plan:
+            return run
+        groups: list[tuple] = []
+        channels: list[Channel | None] = [None] * len(plan.stream)
+        index_of = {id(ins): i for i, ins in enumerate(plan.stream)}
+        for group in plan.posts:
+            for ins in group:
+                channels[index_of[id(ins)]] = self._channel_at(plan, index_of[id(ins)])
+            groups.append(tuple((index_of[id(ins)], isinstance(ins, SENDS),
+                                 channels[index_of[id(ins)]],
+                                 _WHAT.get(type(ins), "value")) for ins in group))
+        weights = [i for i, ins in enumerate(plan.stream)
+                   if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
+        if len(self._compiled) > 64:  # the engine keeps one plan per schedule and count
+            self._compiled.clear()
+        run = self._compiled[id(plan)] = _Compiled(plan, tuple(groups), tuple(channels),
+                                                   weights[-1] if weights else -1)
+        return run
+
+    def enter(self, index: int) -> None:
+        """The kernel is about to run ``plan.stream[index]``: post every group due there.
+        (The kernel calls it before each instruction, whoever handles it.)"""
+        self._at = index
+        group = self._run.groups[index]
+        if group:
+            self._post_group(group)
+
+    def end(self) -> BatchLosses:
+        """Finish the batch (wait for the sends still in flight); its losses."""
+        self.flush()
+        return self.losses
+
+    def inputs_of(self, instruction: isa.MicroBatchInstruction) -> Any:
+        """The inputs the buffer of ``instruction``'s micro-batch holds now (``None``: none
+        yet, or another micro-batch's slot), for observers such as the monitor."""
+        buffer = self.buffers[instruction.buffer]
+        if buffer.micro_batch != instruction.micro_batch or buffer.chunk != instruction.chunk:
+            return None
+        return buffer.inputs
 
     def payload_bytes(self) -> dict[str, int]:
         """Tensor bytes this stage sent to its peers so far, by dtype name."""
@@ -193,56 +230,35 @@ class StageRuntime:
             isa.RecvGrad: self.recv_grad, isa.SendSkip: self.send_skip,
             isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
             isa.RecvSkipGrad: self.recv_skip,
-            isa.ReduceTiedGrads: self._after_posting(self._reduce_tied),
-            isa.ReduceGrads: self._after_posting(self._reduce_grads),
-            isa.OptimizerStep: self._after_posting(self._optimizer_step),
         }
 
-    def _after_posting(self, action: Callable[[], None]) -> Callable[[isa.Instruction], None]:
-        """A handler that posts the groups due at its instruction, then runs ``action``."""
-        def handler(instruction: isa.Instruction) -> None:
-            self._advance(instruction)
-            action()
-        return handler
-
     # -- posting by the plan -------------------------------------------------
-    def _advance(self, instruction: isa.Instruction) -> int:
-        """Post every group due up to and including ``instruction``'s; its stream index."""
-        index = self._index.get(instruction, -1)
-        if index >= self._posted:
-            posts = self._plan.posts
-            for j in range(self._posted, index + 1):
-                if posts[j]:
-                    self._post_group(posts[j])
-            self._posted = index + 1
-        return index
-
-    def _channel(self, instruction: isa.MicroBatchInstruction) -> Channel:
+    def _channel_at(self, plan: CommPlan, index: int) -> Channel:
+        """The channel of the remote transfer ``plan.stream[index]`` (made on first use)."""
+        instruction = plan.stream[index]
         key = (type(instruction), instruction.chunk, getattr(instruction, "peer", None))
         channel = self._channels.get(key)
         if channel is None:
-            index = self._index[instruction]
-            peer_stage, _ = self._plan.peers[index]
+            peer_stage, _ = plan.peers[index]
             channel = Channel(self.transport, self.topology.stage_rank(peer_stage),
-                              tag=self._plan.lanes[index])
+                              tag=plan.lanes[index])
             self._channels[key] = channel
         return channel
 
-    def _post_group(self, group: Sequence[isa.Instruction]) -> None:
+    def _post_group(self, group: Sequence[tuple]) -> None:
         """Post one group: every op of ``group`` on the data lane in one call (and the
         headers on the control lane, when the transport has one, just before)."""
         data: list[Any] = []
         control: list[Any] = []
         spans = []
-        for instruction in group:
-            channel = self._channel(instruction)
-            if isinstance(instruction, SENDS):
+        stream = self._plan.stream
+        for index, is_send, channel, what in group:
+            if is_send:
                 pending = None
-                ops, ctrl = channel.send_ops(self._payload(instruction),
-                                            _WHAT.get(type(instruction), "value"))
+                ops, ctrl = channel.send_ops(self._payload(stream[index]), what)
             else:
                 pending = channel.recv_ops()
-                self._recvs[self._index[instruction]] = pending
+                self._recvs[index] = pending
                 ops, ctrl = pending.ops, pending.control_ops
             spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
             data += ops
@@ -298,7 +314,7 @@ class StageRuntime:
         return buffer
 
     def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
-        index = self._advance(instruction)
+        index = self._at
         if self._plan.local[index]:
             key = (type(instruction), instruction.chunk, instruction.micro_batch,
                    getattr(instruction, "peer", None))
@@ -308,13 +324,13 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        obj = self._join(self._channel(instruction).finish(pending))
+        obj = self._join(self._run.channels[index].finish(pending))
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
-        index = self._advance(instruction)
+        index = self._at
         if self._plan.local[index]:
             peer_chunk = self._plan.peers[index][1]
             # a skip hand-off is found by the position it comes from
@@ -325,7 +341,6 @@ class StageRuntime:
 
     # -- handlers ----------------------------------------------------------
     def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
-        self._advance(instruction)
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
@@ -357,7 +372,6 @@ class StageRuntime:
             self.labels[instruction.micro_batch] = _to(labels, device)
 
     def forward(self, instruction: isa.Forward) -> None:
-        self._advance(instruction)
         buffer = self._slot(instruction)
         if buffer.inputs is None:
             raise PipelineError("forward before the inputs arrived",
@@ -375,8 +389,7 @@ class StageRuntime:
             labels = self.labels.get(instruction.micro_batch)
             if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
                 buffer.loss = self._loss(buffer, instruction.micro_batch)
-                self.losses.append(buffer.loss.detach())
-                self.loss_micro_batches.append(instruction.micro_batch)
+                self.losses.add(buffer.loss.detach(), instruction.micro_batch)
             if self.check_data:
                 self._check_labels(instruction.micro_batch, labels)
 
@@ -428,17 +441,14 @@ class StageRuntime:
         return loss.reshape(())
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
-        if (self._before_last_backward is not None
-                and self._index.get(instruction) == self._last_backward):
+        if self._before_last_backward is not None and self._at == self._run.last_backward:
             self._before_last_backward()
 
     def _after_weights(self, instruction: isa.Instruction) -> None:
-        if (self._after_last_backward is not None
-                and self._index.get(instruction) == self._last_backward):
+        if self._after_last_backward is not None and self._at == self._run.last_backward:
             self._after_last_backward()
 
     def backward(self, instruction: isa.Backward) -> None:
-        self._advance(instruction)
         buffer = self._slot(instruction)
         self._before_weights(instruction)
         chunk = instruction.chunk
@@ -471,7 +481,6 @@ class StageRuntime:
     def backward_input(self, instruction: isa.BackwardInput) -> None:
         from pipekernel.stage.split_backward import backward_input
 
-        self._advance(instruction)
         buffer = self._slot(instruction)
         chunk = instruction.chunk
         inputs = _grad_tensors(buffer.inputs) if chunk != self.first_chunk else []
@@ -496,7 +505,6 @@ class StageRuntime:
     def backward_weight(self, instruction: isa.BackwardWeight) -> None:
         from pipekernel.stage.split_backward import backward_weight
 
-        self._advance(instruction)
         buffer = self._slot(instruction)
         if buffer.split is None:
             raise PipelineError(f"{instruction} before its BackwardInput",
@@ -540,6 +548,22 @@ class StageRuntime:
         if buffer.skips is None:
             buffer.skips = SkipState()
         self._skips.deliver(instruction, buffer.skips, obj)
+
+
+class _Compiled:
+    """One plan as the runtime runs it: per stream index, the group posted there as
+    ``(index, is_send, channel, what)`` tuples and the channel of a remote transfer;
+    the last weight-gradient index."""
+
+    __slots__ = ("plan", "groups", "channels", "last_backward")
+
+    def __init__(self, plan: CommPlan, groups: tuple, channels: tuple,
+                 last_backward: int) -> None:
+        self.plan, self.groups, self.channels = plan, groups, channels
+        self.last_backward = last_backward
+
+
+_EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
 
 
 def _same(obj: Any) -> Any:

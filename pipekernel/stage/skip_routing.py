@@ -178,21 +178,13 @@ def router_for(module: Any, bounds: list[int], stage_module: Any, positions: lis
 
 
 def check_schedules(schedules: list[Any], num_stages: int, micro_batches: int, chunks: int,
-                    edges: list[tuple[int, int]], transport: Any, transport_name: str) -> None:
-    """Before the first batch: the transport has a lane per skip channel, and every
-    schedule the engine runs is deadlock-free with the skip edges (rendezvous
-    semantics; :func:`~pipekernel.schedules.simulate`). Raises ``ConfigError``."""
+                    edges: list[tuple[int, int]]) -> None:
+    """Before the first batch: every schedule the engine runs is deadlock-free with the
+    skip edges (rendezvous semantics; :func:`~pipekernel.schedules.simulate`; the
+    engine opened the skip channels' lanes before). Raises ``ConfigError``."""
     from pipekernel.errors import ScheduleError
-    from pipekernel.schedules.comm import lanes_needed
     from pipekernel.schedules.simulator import simulate
 
-    lanes = lanes_needed(chunks, len(edges))
-    if num_stages > 1 and getattr(transport, "max_tags", 1) < lanes:
-        raise ConfigError(
-            f"transport {transport_name!r} offers {getattr(transport, 'max_tags', 1)} lane(s) "
-            f"(tags) and {chunks} chunk(s) with {len(edges)} skip edge(s) need {lanes}",
-            hint="each skip edge needs two lanes of its own; use a transport with more tags "
-                 f"(nccl: transport_options={{'lanes': {lanes}}})")
     for cls in schedules:
         try:
             simulate(cls, num_stages, micro_batches, chunks, skips=edges)

@@ -60,14 +60,23 @@ W has run and the caller has dropped ``outputs``; as with
 ``torch.distributed.pipelining``, B does not shrink the memory of the micro-batch.
 
 Limitations: a custom ``autograd.Function`` that takes both an activation and a parameter
-is a split node whose ``backward`` computes every gradient ``ctx.needs_input_grad`` asks
-for whoever calls it, so it runs whole in B and again in W, in an autograd call of its own
-(correct, but its input-side work is done twice; should another path from it reach the
-same weight-part node, that call also passes undefined gradients down the input path
-below it, which custom Functions there see as zeros). Reentrant activation checkpointing
-(``use_reentrant=True``) runs its segment's backward inside one node, so the parameters
-inside such a segment get their gradients in B as well; non-reentrant checkpointing is an
-ordinary graph and splits normally. ``create_graph`` (double backward) is not supported.
+(a ``torch.compile``'d layer is one) is a split node whose ``backward`` computes every
+gradient ``ctx.needs_input_grad`` asks for whoever calls it, so it runs whole in B and again
+in W, in an autograd call of its own (correct, but its input-side work is done twice;
+should another path from it reach the same weight-part node, that call also passes
+undefined gradients down the input path below it, which custom Functions there see as
+zeros). Non-reentrant activation checkpointing (``use_reentrant=False``, what pipekernel's
+own checkpointing uses) is an ordinary graph and splits normally; reentrant checkpointing
+cannot be back-propagated in parts (``torch.autograd.grad`` refuses it), and B raises a
+:class:`~pipekernel.errors.PipelineError` saying so. ``create_graph`` (double backward) is
+not supported.
+
+Planned once per graph shape: B walks the graph once (one pass over ``next_functions``)
+and looks its shape — node types and edges, roots, inputs and parameters by position — up
+in a small cache of plans (which nodes to split, where their weight-side edges go, which
+roots and parameters the weight part holds); only a shape not seen before is analysed.
+The activation gradients are read once, in B's one autograd call, which records what
+arrives at each split node.
 W calls ``torch.autograd.graph._engine_run_backward`` (what ``torch.autograd.backward``
 calls, minus its per-root Python checks), falling back to ``torch.autograd.backward``.
 
@@ -95,8 +104,8 @@ class _Split:
 
     __slots__ = ("node", "slots", "grads", "targets", "wedges", "direct", "guard")
 
-    def __init__(self, node: Node, slots: list[int], targets: list[GradientEdge],
-                 wedges: list[tuple[int, Node, int]], guard: bool) -> None:
+    def __init__(self, node: Node, slots: tuple[int, ...], targets: list[GradientEdge],
+                 wedges: list[tuple[int, Node, int]], guard: bool, direct: bool) -> None:
         self.node = node
         self.slots = slots               # input slots whose gradient B records
         self.grads: list = []            # recorded in B, one per slot (None: none arrived)
@@ -105,7 +114,7 @@ class _Split:
         # a C++ node is called directly inside W's autograd call, which computes only the
         # outputs whose edges that call needs; a custom Function's backward computes what
         # ctx.needs_input_grad says whatever the call, so it gets its own autograd call
-        self.direct = not isinstance(node, torch.autograd.function.BackwardCFunction)
+        self.direct = direct
         # True when another path from this node may reach one of its targets; used for
         # custom Functions: W then silences the node's other children while re-running it
         self.guard = guard
@@ -132,42 +141,126 @@ class WeightGradState:
                 f"done={self.done})")
 
 
-class _Graph:
-    """The autograd graph reachable from the roots: children, parents, used input slots."""
+class _Walk:
+    """The autograd graph reachable from the roots, in one pass: ``nodes`` in visit order,
+    ``rows[i]`` the edges of ``nodes[i]`` as ``(child index or -1, slot)`` by output index,
+    and ``key``, which says everything the split depends on (the node types and the
+    edges), so two graphs with equal keys split the same way (:func:`_plan`)."""
+
+    __slots__ = ("nodes", "index", "rows", "key")
 
     def __init__(self, roots: list[Node]) -> None:
-        self.edges: dict[Node, list[tuple[Node, int]]] = {}
-        self.parents: dict[Node, list[Node]] = {}  # one entry per edge, repeats kept
-        self.slots: dict[Node, set[int]] = {}
-        stack = []
+        nodes: list[Node] = []
+        index: dict[Node, int] = {}
         for node in roots:
-            if node not in self.edges:
-                self.edges[node] = []
-                self.parents.setdefault(node, [])
-                stack.append(node)
-        while stack:
-            node = stack.pop()
-            out = self.edges[node]
-            for child, slot in node.next_functions:
-                out.append((child, slot))  # index = output index of the node, None kept
+            if node not in index:
+                index[node] = len(nodes)
+                nodes.append(node)
+        rows = []
+        at = 0
+        while at < len(nodes):  # breadth first: nodes grows while it is read
+            row = []
+            for child, slot in nodes[at].next_functions:
                 if child is None:
+                    row.append((-1, slot))
                     continue
-                self.slots.setdefault(child, set()).add(slot)
-                self.parents.setdefault(child, []).append(node)
-                if child not in self.edges:
-                    self.edges[child] = []
-                    stack.append(child)
+                i = index.get(child)
+                if i is None:
+                    i = index[child] = len(nodes)
+                    nodes.append(child)
+                row.append((i, slot))
+            rows.append(tuple(row))
+            at += 1
+        self.nodes, self.index, self.rows = nodes, index, tuple(rows)
+        self.key = (tuple(map(type, nodes)), self.rows)
 
-    def ancestors(self, nodes, *, strict: bool) -> set[Node]:
-        """The nodes with a path to one of ``nodes`` (``strict``: of length >= 1)."""
-        found: set[Node] = set() if strict else {n for n in nodes if n in self.edges}
-        stack = [n for n in nodes if n in self.edges]
-        while stack:
-            for parent in self.parents[stack.pop()]:
-                if parent not in found:
-                    found.add(parent)
-                    stack.append(parent)
-        return found
+
+class _Plan:
+    """How one graph shape splits, by node index (see :func:`_plan`).
+
+    * ``splits``: ``(node, slots, wedges, targets, guard, direct)`` per split node,
+      ``wedges`` as ``(edge index, child, slot)``, ``targets`` the distinct ``(child,
+      slot)``, ``direct`` false for a custom Function (see :class:`_Split`);
+    * ``weight_roots``: positions of the roots whose node lies in the weight part;
+    * ``reached``: positions (in the caller's parameter list) of the parameters the weight
+      part reaches.
+    """
+
+    __slots__ = ("splits", "weight_roots", "reached", "has_weight_part")
+
+    def __init__(self, splits, weight_roots, reached, has_weight_part) -> None:
+        self.splits, self.weight_roots = splits, weight_roots
+        self.reached, self.has_weight_part = reached, has_weight_part
+
+
+def _ancestors(parents: list[list[int]], start, *, strict: bool) -> set[int]:
+    """Indices with a path to one of ``start`` (``strict``: of length >= 1)."""
+    found: set[int] = set() if strict else set(start)
+    stack = list(start)
+    while stack:
+        for parent in parents[stack.pop()]:
+            if parent not in found:
+                found.add(parent)
+                stack.append(parent)
+    return found
+
+
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 64
+
+
+def _plan(walk: _Walk, roots: tuple[tuple[int, int], ...], inputs: tuple[int, ...],
+          params: tuple[int, ...]) -> _Plan:
+    """The split of a graph shape, computed once per ``(walk.key, roots, inputs, params)``
+    and reused for every micro-batch whose graph has that shape. ``roots``: ``(node
+    index, output_nr)`` of each root; ``inputs``/``params``: the node indices of the inputs
+    and of the parameters (``-1``: not in the graph)."""
+    key = (walk.key, roots, inputs, params)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    rows = walk.rows
+    parents: list[list[int]] = [[] for _ in rows]
+    used: list[set[int]] = [set() for _ in rows]
+    for node, row in enumerate(rows):
+        for child, slot in row:
+            if child >= 0:
+                parents[child].append(node)
+                used[child].add(slot)
+    weight_part = _ancestors(parents, [p for p in params if p >= 0], strict=False)
+    input_path = _ancestors(parents, [i for i in inputs if i >= 0], strict=True)  # B runs it
+    weight_part -= input_path
+    for node, slot in roots:
+        used[node].add(slot)
+    splits = []
+    for node in range(len(rows)):  # visit order: deterministic
+        if node not in input_path:
+            continue
+        wedges = tuple((e, c, s) for e, (c, s) in enumerate(rows[node]) if c in weight_part)
+        if not wedges:
+            continue
+        targets = tuple(dict.fromkeys((c, s) for _, c, s in wedges))
+        # a target reached by more than this one edge may be reached from another child
+        guard = len(targets) < len(wedges) or any(len(parents[c]) > 1 for c, _ in targets)
+        direct = not issubclass(walk.key[0][node], torch.autograd.function.BackwardCFunction)
+        splits.append((node, tuple(sorted(used[node])), wedges, targets, guard, direct))
+    weight_roots = tuple(k for k, (node, _) in enumerate(roots) if node in weight_part)
+    reached = tuple(k for k, p in enumerate(params) if p in weight_part)
+    plan = _Plan(tuple(splits), weight_roots, reached, bool(weight_part))
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = plan
+    return plan
+
+
+def _leaf_indices(walk: _Walk, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """The node index of each leaf tensor's gradient accumulator (``-1`` if not in the
+    graph), found among the walk's ``AccumulateGrad`` nodes, without a lookup per tensor."""
+    where: dict[int, int] = {}
+    for i, (node, row) in enumerate(zip(walk.nodes, walk.rows)):
+        if not row and hasattr(node, "variable"):
+            where[id(node.variable)] = i
+    return tuple(where.get(id(t), -1) for t in tensors)
 
 
 def _check_list(name: str, values, allow_none: bool = False) -> list:
@@ -210,11 +303,6 @@ def _roots(outputs, grad_outputs, loss):
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 
-def _shares_memory(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
-    ptr = t.untyped_storage().data_ptr()
-    return any(o.untyped_storage().data_ptr() == ptr for o in others)
-
-
 def backward_input(outputs: Sequence[torch.Tensor],
                    grad_outputs: Sequence[torch.Tensor | None],
                    inputs: Sequence[torch.Tensor],
@@ -254,36 +342,31 @@ def backward_input(outputs: Sequence[torch.Tensor],
                 hint="pass the received activation detached: x = x.detach().requires_grad_()")
 
     root_edges = [get_gradient_edge(t) for t in outs]
-    graph = _Graph([e.node for e in root_edges])
-    input_nodes = [get_gradient_edge(t).node for t in grad_inputs]
-    param_nodes = {p: get_gradient_edge(p).node for p in stage_params}  # keep them alive
-    weight_part = graph.ancestors(list(param_nodes.values()), strict=False)
-    input_path = graph.ancestors(input_nodes, strict=True)  # what B runs
-    weight_part -= input_path
-
-    # split nodes: on the input path, with an edge into the weight part
-    root_slots: dict[Node, set[int]] = {}
-    for e in root_edges:
-        root_slots.setdefault(e.node, set()).add(e.output_nr)
-    splits = []
-    for node in graph.edges:  # insertion order: deterministic
-        if node not in input_path:
-            continue
-        wedges = [(i, c, s) for i, (c, s) in enumerate(graph.edges[node]) if c in weight_part]
-        if not wedges:
-            continue
-        targets = list(dict.fromkeys(GradientEdge(c, s) for _, c, s in wedges))
-        # a target reached by more than this one edge may be reached from another child
-        guard = len(targets) < sum(1 for c, _ in graph.edges[node] if c in weight_part) \
-            or any(len(graph.parents[t.node]) > 1 for t in targets)
-        slots = sorted(graph.slots.get(node, set()) | root_slots.get(node, set()))
-        splits.append(_Split(node, slots, targets, wedges, guard))
+    walk = _Walk([e.node for e in root_edges])
+    roots = tuple((walk.index[e.node], e.output_nr) for e in root_edges)
+    leaves = _leaf_indices(walk, grad_inputs + stage_params)
+    plan = _plan(walk, roots, leaves[:len(grad_inputs)], leaves[len(grad_inputs):])
+    nodes = walk.nodes
+    splits = [_Split(nodes[n], slots, [GradientEdge(nodes[c], k) for c, k in targets],
+                     [(e, nodes[c], k) for e, c, k in wedges], guard, direct)
+              for n, slots, wedges, targets, guard, direct in plan.splits]
 
     captures = [GradientEdge(s.node, slot) for s in splits for slot in s.slots]
     wanted = [*grad_inputs, *captures]
     if outs and wanted:
-        grads = torch.autograd.grad(outs, wanted, out_grads, retain_graph=bool(weight_part),
-                                    allow_unused=True)
+        try:
+            grads = torch.autograd.grad(outs, wanted, out_grads,
+                                        retain_graph=plan.has_weight_part, allow_unused=True)
+        except RuntimeError as err:
+            if "use_reentrant" not in str(err):
+                raise
+            raise PipelineError(
+                "split_backward: the stage uses activation checkpointing with "
+                "use_reentrant=True, which torch cannot back-propagate in parts "
+                "(torch.autograd.grad refuses it)",
+                hint="checkpoint with use_reentrant=False (pipekernel's own activation "
+                     "checkpointing does), or use a schedule without the split backward "
+                     "(1f1b, gpipe, interleaved)") from err
     else:
         grads = (None,) * len(wanted)
 
@@ -293,17 +376,18 @@ def backward_input(outputs: Sequence[torch.Tensor],
         g = next(found) if t.requires_grad else None
         input_grads.append(torch.zeros_like(t) if g is None else g)
 
+    caller = {g.untyped_storage().data_ptr() for g in out_grads}  # the caller's buffers
     recorded = iter(grads[len(grad_inputs):])
     kept_splits = []
     for s in splits:
         s.grads = [next(recorded) for _ in s.slots]
-        s.grads = [g.clone() if g is not None and _shares_memory(g, out_grads) else g
-                   for g in s.grads]
+        s.grads = [g.clone() if g is not None and g.untyped_storage().data_ptr() in caller
+                   else g for g in s.grads]
         if any(g is not None for g in s.grads):
             kept_splits.append(s)
-    direct = [(e, g.clone() if _shares_memory(g, out_grads) else g)
-              for e, g in zip(root_edges, out_grads) if e.node in weight_part]
-    reached = [p for p in stage_params if param_nodes[p] in weight_part]
+    # the caller may reuse its gradient buffers once B returns: W gets copies
+    direct = [(root_edges[k], out_grads[k].clone()) for k in plan.weight_roots]
+    reached = [stage_params[k] for k in plan.reached]
     return input_grads, WeightGradState(kept_splits, direct, reached)
 
 

@@ -1,24 +1,108 @@
-"""The end of a batch (layer 2, a part of :class:`~pipekernel.engine.engine.PipelineEngine`):
-gradient reductions, the optimizer step (unscaling, the token rescale, clipping, skipping a
-step on overflow or a non-finite loss, all decided by one small all-reduce) and the batch's
-loss, the same on every rank.
+"""The end of a batch: gradient reductions, the optimizer step (unscaling, the token
+rescale, clipping, skipping a step on overflow or a non-finite loss, all decided by one small
+all-reduce) and the batch's loss, the same on every rank.
 
-A mixin so that the engine's construction and loop stay in ``engine.py``; every attribute it
-reads is set up there.
+:class:`BatchStep` serves the step's instructions (``ReduceTiedGrads``, ``ReduceGrads``,
+``OptimizerStep``) in the kernel's dispatch table like the runtime's handlers serve the
+others; the engine builds it once and hands it each batch's :class:`BatchLosses`, which the
+stage runtime fills (and returns when the batch ends). Nothing here reads the engine or
+the runtime.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
 import torch
 
 from pipekernel.errors import ConfigError, DataError, NonFiniteLossError
 from pipekernel.grid.tensor_parallel import sharded_dim
+from pipekernel.schedules import instructions as isa
 
-__all__ = ["StepMixin"]
+__all__ = ["BatchStep", "BatchLosses"]
 
 
-class StepMixin:
-    """Reductions, the optimizer step and the batch loss of a :class:`PipelineEngine`."""
+class BatchLosses:
+    """The losses one rank computed in one batch, in the order computed: ``values`` (0-dim
+    tensors, detached) and ``micro_batches`` (which micro-batch each is). The stage
+    runtime appends; :class:`BatchStep` reads (empty on stages that compute no loss)."""
+
+    __slots__ = ("values", "micro_batches")
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        self.micro_batches: list[int] = []
+
+    def add(self, loss: torch.Tensor, micro_batch: int) -> None:
+        self.values.append(loss)
+        self.micro_batches.append(micro_batch)
+
+
+class BatchStep:
+    """Reductions, the optimizer step and the batch loss of one stage of one replica.
+
+    :param module: the stage's :class:`~pipekernel.stage.module.StageModule` (its
+        ``tied_modules`` and parameters).
+    :param precision: the precision policy (unscaling, master copies, the step).
+    :param optimizer: the optimizer over the precision's parameters (``None``: no training).
+    :param lr_scheduler: stepped after each step taken, or ``None``.
+    :param transport: for the world-wide all-reduces of the step's statistics and the loss.
+    :param topology: this rank's place in the grid.
+    :param tied_groups: ``{tied key: (group, ranks)}`` of this stage.
+    :param tied_reducers: ``{tied key: GradReducer}`` summing tied gradients.
+    :param grad_reducer: the data-parallel ``GradReducer`` or ``None``.
+    :param max_grad_norm: clip to this global norm, or ``None``.
+    :param nonfinite: ``"error"`` or ``"skip"`` (see the engine).
+    :param token_loss: the ``TokenLoss`` of ``loss_reduction="tokens"``, or ``None``.
+    """
+
+    def __init__(self, *, module: Any, precision: Any, optimizer: Any, lr_scheduler: Any,
+                 transport: Any, topology: Any, tied_groups: dict, tied_reducers: dict,
+                 grad_reducer: Any, max_grad_norm: float | None, nonfinite: str,
+                 token_loss: Any) -> None:
+        self.module, self.precision, self.optimizer = module, precision, optimizer
+        self.lr_scheduler, self.transport, self.topology = lr_scheduler, transport, topology
+        self.tied_groups, self._tied_reducers = tied_groups, tied_reducers
+        self.grad_reducer, self.max_grad_norm = grad_reducer, max_grad_norm
+        self.nonfinite, self.token_loss = nonfinite, token_loss
+        self.rank, self.stage, self.num_stages = topology.rank, topology.stage, topology.pipe_size
+        #: Global gradient norm of the last step (before clipping), when clipping.
+        self.last_grad_norm: float | None = None
+        self._last_step_taken = True
+        self.losses = BatchLosses()
+        self.micro_batches, self.global_steps = 1, 0
+
+    def begin(self, micro_batches: int, global_steps: int) -> BatchLosses:
+        """Start a batch of ``micro_batches`` after ``global_steps`` steps; returns the
+        fresh :class:`BatchLosses` the runtime fills for it."""
+        self.micro_batches, self.global_steps = micro_batches, global_steps
+        self.losses = BatchLosses()
+        return self.losses
+
+    @property
+    def last_step_taken(self) -> bool:
+        """Whether the last ``OptimizerStep`` stepped (``False``: skipped on overflow or a
+        non-finite loss, on every rank)."""
+        return self._last_step_taken
+
+    def handlers(self) -> dict[type, Callable[[Any], None]]:
+        """The step's part of the kernel's dispatch table."""
+        return {isa.ReduceTiedGrads: self.on_reduce_tied_grads,
+                isa.ReduceGrads: self.on_reduce_grads, isa.OptimizerStep: self.on_optimizer_step}
+
+    def on_reduce_tied_grads(self, instruction: isa.ReduceTiedGrads) -> None:
+        self.reduce_tied_grads()
+
+    def on_reduce_grads(self, instruction: isa.ReduceGrads) -> None:
+        self.reduce_grads()
+
+    def on_optimizer_step(self, instruction: isa.OptimizerStep) -> None:
+        self._optimizer_step()
+
+    def mean_loss(self, losses: BatchLosses, training: bool = False) -> torch.Tensor:
+        """The batch's loss from what the runtime returned (see :meth:`_mean_loss`)."""
+        self.losses = losses
+        return self._mean_loss(training)
 
     # -- reductions and the step ------------------------------------------------
     def _master_grads(self, params: Iterable[torch.Tensor]
@@ -82,7 +166,7 @@ class StepMixin:
 
     def _bad_losses(self) -> float:
         """1.0 if a loss of this batch on this rank is NaN/inf (last stage only)."""
-        losses = self.runtime.losses
+        losses = self.losses.values
         if not losses:
             return 0.0
         return float((~torch.isfinite(torch.stack(losses).float())).any())
@@ -112,7 +196,7 @@ class StepMixin:
                 f"{self.topology.data_size} replica(s) (loss_reduction='tokens')",
                 hint="the token_count loss_fn returns must be > 0 over the batch: check "
                      "the padding mask of the labels", rank=self.rank, stage=self.stage,
-                step=self.global_steps + 1)
+                train_step=self.global_steps + 1)
         # every tensor-parallel rank of a last stage counts the same tokens
         return self.micro_batches * self._loss_copies() / total_tokens
 
@@ -130,7 +214,7 @@ class StepMixin:
         """The batch's loss, the same on every rank: one all-reduce of the last stages'
         loss sum (and token count), and, when training with ``nonfinite="error"``, of
         which micro-batches and ranks had a NaN/inf loss."""
-        losses = self.runtime.losses
+        losses = self.losses.values
         m, world = self.micro_batches, self.transport.world_size
         flagged = training and self.nonfinite == "error"
         tokens = self.token_loss is not None
@@ -141,7 +225,7 @@ class StepMixin:
             vec[0] = stacked.sum().detach().to(vec.dtype)
             if flagged:
                 bad = (~torch.isfinite(stacked.float())).to(vec.dtype)
-                index = torch.tensor(self.runtime.loss_micro_batches, dtype=torch.int64,
+                index = torch.tensor(self.losses.micro_batches, dtype=torch.int64,
                                      device=vec.device)
                 vec[2:2 + m].index_add_(0, index, bad.to(vec.device))
                 vec[2 + m + self.rank] = bad.max()
@@ -172,7 +256,7 @@ class StepMixin:
             hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
                  "data of those micro-batches, or pass nonfinite='skip' to skip such "
                  "steps on every rank", rank=self.rank, stage=self.stage,
-            step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
+            train_step=self.global_steps + 1, micro_batch=mbs[0] if mbs else None)
 
     def _loss_copies(self) -> int:
         """Ranks computing each micro-batch's loss: one per replica and tensor-parallel rank."""

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from pipekernel.nested import map_tensors
+
 __all__ = ["Precision", "REQUIRED", "cast_floats"]
 
 #: Methods every precision policy has (the engine checks them when it starts).
@@ -49,13 +51,8 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     """``obj`` (a tensor or nested tuple/list/dict of tensors) with every floating-point
     tensor cast to ``dtype``; other tensors and values unchanged. The cast is part
     of the autograd graph, and a tensor already of ``dtype`` is returned as is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(cast_floats(item, dtype) for item in obj)
-    if isinstance(obj, dict):
-        return {key: cast_floats(item, dtype) for key, item in obj.items()}
-    return obj
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype
+                       else t, obj)
 
 
 class Precision:
