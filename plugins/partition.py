@@ -277,13 +277,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
         median forward + backward time and, of the same repetitions, the median
         forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
     """
-    if sample is None:
-        raise ConfigError("measuring layers needs a sample micro-batch",
-                          hint="pass partition=pk.profile(sample_inputs) or "
-                               "pk.memory(sample_inputs) with one micro-batch of inputs")
-    if repeats < 1 or warmup < 0:
-        raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
-                          hint="use pk.profile(sample, repeats=5, warmup=1)")
+    _check_measuring(sample, repeats, warmup)
     device = torch.device(device)
     now = clock or time.perf_counter
     x = _to(sample, device)
@@ -301,44 +295,12 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     skip_bytes: dict[str, int] = {}
     with torch.random.fork_rng(devices=cuda):  # layer seeding and dropout leave no trace
         for index, spec in enumerate(module.layers):
-            layer = module.build_layer(index)
-            if isinstance(layer, nn.Module):
-                if not isinstance(spec, LayerSpec):
-                    layer = copy.deepcopy(layer)  # never step or move the user's own module
-                layer = layer.to(device)
-            forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
-
-            def run(inp: Any, layer: Any = layer, forward_fn: Any = forward_fn) -> Any:
-                return layer(inp) if forward_fn is None else forward_fn(layer, inp)
-
-            def call(inp: Any, index: int = index, run: Any = run) -> Any:
-                if scope is None:
-                    return run(inp)
-                with scope:
-                    return scope.run(index, run, inp)
-
+            layer, call = _measured_layer(module, index, spec, device, scope)
             params = ({p.untyped_storage().data_ptr() for p in layer.parameters()}
                       if isinstance(layer, nn.Module) else set())
             inp = _leaf(x)
-            saved: list[torch.Tensor] = []
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(
-                        lambda t: saved.append(t) or t, lambda t: t):
-                    out = call(inp)
-            except Exception as err:
-                raise ConfigError(f"layer {index} ({_layer_name(spec)}) failed on the sample: "
-                                  f"{type(err).__name__}: {err}",
-                                  hint="the sample must be one micro-batch of the first "
-                                       "layer's inputs") from err
-            nbytes = 0
-            for t in saved:
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key == 0 or key in params or key in seen:
-                    continue
-                seen.add(key)
-                keep.append(t)
-                nbytes += storage.nbytes()
+            out, saved = _first_forward(call, inp, index, spec)
+            nbytes = _new_saved_bytes(saved, params, seen, keep)
             if scope is not None:
                 nbytes += _skip_bytes(module.skip_declarations.get(index, ((), ())), scope,
                                       skip_bytes, seen)
@@ -346,20 +308,9 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
             if outputs is not None:
                 outputs.append(float(sum(t.numel() * t.element_size() for t in _tensors(out))))
             if time_it:
-                samples, forward = [], []
-                for _ in range(warmup + repeats):
-                    _sync(device)
-                    start = now()
-                    grads = _grad_outputs(call(inp))
-                    _sync(device)
-                    middle = now()
-                    if grads:
-                        torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
-                    _sync(device)
-                    samples.append(now() - start)
-                    forward.append(middle - start)
-                seconds.append(statistics.median(samples[warmup:]))
-                forwards.append(min(statistics.median(forward[warmup:]), seconds[-1]))
+                total, forward = _time_layer(call, inp, device, warmup, repeats, now)
+                seconds.append(total)
+                forwards.append(forward)
                 if split is not None:
                     split.append(_time_split(call, inp, layer, device, warmup, repeats, now))
                 if isinstance(layer, nn.Module):
@@ -368,6 +319,89 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
             x = _leaf(out)
             del out, layer
     return (seconds if time_it else None), (forwards if time_it else None), static, act
+
+
+def _check_measuring(sample: Any, repeats: int, warmup: int) -> None:
+    if sample is None:
+        raise ConfigError("measuring layers needs a sample micro-batch",
+                          hint="pass partition=pk.profile(sample_inputs) or "
+                               "pk.memory(sample_inputs) with one micro-batch of inputs")
+    if repeats < 1 or warmup < 0:
+        raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
+                          hint="use pk.profile(sample, repeats=5, warmup=1)")
+
+
+def _measured_layer(module: PipelineModule, index: int, spec: Any, device: torch.device,
+                    scope: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """Layer ``index`` built on ``device`` (a copy of a user's own module: never stepped
+    or moved) and the call running it on an input, inside the skip ``scope`` if any."""
+    layer = module.build_layer(index)
+    if isinstance(layer, nn.Module):
+        if not isinstance(spec, LayerSpec):
+            layer = copy.deepcopy(layer)
+        layer = layer.to(device)
+    forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
+
+    def run(inp: Any) -> Any:
+        return layer(inp) if forward_fn is None else forward_fn(layer, inp)
+
+    def call(inp: Any) -> Any:
+        if scope is None:
+            return run(inp)
+        with scope:
+            return scope.run(index, run, inp)
+    return layer, call
+
+
+def _first_forward(call: Callable, inp: Any, index: int, spec: Any
+                   ) -> tuple[Any, list[torch.Tensor]]:
+    """The layer's output on ``inp`` and the tensors autograd saved for its backward."""
+    saved: list[torch.Tensor] = []
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
+                                                      lambda t: t):
+            return call(inp), saved
+    except Exception as err:
+        raise ConfigError(f"layer {index} ({_layer_name(spec)}) failed on the sample: "
+                          f"{type(err).__name__}: {err}",
+                          hint="the sample must be one micro-batch of the first "
+                               "layer's inputs") from err
+
+
+def _new_saved_bytes(saved: list[torch.Tensor], params: set[int], seen: set[int],
+                     keep: list[torch.Tensor]) -> int:
+    """Bytes of the storages in ``saved`` that are neither parameters nor counted before
+    (``seen``, updated); ``keep`` holds them so that their addresses stay unique."""
+    nbytes = 0
+    for t in saved:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in params or key in seen:
+            continue
+        seen.add(key)
+        keep.append(t)
+        nbytes += storage.nbytes()
+    return nbytes
+
+
+def _time_layer(call: Callable, inp: Any, device: torch.device, warmup: int, repeats: int,
+                now: Callable[[], float]) -> tuple[float, float]:
+    """Median seconds of the layer's forward + backward and, of the same repetitions, of
+    its forward alone (never more than the whole)."""
+    samples, forward = [], []
+    for _ in range(warmup + repeats):
+        _sync(device)
+        start = now()
+        grads = _grad_outputs(call(inp))
+        _sync(device)
+        middle = now()
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(g) for g in grads])
+        _sync(device)
+        samples.append(now() - start)
+        forward.append(middle - start)
+    total = statistics.median(samples[warmup:])
+    return total, min(statistics.median(forward[warmup:]), total)
 
 
 def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warmup: int,
@@ -529,48 +563,9 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
     if method == "memory":
         method = Memory()
     if isinstance(method, Profile):
-        def compute() -> tuple:
-            split: list | None = [] if method.split_backward else None
-            outputs: list = []
-            seconds, forward, static, act = measure_layer_times(
-                module, method.sample, context.device, repeats=method.repeats,
-                warmup=method.warmup, optimizer=context.optimizer, split=split,
-                clock=method.clock, outputs=outputs)
-            first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
-                else (None, None)
-            return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
-                    outputs)
-        bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute, 7)
-        context.layer_output_bytes = outputs
-        context.layer_costs, context.cost_unit = costs, "seconds"
-        context.layer_forward_seconds = forward
-        context.layer_split_backward_seconds = (list(zip(first, second))
-                                                if first is not None else None)
-        context.layer_static_bytes, context.layer_activation_bytes = static, act
-        context.notes.append(f"forward+backward seconds measured on rank 0 ({context.device}), "
-                             f"median of {method.repeats}")
-        return bounds
+        return _by_profile(method, context, num_stages)
     if isinstance(method, Memory):
-        in_flight = context.in_flight
-
-        def compute() -> tuple:
-            if method.sample is None:
-                static, act = _meta_static_bytes(module, DEFAULT_OPTIMIZER_STATES if
-                                                 method.optimizer_states is None
-                                                 else method.optimizer_states), None
-            else:
-                _, static, act = measure_layers(
-                    module, method.sample, context.device, time_it=False,
-                    optimizer=context.optimizer, optimizer_states=method.optimizer_states)
-            bounds = balance(static, num_stages, act, in_flight)
-            return bounds, stage_layer_costs(static, act, bounds, in_flight), static, act, None
-        bounds, costs, static, act, _ = _agree(context, compute)
-        context.layer_costs, context.cost_unit = costs, "bytes"
-        context.layer_static_bytes, context.layer_activation_bytes = static, act
-        context.notes.append("memory = params + grads + optimizer state + buffers"
-                             + (f" + activations x in-flight micro-batches {in_flight}"
-                                if act is not None else " (no sample: activations not counted)"))
-        return bounds
+        return _by_memory(method, context, num_stages)
     if isinstance(method, Balance) or (callable(method) and not isinstance(method, str)):
         costs_in, unit = (method.costs, method.unit) if isinstance(method, Balance) \
             else (method, "cost")
@@ -584,18 +579,76 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
         counts = module.parameter_counts()
         return _cheap(context, [float(c) for c in counts], "parameters", num_stages)
     if method.startswith("type:"):
-        try:
-            pattern = re.compile(method[5:], re.IGNORECASE)
-        except re.error as err:
-            raise ConfigError(f"invalid regex in partition={method!r}: {err}",
-                              hint="write e.g. partition='type:Block|Linear'") from err
-        weights = [1.0 if pattern.search(_layer_name(layer)) else 0.0 for layer in layers]
-        if not any(weights):
-            raise ConfigError(f"partition={method!r} matches no layer type",
-                              hint="layer types are: " + ", ".join(
-                                  sorted({_layer_name(l) for l in layers})))
-        return _cheap(context, weights, f"layers matching {method[5:]!r}", num_stages)
+        return _by_type(method, layers, context, num_stages)
     return None
+
+
+def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> list[int]:
+    """Balance measured forward + backward seconds (rank 0 measures, all agree)."""
+    module = context.module
+
+    def compute() -> tuple:
+        split: list | None = [] if method.split_backward else None
+        outputs: list = []
+        seconds, forward, static, act = measure_layer_times(
+            module, method.sample, context.device, repeats=method.repeats,
+            warmup=method.warmup, optimizer=context.optimizer, split=split,
+            clock=method.clock, outputs=outputs)
+        first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
+            else (None, None)
+        return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
+                outputs)
+    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute, 7)
+    context.layer_output_bytes = outputs
+    context.layer_costs, context.cost_unit = costs, "seconds"
+    context.layer_forward_seconds = forward
+    context.layer_split_backward_seconds = (list(zip(first, second))
+                                            if first is not None else None)
+    context.layer_static_bytes, context.layer_activation_bytes = static, act
+    context.notes.append(f"forward+backward seconds measured on rank 0 ({context.device}), "
+                         f"median of {method.repeats}")
+    return bounds
+
+
+def _by_memory(method: Memory, context: PartitionContext, num_stages: int) -> list[int]:
+    """Balance parameter, optimizer-state and activation bytes."""
+    module = context.module
+    in_flight = context.in_flight
+
+    def compute() -> tuple:
+        if method.sample is None:
+            static, act = _meta_static_bytes(module, DEFAULT_OPTIMIZER_STATES if
+                                             method.optimizer_states is None
+                                             else method.optimizer_states), None
+        else:
+            _, static, act = measure_layers(
+                module, method.sample, context.device, time_it=False,
+                optimizer=context.optimizer, optimizer_states=method.optimizer_states)
+        bounds = balance(static, num_stages, act, in_flight)
+        return bounds, stage_layer_costs(static, act, bounds, in_flight), static, act, None
+    bounds, costs, static, act, _ = _agree(context, compute)
+    context.layer_costs, context.cost_unit = costs, "bytes"
+    context.layer_static_bytes, context.layer_activation_bytes = static, act
+    context.notes.append("memory = params + grads + optimizer state + buffers"
+                         + (f" + activations x in-flight micro-batches {in_flight}"
+                            if act is not None else " (no sample: activations not counted)"))
+    return bounds
+
+
+def _by_type(method: str, layers: Sequence[Any], context: PartitionContext,
+             num_stages: int) -> list[int]:
+    """Balance the layers whose type matches the regex after ``type:``."""
+    try:
+        pattern = re.compile(method[5:], re.IGNORECASE)
+    except re.error as err:
+        raise ConfigError(f"invalid regex in partition={method!r}: {err}",
+                          hint="write e.g. partition='type:Block|Linear'") from err
+    weights = [1.0 if pattern.search(_layer_name(layer)) else 0.0 for layer in layers]
+    if not any(weights):
+        raise ConfigError(f"partition={method!r} matches no layer type",
+                          hint="layer types are: " + ", ".join(
+                              sorted({_layer_name(l) for l in layers})))
+    return _cheap(context, weights, f"layers matching {method[5:]!r}", num_stages)
 
 
 def stage_layer_costs(static: list[float], act: list[float] | None, bounds: Sequence[int],

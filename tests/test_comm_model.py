@@ -111,3 +111,52 @@ def test_the_emulator_runs_a_lane_in_posting_order_whatever_the_peer():
     results = run_ranks(_lane_order_worker, 3, timeout=240)
     assert [apart for apart, _ in results] == [[5.0] * 4, [6.0] * 4, [5.0] * 4]
     assert [shared for _, shared in results] == ["TransportTimeout"] * 3
+
+
+class _LanesPlugin:
+    """``"few-lanes"``: a gloo transport with 1 lane; ``"opens-lanes"``: one that has none
+    until the engine opens them (as nccl and cupy-nccl do)."""
+
+    @pk.hookimpl
+    def pipekernel_make_transport(self, name, options):
+        from pipekernel.transports.gloo import GlooTransport
+
+        if name == "few-lanes":
+            transport = GlooTransport(**options)
+            transport.max_tags = 1
+            return transport
+        if name == "opens-lanes":
+            class Opens(GlooTransport):
+                max_tags, opened = 0, []
+
+                def open_lanes(self, count):
+                    self.opened = [*self.opened, count]
+                    self.max_tags = max(self.max_tags, count)
+
+            return Opens(**options)
+        return None
+
+
+def _lanes_worker():
+    import torch
+
+    torch.set_num_threads(1)
+    build, data = MODELS["mlp"]
+    made = dict(optimizer=sgd, micro_batches=2, plugins=[_LanesPlugin()], timeout=60)
+    try:
+        pk.PipelineEngine(build(num_stages=2), transport="few-lanes", **made)
+        refused = None
+    except pk.ConfigError as err:
+        refused = str(err)
+    engine = pk.PipelineEngine(build(num_stages=2), transport="opens-lanes", **made)
+    engine.train_batch(iter(data(0, 0, 2)))
+    opened = engine.transport.opened
+    engine.close()
+    return refused, opened
+
+
+def test_the_engine_opens_the_lanes_it_needs_and_refuses_too_few_at_start():
+    for refused, opened in run_ranks(_lanes_worker, 2, timeout=240):
+        assert "transport 'few-lanes' offers 1 lane(s) (tags) and 2 stage(s) x 1 chunk(s) " \
+               "('loop' placement) needs 2" in refused
+        assert opened == [2]  # 1F1B on 2 stages: activations one way, gradients back

@@ -201,7 +201,8 @@ def test_every_builtin_schedule_is_deadlock_free_with_skip_edges(name):
         for chunks in ((1,) if cls.max_chunks == 1 else (2,)):
             parts = stages * chunks
             everything = [(p, q) for p in range(parts) for q in range(p + 1, parts)]
-            for micro_batches in (stages, 2 * stages + 1 if name != "interleaved" else 2 * stages):
+            fewest = 2 * stages if name == "dualpipev" else stages  # dualpipev: M >= 2 S
+            for micro_batches in (fewest, 2 * stages + 1 if name != "interleaved" else 2 * stages):
                 for edges in [[e] for e in everything] + [everything]:
                     simulate(cls, stages, micro_batches, chunks, skips=edges)
 

@@ -69,7 +69,8 @@ Contract for implementers
   completed), never merely because ``wait()`` was called.
 * **Control lane** (optional attribute ``control``): a transport whose tensors
   live on a device (NCCL, CuPy) offers a host transport over the same ranks
-  (e.g. gloo on a CPU group) with tags. The wire protocol then sends each
+  (e.g. gloo on a CPU group) with tags (the wire uses each channel's lane number
+  there too, so the plan stays safe if it orders lanes as above). The wire protocol then sends each
   transfer's 16-byte header, and any metadata change, there, so the hot path
   never reads device memory; without it the header rides in the data message
   (right for CPU transports, a device sync per transfer on a GPU).

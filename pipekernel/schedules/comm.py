@@ -160,7 +160,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n
     lanes: list[int | None] = [None] * n
-    layout = lane_map(num_stages, chunks, placement, tuple(sorted(map(tuple, skips))))
+    layout = lane_map(num_stages, chunks, placement, skips)
     # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
     seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
     sent_at: dict[tuple, int] = {}

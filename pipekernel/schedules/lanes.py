@@ -37,6 +37,16 @@ Counts (``lanes_needed``): 1F1B, GPipe, ZB-H1 on 3+ stages 4 lanes (2 on 2 stage
 ZB-V 8 (4 on 2 stages); interleaved ``4 * chunks`` on an even number of stages; each
 skip edge adds at most 2.
 
+Why lanes numbered across the pipeline rather than one communicator per neighbour pair:
+a pair's communicator orders everything between the two ranks in one stream, which
+deadlocks 1F1B by itself (each side's send behind its own receive), so a pair would
+still need one per channel — as many communicators per rank as ours wherever the
+colouring meets the largest degree (every layout above but odd loops, which need 1 or 2
+more), yet every rank of the job would create all of them (``new_group`` is
+collective: 8 stages x 2 chunks, 30 two-rank groups instead of 8 lanes), and a lane
+number alone would no longer name a communicator: the contract, the simulator and the
+transports would need the peer too.
+
 Every rank computes the same map from the same ``(num_stages, chunks, placement,
 skips)`` (deterministic order, no randomness), so both ends agree without talking.
 """
@@ -106,14 +116,20 @@ def lanes_needed(*, num_stages: int, chunks: int = 1, placement: str = "loop",
                  skips: Sequence[tuple[int, int]] = ()) -> int:
     """How many lanes (``Transport.max_tags``) a pipeline of ``num_stages`` x ``chunks``
     with skip edges ``skips`` uses (``lane_map(...).count``)."""
-    return lane_map(num_stages, chunks, placement, tuple(map(tuple, skips))).count
+    return lane_map(num_stages, chunks, placement, skips).count
+
+
+def lane_map(num_stages: int, chunks: int = 1, placement: str = "loop",
+             skips: Sequence[Sequence[int]] = ()) -> LaneMap:
+    """The :class:`LaneMap` of a layout (see the module docstring); ``skips``: the skip
+    edges ``(producer, consumer)`` in any order (the map depends on the set only)."""
+    edges = tuple(sorted({(int(a), int(b)) for a, b in skips}))
+    return _lane_map(num_stages, chunks, placement, edges)
 
 
 @lru_cache(maxsize=256)
-def lane_map(num_stages: int, chunks: int = 1, placement: str = "loop",
-             skips: tuple[tuple[int, int], ...] = ()) -> LaneMap:
-    """The :class:`LaneMap` of a layout (see the module docstring); ``skips`` as
-    :func:`~pipekernel.schedules.skips.check_skip_edges` returns them (sorted pairs)."""
+def _lane_map(num_stages: int, chunks: int, placement: str,
+              skips: tuple[tuple[int, int], ...]) -> LaneMap:
     remote = []
     for channel in _channels(num_stages * chunks, skips):
         ends = (locate(channel[1], num_stages, placement)[0],

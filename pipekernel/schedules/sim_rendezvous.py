@@ -34,7 +34,8 @@ class _Op:
 
 
 class _Unit:
-    """A group's operations from one rank to one peer: they progress together."""
+    """A group's operations of one rank on one lane, to any peers: they progress together,
+    after every earlier unit of that rank on that lane (one ordered stream per rank)."""
 
     __slots__ = ("ops", "post", "start", "end", "left", "active", "queue")
 
@@ -44,7 +45,7 @@ class _Unit:
 
 
 class _Rendezvous(_Simulation):
-    """Each stage runs its CommPlan; sends rendezvous, pairs complete in order."""
+    """Each stage runs its CommPlan; sends rendezvous, a rank's lane completes in order."""
 
     semantics = "rendezvous"
     posting: Callable[..., CommPlan] = staticmethod(plan_communication)

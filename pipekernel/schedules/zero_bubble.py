@@ -19,8 +19,9 @@ times exactly:
 * ``zb-h2``: warm-up ``2 S - 1 - 2 s``, cap ``2 S - 1``: the warm-up fills the bubble
   before the first I and the tail's W turn the trapezoid into a parallelogram —
   each stage computes without a gap from its first F to its last W
-  (``SimulationResult.spans`` = ``M (F+I+W) + (S-1)(F+I-2W)``, zero at equal costs,
-  when ``M >= 2 S - 1``; with fewer micro-batches stage 0 cannot fill the warm-up).
+  (``SimulationResult.spans`` = ``M (F+I+W) + (S-1)(F+I-2W)``, whose bubble term is zero
+  at equal costs, when ``M >= 2 S - 1``; with fewer micro-batches stage 0 cannot fill
+  the warm-up).
   The batch's makespan adds the pipeline's fill ``(S-1) F``: pipekernel ends every
   batch with a synchronising optimizer step, which the paper removes
   ("post-validation"); back to back without it, stage ``s`` would start the next
