@@ -87,6 +87,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
     g.add_argument("--heads", type=int, default=d.heads, help="attention heads")
     g.add_argument("--context", type=int, default=d.context, help="sequence length in bytes")
+    g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
+                   help="train a Hugging Face causal LM instead: a save_pretrained directory, "
+                        "a config (.json or directory) or a model type such as llama (random, "
+                        "sized by --dim/--layers/--heads/--context)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=d.out, metavar="DIR",
                    help="directory for metrics, trace, timeline and summary")

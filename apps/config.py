@@ -40,6 +40,7 @@ class TrainConfig:
     checkpoint_dir: str | None = None
     rank_order: str = "tp-dp-pp"  # innermost axis first; see pipekernel.grid.topology
     zero_stage: int = 0
+    hf: str | None = None  # a Hugging Face model instead of the built-in GPT (apps/hf_model.py)
 
     @property
     def checkpoints(self) -> str:

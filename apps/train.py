@@ -29,6 +29,7 @@ import torch
 import pipekernel as pk
 from pipekernel.schedules.placement import parts_of
 from pipekernel.apps.config import TrainConfig
+from pipekernel.apps import hf_model
 from pipekernel.apps.gpt import generate, gpt_module
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
@@ -174,6 +175,7 @@ def partition_method(text: str) -> Any:
 
 def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -> float:
     batch = make_batch(ids, cfg, 0, engine.data_parallel_rank, salt=1)
+    batch = hf_model.as_dicts(batch) if cfg.hf else batch
     return float(engine.eval_batch(iter(batch)))
 
 
@@ -249,8 +251,9 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.threads)
     data, source = load_corpus(cfg.data, cfg.corpus_bytes)
     train_ids, held_ids = split_corpus(data, cfg.context)
-    module = gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
-                        partition=partition_method(cfg.partition), seed=cfg.seed)
+    module = hf_model.hf_module(cfg) if cfg.hf else \
+        gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
+                   partition=partition_method(cfg.partition), seed=cfg.seed)
     from pipekernel.plugins.monitor import Monitor
 
     out = Path(cfg.out)
@@ -266,6 +269,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
+        loss_reduction="tokens" if cfg.hf else "mean",
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
             (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))))
@@ -276,6 +280,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
                f"{cfg.transport} ({engine.transport.device}), schedule {cfg.schedule}, "
                f"precision {cfg.precision}",
+               hf_model.describe(module, cfg) if cfg.hf else
                f"model: byte-level GPT, {params / 1e6:.2f}M parameters: embedding, {cfg.layers} "
                f"blocks (width {cfg.dim}, {cfg.heads} heads, context {cfg.context}), head",
                f"data: {len(data) / 1e6:.2f} MB: {source}",
@@ -298,6 +303,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     for step in range(first_step, cfg.steps):
         t0 = time.perf_counter()
         batch = make_batch(train_ids, cfg, step, engine.data_parallel_rank)
+        batch = hf_model.as_dicts(batch) if cfg.hf else batch
         loss = float(engine.train_batch(iter(batch)))
         losses.append(loss)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -312,6 +318,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         bar.close()
     held_after = _eval_loss(engine, held_ids, cfg)
 
+    saved = hf_model.save(engine, cfg) if cfg.hf else None
     summaries = monitor.gather()
     state = gather_full_state(engine, module)
     monitor.close()
@@ -321,7 +328,8 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
 
     full = module.build_stage(0, [0, len(module.layers)])
     full.load_state_dict(state)
-    sample = generate(full, cfg.prompt.encode(), cfg.sample_bytes, cfg.context, seed=cfg.seed)
+    sample = generate(hf_model.TakesIds(full) if cfg.hf else full, cfg.prompt.encode(),
+                      cfg.sample_bytes, cfg.context, seed=cfg.seed)
     paths = dict(monitor.paths)
     timeline = None
     if paths.get("trace"):
@@ -338,7 +346,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds, "first_step": first_step,
         "bounds": list(engine.bounds),
         "stages": summaries, "sample": sample.decode("utf-8", "replace"),
-        "paths": {**paths, "timeline": timeline},
+        "paths": {**paths, "timeline": timeline, "hf": saved},
     }
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "train.json"
@@ -384,7 +392,8 @@ def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
                   "  | " + (cfg.prompt + s["sample"]).replace("\n", "\n  | ")]
     lines.append("files:")
     names = {"csv": "metrics CSV", "jsonl": "metrics JSONL", "trace": "trace (ui.perfetto.dev)",
-             "timeline": "timeline PNG", "summary": "monitor summary", "train": "run summary"}
+             "timeline": "timeline PNG", "summary": "monitor summary", "train": "run summary",
+             "hf": "Hugging Face model"}
     for key, label in names.items():
         if s["paths"].get(key):
             lines.append(f"  {label:<24} {s['paths'][key]}")

@@ -204,6 +204,12 @@ def test_fewer_layers_than_stages():
     assert "fewer stages" in str(info.value)
 
 
+def test_batch_fn_must_be_callable():
+    with pytest.raises(pk.ConfigError, match="batch_fn must be callable"):
+        pk.PipelineModule([nn.Linear(2, 2)], batch_fn="input_ids")
+    assert pk.PipelineModule([nn.Linear(2, 2)]).batch_fn is None
+
+
 @pytest.mark.parametrize("bounds,match", [([0, 3, 2, 5], "not increasing(.|\n)*strictly increase"),
                                           ([0, 2, 4], "do not cover all 5 layers")])
 def test_bad_explicit_boundaries(bounds, match):

@@ -228,3 +228,12 @@ def test_a_schedule_that_is_another_ones_pipeline_is_listed_once():
     # interleaved with 2 chunks is a pipeline of its own
     assert any((c.schedule, c.chunks) == ("interleaved", 2) and c.predicted_step_s is not None
                for c in plan.candidates)
+
+
+def test_a_dict_sample_is_resized_by_rows():
+    from pipekernel.engine.planner import _resize, _rows
+    sample = {"input_ids": torch.arange(6).reshape(2, 3), "mask": torch.ones(2, 3), "n": 1}
+    assert _rows(sample) == 2
+    resized = _resize(sample, 3)
+    assert resized["input_ids"].shape == (3, 3) and resized["mask"].shape == (3, 3)
+    assert resized["n"] == 1 and resized["input_ids"][2].tolist() == [0, 1, 2]

@@ -576,6 +576,9 @@ class PipelineEngine:
              keep_outputs: bool) -> torch.Tensor | None:
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
+        batch_fn = getattr(self.pipeline_module, "batch_fn", None)
+        if batch_fn is not None and isinstance(data_iter, Iterator):
+            data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
         check = self._batches_run < self.check_data_steps and self.num_stages > 1
         self._batches_run += 1
         try:

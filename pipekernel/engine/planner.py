@@ -484,11 +484,14 @@ def _rows(sample: Any) -> int:
 
     if isinstance(sample, torch.Tensor):
         return sample.shape[0] if sample.dim() else 1
-    for item in sample if isinstance(sample, (tuple, list)) else ():
+    items = sample.values() if isinstance(sample, dict) else \
+        sample if isinstance(sample, (tuple, list)) else ()
+    for item in items:
         if isinstance(item, torch.Tensor) and item.dim():
             return item.shape[0]
     raise ConfigError("schedule='auto': the sample holds no tensor with a batch dimension",
-                      hint="give one micro-batch of inputs (a tensor or a tuple of tensors)")
+                      hint="give one micro-batch of inputs (a tensor, or a tuple or dict of "
+                           "tensors)")
 
 
 def _resize(sample: Any, rows: int) -> Any:
@@ -500,6 +503,8 @@ def _resize(sample: Any, rows: int) -> Any:
         return sample.repeat(reps, *([1] * (sample.dim() - 1)))[:rows]
     if isinstance(sample, (tuple, list)):
         return type(sample)(_resize(s, rows) for s in sample)
+    if isinstance(sample, dict):
+        return {key: _resize(value, rows) for key, value in sample.items()}
     return sample
 
 

@@ -218,6 +218,10 @@ class PipelineModule:
     (skip connections, :mod:`pipekernel.stage.skips`); the wrapper is removed from ``layers``
     and its names kept in ``skip_declarations``.
 
+    :param batch_fn: ``batch_fn(item) -> (inputs, labels)``, applied to every item the
+        data iterator yields before the stages read it (e.g. a dict per micro-batch, as
+        :func:`pipekernel.hf.split_batch` splits it); ``None`` (default): the items are
+        ``(inputs, labels)`` pairs already.
     :param activation_checkpoint_interval: ``k > 0`` keeps only the input of every
         run of ``k`` consecutive layers of a stage during a forward with grad
         enabled and recomputes the run in backward (non-reentrant
@@ -227,7 +231,8 @@ class PipelineModule:
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
                  num_stages: int | None = None, partition: Any = "parameters",
-                 seed: int | None = None, activation_checkpoint_interval: int = 0) -> None:
+                 seed: int | None = None, activation_checkpoint_interval: int = 0,
+                 batch_fn: Callable[[Any], Any] | None = None) -> None:
         self.layers = [layer.layer if isinstance(layer, skips.Skip) else layer
                        for layer in layers]
         #: ``{layer index: (stash names, pop names)}`` for the layers that declare skips.
@@ -255,6 +260,10 @@ class PipelineModule:
         self.skip_names = skips.check_declarations(self.skip_declarations, len(self.layers),
                                                    activation_checkpoint_interval > 0)
         self.loss_fn, self.num_stages = loss_fn, num_stages
+        if batch_fn is not None and not callable(batch_fn):
+            raise ConfigError(f"batch_fn must be callable, got {batch_fn!r}",
+                              hint="pass a function item -> (inputs, labels), or None")
+        self.batch_fn = batch_fn
         self.partition_method, self.seed = partition, seed
         self._first_tied = {}
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,36 @@
+"""The causal-LM loss as Hugging Face computes it, token-weighted across micro-batches.
+
+Position ``t``'s logits predict label ``t + 1`` (labels are unshifted, as Hugging Face
+models take them); labels ``-100`` take no loss. With ``loss_reduction="tokens"`` the engine
+divides the summed losses of every micro-batch and replica by the summed counts: the loss
+of the whole batch, whatever the padding (see ``docs/loss.md``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipekernel.errors import DataError
+
+__all__ = ["IGNORE_INDEX", "causal_lm_loss"]
+
+#: Labels with this value take no loss (Hugging Face's and PyTorch's convention).
+IGNORE_INDEX = -100
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of the shifted token losses, number of labelled tokens)``, in fp32.
+
+    :param logits: ``(batch, sequence, vocabulary)``.
+    :param labels: ``(batch, sequence)``, unshifted, ``-100`` where no loss is taken.
+    """
+    if labels is None:
+        raise DataError("the micro-batch has no 'labels', and training needs them",
+                        hint="add 'labels' to each micro-batch dict (usually input_ids with "
+                             "-100 where attention_mask is 0)")
+    shifted = labels[..., 1:].reshape(-1)
+    logits = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
+    loss_sum = F.cross_entropy(logits, shifted.to(logits.device), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+    return loss_sum, (shifted != IGNORE_INDEX).sum()

@@ -1,0 +1,109 @@
+"""``pipeline_module``: a Hugging Face causal LM as a :class:`~pipekernel.PipelineModule`.
+
+The layer list (see :mod:`pipekernel.hf.layers`): the input embeddings, every decoder
+layer (the first with the prologue: what the base model computes before its layers; the
+last with the epilogue: the final norm), the output projection. Each is a ``LayerSpec`` whose factory asks the weight source
+(:mod:`pipekernel.hf.weights`) for its own modules only, so a stage materialises its own
+layers and nothing else. Tied input/output embeddings are one ``TiedLayerSpec`` key.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
+
+from pipekernel.hf.batches import split_batch
+from pipekernel.hf.layers import (Chain, Decoder, Embed, Epilogue, Head, Prologue,
+                                  embed_tokens, tied_logits)
+from pipekernel.hf.loss import causal_lm_loss
+from pipekernel.hf.structure import Structure, find_structure
+from pipekernel.hf.weights import make_source
+
+__all__ = ["pipeline_module", "HFPipelineModule"]
+
+#: The tied-layer key of tied input/output embeddings.
+TIED_KEY = "embeddings"
+
+
+class HFPipelineModule(PipelineModule):
+    """A :class:`~pipekernel.PipelineModule` made by :func:`pipeline_module`, with what
+    :func:`~pipekernel.hf.save_pretrained` needs: the config and the structure.
+
+    :ivar config: the model's ``transformers`` config.
+    :ivar structure: the :class:`~pipekernel.hf.structure.Structure` found.
+    :ivar source: the weight source (``source.bytes_read``: checkpoint bytes read so far).
+    """
+
+    config: Any
+    structure: Structure
+    source: Any
+
+
+def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
+                    partition: Any = "parameters", layers: str | None = None,
+                    tail: Sequence[str] | None = None, **options: Any) -> HFPipelineModule:
+    """A pipeline of a Hugging Face decoder-only causal LM, found by its structure.
+
+    :param model_or_path: a ``*ForCausalLM`` model (its modules are copied, it stays
+        untouched), a ``save_pretrained`` directory (each stage reads only its own
+        tensors from the safetensors files) or a ``transformers`` config (random weights,
+        drawn by the model's ``_init_weights`` under ``seed``).
+    :param num_stages: pipeline stages (default: the engine's world size / replicas).
+    :param partition: as :class:`~pipekernel.PipelineModule` (default ``"parameters"``).
+    :param layers: the path of the decoder layers' ``ModuleList``, when the search does
+        not find exactly one (e.g. ``"model.layers"``).
+    :param tail: the base model's children that run after the layers, in order, when
+        their registration order does not say (e.g. ``["model.decoder.final_layer_norm"]``).
+    :param options: further :class:`~pipekernel.PipelineModule` options (``seed``,
+        ``activation_checkpoint_interval``); ``loss_fn`` defaults to
+        :func:`~pipekernel.hf.causal_lm_loss` (use ``loss_reduction="tokens"`` in the engine)
+        and ``batch_fn`` to :func:`~pipekernel.hf.split_batch`.
+    :raises ConfigError: the model is not a decoder-only causal LM this can split, naming
+        the piece that was not found.
+
+    The layers: ``[embeddings, prologue + decoder 0, decoder 1, ..., decoder N-1 + epilogue,
+    head]`` (every layer holds parameters; see :mod:`pipekernel.hf.layers`).
+    """
+    source = make_source(model_or_path)
+    structure = find_structure(source.model, layers=layers, tail=tail)
+    specs = _layer_specs(source, structure)
+    options.setdefault("loss_fn", causal_lm_loss)
+    options.setdefault("batch_fn", split_batch)
+    module = HFPipelineModule(specs, num_stages=num_stages, partition=partition, **options)
+    module.config, module.structure, module.source = source.config, structure, source
+    return module
+
+
+def _layer_specs(source: Any, s: Structure) -> list[LayerSpec]:
+    def embed() -> nn.Module:
+        return Embed(s.embed, source.build(s.embed))
+
+    def prologue() -> nn.Module:
+        base = source.model.get_submodule(s.base) if s.base else source.model
+        return Prologue(base, s.base, {p: source.build(p) for p in s.prologue}, s.layers,
+                        s.num_layers, s.embed, s.tail)
+
+    def decoder(j: int) -> Callable[[], nn.Module]:
+        def make() -> nn.Module:
+            path = f"{s.layers}.{j}"
+            parts = [Decoder(path, source.build(path), j)]
+            if j == 0:
+                parts.insert(0, prologue())
+            if j == s.num_layers - 1:
+                parts.append(Epilogue({p: source.build(p) for p in s.tail}))
+            return Chain(parts) if len(parts) > 1 else parts[0]
+        make.__name__ = f"Decoder{j}"
+        return make
+
+    def head() -> nn.Module:
+        return Head(s.lm_head, source.build(s.lm_head))
+
+    for fn, name in ((embed, "Embed"), (head, "Head")):
+        fn.__name__ = name
+    first = TiedLayerSpec(TIED_KEY, embed, forward_fn=embed_tokens) if s.tied else LayerSpec(embed)
+    last = TiedLayerSpec(TIED_KEY, embed, forward_fn=tied_logits) if s.tied else LayerSpec(head)
+    return [first, *(LayerSpec(decoder(j)) for j in range(s.num_layers)), last]
+

@@ -1,0 +1,113 @@
+"""``save_pretrained``: a trained pipeline back to a Hugging Face directory.
+
+Every stage writes its own safetensors shard (the first replica only; a tied weight by
+the first stage holding it), then global rank 0 writes ``config.json`` and
+``model.safetensors.index.json``: the directory ``AutoModelForCausalLM.from_pretrained``
+loads, and :func:`pipekernel.hf.pipeline_module` loads stage by stage. The path must be
+on a file system every rank sees.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError
+from pipekernel.stage.module import TiedLayerSpec
+
+__all__ = ["save_pretrained", "stage_state"]
+
+INDEX = "model.safetensors.index.json"
+
+
+def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
+    """Write the pipeline's weights and config to ``path`` in the Hugging Face format.
+
+    Every rank of the engine calls it (two barriers). Weights are the fp32 masters under
+    low precision, else the parameters as they are.
+
+    :param engine: a :class:`~pipekernel.PipelineEngine` over a module from
+        :func:`~pipekernel.hf.pipeline_module`.
+    :returns: ``path`` as a string.
+    :raises ConfigError: the engine's module was not made by ``pipeline_module``, or it
+        is tensor parallel.
+    """
+    module = engine.pipeline_module
+    if not hasattr(module, "structure"):
+        raise ConfigError("save_pretrained needs an engine over pipekernel.hf.pipeline_module"
+                          f"(...), got a {type(module).__name__}", rank=engine.rank,
+                          hint="build the module with pipekernel.hf.pipeline_module(model)")
+    if engine.parallel.tensor_parallel_size > 1:
+        raise ConfigError("save_pretrained does not gather tensor-parallel shards",
+                          rank=engine.rank, hint="save with engine.save_checkpoint instead")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    stages = engine.num_stages
+    if engine.data_parallel_rank == 0:
+        state = stage_state(engine)
+        if state:
+            from safetensors.torch import save_file
+            save_file(state, os.path.join(path, _shard(engine.stage, stages)),
+                      metadata={"format": "pt"})
+    engine.transport.barrier()
+    if engine.transport.rank == 0:
+        _write_index(path, stages)
+        config = module.config
+        config.architectures = [type(module.source.model).__name__]
+        config.save_pretrained(path)
+    engine.transport.barrier()
+    return path
+
+
+def stage_state(engine: Any) -> dict[str, torch.Tensor]:
+    """This stage's tensors by Hugging Face key (masters under low precision), on the CPU;
+    a tied weight only on the first stage holding it."""
+    module = engine.pipeline_module
+    tied = module.tied_stages(engine.bounds, engine.part_stages.__getitem__)
+    skip = {str(i) for i, spec in enumerate(module.layers) if isinstance(spec, TiedLayerSpec)
+            and tied[spec.key][0] != engine.stage}
+    masters = {name: engine.precision.master(p) for name, p in engine.module.named_parameters()}
+    state = {}
+    for name, tensor in engine.module.state_dict().items():
+        index, _, key = name.partition(".")
+        if index in skip:
+            continue
+        value = masters.get(name, tensor)
+        state[key] = value.detach().to("cpu", copy=True).contiguous()
+    return state
+
+
+def _shard(stage: int, stages: int) -> str:
+    return f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+
+
+def _write_index(path: str, stages: int) -> None:
+    from safetensors import safe_open
+    weight_map, total = {}, 0
+    for stage in range(stages):
+        name = _shard(stage, stages)
+        if not os.path.exists(os.path.join(path, name)):
+            continue  # a stage without weights
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = name
+                shape = f.get_slice(key).get_shape()
+                dtype = f.get_slice(key).get_dtype()
+                total += _numel(shape) * _itemsize(dtype)
+    with open(os.path.join(path, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                  f, indent=2)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1,
+            "I8": 1, "BOOL": 1}.get(dtype, 4)
