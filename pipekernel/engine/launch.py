@@ -92,14 +92,35 @@ def start_context() -> Any:
     return mp.get_context("spawn")
 
 
+class _LauncherOutput:
+    """The launcher's stdout and stderr *as they are now*, sent to a worker as file
+    descriptors (a pytest capture, a shell redirect made after the fork server started)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+        try:
+            fds = tuple(reduction.DupFd(fd) for fd in (1, 2))  # while the worker starts
+        except OSError:  # a closed stdout (a daemon): the worker keeps the server's
+            fds = ()
+        return (_received, (fds,))
+
+
+def _received(fds: tuple[Any, ...]) -> tuple[int, ...]:
+    return tuple(fd.detach() for fd in fds)
+
+
 def _worker(fn: Callable, args: Sequence[Any], rank: int, env: dict[str, str],
-            results: Any, threads: int | None, path: list[str] | None = None) -> None:
-    # a forked worker inherits the server's environment and path, fixed when it started:
-    # take the launcher's as they are now, as a spawned worker would
+            results: Any, threads: int | None, path: list[str] | None = None,
+            output: tuple[int, ...] = ()) -> None:
+    # a forked worker inherits the server's environment, path and output, fixed when it
+    # started: take the launcher's as they are now, as a spawned worker would
     os.environ.clear()
     os.environ.update(env)
     if path is not None:
         sys.path[:] = path
+    for target, fd in zip((1, 2), output):
+        os.dup2(fd, target)
+        os.close(fd)
     _die_with_parent()
     # Ctrl-C reaches the launcher, which ends the workers with SIGTERM: they unwind
     # (KeyboardInterrupt), report and destroy their process group
@@ -149,6 +170,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
     if world is not None:
         return _join(fn, args, world, nprocs, threads)
     ctx = start_context()
+    output = _LauncherOutput() if ctx.get_start_method() == "forkserver" else ()
     results = ctx.Queue()
     port = str(free_port())
     store_dir = tempfile.mkdtemp(prefix="pipekernel-store-")
@@ -167,7 +189,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
                         "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), **local,
                         **(env or {})}
             proc = ctx.Process(target=_worker, args=(fn, args, rank, rank_env, results,
-                                                     threads, list(sys.path)), daemon=True)
+                                                     threads, list(sys.path), output), daemon=True)
             proc.start()
             procs.append(proc)
         try:
