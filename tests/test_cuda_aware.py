@@ -31,6 +31,17 @@ class FakeCpuTensor:
         self.calls.append(("to", str(device), non_blocking, self.pinned))
         return "on " + str(device)
 
+    def new_empty(self, shape, pin_memory=False):
+        self.calls.append(("new_empty", pin_memory))
+        self.staging = FakeCpuTensor(pinned=pin_memory)
+        return self.staging
+
+    def copy_(self, source):
+        self.calls.append(("copy_", source))
+        return self
+
+    shape = (3,)
+
 
 def test_cpu_to_cuda_copies_go_through_pinned_memory_without_blocking():
     t = FakeCpuTensor()
@@ -41,10 +52,13 @@ def test_cpu_to_cuda_copies_go_through_pinned_memory_without_blocking():
     assert pinned[0].calls == [("to", "cuda:0", True, True)]
 
 
-def test_already_pinned_tensors_are_not_pinned_again():
+def test_an_already_pinned_tensor_is_staged_in_a_buffer_of_its_own():
+    # the caller (a DataLoader(pin_memory=True)) may refill its pinned buffer as soon as
+    # to_device returns, before the non-blocking copy ran: that copy reads a fresh one
     t = FakeCpuTensor(pinned=True)
     to_device(t, torch.device("cuda", 1))
-    assert t.calls == [("to", "cuda:1", True, True)]
+    assert t.calls == [("new_empty", True)]  # the caller's tensor never goes to the device
+    assert t.staging.calls == [("copy_", t), ("to", "cuda:1", True, True)]
 
 
 def test_cpu_to_cpu_is_a_no_op():
