@@ -282,7 +282,7 @@ def test_a_silent_peer_ends_in_an_error_naming_it():
 def test_unknown_names_list_the_available_ones():
     pm = pk.make_plugin_manager()
     from pipekernel.extend.manager import make_precision, resolve_schedule
-    with pytest.raises(pk.UnknownNameError, match="unknown schedule 'zz'(.|\n)*1f1b, gpipe"):
+    with pytest.raises(pk.UnknownNameError, match="unknown schedule 'zz'(.|\n)*1f1b, dualpipev, gpipe"):
         resolve_schedule(pm, "zz")
     with pytest.raises(pk.UnknownNameError, match="unknown precision 'fp7'"):
         make_precision(pm, "fp7", {})
