@@ -451,7 +451,8 @@ def test_a_transport_failure_after_a_published_abort_reports_the_abort():
     failing = AbortBoard(store, "pipekernel/e0", rank=2)
     failing.publish(pk.InstructionError("ValueError in the handler of F1: boom", rank=2,
                                         stage=2, micro_batch=1, instruction="F1"))
-    me = types.SimpleNamespace(abort_board=AbortBoard(store, "pipekernel/e0", rank=1), rank=1)
+    me = types.SimpleNamespace(abort_board=AbortBoard(store, "pipekernel/e0", rank=1), rank=1,
+                               transport=None)
     err = TransportError("rank 1 failed to send to rank 2: Connection closed by peer",
                          rank=1, instruction="SEND_F1")
     cause = pk.PipelineEngine._root_cause(me, err)
@@ -461,5 +462,6 @@ def test_a_transport_failure_after_a_published_abort_reports_the_abort():
     other = ValueError("not a transport failure")
     assert pk.PipelineEngine._root_cause(me, other) is other
     quiet = types.SimpleNamespace(abort_board=AbortBoard(torch.distributed.HashStore(),
-                                                         "pipekernel/e0", rank=1), rank=1)
+                                                         "pipekernel/e0", rank=1), rank=1,
+                                  transport=None)
     assert pk.PipelineEngine._root_cause(quiet, err) is err  # nothing published: itself
