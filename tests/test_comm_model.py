@@ -112,7 +112,11 @@ def _lane_order_worker():
 def test_the_emulator_runs_a_lane_in_posting_order_whatever_the_peer():
     results = run_ranks(_lane_order_worker, 3, timeout=240)
     assert [apart for apart, _ in results] == [[5.0] * 4, [6.0] * 4, [5.0] * 4]
-    assert [shared for _, shared in results] == ["TransportTimeout"] * 3
+    # the shared lane deadlocks: no rank completes; the first to give up times out, and a
+    # peer may instead see that rank's connections close as it exits (a TransportError)
+    shared = [shared for _, shared in results]
+    assert set(shared) <= {"TransportTimeout", "TransportError"}, shared
+    assert "TransportTimeout" in shared, shared
 
 
 class _LanesPlugin:
