@@ -127,12 +127,15 @@ def test_launch_under_torchrun_with_another_size_refuses_with_the_command(monkey
         "runs fn on each torchrun rank")
 
 
-def test_launch_in_one_of_several_slurm_tasks_refuses(monkeypatch):
-    for key in ("TORCHELASTIC_RUN_ID", "RANK"):
+def test_launch_in_a_slurm_step_of_another_size_refuses_with_the_command(monkeypatch):
+    for key in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "8")
-    with pytest.raises(pk.ConfigError, match=r"^pk.launch\(fn, nprocs=2\) runs in one of 8 SLURM "
-                                             r"tasks: every task would start its own copy"):
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    with pytest.raises(pk.ConfigError, match=r"^pk.launch\(fn, nprocs=2\) runs inside a SLURM "
+                                             r"step of WORLD_SIZE=8 \(this is RANK=3\).*\n  how "
+                                             r"to fix: start the step with 2 tasks"):
         pk.launch(print, 2)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
+from pipekernel.comm import clusters
 from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
@@ -64,7 +65,9 @@ class PipelineEngine:
     :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
         forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
-        ``"auto"`` picks ``"nccl"`` when CUDA is available, else ``"gloo"``.
+        ``"auto"`` (default) picks ``"nccl"`` when the stages run on CUDA (CUDA available,
+        or a host's process group with the nccl backend), else ``"gloo"``, and rank 0
+        prints the choice once.
     :param precision: precision policy name: ``"fp32"``, ``"bf16"``, ``"fp16"``,
         ``"amp-bf16"`` or one a plugin provides (see ``docs/precision.md``).
     :param data_parallel_size: replicas; default ``world_size // num_stages``.
@@ -121,7 +124,7 @@ class PipelineEngine:
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
-                 schedule: Any = "1f1b", transport: str = "gloo", precision: str = "fp32",
+                 schedule: Any = "1f1b", transport: str = "auto", precision: str = "fp32",
                  data_parallel_size: int | None = None, plugins: Iterable[Any] = (),
                  timeout: float = 300.0, autoload_plugins: bool | None = None,
                  disable_plugins: Iterable[str] = (), transport_options: dict | None = None,
@@ -135,8 +138,9 @@ class PipelineEngine:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}")
+        # a launcher's world (a SLURM step, Ray Train) is joined through torchrun's variables
+        world = clusters.export()
+        _check_micro_batch_count(micro_batches, world.rank if world is not None else None)
         self.pipeline_module, self.micro_batches = module, micro_batches
         if isinstance(grad_bucket_mb, bool) or not (isinstance(grad_bucket_mb, (int, float))
                                                     and grad_bucket_mb >= 0):
@@ -526,10 +530,7 @@ class PipelineEngine:
         self.micro_batches = micro_batches
 
     def _check_micro_batches(self, micro_batches: Any) -> None:
-        if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
-                or micro_batches < 1:
-            raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
-                              rank=self.rank, stage=self.stage)
+        _check_micro_batch_count(micro_batches, self.rank, self.stage)
         for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
             cls(self.num_stages, self.stage, micro_batches, self.chunks)
         if getattr(self, "skip_edges", None) and micro_batches not in self._skips_proven:
@@ -749,6 +750,17 @@ class PipelineEngine:
 
 
 _ENGINES: dict[Any, int] = {}
+
+
+def _check_micro_batch_count(micro_batches: Any, rank: int | None,
+                             stage: int | None = None) -> None:
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
+            or micro_batches < 1:
+        raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
+                          rank=rank, stage=stage,
+                          hint="pass micro_batches=N, the number of micro-batches each "
+                               "train_batch/eval_batch reads from its iterator (e.g. 4; at "
+                               "least the number of stages keeps every stage busy)")
 
 
 def _board_prefix(transport: Any) -> str:

@@ -4,7 +4,13 @@
 torchrun environment set (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT`` on a free port), returns each rank's return
 value, re-raises the first failure with its rank and traceback, and kills every
-process when one fails or the timeout passes — so nothing hangs.
+process when one fails (or, with ``timeout=``, when that deadline on the whole run
+passes). Hangs are found by the engine's own per-wait timeouts
+(``PipelineEngine(timeout=)``), so a long job is never killed for being long.
+
+Inside a world another launcher made (torchrun, SLURM, Ray Train, Kubeflow, an
+initialised process group: :mod:`pipekernel.comm.clusters`) it runs ``fn`` in this
+process as that world's rank instead.
 """
 from __future__ import annotations
 
@@ -23,12 +29,16 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pipekernel.comm import clusters
+from pipekernel.comm.clusters import World
 from pipekernel.errors import ConfigError, PipelineError
 
 __all__ = ["launch", "RankError", "LaunchInterrupted", "free_port", "start_context"]
 
 #: Seconds a worker that already returned its result gets to exit on its own.
 _EXIT_GRACE = 10.0
+#: The clock of ``timeout=`` (a test replaces it to pass hours in a second).
+_clock = time.monotonic
 
 
 class RankError(PipelineError):
@@ -148,20 +158,23 @@ def _worker(fn: Callable, args: Sequence[Any], rank: int, env: dict[str, str],
 
 
 def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
-           timeout: float = 600.0, threads: int | None = 1,
+           timeout: float | None = None, threads: int | None = 1,
            env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes; return their results by rank.
 
-    Inside a world a launcher already started (torchrun: ``TORCHELASTIC_RUN_ID``, ``RANK``
-    and ``WORLD_SIZE`` set), ``launch`` *joins* it instead of starting processes of its
-    own: it runs ``fn(*args)`` once, in this process, as this rank, and returns a list of
-    ``nprocs`` entries holding this rank's result at its index and ``None`` elsewhere — so
-    one script runs the same with ``python train.py`` and ``torchrun ... train.py``.
-    ``nprocs`` must then equal ``WORLD_SIZE``. Inside a SLURM job step of several tasks
-    without torchrun's variables it refuses (each task would start its own copy of the job).
+    Inside a world a launcher already started (:mod:`pipekernel.comm.clusters`: torchrun,
+    TorchX and Kubeflow through torchrun's variables, a SLURM step of several tasks, Ray
+    Train's workers, a process group the caller initialised), ``launch`` *joins* it instead
+    of starting processes of its own: it runs ``fn(*args)`` once, in this process, as this
+    rank, and returns a list of ``nprocs`` entries holding this rank's result at its index
+    and ``None`` elsewhere — so one script runs the same with ``python train.py``,
+    ``torchrun ... train.py`` and ``srun ... python train.py``. ``nprocs`` must then equal
+    the world's size.
 
     :param fn: a picklable (module-level) function.
-    :param timeout: seconds before every process is killed and an error raised.
+    :param timeout: ``None`` (default): no limit, a job runs as long as it trains (a hang
+        ends in the engine's own ``timeout=`` on every wait). A number: a *deadline* on the
+        whole run, in seconds, after which every process is killed and an error raised.
     :param threads: ``torch.set_num_threads`` in each worker (``None`` leaves it).
     :raises RankError: naming the first rank that failed, with its traceback.
     :raises ConfigError: inside a launched world that does not fit ``nprocs``.
@@ -210,41 +223,40 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _launched_world(nprocs: int) -> tuple[int, int] | None:
-    """``(rank, world size)`` when another launcher started this process as one rank of a
-    world (torchrun / torchelastic), ``None`` when ``launch`` should start its own."""
-    env = os.environ
-    if env.get("TORCHELASTIC_RUN_ID") and "RANK" in env and "WORLD_SIZE" in env:
-        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
-        if size != nprocs:
-            raise ConfigError(
-                f"pk.launch(fn, nprocs={nprocs}) runs inside a torchrun world of "
-                f"WORLD_SIZE={size} (this is RANK={rank}): it would start {nprocs} more "
-                f"processes per rank",
-                hint=f"start torchrun with {nprocs} processes in all (e.g. torchrun "
-                     f"--nproc-per-node {nprocs} script.py), or pass nprocs={size}; pk.launch "
-                     "then runs fn on each torchrun rank")
-        return rank, size
-    tasks = int(env.get("SLURM_NTASKS", "1") or 1)
-    if tasks > 1 and "RANK" not in env:
-        raise ConfigError(
-            f"pk.launch(fn, nprocs={nprocs}) runs in one of {tasks} SLURM tasks: every task "
-            f"would start its own copy of the job",
-            hint=f"run the script once per node under torchrun, e.g. srun --ntasks-per-node 1 "
-                 f"torchrun --nnodes $SLURM_NNODES --nproc-per-node <gpus per node> "
-                 f"--rdzv-backend c10d --rdzv-endpoint <first node>:29500 script.py "
-                 f"(pk.launch then joins torchrun's world), or start it with one task")
-    return None
+def _launched_world(nprocs: int) -> World | None:
+    """The world another launcher started this process in (:mod:`pipekernel.comm.clusters`:
+    a process group, torchrun, a SLURM step, Ray Train, Kubeflow), ``None`` when ``launch``
+    should start its own processes."""
+    world = clusters.detect()
+    if world is None or world.launcher == "pk.launch":  # a job of its own, as always
+        return None
+    if world.world_size == nprocs:
+        return world
+    how = {"torchrun": f"start torchrun with {nprocs} processes in all (e.g. torchrun "
+                       f"--nproc-per-node {nprocs} script.py)",
+           "slurm": f"start the step with {nprocs} tasks in all (e.g. srun --ntasks {nprocs} "
+                    f"python script.py, one task per GPU)",
+           }.get(world.launcher, f"start {nprocs} processes in all")
+    where = {"torchrun": "a torchrun world", "slurm": "a SLURM step",
+             "process group": "an initialised process group"}.get(world.launcher,
+                                                                   "a world a launcher made")
+    raise ConfigError(
+        f"pk.launch(fn, nprocs={nprocs}) runs inside {where} of WORLD_SIZE={world.world_size} "
+        f"(this is RANK={world.rank}): it would start {nprocs} more processes per rank",
+        hint=f"{how}, or pass nprocs={world.world_size}; pk.launch then runs fn on each "
+             f"{'torchrun ' if world.launcher == 'torchrun' else ''}rank")
 
 
-def _join(fn: Callable, args: Sequence[Any], world: tuple[int, int], nprocs: int,
+def _join(fn: Callable, args: Sequence[Any], world: World, nprocs: int,
           threads: int | None) -> list[Any]:
-    rank, _ = world
+    """Run ``fn`` here as ``world.rank``, with the torchrun variables that world implies
+    (a SLURM task gets ``RANK``, ``MASTER_ADDR``, ...) so the engine's transport joins it."""
+    clusters.export()
     if threads:
         import torch
         torch.set_num_threads(threads)
     results: list[Any] = [None] * nprocs
-    results[rank] = fn(*args)
+    results[world.rank] = fn(*args)
     return results
 
 
@@ -307,9 +319,9 @@ def _root_cause(rank: int, value: Any, tb: str, results: Any) -> tuple[int, Any,
     return rank, value, tb
 
 
-def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float) -> list[Any]:
+def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float | None) -> list[Any]:
     values: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    deadline = None if timeout is None else _clock() + timeout
     while len(values) < nprocs:
         try:
             rank, ok, value, tb = results.get(timeout=0.2)
@@ -320,11 +332,13 @@ def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float) -> lis
                 raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
                                 "without reporting a result",
                                 rank=dead[0], hint="it was probably killed (out of memory?)")
-            if time.monotonic() > deadline:
+            if deadline is not None and _clock() > deadline:
                 waiting = sorted(set(range(nprocs)) - set(values))
-                raise RankError(f"timed out after {timeout:g}s waiting for ranks {waiting}",
-                                hint="a rank hangs or is slow; raise timeout= or look for a "
-                                     "collective that not every rank calls") from None
+                raise RankError(f"the launch deadline passed: pk.launch(timeout={timeout:g}) "
+                                f"allows the whole run {timeout:g}s, and ranks {waiting} were "
+                                "still running", hint="raise timeout= or pass timeout=None "
+                                "(no deadline: a hang still ends in the engine's own "
+                                "timeout= on every wait)") from None
             continue
         if not ok:
             rank, value, tb = _root_cause(rank, value, tb, results)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 import warnings
 import types
 from collections.abc import Iterable
@@ -230,17 +231,53 @@ def resolve_schedule(pm: pluggy.PluginManager, name: str) -> Any:
     return table[name]
 
 
-def auto_transport() -> str:
-    """What ``transport="auto"`` selects: ``"nccl"`` when CUDA is available, else ``"gloo"``."""
-    import torch  # the engine has imported it already; the CLI must not need it
+def auto_transport(options: dict[str, Any] | None = None) -> str:
+    """What ``transport="auto"`` selects: ``"nccl"`` when this process's stage will run
+    on CUDA, else ``"gloo"`` (why: :func:`auto_reason`)."""
+    return _auto(options)[0]
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+
+def auto_reason(options: dict[str, Any] | None = None) -> str:
+    """Why ``transport="auto"`` selects what it does, in words."""
+    return _auto(options)[1]
+
+
+def _auto(options: dict[str, Any] | None) -> tuple[str, str]:
+    """A process group that exists already (the host's, Ray Train's) decides by its
+    backend: a gloo group stays on the CPU even on a machine with GPUs. Otherwise CUDA
+    decides: available, nccl (``cuda:LOCAL_RANK``); not, gloo."""
+    import torch  # the engine has imported it already; the CLI must not need it
+    import torch.distributed as dist
+
+    group = (options or {}).get("group")
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend(group))
+        chosen = "nccl" if "nccl" in backend and torch.cuda.is_available() else "gloo"
+        return chosen, f"the process group's backend is {backend}"
+    if torch.cuda.is_available():
+        return "nccl", f"CUDA is available, {torch.cuda.device_count()} GPU(s)"
+    return "gloo", "no CUDA device"
+
+
+#: the transports ``"auto"`` chose that this process announced: once each, not per engine
+_ANNOUNCED: set[str] = set()
 
 
 def make_transport(pm: pluggy.PluginManager, name: str, options: dict[str, Any]) -> Any:
-    """Ask the plugins for the transport ``name`` (``"auto"``: see :func:`auto_transport`)."""
+    """Ask the plugins for the transport ``name`` (``pipekernel_make_transport``).
+
+    ``"auto"`` is resolved first (:func:`auto_transport`) and the plugins are asked for
+    ``"nccl"`` or ``"gloo"``; rank 0 prints the choice once per process (one line, stderr).
+    """
     if name == "auto":
-        name = auto_transport()
+        chosen, why = _auto(options)
+        transport = make_transport(pm, chosen, options)
+        if getattr(transport, "rank", 0) == 0 and chosen not in _ANNOUNCED:
+            _ANNOUNCED.add(chosen)
+            print(f"pipekernel: transport 'auto' chose {chosen!r} ({why}; stages on "
+                  f"{getattr(transport, 'device', '?')}); pass transport= to choose another",
+                  file=sys.stderr, flush=True)
+        return transport
     transport = pm.hook.pipekernel_make_transport(name=name, options=options)
     if transport is None:
         installed = [ep.name for ep in entry_points(TRANSPORTS_GROUP)]
