@@ -70,7 +70,10 @@ def _tag(root: str, tag: str | None) -> str:
 
 
 def is_deepspeed_checkpoint(directory: str) -> bool:
-    """Whether ``directory`` (a tag's directory) holds DeepSpeed pipeline files."""
+    """Whether ``directory`` (a tag's directory) holds DeepSpeed pipeline files and not
+    pipekernel's own (``save_checkpoint`` writes both: pipekernel's then load)."""
+    if os.path.exists(os.path.join(directory, "meta.json")):
+        return False
     return os.path.isdir(directory) and any(_LAYER.match(n) or _RANK.match(n)
                                             for n in os.listdir(directory))
 

@@ -5,8 +5,8 @@ over one :class:`pipekernel.PipelineEngine` (it holds no loop of its own).
 DeepSpeed); ``eval_batch`` the mean loss (``reduce_output="avg"``), with
 ``return_logits=True`` also the last micro-batch's outputs on the last stage (``None``
 elsewhere), as DeepSpeed's ``self.outputs``. Checkpoints are saved in pipekernel's format
-(any stage count loads them); ``load_checkpoint`` reads both pipekernel's and
-DeepSpeed's (:mod:`pipekernel.deepspeed.checkpoint`).
+(any stage count loads them) and DeepSpeed's beside it (:mod:`.layout`);
+``load_checkpoint`` reads both (:mod:`pipekernel.deepspeed.checkpoint`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pipekernel.errors import ConfigError
 
 from .config import Settings
 from .data import make_loader
+from .layout import check_client_state, write_deepspeed_files
 from .pipe import PipelineModule
 from .report import InstructionTimes, StepReport
 
@@ -182,12 +183,16 @@ class PipelineEngine:
     def save_checkpoint(self, save_dir: str | os.PathLike, tag: str | None = None,
                         client_state: Any = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
-        """Save in pipekernel's format under ``save_dir/tag`` (default
-        ``global_step{N}``); ``save_dir/latest`` names it. Every rank calls it."""
+        """Save under ``save_dir/tag`` (default ``global_step{N}``; ``save_dir/latest``
+        names it) in pipekernel's format (bit-exact resume, any stage count) and, beside
+        it, DeepSpeed's (its engine loads it: :mod:`pipekernel.deepspeed.layout`).
+        Every rank calls it."""
         if not save_latest or exclude_frozen_parameters:
             raise ConfigError("save_checkpoint(save_latest=False / exclude_frozen_parameters"
                               "=True) is not implemented by pipekernel.deepspeed")
-        self.engine.save_checkpoint(save_dir, tag, client_state or {})
+        client_state = check_client_state(client_state if client_state is not None else {})
+        directory = self.engine.save_checkpoint(save_dir, tag, client_state)
+        write_deepspeed_files(self, directory, client_state)
         return True
 
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,

@@ -327,6 +327,14 @@ class _Prebuilt(pk.PipelineModule):
 
     def build_stage(self, stage: int, bounds: Sequence[int],
                     positions: Sequence[int] | None = None) -> StageModule:
+        """This rank's stage (the modules ``PipelineModule`` built); the whole model,
+        freshly built, when asked for it (checkpoint metadata on the meta device,
+        ``load_sequential``) without touching the RNG the training draws from."""
+        whole = [0, len(self.layers)]
+        if list(bounds) == whole and stage == 0 and list(positions or [0]) == [0] \
+                and list(self.ds.parts) != whole:
+            with torch.random.fork_rng(devices=[]):
+                return super().build_stage(stage, bounds, positions)
         if stage != self.ds.stage_id or list(bounds) != list(self.ds.parts) \
                 or list(positions or [stage]) != [stage]:
             raise ConfigError(f"the engine asks for stage {stage} with bounds {list(bounds)}, "

@@ -1,0 +1,134 @@
+"""``pipekernel.deepspeed``'s ``save_checkpoint`` at more than one stage: it resumes
+bit-exactly in pipekernel, and writes DeepSpeed's own layout beside pipekernel's so that
+DeepSpeed's engine loads it (``layer_XX-model_states.pt``, ``mp_rank_XX_model_states.pt``).
+
+What DeepSpeed saved loads in pipekernel at any stage count:
+``tests/test_deepspeed.py::test_deepspeed_checkpoint_loads_at_any_stage_count`` (the
+fixture DeepSpeed 0.19.8 wrote with the same script at 2 stages).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipekernel.testing import run_ranks
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+sys.path.insert(0, str(FIXTURES))
+import gpt_script  # noqa: E402
+
+
+def _deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except Exception as err:  # noqa: BLE001 - ImportError, or a broken accelerator set-up
+        pytest.skip(f"DeepSpeed is not usable here: {type(err).__name__}: {err}")
+    return deepspeed
+
+
+def _layers(pipe) -> list:
+    """A tied embedding, an in-place ReLU and dropout drawn from the global RNG (no
+    ``seed_layers``: a bit-exact resume needs the RNG states restored)."""
+    dim = gpt_script.DIM
+    return [pipe.TiedLayerSpec("embed", nn.Embedding, gpt_script.VOCAB, dim),
+            pipe.LayerSpec(nn.Linear, dim, dim), pipe.LayerSpec(nn.ReLU, inplace=True),
+            pipe.LayerSpec(nn.Dropout, 0.2), pipe.LayerSpec(nn.Linear, dim, dim),
+            pipe.TiedLayerSpec("embed", nn.Embedding, gpt_script.VOCAB, dim,
+                               forward_fn=gpt_script.head)]
+
+
+def _batches(count: int) -> list:
+    data = gpt_script.dataset()
+    micro = [(torch.stack([x for x, _ in data[i:i + 2]]), torch.stack([y for _, y in data[i:i + 2]]))
+             for i in range(0, len(data), 2)]
+    return [micro[4 * b:4 * b + 4] for b in range(count)]
+
+
+def _engine(stages: int):
+    import pipekernel.deepspeed as deepspeed
+    from pipekernel.deepspeed import pipe
+    torch.manual_seed(5)
+    model = pipe.PipelineModule(_layers(pipe), num_stages=stages, loss_fn=gpt_script.loss_fn,
+                                partition_method="uniform")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=gpt_script.config(0.5))
+    return engine
+
+
+def _resume_worker(root: str) -> dict:
+    """2 stages: 4 steps straight; 2 steps, save, a new engine loads, 2 more steps."""
+    batches = _batches(4)
+    torch.manual_seed(11)
+    straight = _engine(2)
+    losses = [float(straight.train_batch(iter(b))) for b in batches]
+    torch.manual_seed(11)
+    first = _engine(2)
+    before = [float(first.train_batch(iter(b))) for b in batches[:2]]
+    first.save_checkpoint(root, client_state={"note": "mine"})
+    torch.manual_seed(99)  # the load restores the RNG states
+    second = _engine(2)
+    path, client = second.load_checkpoint(root)
+    after = [float(second.train_batch(iter(b))) for b in batches[2:]]
+    return {"straight": losses, "resumed": before + after, "client": client,
+            "path": os.path.basename(path), "steps": second.global_steps}
+
+
+def test_save_at_two_stages_resumes_bit_exactly(tmp_path):
+    ranks = run_ranks(_resume_worker, 2, str(tmp_path))
+    for got in ranks:
+        assert got["resumed"] == got["straight"]  # bit-exact: RNG, optimizer, schedule
+        assert (got["client"], got["path"], got["steps"]) == ({"note": "mine"},
+                                                              "global_step2", 4)
+    names = set(os.listdir(tmp_path / "global_step2"))
+    # DeepSpeed's layout beside pipekernel's: [0, 3, 6] holds the embedding at layer 0,
+    # Linear, ReLU (stage 0); Dropout, Linear (stage 1: the head is a forward_fn)
+    assert {n for n in names if n.startswith(("layer_", "mp_rank_"))} == {
+        "layer_00-model_states.pt", "layer_01-model_states.pt", "layer_02-model_states.pt",
+        "layer_03-model_states.pt", "layer_04-model_states.pt",
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"}
+    assert "meta.json" in names
+
+
+def _save_worker(root: str) -> dict:
+    return gpt_script.run("pipekernel", 2, 2, save=root, clip=0.0)
+
+
+def _resume_gpt_worker(root: str) -> dict:
+    return gpt_script.run("pipekernel", 2, 2, load=root, clip=0.0)
+
+
+def test_deepspeed_loads_what_pipekernel_saved(tmp_path):
+    """DeepSpeed itself at 2 stages loads pipekernel's 2-stage save: the same weights (eval),
+    and the same next two steps as pipekernel resuming its own files (optimizer state,
+    LR schedule, counters); the files are those DeepSpeed writes for the same script."""
+    _deepspeed()
+    saved = run_ranks(_save_worker, 2, str(tmp_path))[0]
+    ours = run_ranks(_resume_gpt_worker, 2, str(tmp_path))[0]
+    theirs = gpt_script.launch("deepspeed", 2, 2, 2, load=str(tmp_path), clip=0.0)
+    assert theirs["loaded_eval"] == pytest.approx(saved["eval"], abs=1e-6)
+    assert theirs["losses"] == pytest.approx(ours["losses"], abs=1e-6)
+    assert theirs["eval"] == pytest.approx(ours["eval"], abs=1e-6)
+    assert theirs["global_steps"] == ours["global_steps"] == 4
+    mine, ds = tmp_path / "step2", FIXTURES / "ckpt" / "step2"
+    ds_names = sorted(os.listdir(ds))
+    assert sorted(n for n in os.listdir(mine) if n.startswith(("layer_", "mp_rank_"))) == ds_names
+    for name in ds_names:
+        a, b = (torch.load(d / name, map_location="cpu", weights_only=False) for d in (mine, ds))
+        if name.startswith("layer_"):
+            assert {k: v.shape for k, v in a.items()} == {k: v.shape for k, v in b.items()}
+            continue
+        assert set(a) == set(b), name
+        for key in ("global_steps", "global_samples", "dp_world_size", "mp_world_size",
+                    "checkpoint_parallel_dimensions", "lr_scheduler", "note"):
+            assert a[key] == b[key], (name, key)
+        shapes = [{i: {k: v.shape for k, v in state.items()} for i, state in s.items()}
+                  for s in (a["optimizer"]["state"], b["optimizer"]["state"])]
+        assert shapes[0] == shapes[1] and \
+            [g["params"] for g in a["optimizer"]["param_groups"]] == \
+            [g["params"] for g in b["optimizer"]["param_groups"]]
