@@ -63,7 +63,8 @@ class PipeModel(LightningModule):
             return torch.nn.Linear(6, 3)
         if self._pipe is None:
             self._pipe = pipeline_module()
-        return self._pipe
+        from pipekernel.lightning import attach_whole_model  # the whole model in one process
+        return attach_whole_model(self, self._pipe)
 
     def configure_optimizers(self) -> Any:
         opt = optimizer(self.parameters())
@@ -181,3 +182,94 @@ class _Scheduled(torch.optim.SGD):
 
 def scheduled_optimizer(params: Any) -> torch.optim.Optimizer:
     return _Scheduled(params)
+
+
+# -- a module written the usual way: layers in __init__, automatic optimization ---------
+USUAL_BATCHES = 3            # batches per epoch: accumulate 2 leaves a short last window
+USUAL_BOUNDS = [0, 2, 5]     # the stage boundary before a Linear (bf16: exact on the wire)
+
+
+def usual_data(salt: int) -> TensorDataset:
+    return dataset(BATCH * USUAL_BATCHES, salt)
+
+
+class UsualModel(LightningModule):
+    """What a Lightning user writes, plus what the pipeline needs: ``configure_model``
+    listing the layers, and ``train_batch``/``eval_batch`` where the loss is computed (the
+    one-process branch is the user's original code, the oracle)."""
+
+    def __init__(self, lr: float = LR, mistake: str = "") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(7)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 8), torch.nn.Tanh(),
+                                       torch.nn.Linear(8, 3))
+        self.loss_fn = torch.nn.MSELoss()
+        self.train_losses: list[float] = []
+        self.norms: list[tuple[float | None, float | None]] = []
+        self.lrs: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def configure_model(self) -> Any:
+        return pk.PipelineModule(list(self.net), loss_fn=self.loss_fn, partition=USUAL_BOUNDS)
+
+    def _piped(self) -> bool:
+        return type(self.trainer.strategy).__name__ == "PipelineStrategy"
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self._piped() and self.hparams.mistake != "forward":
+            loss = self.trainer.strategy.train_batch(batch)
+        else:
+            x, y = batch
+            loss = self.loss_fn(self.net(x), y)
+        self.train_losses.append(float(loss))
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self._piped():
+            loss = self.trainer.strategy.eval_batch(batch)
+        else:
+            x, y = batch
+            loss = self.loss_fn(self.net(x), y)
+        self.log("val_loss", loss)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self._piped():
+            from pipekernel.lightning import grad_norm
+            self.norms.append((self.trainer.strategy.grad_norm,
+                               grad_norm(self)["grad_2.0_norm_total"]))
+        else:
+            norm = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in self.parameters() if p.grad is not None]))
+            self.norms.append((norm, norm))
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=MOMENTUM)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5,
+                                                             patience=0)
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss",
+                                 "interval": "epoch"}}
+
+    def train_dataloader(self) -> DataLoader:
+        if self._piped():  # Lightning puts a shuffling DistributedSampler there
+            return DataLoader(usual_data(0), batch_size=BATCH)
+        # one process: the same order as that sampler deals (seed 0, set_epoch per epoch)
+        sampler = DistributedSampler(usual_data(0), num_replicas=1, rank=0, shuffle=True, seed=0)
+        return DataLoader(usual_data(0), batch_size=BATCH, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(usual_data(1), batch_size=BATCH)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(usual_data(2), batch_size=BATCH)
+
+    def record(self) -> dict[str, Any]:
+        return {"train_losses": list(self.train_losses), "norms": list(self.norms),
+                "lrs": list(self.lrs), "global_step": self.trainer.global_step,
+                "state": {k: v.detach().clone() for k, v in self.state_dict().items()}}

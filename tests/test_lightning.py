@@ -60,7 +60,7 @@ def _fit_worker(root: str, replicas: int, epochs: int, misconfigurations: bool) 
     if misconfigurations:
         # the same Trainer validates again: a new engine, the stage's trained weights
         (out["validate"],) = trainer.validate(model, verbose=False)
-        out["errors"] = {kind: _misconfigured(kind) for kind in ("automatic", "linear")}
+        out["errors"] = {kind: _misconfigured(kind) for kind in ("linear",)}
         out["errors"]["rank 1 fails"] = _failing_rank()  # last: it breaks the group
     return out
 
@@ -149,17 +149,31 @@ def test_resume_in_processes_the_trainer_starts_equals_the_straight_run(two_stag
         for key, value in straight[rank]["state"].items():
             assert torch.equal(record["state"][key], value), key
     # and the resumed run's own last checkpoint is the straight run's, layer for layer
-    a = pk.load_sequential(root / "ckpts" / "epoch=1.ckpt", lm.pipeline_module()).state_dict()
-    b = pk.load_sequential(tmp_path / "ckpts" / "epoch=1.ckpt", lm.pipeline_module()).state_dict()
+    from pipekernel.lightning import pipeline_dir
+    a = pk.load_sequential(pipeline_dir(root / "ckpts" / "epoch=1.ckpt"),
+                           lm.pipeline_module()).state_dict()
+    b = pk.load_sequential(pipeline_dir(tmp_path / "ckpts" / "epoch=1.ckpt"),
+                           lm.pipeline_module()).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_load_from_checkpoint_reads_the_file_model_checkpoint_wrote(two_stages):
+    """In one process, no process group: the module (LayerSpec layers, whole model through
+    attach_whole_model) gets every stage's trained weights."""
+    root, results = two_stages
+    whole = {}
+    for result in results:
+        whole.update({f"pipeline.{k}": v for k, v in result["state"].items()})
+    loaded = lm.PipeModel.load_from_checkpoint(root / "ckpts" / "epoch=1.ckpt")
+    state = loaded.state_dict()
+    assert state.keys() == whole.keys()
+    assert all(torch.equal(state[k], whole[k]) for k in whole)
 
 
 def test_misconfigurations_say_what_to_change_and_a_failing_rank_stops_its_peer(two_stages):
     _, results = two_stages
     for result in results:
         errors = result["errors"]
-        assert "automatic_optimization is True" in errors["automatic"]
-        assert "self.automatic_optimization = False" in errors["automatic"]
         assert "configure_model() returned Linear" in errors["linear"]
         assert "pk.PipelineModule(" in errors["linear"]
         assert result["validate"]["val_loss"] == pytest.approx(result["val_losses"][-1], rel=1e-6)
@@ -168,16 +182,23 @@ def test_misconfigurations_say_what_to_change_and_a_failing_rank_stops_its_peer(
     assert "the module failed on rank 1" in results[0]["errors"]["rank 1 fails"]
 
 
-def test_devices_not_a_multiple_of_the_stages_and_lightning_precision_fail_in_the_trainer():
+def test_devices_not_a_multiple_of_the_stages_and_other_precisions_fail_in_the_trainer():
     from lightning.pytorch import Trainer
 
     from pipekernel.lightning import PipelineStrategy
     with pytest.raises(pk.ConfigError, match=r"3 processes, not a multiple of num_stages=2"
                                              r"(.|\n)*devices=2"):
         Trainer(accelerator="cpu", devices=3, strategy=PipelineStrategy(num_stages=2))
-    with pytest.raises(pk.ConfigError, match=r"chose MixedPrecision(.|\n)*PipelineStrategy\(precision="):
-        Trainer(accelerator="cpu", devices=2, precision="bf16-mixed",
+    with pytest.raises(pk.ConfigError, match=r"precision='bf16-true'(.|\n)*PipelineStrategy\(precision='bf16'\)"):
+        Trainer(accelerator="cpu", devices=2, precision="bf16-true",
                 strategy=PipelineStrategy(num_stages=2))
+    with pytest.raises(pk.ConfigError, match=r"both choose a precision"):
+        Trainer(accelerator="cpu", devices=2, precision="bf16-mixed",
+                strategy=PipelineStrategy(num_stages=2, precision="bf16"))
+    trainer = Trainer(accelerator="cpu", devices=2, precision="bf16-mixed",
+                      strategy=PipelineStrategy(num_stages=2))
+    assert trainer.strategy._precision_options["precision"] == "amp-bf16"
+    assert type(trainer.precision_plugin).__name__ == "Precision"
 
 
 def test_registered_by_name():
@@ -218,5 +239,7 @@ def test_gpt_example_trains_with_processes_the_trainer_starts(tmp_path):
     assert "over 6 steps on 2 stages x 1 replicas" in last, last
     first, final = float(last.split()[1]), float(last.split()[3])
     assert final < first, last
+    from pipekernel.lightning import pipeline_dir
     (checkpoint,) = tmp_path.glob("*.ckpt")
-    assert (checkpoint / "latest").read_text().strip() == "checkpoint"
+    assert checkpoint.is_file()  # Lightning's own file; pipekernel's directory beside it
+    assert (Path(pipeline_dir(checkpoint)) / "latest").read_text().strip() == "checkpoint"

@@ -14,6 +14,10 @@ except ImportError as err:  # say which extra brings it
                       "'pipekernel[lightning]' (or lightning>=2.2)") from err
 
 from pipekernel.lightning.batches import split_batch
-from pipekernel.lightning.strategy import CHECKPOINT_TAG, PipelineStrategy
+from pipekernel.lightning.checkpoints import CHECKPOINT_TAG, pipeline_dir
+from pipekernel.lightning.modules import attach_whole_model
+from pipekernel.lightning.stepping import grad_norm
+from pipekernel.lightning.strategy import PipelineStrategy
 
-__all__ = ["PipelineStrategy", "split_batch", "CHECKPOINT_TAG"]
+__all__ = ["PipelineStrategy", "split_batch", "CHECKPOINT_TAG", "pipeline_dir",
+           "attach_whole_model", "grad_norm"]

@@ -38,9 +38,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import ConfigError
-from pipekernel.extend.hookspecs import hookimpl
 from pipekernel.lightning.batches import split_batch
-from pipekernel.schedules.instructions import OptimizerStep
+from pipekernel.lightning.checkpoints import CHECKPOINT_TAG, CheckpointMixin
+from pipekernel.lightning.modules import detach_pipeline_layers, restore_layers
+from pipekernel.lightning.options import engine_precision, trainer_step_options
+from pipekernel.lightning.predict import OutputBroadcast, concat
+from pipekernel.lightning.stepping import StepControl
 from pipekernel.stage.module import PipelineModule, StageModule
 
 __all__ = ["PipelineStrategy"]
@@ -52,24 +55,10 @@ _RESERVED = {
     "data_parallel_size": "it is Trainer(devices x num_nodes) / num_stages",
     "zero_stage": "ZeRO-1 is not available through Lightning yet; drop zero_stage",
 }
-#: The tag of the pipekernel checkpoint inside a Lightning checkpoint directory.
-CHECKPOINT_TAG = "checkpoint"
+_ = CHECKPOINT_TAG  # re-exported by pipekernel.lightning
 
 
-class _LightningHooks:
-    """Engine plugin: Lightning's ``on_before_optimizer_step`` hooks run where the engine
-    steps (gradients reduced over replicas and tied stages, before the update)."""
-
-    def __init__(self, strategy: PipelineStrategy) -> None:
-        self.strategy = strategy
-
-    @hookimpl
-    def pipekernel_before_instruction(self, instruction: Any) -> None:
-        if isinstance(instruction, OptimizerStep):
-            self.strategy._before_optimizer_step()
-
-
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(CheckpointMixin, DDPStrategy):
     """Train a ``LightningModule`` whose ``configure_model()`` returns a
     :class:`pipekernel.PipelineModule`, with pipeline x data parallelism.
 
@@ -110,7 +99,7 @@ class PipelineStrategy(DDPStrategy):
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, start_method: str = "popen",
-                 **engine_options: Any) -> None:
+                 whole_model_file: bool = True, **engine_options: Any) -> None:
         if num_stages is not None and (not isinstance(num_stages, int)
                                        or isinstance(num_stages, bool) or num_stages < 1):
             raise ConfigError(f"PipelineStrategy(num_stages={num_stages!r}): a positive int "
@@ -137,6 +126,14 @@ class PipelineStrategy(DDPStrategy):
         self._pipeline_module: Any = None
         self._configure_model_called = False
         self._engine_open = False
+        #: write the whole model into the Lightning checkpoint file (rank 0 reads it back)
+        self.whole_model_file = whole_model_file
+        #: the engine plugin behind accumulation, the hooks at the step and the grad norm
+        self.step_control = StepControl(self)
+        self._precision_options: dict[str, Any] = {}
+        self._layer_names: dict[int, str] = {}
+        self._broadcast: OutputBroadcast | None = None
+        self._train_batch_calls = 0
 
     # -- processes -------------------------------------------------------------------
     def _tensor_parallel_size(self) -> int:
@@ -156,11 +153,11 @@ class PipelineStrategy(DDPStrategy):
                 hint=f"use devices x num_nodes = a multiple of {per_replica} (e.g. devices="
                      f"{per_replica}), or another PipelineStrategy(num_stages=...)")
         if type(self.precision_plugin) is not Precision:
-            raise ConfigError(
-                f"Trainer(precision=...) chose {type(self.precision_plugin).__name__}; "
-                "PipelineStrategy applies pipekernel's precision policies instead",
-                hint="leave Trainer(precision) at '32-true' and pass "
-                     "PipelineStrategy(precision='bf16' / 'amp-bf16' / 'fp16', ...)")
+            # the engine applies the precision (per stage, with its own casts on the
+            # wire); Lightning's plugin would autocast behind its back
+            self._precision_options = engine_precision(self.precision_plugin,
+                                                       self.engine_options)
+            self.precision_plugin = Precision()
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
@@ -209,31 +206,29 @@ class PipelineStrategy(DDPStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        self._check_module(fitting)
         pipeline = self._take_pipeline_module()
-        self.engine = self._make_engine(pipeline)
+        self._broadcast = None  # a new engine: a new pipeline group for predictions
+        step_options: dict[str, Any] = {}
+        if fitting:
+            step_options, self.step_control.clip_value = trainer_step_options(
+                trainer, self.lightning_module, self.engine_options)
+            if self.lightning_module.automatic_optimization:
+                # the engine runs backward and zeroes gradients itself (inside
+                # train_batch); Lightning's closure must not (as for SWA's updates)
+                trainer.fit_loop._skip_backward = True
+        self.engine = self._make_engine(pipeline, {**self._precision_options, **step_options})
         self._engine_open = True
-        self._attach_stage()
+        self._attach_stage(pipeline)
         self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
             self._attach_optimizer()
         self.setup_precision_plugin()
 
-    def _check_module(self, fitting: bool) -> None:
-        module = self.lightning_module
-        name = type(module).__name__
-        if fitting and module.automatic_optimization:
-            raise ConfigError(
-                f"{name}.automatic_optimization is True, but PipelineStrategy runs forward, "
-                "backward and the optimizer step of a batch in one call",
-                hint="set self.automatic_optimization = False in __init__ and write "
-                     "training_step as: loss = self.trainer.strategy.train_batch(batch); "
-                     "self.log('train_loss', loss); return loss")
-
     def _take_pipeline_module(self) -> PipelineModule:
         module, name = self._pipeline_module, type(self.lightning_module).__name__
         if isinstance(module, PipelineModule):
+            restore_layers(module)
             return module
         if not self._configure_model_called:
             what = f"{name} does not override configure_model()"
@@ -247,7 +242,7 @@ class PipelineStrategy(DDPStrategy):
                                f"strategy registers this rank's stage as self."
                                f"{self.stage_attribute}")
 
-    def _make_engine(self, pipeline: PipelineModule) -> PipelineEngine:
+    def _make_engine(self, pipeline: PipelineModule, mapped: dict[str, Any]) -> PipelineEngine:
         model = self._tensor_parallel_size()
         if self.num_stages is not None and pipeline.num_stages not in (None, self.num_stages):
             raise ConfigError(f"PipelineStrategy(num_stages={self.num_stages}) but the "
@@ -258,19 +253,23 @@ class PipelineStrategy(DDPStrategy):
             raise ConfigError(f"{self.world_size} processes are not a multiple of "
                               f"num_stages={stages}" + (f" x {model}" if model > 1 else ""),
                               hint="match Trainer(devices=..., num_nodes=...) to num_stages")
-        options = dict(self.engine_options)
-        plugins = [*options.pop("plugins", ()), _LightningHooks(self)]
+        options = {**self.engine_options, **mapped}
+        plugins = [*options.pop("plugins", ()), self.step_control]
         transport = self.transport or ("nccl" if self.root_device.type == "cuda" else "gloo")
         return PipelineEngine(pipeline, None, micro_batches=self.micro_batches,
                               schedule=self.schedule, transport=transport,
                               data_parallel_size=self.world_size // (stages * model),
                               plugins=plugins, **options)
 
-    def _attach_stage(self) -> None:
+    def _attach_stage(self, pipeline: PipelineModule) -> None:
         """Register the stage under the LightningModule (its parameters become
         ``self.parameters()``); a second ``fit`` of the same module (same Trainer or a new
-        one) goes on from the weights its stage holds, as with DDP."""
+        one) goes on from the weights its stage holds, as with DDP. Layers the module
+        built in ``__init__`` are replaced there by placeholders
+        (:mod:`pipekernel.lightning.modules`)."""
         module, engine = self.lightning_module, self.engine
+        self._layer_names.update(detach_pipeline_layers(module, pipeline,
+                                                        self.stage_attribute))
         held = getattr(module, self.stage_attribute, None)
         if held is not None and not isinstance(held, (StageModule, PipelineModule)):
             raise ConfigError(
@@ -278,9 +277,9 @@ class PipelineStrategy(DDPStrategy):
                 f"{type(held).__name__}; PipelineStrategy puts this rank's stage there",
                 hint=f"rename that attribute, or set PipelineStrategy.stage_attribute")
         if isinstance(held, StageModule) and held is not engine.module:
-            state = held.state_dict()
-            if state.keys() == engine.module.state_dict().keys():  # the same layers here
-                engine.module.load_state_dict(state)
+            state, ours = held.state_dict(), engine.module.state_dict()
+            if ours.keys() <= state.keys():  # the same layers here (or the whole model)
+                engine.module.load_state_dict({k: state[k] for k in ours})
         setattr(module, self.stage_attribute, engine.module)
 
     def _attach_optimizer(self) -> None:
@@ -319,19 +318,32 @@ class PipelineStrategy(DDPStrategy):
     def train_batch(self, batch: Any, micro_batches: int | None = None) -> torch.Tensor:
         """One pipelined training step on ``batch`` ``(inputs, labels)``: cut into
         micro-batches, forward and backward through every stage, gradients reduced,
-        the optimizer stepped, LR schedulers stepped as configured.
+        the optimizer stepped (with ``Trainer(accumulate_grad_batches=k)``: on the
+        ``k``-th batch of a window only), LR schedulers stepped as configured.
 
-        Call it from ``training_step`` on every rank, once per batch.
+        Call it from ``training_step`` on every rank, once per batch, with automatic or
+        manual optimization.
 
         :param micro_batches: this batch only, instead of the strategy's ``micro_batches``.
         :returns: the mean loss over the batch, a 0-dim tensor, the same on every rank.
         """
         engine = self._need_engine("train_batch")
+        trainer = self.lightning_module.trainer
+        automatic = self.lightning_module.automatic_optimization
         count = micro_batches or engine.micro_batches
         items = split_batch(batch, count, "train_batch")
+        control = self.step_control
+        k = trainer.accumulate_grad_batches if automatic else 1
+        # Lightning's own decision for this batch (the automatic loop asked it too)
+        control.accumulating = automatic and trainer.fit_loop._should_accumulate()
+        control.grad_scale = 1.0 / k
+        self._train_batch_calls += 1
         skipped = engine.skipped_steps
-        loss = engine.train_batch(iter(items), micro_batches=micro_batches)
-        if engine.skipped_steps == skipped:  # the step was taken (fp16 may skip one)
+        try:
+            loss = engine.train_batch(iter(items), micro_batches=micro_batches)
+        finally:
+            control.accumulating = False
+        if not automatic and engine.skipped_steps == skipped:  # fp16 may skip a step
             self._count_step()
             self._step_schedulers()
         return loss
@@ -346,6 +358,77 @@ class PipelineStrategy(DDPStrategy):
         # between batches must stay usable by training, so plain no_grad here
         with torch.inference_mode(False):
             return engine.eval_batch(iter(items), micro_batches=micro_batches)
+
+    def predict_batch(self, batch: Any, micro_batches: int | None = None) -> Any:
+        """The model's outputs for ``batch`` (the last stage's, micro-batches joined along
+        the batch dimension), on **every** rank of the replica (see
+        :mod:`pipekernel.lightning.predict`). ``batch`` is the inputs, or ``(inputs,
+        labels)`` (the labels are not used). Call it on every rank."""
+        engine = self._need_engine("predict_batch")
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+        count = micro_batches or engine.micro_batches
+        items = split_batch((inputs, inputs), count, "predict_batch")
+        with torch.inference_mode(False):
+            _, outputs = engine.eval_batch(iter(items), compute_loss=False,
+                                           return_outputs=True, micro_batches=micro_batches)
+        if self._broadcast is None:
+            self._broadcast = OutputBroadcast(engine)
+        return self._broadcast(concat(outputs) if outputs is not None else None)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A module without its own ``predict_step`` predicts through the pipeline
+        (Lightning's default would call ``self(batch)``, one stage's layers at best)."""
+        from lightning.pytorch.core.module import LightningModule
+        module = self.lightning_module
+        if type(module).predict_step is LightningModule.predict_step:
+            batch = args[0] if args else kwargs["batch"]
+            return self.predict_batch(batch)
+        return super().predict_step(*args, **kwargs)
+
+    # -- automatic optimization: the engine's step inside Lightning's ------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._train_batch_calls = 0
+        output = super().training_step(*args, **kwargs)
+        if self.lightning_module.automatic_optimization:
+            self._check_step_output(output)
+        return output
+
+    def _check_step_output(self, output: Any) -> None:
+        name = type(self.lightning_module).__name__
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if self._train_batch_calls != 1 or (isinstance(loss, torch.Tensor)
+                                            and loss.requires_grad):
+            raise ConfigError(
+                f"{name}.training_step called self.trainer.strategy.train_batch(batch) "
+                f"{self._train_batch_calls} time(s)"
+                + (" and returned a loss with a graph" if isinstance(loss, torch.Tensor)
+                   and loss.requires_grad else "")
+                + ": under PipelineStrategy the pipeline computes the loss, "
+                "loss_fn(outputs, labels) on the last stage, and runs the backward",
+                hint="write training_step as: loss = self.trainer.strategy.train_batch("
+                     "batch); self.log('train_loss', loss); return loss (the loss function "
+                     "goes to pk.PipelineModule(..., loss_fn=...))")
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
+                 **kwargs: Any) -> torch.Tensor:
+        if self.lightning_module.automatic_optimization:
+            return closure_loss  # the engine ran the backward in train_batch
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None,
+                       **kwargs: Any) -> Any:
+        """Automatic optimization: the closure runs ``training_step``, whose
+        ``train_batch`` steps the engine (the optimizer's parameters are its)."""
+        if self.lightning_module.automatic_optimization:
+            return closure()
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The whole model's gradient 2-norm at the last step (every stage, tied weights
+        once, before clipping): what ``clip_grad_norm_`` returns in one process. Set right
+        before ``on_before_optimizer_step``; the same on every rank."""
+        return self.step_control.grad_norm
 
     def _before_optimizer_step(self) -> None:
         trainer = self.lightning_module.trainer
@@ -362,14 +445,17 @@ class PipelineStrategy(DDPStrategy):
         lightning_optimizer._on_after_step()
 
     def _step_schedulers(self) -> None:
-        """What Lightning's training loop does for an automatic optimization: ``step``
+        """Manual optimization only (Lightning's automatic loop steps them itself,
+        ``ReduceLROnPlateau`` with its monitored metric included). What Lightning's
+        training loop does for an automatic optimization: ``step``
         schedulers after every ``frequency`` batches of the epoch, ``epoch`` ones after
         the epoch's last batch every ``frequency`` epochs."""
         trainer = self.lightning_module.trainer
         loop = trainer.fit_loop.epoch_loop
         for config in self.lr_scheduler_configs:
-            if config.reduce_on_plateau:
-                continue  # needs a metric: the module steps it, as in any manual optimization
+            if config.reduce_on_plateau or isinstance(
+                    config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                continue  # manual optimization: the module steps it with its metric
             if config.interval == "step":
                 index = loop.batch_idx + 1
             elif config.interval == "epoch" and loop._num_ready_batches_reached():
@@ -379,74 +465,6 @@ class PipelineStrategy(DDPStrategy):
             if index % config.frequency == 0:
                 call._call_lightning_module_hook(trainer, "lr_scheduler_step",
                                                  config.scheduler, None)
-
-    # -- checkpoints -----------------------------------------------------------------
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the engine (and its stage) must exist to load into
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # in pipekernel's checkpoint, by parameter name
-
-    def _own_key(self, key: str) -> bool:
-        return key.startswith(self.stage_attribute + ".")
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """What the LightningModule holds besides the stage (the stage's weights are in
-        pipekernel's layer files)."""
-        state = self.lightning_module.state_dict()
-        return {k: v for k, v in state.items() if not self._own_key(k)}
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # in pipekernel's layer files
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
-                        storage_options: Any = None) -> None:
-        """Every rank writes: ``filepath`` becomes a pipekernel checkpoint root (a
-        directory with ``latest`` and one tag), each rank its layers, weights and
-        optimizer state by parameter name, plus the Trainer's state in its rank file."""
-        if storage_options is not None:
-            raise TypeError("Trainer.save_checkpoint(..., storage_options=...) is not "
-                            "supported by PipelineStrategy: pipekernel writes the files")
-        filepath = self.broadcast(os.fspath(filepath))  # one directory for every rank
-        engine = self._need_engine("save_checkpoint")
-        state = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG,
-                               client_state={"lightning": buffer.getvalue()})
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
-                        ) -> dict[str, Any]:
-        """Load a checkpoint :meth:`save_checkpoint` wrote (at any stage or replica count;
-        bit-exact at the same shape) and return the Trainer's state saved with it."""
-        path = self.broadcast(os.fspath(checkpoint_path))
-        engine = self._need_engine("load_checkpoint")
-        if not os.path.isdir(path):
-            raise ConfigError(f"{path} is not a PipelineStrategy checkpoint (a directory)",
-                              hint="resume from a checkpoint saved with "
-                                   "Trainer(strategy=PipelineStrategy(...))")
-        result = engine.load_checkpoint(path)
-        blob = (result.get("client_state") or {}).get("lightning")
-        if blob is None:
-            raise ConfigError(f"{path} holds a pipekernel checkpoint without the Trainer's "
-                              "state", hint="resume it with PipelineEngine.load_checkpoint; "
-                              "Trainer(ckpt_path=...) needs one saved through the Trainer")
-        return torch.load(io.BytesIO(blob), map_location="cpu",
-                          weights_only=bool(weights_only))
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """The stage's weights came with :meth:`load_checkpoint`; this loads the rest."""
-        module = self.lightning_module
-        missing, unexpected = module.load_state_dict(checkpoint.get("state_dict", {}),
-                                                     strict=False)
-        missing = [k for k in missing if not self._own_key(k)]
-        if strict and (missing or unexpected):
-            raise ConfigError(f"{type(module).__name__} does not match the checkpoint: "
-                              f"missing {missing}, unexpected {unexpected}",
-                              hint="load it into the module it was saved from, or set "
-                                   "self.strict_loading = False")
 
     def on_exception(self, exception: BaseException) -> None:
         """An error outside the engine (the module's own code, a callback) on one rank:
