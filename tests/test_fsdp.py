@@ -153,3 +153,96 @@ def test_bad_shard_options_say_how_to_fix():
                             ({"reshard_after_forward": 1}, "reshard_after_forward")]:
         with pytest.raises(ConfigError, match=message):
             ParallelConfig.make(**kwargs)
+
+
+def features_worker(schedule, reshard_after_forward):
+    """Split backward, activation checkpointing, a micro-batch count change, eval in
+    between, a skipped non-finite step; and the checkpoint refusal."""
+    torch.set_num_threads(1)
+    module = mlp(num_stages=2)
+    module.activation_checkpoint_interval = 2
+    engine = pk.PipelineEngine(module, optimizer=adam, micro_batches=MB, schedule=schedule,
+                               data_parallel_shard=2, nonfinite="skip", timeout=120,
+                               reshard_after_forward=reshard_after_forward)
+    rank = engine.data_parallel_rank
+    losses, evals = [], []
+    for step, count in enumerate(COUNTS):
+        losses.append(engine.train_batch(iter(mlp_data(step, rank, count)),
+                                         micro_batches=count).item())
+        evals.append(engine.eval_batch(iter(mlp_data(100 + step, 0, MB))).item())
+    state = _full_state(engine)
+    bad = mlp_data(99, rank, MB)
+    if rank == 1:
+        bad[1] = (bad[1][0] * float("nan"), bad[1][1])
+    skipped = engine.train_batch(iter(bad))
+    unchanged = all(torch.equal(v, state[k]) for k, v in _full_state(engine).items())
+    try:
+        engine.save_checkpoint("/nonexistent/never-written")
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
+    return {"losses": losses, "evals": evals, "state": state, "skipped": engine.skipped_steps,
+            "nan": skipped.item() != skipped.item(), "unchanged": unchanged,
+            "refused": refused}
+
+
+COUNTS = [MB, 2, MB]
+
+
+@pytest.mark.parametrize("schedule,reshard", [("zb-h1", False), ("zbv", True)])
+def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(schedule, reshard):
+    from pipekernel.testing import reference_eval
+
+    results = run_ranks(features_worker, 4, schedule, reshard)
+    batches = [[mlp_data(step, r, count) for r in range(2)] for step, count in enumerate(COUNTS)]
+    ref_losses, ref_state = reference_train(mlp(num_stages=1), adam, batches, COUNTS)
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6)
+        assert result["skipped"] == 1 and result["nan"] and result["unchanged"]
+        assert "checkpoints of sharded stages are not supported" in result["refused"]
+    # the last eval ran on the final weights
+    ref_eval, _ = reference_eval(mlp(num_stages=1), ref_state, mlp_data(100 + len(COUNTS) - 1,
+                                                                        0, MB))
+    assert results[0]["evals"][-1] == pytest.approx(ref_eval, rel=1e-5)
+
+
+def test_mesh_lays_the_rank_order_over_its_dims():
+    from pipekernel.grid.mesh import _dim_groups, mesh_ranks
+    from pipekernel.grid.topology import Topology
+
+    for order in ("tp-dp-pp", "tp-pp-dp", "pp-dp-tp"):
+        for rank in range(16):
+            topo = Topology(2, 4, 2, rank, order, shard_size=2)
+            nested = mesh_ranks(topo)
+            data, stage, model = topo.coords(rank)
+            assert nested[stage][data // 2][data % 2][model] == rank
+            assert (topo.replica_rank, topo.shard_rank) == (data // 2, data % 2)
+            # today's groups are the mesh's: data (replicas x shards), tp, pp
+            assert sorted(map(sorted, _dim_groups(topo, "dp"))) == \
+                sorted(map(sorted, topo.data_groups()))
+            assert sorted(map(sorted, _dim_groups(topo, "tp"))) == \
+                sorted(map(sorted, topo.model_groups()))
+            assert sorted(map(sorted, _dim_groups(topo, "pp"))) == \
+                sorted(map(sorted, topo.pipe_groups()))
+            shards = _dim_groups(topo, "dp_shard")
+            assert all(len(g) == 2 for g in shards) and len(shards) == 8
+    with pytest.raises(ConfigError, match="shards of 3"):
+        Topology(1, 4, 1, 0, shard_size=3)
+
+
+def test_a_transport_without_a_mesh_refuses_what_needs_one():
+    from pipekernel.grid.mesh import build_grid
+    from pipekernel.grid.topology import Topology
+
+    class Local:  # no torch.distributed process group behind it
+        rank, world_size, backend, device = 0, 2, "test-double", "cpu"
+
+        def new_group(self, ranks):
+            return ("group", tuple(ranks))
+
+    grid = build_grid(Topology(1, 2, 1, 0, shard_size=2), Local())
+    assert grid.mesh is None and grid.data == (("group", (0, 1)), [0, 1])
+    with pytest.raises(ConfigError, match="data_parallel_shard=2 needs a torch DeviceMesh"):
+        grid.require_mesh("data_parallel_shard=2")
