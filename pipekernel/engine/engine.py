@@ -34,7 +34,9 @@ from pipekernel.schedules.skips import add_skip_transfers
 from pipekernel.stage.skip_routing import check_schedules, router_for
 from pipekernel.step.optimizer_step import BatchStep
 from pipekernel.grid.tensor_parallel import context as tp_context
-from pipekernel.grid.tensor_parallel import make_group as make_tp_group
+from pipekernel.grid.mesh import build_grid
+from pipekernel.engine.parallelize import (check_stage_parallel, refuse_sharded_checkpoint,
+                                           tp_group_of)
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.grid.topology import Topology
 
@@ -121,6 +123,21 @@ class PipelineEngine:
         (default ``True``; ``False`` sends the whole tensors from every rank).
     :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
         (ZeRO-1, :mod:`pipekernel.grid.zero`); ``0`` (default) replicates it.
+    :param data_parallel_shard: ``N > 1`` shards each stage's parameters, gradients and
+        optimizer state over ``N`` ranks with FSDP2 (``fully_shard``, the built-in plugin
+        :mod:`pipekernel.plugins.fsdp`), timed by the schedule
+        (:mod:`pipekernel.grid.stage_parallel`). The world is then ``stages x replicas x N
+        x T``: ``data_parallel_size`` still counts the replicas (HSDP when both are > 1),
+        while ``engine.data_parallel_rank`` / ``data_parallel_size`` count every
+        data-parallel rank (replicas x shards), each reading its own micro-batches.
+    :param reshard_after_forward: with ``data_parallel_shard``, free each layer's gathered
+        parameters after its forward and gather them again for its backward (less memory,
+        two all-gathers per micro-batch); default ``False``: gathered once per batch.
+
+    ``engine.mesh`` is the :class:`~torch.distributed.device_mesh.DeviceMesh` with the dims
+    ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
+    for a transport that cannot carry one); plugins apply torch parallelism over it
+    through the hook ``pipekernel_parallelize_stage``.
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
@@ -134,7 +151,8 @@ class PipelineEngine:
                  nonfinite: str = "error", check_data_steps: int = 3,
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
-                 partition_activations: bool = True, zero_stage: int = 0) -> None:
+                 partition_activations: bool = True, zero_stage: int = 0,
+                 data_parallel_shard: int = 1, reshard_after_forward: bool = False) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -168,7 +186,9 @@ class PipelineEngine:
                         chunks=chunks, transport=transport, nonfinite=nonfinite,
                         check_data_steps=check_data_steps, loss_reduction=loss_reduction,
                         parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
-                                                     partition_activations, zero_stage))
+                                                     partition_activations, zero_stage,
+                                                     data_parallel_shard,
+                                                     reshard_after_forward))
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise
@@ -210,10 +230,10 @@ class PipelineEngine:
         the micro-batch count (the planner may choose it)."""
         world, rank = self.transport.world_size, self.transport.rank
         self.parallel = parallel
-        tp = parallel.tensor_parallel_size
-        num_stages = module.num_stages or world // ((data_parallel_size or 1) * tp)
+        tp, shard = parallel.tensor_parallel_size, parallel.data_parallel_shard
+        num_stages = module.num_stages or world // ((data_parallel_size or 1) * shard * tp)
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size, tp,
-                                            parallel.rank_order)
+                                            parallel.rank_order, shard)
         #: The :class:`~pipekernel.engine.planner.Plan` ``schedule="auto"`` chose (else ``None``).
         self.plan: Plan | None = None
         if is_auto(schedule):
@@ -289,8 +309,13 @@ class PipelineEngine:
     def _build_stage(self, module: PipelineModule, micro_batches: int, transport: str) -> None:
         """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
         num_stages = self.num_stages
+        #: This rank's groups and the mesh (:mod:`pipekernel.grid.mesh`).
+        self.grid = build_grid(self.topology, self.transport)
+        #: The engine's :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``("pp",
+        #: "dp_replicate", "dp_shard", "tp")``), or ``None`` (a transport without one).
+        self.mesh = self.grid.mesh
         #: This rank's :class:`~pipekernel.grid.tensor_parallel.TensorParallelGroup`.
-        self.tp_group = make_tp_group(self.topology, self.transport)
+        self.tp_group = tp_group_of(self.grid, self.topology, self.transport)
         positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
         with tp_context(self.tp_group):  # layers built here see their group
             self.module = module.build_stage(self.stage, self.bounds, positions
@@ -316,6 +341,12 @@ class PipelineEngine:
         self.max_grad_norm = max_grad_norm
         self._make_groups()
         self._sync_parameters()
+        # before the precision and the optimizer see the parameters (FSDP2, DTensor)
+        self.pm.hook.pipekernel_parallelize_stage(module=self.module, mesh=self.mesh,
+                                                  engine=self)
+        #: The :class:`~pipekernel.grid.stage_parallel.StageParallel` timing the stage's
+        #: FSDP2 modules by the schedule, or ``None``.
+        self.stage_parallel = check_stage_parallel(self)
         self.precision.prepare(self.module)  # after the sync: casts and masters start equal
         self._make_reducers()  # after prepare: the reducers need the master copies
         self.optimizer = self._make_optimizer(optimizer)
@@ -402,11 +433,7 @@ class PipelineEngine:
     def _make_groups(self) -> None:
         """Create every group on every rank, in the same order (a transport requirement)."""
         topo, transport = self.topology, self.transport
-        self.data_group = None
-        for ranks in topo.data_groups():
-            group = transport.new_group(ranks) if len(ranks) > 1 else None
-            if topo.rank in ranks:
-                self.data_group, self.data_ranks = group, ranks
+        self.data_group, self.data_ranks = self.grid.data  # replicas x shards
         self.tied_groups: dict[str, tuple[Any, list[int]]] = {}
         tied = self.pipeline_module.tied_stages(self.bounds, self.part_stages.__getitem__)
         for key, stages in sorted(tied.items()):
@@ -445,8 +472,12 @@ class PipelineEngine:
         #: without data parallelism).
         self.grad_reducer: GradReducer | None = None
         if self.topology.data_size > 1:
-            named = list(self.module.named_parameters())
+            sharded = self.stage_parallel
+            named = [(name, p) for name, p in self.module.named_parameters()
+                     if sharded is None or not sharded.managed(p)]  # FSDP2 reduces those
             tied = [p for key in self.tied_groups for p in self.module.tied_modules[key].parameters()]
+            if not any(p.requires_grad for _, p in named):
+                return
             self.grad_reducer = GradReducer(
                 [p for _, p in named], self.transport, self.data_group, self.topology.data_size,
                 int(self.grad_bucket_mb * 2 ** 20), master=master, late=tied,
@@ -454,11 +485,21 @@ class PipelineEngine:
 
     def _backward_callbacks(self) -> dict[str, Any]:
         """What the runtime calls around the stage's last backward of the batch."""
-        reducer = self.grad_reducer
+        reducer, sharded = self.grad_reducer, self.stage_parallel
+        callbacks: dict[str, Any] = {}
+        if sharded is not None:  # FSDP2's reduce-scatters, once per batch
+            callbacks = {"after_last_backward": sharded.after_last_backward,
+                         "params_of": sharded.autograd_params}
         if reducer is None or reducer.bucket_bytes <= 0:
-            return {}
-        return {"before_last_backward": lambda: reducer.arm(final=self._settled_parameters()),
-                "after_last_backward": reducer.backward_done}
+            return callbacks
+        if sharded is not None:
+            def after() -> None:
+                sharded.after_last_backward()
+                reducer.backward_done()
+        else:
+            after = reducer.backward_done
+        return {**callbacks, "after_last_backward": after,
+                "before_last_backward": lambda: reducer.arm(final=self._settled_parameters())}
 
     def _settled_parameters(self) -> list[torch.Tensor]:
         """Parameters of this stage's other chunks, final before its last backward (see
@@ -591,7 +632,11 @@ class PipelineEngine:
             self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check, losses=losses)
+            if self.stage_parallel is not None:
+                self.stage_parallel.begin_batch(cls.trains)
             self.kernel.run(plan, **self._when(cls))
+            if self.stage_parallel is not None:
+                self.stage_parallel.end_batch(cls.trains)
             losses = self.runtime.end()
             return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
@@ -717,12 +762,14 @@ class PipelineEngine:
         ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
         See :func:`pipekernel.engine.checkpoint.save`."""
         from pipekernel.engine.checkpoint import save
+        refuse_sharded_checkpoint(self, "save_checkpoint")
         return save(self, path, tag, client_state)
 
     def load_checkpoint(self, path: Any, tag: str | None = None) -> dict[str, Any]:
         """Load ``path/tag`` (default ``path/latest``), saved at any pipeline or
         data-parallel degree. Every rank calls it. See :func:`pipekernel.engine.checkpoint.load`."""
         from pipekernel.engine.checkpoint import load
+        refuse_sharded_checkpoint(self, "load_checkpoint")
         return load(self, path, tag)
 
     def resume(self, path: Any) -> dict[str, Any] | None:
@@ -734,6 +781,7 @@ class PipelineEngine:
         restarted after a failure (``torchrun --max-restarts``) loses at most ``k``
         steps. See :func:`pipekernel.engine.checkpoint.resume` and docs/faults.md."""
         from pipekernel.engine.checkpoint import resume
+        refuse_sharded_checkpoint(self, "resume")
         return resume(self, path)
 
     def close(self) -> None:

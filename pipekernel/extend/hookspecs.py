@@ -183,6 +183,43 @@ def pipekernel_list_names(kind: str) -> Sequence[str]:
     """
 
 
+@hookspec
+def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
+    """Apply torch's own parallelism to this rank's stage, in place.
+
+    Called once per engine, on every rank, after the stage's layers are built and
+    made equal across ranks (the seeding rule, or a broadcast from the first
+    replica) and *before* the precision policy prepares them and the optimizer is
+    built over ``module.parameters()``; every implementation is called, in pluggy's
+    order (``tryfirst`` ones first: the built-in DTensor tensor parallelism is
+    ``tryfirst``, the built-in FSDP2 ``trylast``, as torchtitan applies TP before
+    FSDP).
+
+    :param module: the stage's :class:`~pipekernel.stage.module.StageModule`: its
+        layers are children named by global layer index (``module.get_submodule("3")``),
+        its tied layers are in ``module.tied_modules``. Change it in place (e.g.
+        ``fully_shard``, ``parallelize_module``); do not replace the object.
+    :param mesh: the engine's :class:`~torch.distributed.device_mesh.DeviceMesh` with the
+        dims ``("pp", "dp_replicate", "dp_shard", "tp")`` (size-1 dims kept; see
+        :mod:`pipekernel.grid.mesh`), or ``None`` when the transport cannot carry one.
+    :param engine: the :class:`pipekernel.PipelineEngine` being built (its topology,
+        transport, ``parallel`` options, precision name; no optimizer or runtime yet).
+    :returns: ignored.
+
+    Use in plugins
+    ==============
+    Float8 training, a wrapping policy of your own, activation checkpointing per
+    layer. What crosses stages stays plain tensors: a layer that receives a stage's
+    input must accept a plain tensor (DTensor plans: ``input_layouts`` do it).
+    ``fully_shard`` on any module of the stage is driven by the engine's schedule
+    whoever applied it (:mod:`pipekernel.grid.stage_parallel`: gradients
+    reduce-scattered once per batch after the stage's last backward, not per
+    micro-batch); apply it to the stage ``module`` last, so that it is the root. A
+    parameter FSDP2 does not manage keeps the engine's own data-parallel mean.
+    Raise :class:`~pipekernel.errors.ConfigError` for what you cannot do.
+    """
+
+
 # ---------------------------------------------------------------------------
 # Observers (every implementation is called)
 # ---------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The large-model options of :class:`~pipekernel.PipelineEngine`, validated once:
-tensor-parallel size, rank order, partitioned activations, ZeRO stage."""
+tensor-parallel size, rank order, partitioned activations, ZeRO stage, FSDP2 sharding."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +19,14 @@ class ParallelConfig:
     rank_order: str = DEFAULT_RANK_ORDER
     partition_activations: bool = True
     zero_stage: int = 0
+    data_parallel_shard: int = 1
+    reshard_after_forward: bool = False
 
     @classmethod
     def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
-             partition_activations: Any = True, zero_stage: Any = 0) -> ParallelConfig:
+             partition_activations: Any = True, zero_stage: Any = 0,
+             data_parallel_shard: Any = 1, reshard_after_forward: Any = False
+             ) -> ParallelConfig:
         """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
@@ -37,7 +41,26 @@ class ParallelConfig:
             raise ConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}",
                               hint="zero_stage=1 shards the optimizer state over the "
                                    "data-parallel replicas; stages 2 and 3 are not implemented")
-        return cls(tensor_parallel_size, order, partition_activations, zero_stage)
+        if isinstance(data_parallel_shard, bool) or not isinstance(data_parallel_shard, int) \
+                or data_parallel_shard < 1:
+            raise ConfigError(f"data_parallel_shard must be a positive int, got "
+                              f"{data_parallel_shard!r}",
+                              hint="e.g. data_parallel_shard=2 shards each stage over 2 ranks "
+                                   "with FSDP2 (1: no sharding)")
+        if not isinstance(reshard_after_forward, bool):
+            raise ConfigError(f"reshard_after_forward must be True or False, got "
+                              f"{reshard_after_forward!r}")
+        if data_parallel_shard > 1 and zero_stage:
+            raise ConfigError("zero_stage=1 with data_parallel_shard > 1: FSDP2 already shards "
+                              "the optimizer state (and parameters and gradients)",
+                              hint="drop zero_stage, or use data_parallel_shard=1")
+        if data_parallel_shard > 1 and tensor_parallel_size > 1:
+            raise ConfigError("data_parallel_shard > 1 with tensor_parallel_size > 1: FSDP2 "
+                              "over pipekernel's own tensor-parallel layers is not supported",
+                              hint="use one of the two (FSDP2 x DTensor tensor parallelism "
+                                   "is the way to combine them, issue 28)")
+        return cls(tensor_parallel_size, order, partition_activations, zero_stage,
+                   data_parallel_shard, reshard_after_forward)
 
     @property
     def partitions(self) -> bool:
@@ -49,4 +72,6 @@ class ParallelConfig:
         return {"tensor parallel size": self.tensor_parallel_size,
                 "rank order": self.rank_order,
                 "partition activations": self.partition_activations,
-                "zero stage": self.zero_stage}
+                "zero stage": self.zero_stage,
+                "data parallel shard": self.data_parallel_shard,
+                "reshard after forward": self.reshard_after_forward}

@@ -74,6 +74,10 @@ class Topology:
     :param model_size: tensor-parallel ranks ``T`` per stage.
     :param rank: this process's rank.
     :param order: the rank order, innermost axis first (default ``"tp-dp-pp"``).
+    :param shard_size: of the ``D`` data-parallel ranks, how many shard one copy of the
+        stage (FSDP2's ``dp_shard``; ``D / shard_size`` replicas of it, ``dp_replicate``).
+        A data-parallel index ``d`` is ``replica * shard_size + shard``: the shards of one
+        replica are adjacent ranks (see :mod:`pipekernel.grid.mesh`).
     """
 
     pipe_size: int
@@ -81,11 +85,17 @@ class Topology:
     model_size: int = 1
     rank: int = 0
     order: str = DEFAULT_RANK_ORDER
+    shard_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pipe_size", "data_size", "model_size"):
+        for name in ("pipe_size", "data_size", "model_size", "shard_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.data_size % self.shard_size:
+            raise ConfigError(f"{self.data_size} data-parallel ranks cannot be split into "
+                              f"shards of {self.shard_size}",
+                              hint="data_parallel_shard must divide the data-parallel ranks "
+                                   "(world size / (stages x tensor-parallel size))")
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} ranks")
         object.__setattr__(self, "order", "-".join(parse_rank_order(self.order)))
@@ -93,9 +103,10 @@ class Topology:
     @classmethod
     def from_world(cls, world_size: int, rank: int, num_stages: int,
                    data_parallel_size: int | None = None, model_size: int = 1,
-                   order: str = DEFAULT_RANK_ORDER) -> Topology:
+                   order: str = DEFAULT_RANK_ORDER, shard_size: int = 1) -> Topology:
         """Build the grid for ``world_size`` ranks split into ``num_stages`` stages of
-        ``model_size`` tensor-parallel ranks each."""
+        ``model_size`` tensor-parallel ranks each; ``data_parallel_size`` counts the
+        replicas (``dp_replicate``), each of ``shard_size`` shards."""
         if num_stages < 1 or world_size % (num_stages * model_size):
             raise ConfigError(
                 f"world size {world_size} is not divisible by {num_stages} pipeline stages"
@@ -103,15 +114,23 @@ class Topology:
                 hint="launch a multiple of num_stages * tensor_parallel_size processes, or "
                      "change num_stages", rank=rank)
         dp = world_size // (num_stages * model_size)
-        if data_parallel_size is not None and data_parallel_size != dp:
+        if dp % shard_size:
             raise ConfigError(
-                f"data_parallel_size={data_parallel_size} does not match world size {world_size} "
-                f"with {num_stages} stages"
+                f"data_parallel_shard={shard_size} does not divide the {dp} data-parallel "
+                f"rank(s) of world size {world_size} with {num_stages} stage(s)"
+                + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else ""),
+                hint=f"launch a multiple of {num_stages * model_size * shard_size} processes "
+                     f"or choose a data_parallel_shard dividing {dp}", rank=rank)
+        if data_parallel_size is not None and data_parallel_size * shard_size != dp:
+            shards = f" x {shard_size} shards" if shard_size > 1 else ""
+            raise ConfigError(
+                f"data_parallel_size={data_parallel_size}{shards} does not match world size "
+                f"{world_size} with {num_stages} stages"
                 + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else "")
-                + f" (which gives {dp})",
-                hint=f"launch {num_stages * data_parallel_size * model_size} processes or "
-                     f"omit data_parallel_size", rank=rank)
-        return cls(num_stages, dp, model_size, rank, order)
+                + f" (which gives {dp // shard_size})",
+                hint=f"launch {num_stages * data_parallel_size * shard_size * model_size} "
+                     f"processes or omit data_parallel_size", rank=rank)
+        return cls(num_stages, dp, model_size, rank, order, shard_size)
 
     @property
     def world_size(self) -> int:
@@ -144,6 +163,21 @@ class Topology:
     @property
     def model_rank(self) -> int:
         return self.coords(self.rank)[2]
+
+    @property
+    def replicate_size(self) -> int:
+        """Replicas of the stage (``dp_replicate``): ``data_size / shard_size``."""
+        return self.data_size // self.shard_size
+
+    @property
+    def replica_rank(self) -> int:
+        """Which replica this rank's shard belongs to."""
+        return self.data_rank // self.shard_size
+
+    @property
+    def shard_rank(self) -> int:
+        """Which shard of its replica this rank holds."""
+        return self.data_rank % self.shard_size
 
     @property
     def is_first_stage(self) -> bool:

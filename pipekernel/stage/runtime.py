@@ -89,6 +89,9 @@ class StageRuntime:
         Skip connections travel as they are.
     :param skips: the :class:`~pipekernel.stage.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
+    :param params_of: ``params -> the tensors autograd holds for them`` at a split
+        backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
+        ``None``: the parameters themselves.
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -96,7 +99,8 @@ class StageRuntime:
                  placement: str = "loop",
                  before_last_backward: Callable[[], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 wire: Any = None, skips: SkipRouter | None = None) -> None:
+                 wire: Any = None, skips: SkipRouter | None = None,
+                 params_of: Callable[[list], list] | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.loss_fn, self.precision = loss_fn, precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -109,6 +113,7 @@ class StageRuntime:
         self.parts = [module.part(c) if hasattr(module, "part") else module
                       for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
+        self._params_of = params_of
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else _same
@@ -490,17 +495,22 @@ class StageRuntime:
             inputs += tensors
         if chunk == self.last_chunk:
             loss = self.precision.scale_loss(buffer.loss / self.micro_batches)
-            grads, buffer.split = backward_input([], [], inputs, self._part_params[chunk],
+            grads, buffer.split = backward_input([], [], inputs, self._weights(chunk),
                                                  loss=loss)
         else:
             outputs, output_grads = self._roots(buffer)
             grads, buffer.split = backward_input(outputs, output_grads, inputs,
-                                                 self._part_params[chunk])
+                                                 self._weights(chunk))
         if leaves:
             self._skips.set_grads(buffer.skips, leaves, grads[count:])
         if chunk != self.first_chunk:
             buffer.input_grads = tuple(grads[:count])
         buffer.outputs = buffer.loss = buffer.output_grads = None
+
+    def _weights(self, chunk: int) -> list[torch.Tensor]:
+        """The parameters of ``chunk`` as the autograd graph holds them."""
+        params = self._part_params[chunk]
+        return params if self._params_of is None else self._params_of(params)
 
     def backward_weight(self, instruction: isa.BackwardWeight) -> None:
         from pipekernel.stage.split_backward import backward_weight

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, DataError, NonFiniteLossError
+from pipekernel.grid.mesh import local_share
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.schedules import instructions as isa
 from pipekernel.step.stats import StepStats, nonfinite_flag
@@ -194,15 +195,26 @@ class BatchStep:
         device, ``None`` for nothing): one replica counts (gradients are equal after the
         data-parallel reduction), a tied weight counts on the first stage holding it only,
         and a parameter replicated over the tensor-parallel group on its rank 0 only
-        (shards count on every rank)."""
-        if self.topology.data_rank != 0:
+        (shards count on every rank). A DTensor gradient (FSDP2, DTensor plans) counts its
+        local shard where it is not a copy (:func:`~pipekernel.grid.mesh.local_share`);
+        a plain one under ``data_parallel_shard`` on the first shard only."""
+        topo = self.topology
+        if topo.replica_rank != 0:
             return None
-        replicated = self.topology.model_rank != 0  # counted on tensor-parallel rank 0
+        replicated = topo.model_rank != 0  # counted on tensor-parallel rank 0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
-        squares = [grad.detach().double().pow(2).sum()
-                   for p, grad in self._master_grads(self.module.parameters())
-                   if id(p) not in not_owner and not (replicated and sharded_dim(p) is None)]
+        squares = []
+        for p, grad in self._master_grads(self.module.parameters()):
+            if id(p) in not_owner:
+                continue
+            share = local_share(grad)
+            if share is False:  # a plain tensor: equal on every shard and (maybe) tp rank
+                if topo.shard_rank != 0 or (replicated and sharded_dim(p) is None):
+                    continue
+                share = grad
+            if share is not None:
+                squares.append(share.detach().double().pow(2).sum())
         return torch.stack(squares).sum() if squares else None  # stays on the device
 
     def _token_scale(self, total_tokens: float) -> float:

@@ -1,0 +1,63 @@
+"""What the engine checks and keeps of the torch parallelism applied to its stage by the
+hook ``pipekernel_parallelize_stage`` (FSDP2, DTensor), and its tensor-parallel group
+taken from the mesh. The engine calls these; the logic lives in
+:mod:`pipekernel.grid.mesh` and :mod:`pipekernel.grid.stage_parallel`."""
+from __future__ import annotations
+
+from typing import Any
+
+from pipekernel.errors import ConfigError
+from pipekernel.grid import stage_parallel
+from pipekernel.grid.tensor_parallel import TensorParallelGroup, _TRIVIAL
+
+__all__ = ["check_stage_parallel", "refuse_sharded_checkpoint", "tp_group_of"]
+
+
+def tp_group_of(grid: Any, topology: Any, transport: Any) -> TensorParallelGroup:
+    """This rank's tensor-parallel group: the mesh's ``tp`` dim (its ranks in order)."""
+    if topology.model_size == 1:
+        return _TRIVIAL
+    handle, ranks = grid.groups["tp"]
+    return TensorParallelGroup(ranks.index(topology.rank), len(ranks), transport, handle,
+                               ranks)
+
+
+def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
+    """The driver of the stage's FSDP2 modules (``None``: none), after refusing by name
+    what it does not run with: ``data_parallel_shard`` that no plugin applied, precision
+    policies other than ``fp32``, ZeRO-1, pipekernel's own tensor parallelism."""
+    driver = stage_parallel.find(engine.module)
+    where = {"rank": engine.transport.rank, "stage": engine.stage}
+    shard = engine.parallel.data_parallel_shard
+    if shard > 1 and driver is None:
+        raise ConfigError(f"data_parallel_shard={shard}, but no plugin applied FSDP2 to stage "
+                          f"{engine.stage}: the built-in plugin 'fsdp' "
+                          f"(pipekernel.plugins.fsdp) is disabled or not installed",
+                          hint="do not disable 'fsdp'; reinstall pipekernel (pip install -e .) "
+                               "if its entry points predate the plugin", **where)
+    if driver is None:
+        return None
+    name = getattr(engine.precision, "name", "fp32")
+    if name != "fp32":
+        raise ConfigError(f"stage {engine.stage} is sharded with FSDP2, which runs under "
+                          f"precision='fp32' only so far, not {name!r}",
+                          hint="use precision='fp32' (FSDP2's MixedPrecisionPolicy is not "
+                               "mapped yet)", **where)
+    if engine.parallel.zero_stage or engine.parallel.tensor_parallel_size > 1:
+        raise ConfigError(f"stage {engine.stage} is sharded with FSDP2, which does not combine "
+                          f"with zero_stage=1 or tensor_parallel_size > 1",
+                          hint="drop zero_stage / tensor_parallel_size", **where)
+    return driver
+
+
+def refuse_sharded_checkpoint(engine: Any, what: str) -> None:
+    """``ConfigError`` for a checkpoint of a stage FSDP2 shards: pipekernel's files hold
+    whole tensors per layer, and sharded stages need ``torch.distributed.checkpoint``
+    (not done yet: issue 28, item 5) rather than DTensors pickled per rank."""
+    if getattr(engine, "stage_parallel", None) is not None:
+        raise ConfigError(f"{what}: stage {engine.stage} is sharded with FSDP2 "
+                          f"(data_parallel_shard), and checkpoints of sharded stages are not "
+                          f"supported yet", hint="train without data_parallel_shard to "
+                          "checkpoint, or save engine.module.state_dict() with "
+                          "torch.distributed.checkpoint yourself",
+                          rank=engine.transport.rank, stage=engine.stage)

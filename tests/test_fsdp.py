@@ -1,0 +1,248 @@
+"""FSDP2 inside each pipeline stage (issue 28): ``data_parallel_shard=N`` trains like one
+process accumulating every data-parallel rank's micro-batches, under plain and split
+backward schedules; each rank holds 1/N of its stage; one reduce-scatter per parameter
+group and batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from models import adam, mlp, mlp_data, sgd, tied_lm, token_data
+
+import pipekernel as pk
+from pipekernel.errors import ConfigError
+from pipekernel.testing import reference_train, run_ranks
+
+MB, STEPS = 4, 3
+
+
+def _full_state(engine):
+    """The stage's state_dict with every DTensor gathered (a collective over its mesh)."""
+    out = {}
+    for name, value in engine.module.state_dict().items():
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        out[name] = full.detach().clone()
+    return out
+
+
+def _count_reduce_scatters():
+    import torch.distributed as dist
+
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") \
+        else "reduce_scatter_tensor"
+    counts = [0]
+    original = getattr(dist, name)
+
+    def counting(*args, **kwargs):
+        counts[0] += 1
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counting)
+    return counts
+
+
+def fsdp_worker(stages, shard, schedule, model="mlp", kw=None):
+    torch.set_num_threads(1)
+    counts = _count_reduce_scatters()
+    build, data = {"mlp": (mlp, mlp_data), "tied": (tied_lm, token_data)}[model]
+    kw = dict(kw or {})
+    optimizer = {"adam": adam, "sgd": sgd}[kw.pop("optimizer", "adam")]
+    engine = pk.PipelineEngine(build(num_stages=stages), optimizer=optimizer, micro_batches=MB,
+                               schedule=schedule, data_parallel_shard=shard, timeout=120, **kw)
+    from torch.distributed.tensor import DTensor
+
+    params = list(engine.module.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    full = sum(p.numel() for p in params)  # a DTensor's numel is its global one
+    groups = len(engine.stage_parallel.groups) if engine.stage_parallel else 0
+    losses, per_batch = [], []
+    for step in range(STEPS):
+        before = counts[0]
+        losses.append(engine.train_batch(iter(data(step, engine.data_parallel_rank, MB)))
+                      .item())
+        per_batch.append(counts[0] - before)
+    mesh = engine.mesh
+    return {"losses": losses, "state": _full_state(engine), "local": local, "full": full,
+            "groups": groups, "reduce_scatters": per_batch,
+            "mesh": (mesh.mesh_dim_names, tuple(mesh.shape)),
+            "dp": (engine.data_parallel_rank, engine.data_parallel_size),
+            "sharded": all(isinstance(p, DTensor) for p in params),
+            "norm": engine.last_grad_norm}
+
+
+def _reference(model, replicas, kw=None):
+    build, data = {"mlp": (mlp, mlp_data), "tied": (tied_lm, token_data)}[model]
+    batches = [[data(step, r, MB) for r in range(replicas)] for step in range(STEPS)]
+    kw, hook = kw or {}, None
+    if kw.get("max_grad_norm"):
+        hook = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), kw["max_grad_norm"])  # noqa: E731
+    optimizer = {"adam": adam, "sgd": sgd}[kw.get("optimizer", "adam")]
+    return reference_train(build(num_stages=1), optimizer, batches, MB, hook=hook)
+
+
+def _check_parity(results, model, replicas, kw=None):
+    ref_losses, ref_state = _reference(model, replicas, kw)
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pp2_x_fsdp2_matches_one_process(schedule):
+    results = run_ranks(fsdp_worker, 4, 2, 2, schedule)
+    _check_parity(results, "mlp", replicas=2)
+    for rank, result in enumerate(results):
+        assert result["mesh"] == (("pp", "dp_replicate", "dp_shard", "tp"), (2, 1, 2, 1))
+        assert result["dp"] == (rank % 2, 2)  # shards read their own micro-batches
+        assert result["sharded"]
+        # every rank holds 1/2 of its stage's parameter elements (the mlp's are even)
+        assert result["local"] * 2 == result["full"]
+        # one reduce-scatter per parameter group (one per layer) per batch, not per
+        # micro-batch
+        assert result["groups"] > 0
+        assert result["reduce_scatters"] == [result["groups"]] * STEPS
+
+
+def test_fsdp_with_replicas_is_hsdp_and_clips_over_dtensors():
+    # SGD: linear in the gradient, so the comparison is of the clipped gradients
+    # themselves (AdamW's normalisation magnifies the rounding of near-zero ones)
+    kw = {"max_grad_norm": 0.05, "optimizer": "sgd"}
+    results = run_ranks(fsdp_worker, 4, 1, 2, "1f1b", "mlp", kw)
+    _check_parity(results, "mlp", replicas=4, kw=kw)
+    norms = {round(r["norm"], 6) for r in results}
+    assert len(norms) == 1 and norms.pop() > 0.05  # the same norm everywhere, and it clipped
+    for result in results:
+        assert result["mesh"] == (("pp", "dp_replicate", "dp_shard", "tp"), (1, 2, 2, 1))
+        assert result["local"] * 2 == result["full"]
+
+
+def test_tied_layers_stay_replicated_and_match_one_process():
+    results = run_ranks(fsdp_worker, 4, 2, 2, "1f1b", "tied")
+    _check_parity(results, "tied", replicas=2)
+    for result in results:
+        assert 0 < result["local"] < result["full"]
+
+
+def bad_shard_worker(kwargs):
+    torch.set_num_threads(1)
+    try:
+        pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=2, timeout=60,
+                          **kwargs)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"data_parallel_shard": 3}, "data_parallel_shard=3 does not divide"),
+    ({"data_parallel_shard": 2, "precision": "bf16"}, "precision='bf16'"),
+    ({"data_parallel_shard": 2, "disable_plugins": ["fsdp"]}, "no plugin applied FSDP2"),
+])
+def test_bad_fsdp_configs_fail_before_the_first_step(kwargs, words):
+    for message in run_ranks(bad_shard_worker, 4, kwargs):
+        assert message is not None and words in message
+
+
+def test_bad_shard_options_say_how_to_fix():
+    from pipekernel.grid.parallel import ParallelConfig
+    for kwargs, message in [({"data_parallel_shard": 0}, "data_parallel_shard must be"),
+                            ({"data_parallel_shard": 2, "zero_stage": 1}, "zero_stage=1"),
+                            ({"data_parallel_shard": 2, "tensor_parallel_size": 2},
+                             "tensor_parallel_size"),
+                            ({"reshard_after_forward": 1}, "reshard_after_forward")]:
+        with pytest.raises(ConfigError, match=message):
+            ParallelConfig.make(**kwargs)
+
+
+def features_worker(schedule, reshard_after_forward):
+    """Split backward, activation checkpointing, a micro-batch count change, eval in
+    between, a skipped non-finite step; and the checkpoint refusal."""
+    torch.set_num_threads(1)
+    module = mlp(num_stages=2)
+    module.activation_checkpoint_interval = 2
+    engine = pk.PipelineEngine(module, optimizer=adam, micro_batches=MB, schedule=schedule,
+                               data_parallel_shard=2, nonfinite="skip", timeout=120,
+                               reshard_after_forward=reshard_after_forward)
+    rank = engine.data_parallel_rank
+    losses, evals = [], []
+    for step, count in enumerate(COUNTS):
+        losses.append(engine.train_batch(iter(mlp_data(step, rank, count)),
+                                         micro_batches=count).item())
+        evals.append(engine.eval_batch(iter(mlp_data(100 + step, 0, MB))).item())
+    state = _full_state(engine)
+    bad = mlp_data(99, rank, MB)
+    if rank == 1:
+        bad[1] = (bad[1][0] * float("nan"), bad[1][1])
+    skipped = engine.train_batch(iter(bad))
+    unchanged = all(torch.equal(v, state[k]) for k, v in _full_state(engine).items())
+    try:
+        engine.save_checkpoint("/nonexistent/never-written")
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
+    return {"losses": losses, "evals": evals, "state": state, "skipped": engine.skipped_steps,
+            "nan": skipped.item() != skipped.item(), "unchanged": unchanged,
+            "refused": refused}
+
+
+COUNTS = [MB, 2, MB]
+
+
+@pytest.mark.parametrize("schedule,reshard", [("zb-h1", False), ("zbv", True)])
+def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(schedule, reshard):
+    from pipekernel.testing import reference_eval
+
+    results = run_ranks(features_worker, 4, schedule, reshard)
+    batches = [[mlp_data(step, r, count) for r in range(2)] for step, count in enumerate(COUNTS)]
+    ref_losses, ref_state = reference_train(mlp(num_stages=1), adam, batches, COUNTS)
+    for result in results:
+        assert result["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6)
+        assert result["skipped"] == 1 and result["nan"] and result["unchanged"]
+        assert "checkpoints of sharded stages are not supported" in result["refused"]
+    # the last eval ran on the final weights
+    ref_eval, _ = reference_eval(mlp(num_stages=1), ref_state, mlp_data(100 + len(COUNTS) - 1,
+                                                                        0, MB))
+    assert results[0]["evals"][-1] == pytest.approx(ref_eval, rel=1e-5)
+
+
+def test_mesh_lays_the_rank_order_over_its_dims():
+    from pipekernel.grid.mesh import _dim_groups, mesh_ranks
+    from pipekernel.grid.topology import Topology
+
+    for order in ("tp-dp-pp", "tp-pp-dp", "pp-dp-tp"):
+        for rank in range(16):
+            topo = Topology(2, 4, 2, rank, order, shard_size=2)
+            nested = mesh_ranks(topo)
+            data, stage, model = topo.coords(rank)
+            assert nested[stage][data // 2][data % 2][model] == rank
+            assert (topo.replica_rank, topo.shard_rank) == (data // 2, data % 2)
+            # today's groups are the mesh's: data (replicas x shards), tp, pp
+            assert sorted(map(sorted, _dim_groups(topo, "dp"))) == \
+                sorted(map(sorted, topo.data_groups()))
+            assert sorted(map(sorted, _dim_groups(topo, "tp"))) == \
+                sorted(map(sorted, topo.model_groups()))
+            assert sorted(map(sorted, _dim_groups(topo, "pp"))) == \
+                sorted(map(sorted, topo.pipe_groups()))
+            shards = _dim_groups(topo, "dp_shard")
+            assert all(len(g) == 2 for g in shards) and len(shards) == 8
+    with pytest.raises(ConfigError, match="shards of 3"):
+        Topology(1, 4, 1, 0, shard_size=3)
+
+
+def test_a_transport_without_a_mesh_refuses_what_needs_one():
+    from pipekernel.grid.mesh import build_grid
+    from pipekernel.grid.topology import Topology
+
+    class Local:  # no torch.distributed process group behind it
+        rank, world_size, backend, device = 0, 2, "test-double", "cpu"
+
+        def new_group(self, ranks):
+            return ("group", tuple(ranks))
+
+    grid = build_grid(Topology(1, 2, 1, 0, shard_size=2), Local())
+    assert grid.mesh is None and grid.data == (("group", (0, 1)), [0, 1])
+    with pytest.raises(ConfigError, match="data_parallel_shard=2 needs a torch DeviceMesh"):
+        grid.require_mesh("data_parallel_shard=2")
