@@ -1,5 +1,6 @@
 """The large-model options of :class:`~pipekernel.PipelineEngine`, validated once:
-tensor-parallel size, rank order, partitioned activations, ZeRO stage."""
+tensor-parallel size, rank order, partitioned activations, ZeRO stage, expert-parallel
+size (checked against the data-parallel size by :mod:`pipekernel.grid.expert_parallel`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +20,12 @@ class ParallelConfig:
     rank_order: str = DEFAULT_RANK_ORDER
     partition_activations: bool = True
     zero_stage: int = 0
+    expert_parallel_size: int = 1
 
     @classmethod
     def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
-             partition_activations: Any = True, zero_stage: Any = 0) -> ParallelConfig:
+             partition_activations: Any = True, zero_stage: Any = 0,
+             expert_parallel_size: Any = 1) -> ParallelConfig:
         """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
@@ -37,7 +40,12 @@ class ParallelConfig:
             raise ConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}",
                               hint="zero_stage=1 shards the optimizer state over the "
                                    "data-parallel replicas; stages 2 and 3 are not implemented")
-        return cls(tensor_parallel_size, order, partition_activations, zero_stage)
+        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
+                or expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be a positive int, got "
+                              f"{expert_parallel_size!r}", hint="e.g. expert_parallel_size=2")
+        return cls(tensor_parallel_size, order, partition_activations, zero_stage,
+                   expert_parallel_size)
 
     @property
     def partitions(self) -> bool:
@@ -49,4 +57,5 @@ class ParallelConfig:
         return {"tensor parallel size": self.tensor_parallel_size,
                 "rank order": self.rank_order,
                 "partition activations": self.partition_activations,
-                "zero stage": self.zero_stage}
+                "zero stage": self.zero_stage,
+                "expert parallel size": self.expert_parallel_size}
