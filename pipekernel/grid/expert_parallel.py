@@ -164,19 +164,23 @@ def make_group(topology: Any, transport: Any, size: int) -> ExpertParallelGroup:
     mine: dict[str, Any] = {}
     for kind, lists in (("ep", parallel), ("edp", data)):
         for ranks in lists:
-            handle = _process_group(transport, ranks) if len(ranks) > 1 else None
-            if topology.rank in ranks:
+            member = topology.rank in ranks
+            handle = _process_group(transport, ranks, member) if len(ranks) > 1 else None
+            if member:
                 mine[kind] = (handle, ranks)
     (handle, ranks), (data_handle, data_ranks) = mine["ep"], mine["edp"]
     return ExpertParallelGroup(ranks.index(topology.rank), size, topology.data_size, handle,
                                ranks, data_handle, data_ranks)
 
 
-def _process_group(transport: Any, ranks: list[int]) -> Any:
-    """A torch process group over ``ranks`` (what the autograd all-to-all needs)."""
+def _process_group(transport: Any, ranks: list[int], member: bool) -> Any:
+    """A torch process group over ``ranks`` (what the autograd all-to-all needs);
+    every rank calls it, only a ``member`` gets a group it can use."""
     import torch.distributed as dist
 
     handle = transport.new_group(ranks)
+    if not member:
+        return None
     if handle is None:  # the transport's whole world
         handle = getattr(transport, "group", None) or dist.group.WORLD
     if not isinstance(handle, dist.ProcessGroup):
