@@ -13,7 +13,8 @@ from torch.nn import functional as F
 
 import pipekernel as pk
 
-__all__ = ["VOCAB", "Embed", "Block", "Head", "gpt_layers", "gpt_module", "token_loss", "generate"]
+__all__ = ["VOCAB", "Embed", "Block", "MoEBlock", "Head", "gpt_layers", "gpt_module",
+           "token_loss", "generate"]
 
 #: Byte-level vocabulary.
 VOCAB = 256
@@ -45,7 +46,10 @@ class Block(nn.Module):
         self.heads = heads
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp: nn.Module = self._mlp(dim)
+
+    def _mlp(self, dim: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         batch, length, dim = h.shape
@@ -55,6 +59,20 @@ class Block(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         h = h + self.proj(attn.transpose(1, 2).reshape(batch, length, dim))
         return h + self.mlp(self.norm2(h))
+
+
+class MoEBlock(Block):
+    """A :class:`Block` whose MLP is a :class:`pipekernel.MoE` of ``experts`` experts
+    (``top_k`` per token; its load-balancing loss goes through ``pk.add_aux_loss``)."""
+
+    def __init__(self, dim: int, heads: int, experts: int, top_k: int = 2,
+                 aux_loss_coef: float = 0.01) -> None:
+        self._moe = (experts, top_k, aux_loss_coef)
+        super().__init__(dim, heads)
+
+    def _mlp(self, dim: int) -> nn.Module:
+        experts, top_k, coef = self._moe
+        return pk.MoE(dim, 2 * dim, experts, top_k=top_k, aux_loss_coef=coef)
 
 
 class Head(nn.Module):
@@ -73,17 +91,21 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
-def gpt_layers(dim: int, layers: int, heads: int, context: int) -> list[pk.LayerSpec]:
-    """``[Embed, Block x layers, Head]`` as layer specs."""
-    return [pk.LayerSpec(Embed, VOCAB, dim, context),
-            *[pk.LayerSpec(Block, dim, heads) for _ in range(layers)],
-            pk.LayerSpec(Head, dim, VOCAB)]
+def gpt_layers(dim: int, layers: int, heads: int, context: int, *, experts: int = 0,
+               top_k: int = 2) -> list[pk.LayerSpec]:
+    """``[Embed, Block x layers, Head]`` as layer specs; with ``experts``, every block's
+    MLP is a mixture of that many experts (:class:`MoEBlock`)."""
+    block = [pk.LayerSpec(MoEBlock, dim, heads, experts, top_k) if experts
+             else pk.LayerSpec(Block, dim, heads) for _ in range(layers)]
+    return [pk.LayerSpec(Embed, VOCAB, dim, context), *block, pk.LayerSpec(Head, dim, VOCAB)]
 
 
 def gpt_module(dim: int, layers: int, heads: int, context: int, *, num_stages: int | None,
-               partition: object = "parameters", seed: int = 0) -> pk.PipelineModule:
-    """The model as a seeded :class:`pipekernel.PipelineModule`."""
-    return pk.PipelineModule(gpt_layers(dim, layers, heads, context), loss_fn=token_loss,
+               partition: object = "parameters", seed: int = 0, experts: int = 0,
+               top_k: int = 2) -> pk.PipelineModule:
+    """The model as a seeded :class:`pipekernel.PipelineModule` (``experts``: MoE blocks)."""
+    return pk.PipelineModule(gpt_layers(dim, layers, heads, context, experts=experts,
+                                        top_k=top_k), loss_fn=token_loss,
                              num_stages=num_stages, partition=partition, seed=seed)
 
 

@@ -5,7 +5,8 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from pipekernel.grid import tensor_parallel
+from pipekernel.grid import expert_parallel, tensor_parallel
+from pipekernel.grid.moe import MoE
 from pipekernel.engine.checkpoint import load_sequential
 from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
@@ -19,6 +20,7 @@ from pipekernel.stage.partitioning import PartitionContext, PartitionReport, bal
 from pipekernel.engine.planner import Plan, auto
 from pipekernel.extend.manager import make_plugin_manager
 from pipekernel.stage.skips import Skip, pop, skippable, stash
+from pipekernel.stage.aux_loss import add_aux_loss, aux_losses
 from pipekernel.grid.topology import Topology
 from pipekernel.comm.transport import P2POp
 
@@ -34,6 +36,7 @@ __all__ = [
     # model
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
     "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
+    "add_aux_loss", "aux_losses", "MoE", "expert_parallel",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
     # errors

@@ -19,6 +19,7 @@ from pipekernel.comm.conformance import run_transport_conformance
 from pipekernel.comm.transport import Transport
 from pipekernel.engine.launch import launch
 from pipekernel.nested import map_tensors
+from pipekernel.stage.aux_loss import aux_losses
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.stage.module import PipelineModule
 
@@ -37,10 +38,18 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
 
 def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any],
                   device: torch.device | str | None = None) -> torch.Tensor:
+    """``loss_fn(stage(inputs), labels)`` plus the aux losses the layers added
+    (``pk.add_aux_loss``), as the engine's objective."""
     inputs, labels = item
     if device is not None:
         inputs, labels = _to(inputs, device), _to(labels, device)
-    return loss_fn(stage(inputs), labels)
+    with aux_losses() as aux:
+        loss = loss_fn(stage(inputs), labels)
+    if aux:
+        if isinstance(loss, (tuple, list)):
+            raise ValueError("reference_train: aux losses with loss_reduction='tokens'")
+        loss = loss + torch.stack([a.float() for a in aux]).sum().to(loss.dtype)
+    return loss
 
 
 def _to(obj: Any, device: torch.device | str) -> Any:
@@ -54,7 +63,8 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train all layers on one process: ``batches[step][replica]`` is a list of
     ``micro_batches`` items ``(inputs, labels)``; each step accumulates
-    ``loss / (micro_batches * replicas)`` over every replica's micro-batches.
+    ``loss / (micro_batches * replicas)`` over every replica's micro-batches (``loss``
+    including the aux losses the layers add with ``pk.add_aux_loss``).
 
     :param micro_batches: micro-batches per step, or one count per step (a ramp).
     :param hook: called with the model after backward, before the step (e.g. clipping).

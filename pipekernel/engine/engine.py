@@ -39,6 +39,7 @@ from pipekernel.engine.parallelize import (check_stage_parallel, refuse_sharded_
                                            tp_group_of)
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.grid.topology import Topology
+from pipekernel.grid import expert_parallel
 
 __all__ = ["PipelineEngine"]
 
@@ -138,6 +139,10 @@ class PipelineEngine:
     ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
     for a transport that cannot carry one); plugins apply torch parallelism over it
     through the hook ``pipekernel_parallelize_stage``.
+    :param expert_parallel_size: ``E`` (default 1) spreads each stage's experts (layers
+        such as :class:`pipekernel.MoE`) over groups of ``E`` of its data-parallel
+        replicas; ``E`` must divide the data-parallel size (see
+        :mod:`pipekernel.grid.expert_parallel` and ``docs/moe.md``).
     """
 
     def __init__(self, module: PipelineModule, optimizer: Any = None, *, micro_batches: int = 1,
@@ -152,7 +157,8 @@ class PipelineEngine:
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
                  partition_activations: bool = True, zero_stage: int = 0,
-                 data_parallel_shard: int = 1, reshard_after_forward: bool = False) -> None:
+                 data_parallel_shard: int = 1, reshard_after_forward: bool = False,
+                 expert_parallel_size: int = 1) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -188,7 +194,8 @@ class PipelineEngine:
                         parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                                      partition_activations, zero_stage,
                                                      data_parallel_shard,
-                                                     reshard_after_forward))
+                                                     reshard_after_forward,
+                                                     expert_parallel_size))
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise
@@ -234,6 +241,9 @@ class PipelineEngine:
         num_stages = module.num_stages or world // ((data_parallel_size or 1) * shard * tp)
         self.topology = Topology.from_world(world, rank, num_stages, data_parallel_size, tp,
                                             parallel.rank_order, shard)
+        expert_parallel.check_config(parallel.expert_parallel_size, self.topology.data_size,
+                                     tensor_parallel_size=tp, zero_stage=parallel.zero_stage,
+                                     rank=rank)
         #: The :class:`~pipekernel.engine.planner.Plan` ``schedule="auto"`` chose (else ``None``).
         self.plan: Plan | None = None
         if is_auto(schedule):
@@ -316,8 +326,11 @@ class PipelineEngine:
         self.mesh = self.grid.mesh
         #: This rank's :class:`~pipekernel.grid.tensor_parallel.TensorParallelGroup`.
         self.tp_group = tp_group_of(self.grid, self.topology, self.transport)
+        #: This rank's :class:`~pipekernel.grid.expert_parallel.ExpertParallelGroup`.
+        self.ep_group = expert_parallel.make_group(self.topology, self.transport,
+                                                   self.parallel.expert_parallel_size)
         positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
-        with tp_context(self.tp_group):  # layers built here see their group
+        with tp_context(self.tp_group), expert_parallel.context(self.ep_group):
             self.module = module.build_stage(self.stage, self.bounds, positions
                                              ).to(self.transport.device)
         #: Skip connections between parts (:mod:`pipekernel.stage.skips`), or ``None``.
@@ -370,7 +383,8 @@ class PipelineEngine:
             lr_scheduler=self.lr_scheduler, transport=self.transport, topology=self.topology,
             tied_groups=self.tied_groups, tied_reducers=self._tied_reducers,
             grad_reducer=self.grad_reducer, max_grad_norm=self.max_grad_norm,
-            nonfinite=self.nonfinite, token_loss=self.token_loss)
+            nonfinite=self.nonfinite, token_loss=self.token_loss,
+            expert_parallel=self.ep_group if self.ep_group.size > 1 else None)
         handlers = {**self.runtime.handlers(), **self.batch_step.handlers()}
         for extra in self.pm.hook.pipekernel_register_instructions(runtime=self.runtime):
             handlers.update(extra or {})
@@ -450,9 +464,15 @@ class PipelineEngine:
             for key, (group, ranks) in self.tied_groups.items():
                 for p in self.module.tied_modules[key].parameters():
                     self.transport.broadcast(p.data, ranks[0], group)
+            ep = self.ep_group
             if self.topology.data_size > 1:
                 for p in self.module.parameters():
-                    self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
+                    if ep.size == 1 or not expert_parallel.is_expert(p):
+                        self.transport.broadcast(p.data, self.data_ranks[0], self.data_group)
+            if ep.size > 1:  # experts differ over the data-parallel group
+                expert_parallel.broadcast_experts(
+                    self.transport, [p for p in self.module.parameters()
+                                     if expert_parallel.is_expert(p)], ep)
             tp = self.tp_group
             if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
                 for p in self.module.parameters():
@@ -475,13 +495,22 @@ class PipelineEngine:
             sharded = self.stage_parallel
             named = [(name, p) for name, p in self.module.named_parameters()
                      if sharded is None or not sharded.managed(p)]  # FSDP2 reduces those
+            experts: list = []
+            if self.ep_group.size > 1:  # experts: their own group (grid/expert_parallel.py)
+                experts = [(n, p) for n, p in named if expert_parallel.is_expert(p)]
+                named = [(n, p) for n, p in named if not expert_parallel.is_expert(p)]
             tied = [p for key in self.tied_groups for p in self.module.tied_modules[key].parameters()]
-            if not any(p.requires_grad for _, p in named):
+            if not any(p.requires_grad for _, p in named + experts):
                 return
             self.grad_reducer = GradReducer(
                 [p for _, p in named], self.transport, self.data_group, self.topology.data_size,
                 int(self.grad_bucket_mb * 2 ** 20), master=master, late=tied,
                 names=[name for name, _ in named])
+            if self.ep_group.size > 1:
+                self.grad_reducer = expert_parallel.ReducerPair(
+                    self.grad_reducer, expert_parallel.ExpertGradReducer(
+                        [p for _, p in experts], self.transport, self.ep_group,
+                        int(self.grad_bucket_mb * 2 ** 20), master, [n for n, _ in experts]))
 
     def _backward_callbacks(self) -> dict[str, Any]:
         """What the runtime calls around the stage's last backward of the batch."""
@@ -724,6 +753,8 @@ class PipelineEngine:
                    "skipped": not taken, **self.precision.metrics()}
         if self.max_grad_norm is not None:
             metrics["grad_norm"] = self.last_grad_norm
+        if self.batch_step.last_aux_loss is not None:  # part of loss (stage/aux_loss.py)
+            metrics["aux_loss"] = self.batch_step.last_aux_loss
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
         return loss  # type: ignore[return-value]
 

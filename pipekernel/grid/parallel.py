@@ -1,5 +1,7 @@
 """The large-model options of :class:`~pipekernel.PipelineEngine`, validated once:
-tensor-parallel size, rank order, partitioned activations, ZeRO stage, FSDP2 sharding."""
+tensor-parallel size, rank order, partitioned activations, ZeRO stage, FSDP2 sharding,
+expert-parallel size (checked against the data-parallel size by
+:mod:`pipekernel.grid.expert_parallel`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,12 +23,13 @@ class ParallelConfig:
     zero_stage: int = 0
     data_parallel_shard: int = 1
     reshard_after_forward: bool = False
+    expert_parallel_size: int = 1
 
     @classmethod
     def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
              partition_activations: Any = True, zero_stage: Any = 0,
-             data_parallel_shard: Any = 1, reshard_after_forward: Any = False
-             ) -> ParallelConfig:
+             data_parallel_shard: Any = 1, reshard_after_forward: Any = False,
+             expert_parallel_size: Any = 1) -> ParallelConfig:
         """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
@@ -59,8 +62,17 @@ class ParallelConfig:
                               "over pipekernel's own tensor-parallel layers is not supported",
                               hint="use one of the two (FSDP2 x DTensor tensor parallelism "
                                    "is the way to combine them, issue 28)")
+        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
+                or expert_parallel_size < 1:
+            raise ConfigError(f"expert_parallel_size must be a positive int, got "
+                              f"{expert_parallel_size!r}", hint="e.g. expert_parallel_size=2")
+        if expert_parallel_size > 1 and data_parallel_shard > 1:
+            raise ConfigError("expert_parallel_size > 1 with data_parallel_shard > 1: experts "
+                              "spread over FSDP2-sharded ranks are not supported yet",
+                              hint="use data_parallel_size (replicas) for the expert-parallel "
+                                   "ranks, or data_parallel_shard without experts")
         return cls(tensor_parallel_size, order, partition_activations, zero_stage,
-                   data_parallel_shard, reshard_after_forward)
+                   data_parallel_shard, reshard_after_forward, expert_parallel_size)
 
     @property
     def partitions(self) -> bool:
@@ -74,4 +86,5 @@ class ParallelConfig:
                 "partition activations": self.partition_activations,
                 "zero stage": self.zero_stage,
                 "data parallel shard": self.data_parallel_shard,
-                "reshard after forward": self.reshard_after_forward}
+                "reshard after forward": self.reshard_after_forward,
+                "expert parallel size": self.expert_parallel_size}

@@ -19,7 +19,10 @@ import torch
 
 from pipekernel.schedules import instructions as isa
 from pipekernel.stage.device import to_device
-from pipekernel.errors import DataError, PipelineError
+from pipekernel.errors import ConfigError, DataError, PipelineError
+from pipekernel.stage.aux_loss import attach as attach_aux
+from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.stage.loss import TokenLoss
 from pipekernel.stage.fingerprint import fingerprint
 from pipekernel.schedules.comm import SENDS, CommPlan
 from pipekernel.schedules.placement import position
@@ -36,7 +39,7 @@ class Buffer:
     """One in-flight micro-batch of one chunk on this stage."""
 
     __slots__ = ("micro_batch", "chunk", "inputs", "outputs", "loss", "output_grads",
-                 "input_grads", "split", "skips")
+                 "input_grads", "split", "skips", "aux")
 
     def __init__(self, micro_batch: int = -1, chunk: int = 0) -> None:
         self.micro_batch, self.chunk = micro_batch, chunk
@@ -47,6 +50,7 @@ class Buffer:
         self.input_grads: Any = None    # gradients computed for ``inputs``
         self.split: Any = None          # BackwardInput's state, until BackwardWeight
         self.skips: SkipState | None = None  # skip connections in and out (skip_routing)
+        self.aux: torch.Tensor | None = None  # the chunk's aux losses, added to its loss
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -383,11 +387,16 @@ class StageRuntime:
                                 hint="the schedule must load or receive before Forward")
         chunk = instruction.chunk
         last = chunk == self.last_chunk
-        if self._skips is None:
-            buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
-                                                    first=chunk == self.first_chunk, last=last)
-        else:
-            buffer.outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
+        with collect_aux() as aux:
+            if self._skips is None:
+                buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
+                                                        first=chunk == self.first_chunk,
+                                                        last=last)
+            else:
+                buffer.outputs = self._forward_with_skips(buffer, chunk,
+                                                          instruction.micro_batch)
+        if aux:
+            self._keep_aux(buffer, aux, instruction, last)
         if last:
             if self.keep_outputs:
                 self.outputs.append(buffer.outputs)
@@ -395,8 +404,39 @@ class StageRuntime:
             if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
                 buffer.loss = self._loss(buffer, instruction.micro_batch)
                 self.losses.add(buffer.loss.detach(), instruction.micro_batch)
+                if buffer.aux is not None:  # the objective backwarded here
+                    buffer.loss = buffer.loss + buffer.aux.to(buffer.loss.dtype)
             if self.check_data:
                 self._check_labels(instruction.micro_batch, labels)
+
+    def _keep_aux(self, buffer: Buffer, aux: list[torch.Tensor],
+                  instruction: isa.Forward, last: bool) -> None:
+        """The aux losses a chunk's forward added (:mod:`pipekernel.stage.aux_loss`):
+        reported with the batch's losses, and their gradient made part of this stage's
+        backward — added to the loss on the chunk computing it, else attached to the
+        chunk's output. Nothing of it travels to another stage."""
+        if isinstance(self.loss_fn, TokenLoss):
+            raise ConfigError(
+                f"an auxiliary loss (pk.add_aux_loss) with loss_reduction='tokens' on stage "
+                f"{self.stage}, micro-batch {instruction.micro_batch}: the token mean "
+                f"rescales every gradient after the backward, aux losses included",
+                hint="use loss_reduction='mean' with auxiliary losses")
+        total = torch.stack([a.float() for a in aux]).sum()  # float32, as the losses
+        self.losses.add_aux(total.detach(), instruction.micro_batch)
+        if not (torch.is_grad_enabled() and total.requires_grad):
+            return  # evaluation, or a constant: reported only
+        if last:
+            buffer.aux = total
+            return
+        seed = self.precision.scale_loss(
+            torch.ones((), dtype=torch.float32, device=total.device) / self.micro_batches)
+        attached = attach_aux(buffer.outputs, total, seed.detach())
+        if attached is None:
+            raise PipelineError(
+                f"stage {self.stage} chunk {instruction.chunk} added an auxiliary loss but "
+                f"none of its outputs requires grad, so its backward never runs",
+                hint="pk.add_aux_loss needs the chunk's output to depend on trained tensors")
+        buffer.outputs = attached
 
     def _forward_with_skips(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
         """The forward inside the skip scope: pops find what ``RecvSkip`` brought, and
@@ -472,7 +512,7 @@ class StageRuntime:
                                        for t in inputs)
         if self._skips is not None:
             self._skips.set_grads(buffer.skips, self._skips.leaves(buffer.skips))
-        buffer.outputs = buffer.loss = buffer.output_grads = None
+        buffer.outputs = buffer.loss = buffer.output_grads = buffer.aux = None
 
     def _roots(self, buffer: Buffer) -> tuple[list[torch.Tensor], list[Any]]:
         """What a backward not at the last position starts from: the outputs and the
@@ -505,7 +545,7 @@ class StageRuntime:
             self._skips.set_grads(buffer.skips, leaves, grads[count:])
         if chunk != self.first_chunk:
             buffer.input_grads = tuple(grads[:count])
-        buffer.outputs = buffer.loss = buffer.output_grads = None
+        buffer.outputs = buffer.loss = buffer.output_grads = buffer.aux = None
 
     def _weights(self, chunk: int) -> list[torch.Tensor]:
         """The parameters of ``chunk`` as the autograd graph holds them."""

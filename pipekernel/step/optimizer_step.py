@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, DataError, NonFiniteLossError
+from pipekernel.grid.expert_parallel import is_expert
 from pipekernel.grid.mesh import local_share
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.schedules import instructions as isa
@@ -28,18 +29,26 @@ __all__ = ["BatchStep", "BatchLosses"]
 
 class BatchLosses:
     """The losses one rank computed in one batch, in the order computed: ``values`` (0-dim
-    tensors, detached) and ``micro_batches`` (which micro-batch each is). The stage
+    tensors, detached) and ``micro_batches`` (which micro-batch each is), and the same
+    for the auxiliary losses its chunks added (``aux_values``, ``aux_micro_batches``; one
+    sum per chunk forward, any stage: :mod:`pipekernel.stage.aux_loss`). The stage
     runtime appends; :class:`BatchStep` reads (empty on stages that compute no loss)."""
 
-    __slots__ = ("values", "micro_batches")
+    __slots__ = ("values", "micro_batches", "aux_values", "aux_micro_batches")
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []
         self.micro_batches: list[int] = []
+        self.aux_values: list[torch.Tensor] = []
+        self.aux_micro_batches: list[int] = []
 
     def add(self, loss: torch.Tensor, micro_batch: int) -> None:
         self.values.append(loss)
         self.micro_batches.append(micro_batch)
+
+    def add_aux(self, aux: torch.Tensor, micro_batch: int) -> None:
+        self.aux_values.append(aux)
+        self.aux_micro_batches.append(micro_batch)
 
 
 class BatchStep:
@@ -58,20 +67,24 @@ class BatchStep:
     :param max_grad_norm: clip to this global norm, or ``None``.
     :param nonfinite: ``"error"`` or ``"skip"`` (see the engine).
     :param token_loss: the ``TokenLoss`` of ``loss_reduction="tokens"``, or ``None``.
+    :param expert_parallel: the :class:`~pipekernel.grid.expert_parallel.ExpertParallelGroup`
+        when experts are spread over replicas (``None``: every replica holds every parameter).
     """
 
     def __init__(self, *, module: Any, precision: Any, optimizer: Any, lr_scheduler: Any,
                  transport: Any, topology: Any, tied_groups: dict, tied_reducers: dict,
                  grad_reducer: Any, max_grad_norm: float | None, nonfinite: str,
-                 token_loss: Any) -> None:
+                 token_loss: Any, expert_parallel: Any = None) -> None:
         self.module, self.precision, self.optimizer = module, precision, optimizer
         self.lr_scheduler, self.transport, self.topology = lr_scheduler, transport, topology
         self.tied_groups, self._tied_reducers = tied_groups, tied_reducers
         self.grad_reducer, self.max_grad_norm = grad_reducer, max_grad_norm
         self.nonfinite, self.token_loss = nonfinite, token_loss
+        self.expert_parallel = expert_parallel
         self.rank, self.stage, self.num_stages = topology.rank, topology.stage, topology.pipe_size
         #: Global gradient norm of the last step (before clipping), when clipping.
         self.last_grad_norm: float | None = None
+        self.last_aux_loss: float | None = None
         self._last_step_taken = True
         self.losses = BatchLosses()
         self.micro_batches, self.global_steps = 1, 0
@@ -155,7 +168,8 @@ class BatchStep:
             if clip:
                 stats.put(stats.NORM_SQ, self._local_grad_norm_sq())
             if skip_bad:
-                stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]))
+                stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]
+                                                    + self.losses.aux_values))
             self.transport.all_reduce(stats.vec)
             values = stats.read()
             self._read_stats = (stats, values)
@@ -186,6 +200,7 @@ class BatchStep:
         stats = StepStats(self.transport.device, self.micro_batches, self.transport.world_size,
                           flags=training and self.nonfinite == "error")
         stats.put_losses(losses, micro_batches, self.rank)
+        stats.put_aux(self.losses.aux_values, self.losses.aux_micro_batches, self.rank)
         if self.token_loss is not None:
             stats.put(stats.TOKENS, self.token_loss.local_tokens(stats.vec.device))
         return stats
@@ -197,16 +212,20 @@ class BatchStep:
         and a parameter replicated over the tensor-parallel group on its rank 0 only
         (shards count on every rank). A DTensor gradient (FSDP2, DTensor plans) counts its
         local shard where it is not a copy (:func:`~pipekernel.grid.mesh.local_share`);
-        a plain one under ``data_parallel_shard`` on the first shard only."""
-        topo = self.topology
-        if topo.replica_rank != 0:
+        a plain one under ``data_parallel_shard`` on the first shard only. Spread experts
+        count on the first member of their expert-data-parallel group (together those hold
+        every expert once)."""
+        topo, ep = self.topology, self.expert_parallel
+        dense = topo.replica_rank == 0
+        experts = dense if ep is None else ep.expert_data_rank == 0
+        if not (dense or experts):
             return None
         replicated = topo.model_rank != 0  # counted on tensor-parallel rank 0
         not_owner = {id(p) for key, (_, ranks) in self.tied_groups.items() if ranks[0] != self.rank
                      for p in self.module.tied_modules[key].parameters()}
         squares = []
         for p, grad in self._master_grads(self.module.parameters()):
-            if id(p) in not_owner:
+            if id(p) in not_owner or not (experts if ep is not None and is_expert(p) else dense):
                 continue
             share = local_share(grad)
             if share is False:  # a plain tensor: equal on every shard and (maybe) tp rank
@@ -254,13 +273,19 @@ class BatchStep:
             stats = self._step_stats(training)
             self.transport.all_reduce(stats.vec)  # only last stages contribute
             values = stats.read()
-        loss_sum = values[stats.LOSS]
-        if stats.flags and not math.isfinite(loss_sum):
+        loss_sum, aux_sum = values[stats.LOSS], values[stats.AUX]
+        if stats.flags and not math.isfinite(loss_sum + aux_sum):
             self._raise_nonfinite(stats.bad_micro_batches(values), stats.bad_ranks(values))
+        copies = self.micro_batches * self._loss_copies()
+        #: The batch's auxiliary loss (part of the returned loss), or ``None`` when no
+        #: stage added one (:mod:`pipekernel.stage.aux_loss`).
+        self.last_aux_loss = aux_sum / copies if values[stats.AUX_COUNT] > 0 else None
         if self.token_loss is None:
             # float32 as the losses (the reference's division)
-            return torch.tensor(loss_sum, dtype=torch.float32) / (
-                self.micro_batches * self._loss_copies())
+            loss = torch.tensor(loss_sum, dtype=torch.float32) / copies
+            if self.last_aux_loss is not None:
+                loss = loss + torch.tensor(aux_sum, dtype=torch.float32) / copies
+            return loss
         tokens = values[stats.TOKENS]
         if tokens <= 0:
             raise DataError(f"the batch has no tokens (loss_reduction='tokens'): the "
@@ -273,9 +298,9 @@ class BatchStep:
     def _raise_nonfinite(self, mbs: list[int], ranks: list[int]) -> None:
         raise NonFiniteLossError(
             f"the loss is NaN/inf at train step {self.global_steps + 1} "
-            f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on the last "
-            f"stage (stage {self.num_stages - 1}, rank(s) {ranks}); this step's "
-            f"gradients were not finite either",
+            f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on rank(s) "
+            f"{ranks} (the loss of the last stage, stage {self.num_stages - 1}, or an "
+            f"auxiliary loss a layer added); this step's gradients were not finite either",
             hint="lower the learning rate, clip gradients (max_grad_norm=1.0), check the "
                  "data of those micro-batches, or pass nonfinite='skip' to skip such "
                  "steps on every rank", rank=self.rank, stage=self.stage,

@@ -2,8 +2,9 @@
 
 A step needs, from every rank: whether fp16 unscaling overflowed, the squared gradient
 norm (clipping), whether a loss was NaN/inf (``nonfinite="skip"``), the token count
-(``loss_reduction="tokens"``), and, for the batch's loss, the loss sum and which
-micro-batches and ranks had a non-finite loss (``nonfinite="error"``). Each is a 0-dim
+(``loss_reduction="tokens"``), and, for the batch's loss, the loss sum, the sum and
+count of the auxiliary losses (:mod:`pipekernel.stage.aux_loss`, any stage) and which
+micro-batches and ranks had a non-finite loss or aux loss (``nonfinite="error"``). Each is a 0-dim
 tensor on the device. :class:`StepStats` writes them into one float64 vector **on the
 device** (copies between device tensors: no host synchronisation), the caller
 all-reduces that vector over the world once, and :meth:`StepStats.read` reads it with
@@ -12,7 +13,8 @@ for the backward and the all-reduce). Every decision after it uses Python floats
 
 The layout (``StepStats.OVERFLOW`` ... ``StepStats.FLAGS``)::
 
-    [overflow, norm², bad loss, tokens, loss sum, bad per micro-batch (m) ..., bad per rank (world) ...]
+    [overflow, norm², bad loss, tokens, loss sum, aux sum, aux count,
+     bad per micro-batch (m) ..., bad per rank (world) ...]
 
 The per-micro-batch and per-rank flags exist only when asked for (``flags=True``).
 """
@@ -43,7 +45,7 @@ class StepStats:
     :param flags: keep per-micro-batch and per-rank non-finite-loss flags.
     """
 
-    OVERFLOW, NORM_SQ, BAD, TOKENS, LOSS, FLAGS = 0, 1, 2, 3, 4, 5
+    OVERFLOW, NORM_SQ, BAD, TOKENS, LOSS, AUX, AUX_COUNT, FLAGS = 0, 1, 2, 3, 4, 5, 6, 7
 
     def __init__(self, device: Any, micro_batches: int, world: int, flags: bool) -> None:
         self.micro_batches, self.world, self.flags = micro_batches, world, flags
@@ -69,14 +71,29 @@ class StepStats:
         stacked = torch.stack(losses).detach()
         # the float32 sum is kept as the reference computes it; float64 on the wire
         self.vec[self.LOSS].copy_(stacked.sum())
-        if self.flags:
-            bad = (~torch.isfinite(stacked.float())).to(torch.float64)
-            m, vec = self.micro_batches, self.vec
-            # the index is host data: a non-blocking copy, never a synchronising one
-            index = torch.tensor(list(micro_batches), dtype=torch.int64).to(
-                vec.device, non_blocking=True)
-            vec[self.FLAGS:self.FLAGS + m].index_add_(0, index, bad.to(vec.device))
-            vec[self.FLAGS + m + rank].copy_(bad.max())
+        self._flag(stacked, micro_batches, rank)
+
+    def put_aux(self, values: Sequence[torch.Tensor], micro_batches: Sequence[int],
+                rank: int) -> None:
+        """The auxiliary losses' sum and count, flagged like :meth:`put_losses`."""
+        if not values:
+            return
+        stacked = torch.stack(values).detach()
+        self.vec[self.AUX].copy_(stacked.sum())
+        self.vec[self.AUX_COUNT].fill_(len(values))
+        self._flag(stacked, micro_batches, rank)
+
+    def _flag(self, stacked: torch.Tensor, micro_batches: Sequence[int], rank: int) -> None:
+        if not self.flags:
+            return
+        bad = (~torch.isfinite(stacked.float())).to(torch.float64)
+        m, vec = self.micro_batches, self.vec
+        # the index is host data: a non-blocking copy, never a synchronising one
+        index = torch.tensor(list(micro_batches), dtype=torch.int64).to(
+            vec.device, non_blocking=True)
+        vec[self.FLAGS:self.FLAGS + m].index_add_(0, index, bad.to(vec.device))
+        at = vec[self.FLAGS + m + rank]
+        at.copy_(torch.maximum(at, bad.max()))
 
     def read(self) -> list[float]:
         """The (all-reduced) vector as Python floats: the one host synchronisation."""

@@ -1,0 +1,268 @@
+"""Expert parallelism: the expert-parallel group a layer sees while it is built, the
+all-to-all that moves tokens to their experts and back, and how expert gradients are
+reduced, counted and synchronised.
+
+**The groups.** ``PipelineEngine(expert_parallel_size=E)`` splits each stage's ``D``
+data-parallel replicas into ``D / E`` *expert-parallel* groups of ``E`` consecutive
+replicas (data ranks ``k*E .. k*E+E-1``); each member holds ``1/E`` of every MoE layer's
+experts and exchanges tokens with the others. The replicas that hold the *same* experts
+(data ranks ``j, j+E, j+2E, ...``) form the *expert-data-parallel* group, over which expert
+gradients are reduced; dense parameters are reduced over the whole data-parallel group as
+before. The rank lists come from the topology alone (:func:`expert_groups`); on a
+``DeviceMesh`` they are the mesh's data-parallel dim reshaped to ``(D / E, E)``, so the
+groups can move onto a mesh dim ``"ep"`` without changing any layer.
+
+**The context.** The engine builds a stage's layers inside :func:`context`, so a layer's
+``__init__`` reaches its group with :func:`group` (the trivial group of size 1 outside
+one: a single process builds every expert). A layer marks each parameter holding a slice
+of the stacked experts with ``param.expert_parallel_dim = d`` (the dimension experts are
+stacked along, see :func:`mark`); the engine reduces, counts and synchronises those over
+the expert-data-parallel group.
+
+**Gradient scale.** An expert's gradient on one rank already sums the contributions of
+every token the ``E`` members routed to it (the all-to-all's backward brings them back);
+summing over the expert-data-parallel group adds the other ``D / E - 1`` groups' tokens.
+Dividing by ``D`` — not by the group's size — gives the mean over replicas that the dense
+parameters get, hence parity with one process.
+
+**All-to-all** is torch's autograd ``all_to_all_single`` over the group's process group
+(uneven splits; gloo and NCCL support it). The split sizes are host numbers: one host
+synchronisation per MoE layer and forward (:meth:`ExpertParallelGroup.exchange_counts`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError
+
+__all__ = ["ExpertParallelGroup", "group", "context", "make_group", "expert_groups", "mark",
+           "is_expert", "check_config", "ExpertGradReducer", "broadcast_experts"]
+
+
+class ExpertParallelGroup:
+    """This rank's expert-parallel group and expert-data-parallel group.
+
+    :param rank: index in the expert-parallel group (which slice of experts it holds).
+    :param size: ``E``.
+    :param data_size: the stage's data-parallel size ``D`` (the gradient divisor).
+    :param handle: the process group of the expert-parallel ranks (``None``: trivial).
+    :param ranks: the expert-parallel members' transport ranks.
+    :param data_handle: the process group of the expert-data-parallel ranks (``None``
+        when it has one member).
+    :param data_ranks: the expert-data-parallel members' transport ranks.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, data_size: int = 1, handle: Any = None,
+                 ranks: Sequence[int] = (0,), data_handle: Any = None,
+                 data_ranks: Sequence[int] = (0,)) -> None:
+        self.rank, self.size, self.data_size = rank, size, data_size
+        self.handle, self.ranks = handle, list(ranks)
+        self.data_handle, self.data_ranks = data_handle, list(data_ranks)
+
+    @property
+    def expert_data_rank(self) -> int:
+        """Index in the expert-data-parallel group (0: counts the experts in norms)."""
+        return self.data_ranks.index(self.ranks[self.rank]) if self.size > 1 else 0
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` (one per global expert, this rank's tokens) sent to the experts'
+        owners: returns, per member ``r`` and local expert ``e``, how many tokens ``r``
+        sends to ``e`` (shape ``(size, local experts)``). Not differentiable."""
+        from torch.distributed import _functional_collectives as funcol
+
+        local = counts.numel() // self.size
+        got = funcol.all_to_all_single(counts.contiguous(), [local] * self.size,
+                                       [local] * self.size, self.handle)
+        return funcol.wait_tensor(got).view(self.size, local)
+
+    def all_to_all(self, tensor: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int]) -> torch.Tensor:
+        """Rows ``input_splits[r]`` of ``tensor`` to member ``r``; returns the rows each
+        member sent here, in member order (differentiable: the backward sends the
+        gradients back the same way)."""
+        from torch.distributed import _functional_collectives as funcol
+
+        out = funcol.all_to_all_single_autograd(tensor.contiguous(), output_splits,
+                                                input_splits, self.handle)
+        return funcol.wait_tensor(out)
+
+    def __repr__(self) -> str:
+        return (f"ExpertParallelGroup(rank={self.rank}, size={self.size}, ranks={self.ranks}, "
+                f"expert_data_ranks={self.data_ranks})")
+
+
+_TRIVIAL = ExpertParallelGroup()
+_CURRENT: contextvars.ContextVar[ExpertParallelGroup] = contextvars.ContextVar(
+    "pipekernel_expert_parallel_group", default=_TRIVIAL)
+
+
+def group() -> ExpertParallelGroup:
+    """The expert-parallel group of the layers being built (size 1 outside a context)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def context(ep_group: ExpertParallelGroup) -> Iterator[ExpertParallelGroup]:
+    """Make ``ep_group`` the one :func:`group` returns inside the ``with`` block."""
+    token = _CURRENT.set(ep_group)
+    try:
+        yield ep_group
+    finally:
+        _CURRENT.reset(token)
+
+
+def check_config(size: Any, data_size: int, *, tensor_parallel_size: int = 1,
+                 zero_stage: int = 0, rank: int | None = None) -> int:
+    """``size`` if ``expert_parallel_size`` fits the data-parallel size, else
+    ``ConfigError`` naming what to change (on ``rank``)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"expert_parallel_size must be a positive int, got {size!r}",
+                          hint="e.g. expert_parallel_size=2 (it must divide the "
+                               "data-parallel size)")
+    if size == 1:
+        return size
+    if data_size % size:
+        raise ConfigError(f"expert_parallel_size={size} does not divide the data-parallel "
+                          f"size {data_size}: experts are spread over expert-parallel groups "
+                          f"of {size} replicas of each stage",
+                          hint=f"choose expert_parallel_size among the divisors of "
+                               f"{data_size}, or data_parallel_size a multiple of {size}",
+                          rank=rank)
+    if tensor_parallel_size > 1:
+        raise ConfigError(f"expert_parallel_size={size} with tensor_parallel_size="
+                          f"{tensor_parallel_size}: experts are not split over "
+                          "tensor-parallel ranks yet", hint="use one of the two", rank=rank)
+    if zero_stage:
+        raise ConfigError(f"expert_parallel_size={size} with zero_stage={zero_stage}: ZeRO-1 "
+                          "shards the optimizer state of parameters replicated over the "
+                          "data-parallel group, and experts are not",
+                          hint="use zero_stage=0 with expert parallelism", rank=rank)
+    return size
+
+
+def expert_groups(topology: Any, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The expert-parallel and expert-data-parallel rank lists of every (stage, model
+    position), in the order every rank creates them."""
+    parallel, data = [], []
+    for ranks in topology.data_groups():  # ordered by data rank
+        parallel += [ranks[k:k + size] for k in range(0, len(ranks), size)]
+        data += [ranks[j::size] for j in range(size)]
+    return parallel, data
+
+
+def make_group(topology: Any, transport: Any, size: int) -> ExpertParallelGroup:
+    """Create every expert-parallel and expert-data-parallel group of ``topology``
+    (collective: every rank calls it, in the same order) and return this rank's."""
+    if size == 1:
+        return _TRIVIAL
+    parallel, data = expert_groups(topology, size)
+    mine: dict[str, Any] = {}
+    for kind, lists in (("ep", parallel), ("edp", data)):
+        for ranks in lists:
+            member = topology.rank in ranks
+            handle = _process_group(transport, ranks, member) if len(ranks) > 1 else None
+            if member:
+                mine[kind] = (handle, ranks)
+    (handle, ranks), (data_handle, data_ranks) = mine["ep"], mine["edp"]
+    return ExpertParallelGroup(ranks.index(topology.rank), size, topology.data_size, handle,
+                               ranks, data_handle, data_ranks)
+
+
+def _process_group(transport: Any, ranks: list[int], member: bool) -> Any:
+    """A torch process group over ``ranks`` (what the autograd all-to-all needs);
+    every rank calls it, only a ``member`` gets a group it can use."""
+    import torch.distributed as dist
+
+    handle = transport.new_group(ranks)
+    if not member:
+        return None
+    if handle is None:  # the transport's whole world
+        handle = getattr(transport, "group", None) or dist.group.WORLD
+    if not isinstance(handle, dist.ProcessGroup):
+        raise ConfigError(f"expert parallelism needs a torch.distributed transport (gloo, "
+                          f"nccl); {type(transport).__name__} gives groups of type "
+                          f"{type(handle).__name__}", hint="use transport='gloo' or 'nccl'")
+    return handle
+
+
+def mark(param: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Mark ``param`` as holding this rank's experts, stacked along ``dim``."""
+    param.expert_parallel_dim = dim
+    return param
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds a slice of experts (see :func:`mark`)."""
+    return getattr(param, "expert_parallel_dim", None) is not None
+
+
+class ExpertGradReducer:
+    """The expert gradients' reduction: summed over the expert-data-parallel group, then
+    divided by the data-parallel size (see the module docstring). Offers the calls of a
+    :class:`~pipekernel.step.grad_reduce.GradReducer` (``arm``, ``backward_done``,
+    ``finish``) so the engine drives both alike."""
+
+    def __init__(self, params: Iterable[torch.Tensor], transport: Any, ep: ExpertParallelGroup,
+                 bucket_bytes: int, master: Any, names: Sequence[str]) -> None:
+        from pipekernel.step.grad_reduce import GradReducer
+
+        self.params, self.ep, self.master = list(params), ep, master
+        self.bucket_bytes = bucket_bytes
+        self.reducer = (GradReducer(self.params, transport, ep.data_handle, ep.data_size,
+                                    bucket_bytes, master=master, names=list(names))
+                        if len(ep.data_ranks) > 1 and self.params else None)
+
+    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
+        if self.reducer is not None:
+            self.reducer.arm(final)
+
+    def backward_done(self) -> None:
+        if self.reducer is not None:
+            self.reducer.backward_done()
+
+    def finish(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()  # divides by ep.data_size
+            return
+        scale = 1.0 / self.ep.data_size  # the E members' tokens are summed already
+        for p in self.params:
+            grad = self.master(p).grad
+            if grad is not None:
+                grad.mul_(scale)
+
+
+class ReducerPair:
+    """The dense reducer and the expert reducer as one (what the engine calls)."""
+
+    def __init__(self, dense: Any, experts: ExpertGradReducer) -> None:
+        self.parts = [r for r in (dense, experts) if r is not None]
+        self.bucket_bytes = max(r.bucket_bytes for r in self.parts)
+
+    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
+        final = list(final)
+        for r in self.parts:
+            r.arm(final)
+
+    def backward_done(self) -> None:
+        for r in self.parts:
+            r.backward_done()
+
+    def finish(self) -> None:
+        for r in self.parts:
+            r.finish()
+
+
+def broadcast_experts(transport: Any, params: Iterable[torch.Tensor],
+                      ep: ExpertParallelGroup) -> None:
+    """Make the expert slices equal over their expert-data-parallel group (from its first
+    member), as the engine does for dense parameters over the data-parallel group."""
+    if len(ep.data_ranks) < 2:
+        return
+    with torch.no_grad():
+        for p in params:
+            transport.broadcast(p.data, ep.data_ranks[0], ep.data_handle)
