@@ -396,9 +396,9 @@ class CupyNcclTransport:
                     raise
                 peers = sorted({op.peer for _, op in entries})
                 raise TransportError(f"rank {self.rank} failed to post a group with ranks "
-                                     f"{peers} on lane {tag}: {err}", rank=self.rank,
+                                     f"{peers} on lane {tag}", rank=self.rank,
                                      hint="look at the peers' logs: one probably failed "
-                                          "first") from err
+                                          "first").add_cause(err, "cupy-nccl") from None
             for (index, _), handle in zip(entries, posted):
                 handles[index] = handle
         return handles

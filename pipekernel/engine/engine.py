@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
-from pipekernel.comm import clusters
+from pipekernel.comm import clusters, teardown  # noqa: F401 - teardown binds at import
 from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
