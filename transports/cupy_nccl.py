@@ -230,7 +230,8 @@ class _Ops:
 
     def all_reduce(self, comm: _Comm, tensor: torch.Tensor, op: str) -> _EventHandle:
         if op not in NCCL_OPS:
-            raise ConfigError(f"all_reduce op must be one of {sorted(NCCL_OPS)}, got {op!r}")
+            raise ConfigError(f"all_reduce op must be one of {sorted(NCCL_OPS)}, got {op!r}",
+                              hint="use one of the listed ops ('sum', 'max', 'min')")
         code, factor = nccl_dtype(tensor.dtype, op, self.nccl)
         return self._collective(comm, tensor, "all_reduce", lambda ptr, n, h: comm.comm.allReduce(
             ptr, ptr, n * factor, code, NCCL_OPS[op], h))

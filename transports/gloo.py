@@ -192,7 +192,8 @@ class TorchDistributedTransport:
             if missing:
                 raise ConfigError(
                     f"no process group exists and the environment lacks {', '.join(missing)}",
-                    hint="start the processes with torchrun or pipekernel.engine.launch(), or call "
+                    hint="start the processes with torchrun or pipekernel.engine.launch(), or "
+                         "call "
                          "torch.distributed.init_process_group() before creating the engine")
             bind_defaults_before_init()
             timeout = datetime.timedelta(seconds=self._group_timeout())
@@ -265,7 +266,8 @@ class TorchDistributedTransport:
             elif op.op == "recv":
                 handles.append(self.irecv(op.tensor, op.peer, op.tag))
             else:
-                raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}")
+                raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}",
+                                  hint="build each P2POp with op='send' or op='recv'")
         return handles
 
     def _post(self, fn, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:

@@ -48,6 +48,10 @@ class RankError(PipelineError):
         super().__init__(message, **kw)
         self.original = original
 
+    def __str__(self) -> str:  # "rank R failed: ..." says where: no location bracket
+        text = f"{self.message}\n  how to fix: {self.hint}" if self.hint else self.message
+        return "".join([text, *("\n  " + d.replace("\n", "\n  ") for d in self.details)])
+
 
 class LaunchInterrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM reached the launcher: every worker was stopped.
@@ -330,7 +334,8 @@ def _format_traceback(err: BaseException) -> str:
                                         else current.__context__)
     parts = [f"Traceback (most recent call last):\n"
              f"{''.join(traceback.format_tb(e.__traceback__))}"
-             f"{type(e).__name__}: {shorten(str(e), lines=12)}" for e in reversed(chain)]
+             f"{type(e).__name__}: {shorten(str(e), lines=3, width=300)}"
+             for e in reversed(chain)]
     return "\n\nThe above exception led to the following exception:\n\n".join(parts)
 
 
