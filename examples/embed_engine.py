@@ -83,7 +83,7 @@ def host_worker():
     if rank in PIPE_RANKS:
         clipper = ClipGlobalNorm(MAX_NORM, pipe_group)
         engine = pk.PipelineEngine(make_module(), optimizer=make_optimizer,
-                                   micro_batches=MICRO_BATCHES, transport="gloo",
+                                   micro_batches=MICRO_BATCHES,  # auto: the group's gloo
                                    transport_options={"group": pipe_group},
                                    plugins=[clipper], autoload_plugins=False, timeout=60)
         clipper.module = engine.module

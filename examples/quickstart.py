@@ -1,4 +1,5 @@
-"""Train a small model across 2 local processes (CPU, gloo) and print its loss falling.
+"""Train a small model across 2 local processes and print its loss falling (gloo on the
+CPU; nccl when every process has a GPU: the engine's default transport="auto").
 
     python examples/quickstart.py [--steps 30] [--stages 2] [--data-parallel 1]
 
@@ -52,7 +53,7 @@ def main(steps: int = 30, stages: int = 2, micro_batches: int = 4) -> list[float
               pk.TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head)]
     module = pk.PipelineModule(layers, loss_fn=loss_fn, num_stages=stages, seed=0)
     engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
-                               micro_batches=micro_batches, transport="gloo")
+                               micro_batches=micro_batches)  # transport="auto"
     data = batches(engine.data_parallel_rank, micro_batches)
     losses = []
     for step in range(steps):

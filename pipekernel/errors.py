@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
-    "NonFiniteLossError", "describe_where", "did_you_mean",
+    "NonFiniteLossError", "describe_where", "did_you_mean", "shorten",
 ]
 
 #: location fields, in the order the bracket names them, with the words it uses
@@ -49,6 +49,17 @@ def did_you_mean(name: object, choices: object) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def shorten(text: str, lines: int = 3, width: int = 200) -> str:
+    """The first ``lines`` non-empty lines of ``text``, each cut at ``width`` characters,
+    and how many lines were left out: a backend's 40-line message (gloo's
+    ``connectFullMesh failed ... GLHF``) as the few lines that say what happened."""
+    kept = [line.rstrip() for line in str(text).splitlines() if line.strip()]
+    head = [line if len(line) <= width else line[:width - 3] + "..." for line in kept[:lines]]
+    if len(kept) > lines:
+        head.append(f"... ({len(kept) - lines} more line{'s' if len(kept) - lines > 1 else ''})")
+    return "\n".join(head)
+
+
 class PipelineError(RuntimeError):
     """Base class. ``hint`` says how to fix the problem."""
 
@@ -68,6 +79,15 @@ class PipelineError(RuntimeError):
         """Append a diagnostic paragraph (e.g. every rank's position); returns ``self``."""
         self.details.append(text)
         return self
+
+    def add_cause(self, error: BaseException, source: str | None = None) -> PipelineError:
+        """Keep ``error`` (a backend's exception: gloo's, NCCL's, the store's) as
+        ``self.cause`` and put its text, :func:`shorten`-ed, under this error's message
+        and fix: raise the result ``from None`` so that pipekernel's words come first and
+        the backend's after them, in a few lines. Returns ``self``."""
+        self.cause = error
+        said = shorten(str(error)) or "(no message)"
+        return self.add_detail(f"{source or type(error).__name__} said: {said}")
 
     def locate(self, **where: object) -> PipelineError:
         """Fill in location fields that are still unknown; returns ``self``."""

@@ -119,11 +119,14 @@ class Monitor:
                  sink_options: Mapping[str, Mapping[str, Any]] | None = None,
                  keep_steps: int = 10_000) -> None:
         if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"Monitor(every=...) must be an int >= 1, got {every!r}")
+            raise ConfigError(f"Monitor(every=...) must be an int >= 1, got {every!r}",
+                              hint="e.g. Monitor(every=10): a summary every 10 train steps")
         if not (tokens_per_sample is None or callable(tokens_per_sample)
                 or (isinstance(tokens_per_sample, int) and tokens_per_sample > 0)):
             raise ConfigError(f"tokens_per_sample must be None, a positive int or a callable, "
-                              f"got {tokens_per_sample!r}")
+                              f"got {tokens_per_sample!r}",
+                              hint="pass the tokens in one sample (e.g. the sequence length), a "
+                                   "function of the batch, or None")
         self.out_dir, self.every = out_dir, every
         self.tokens_per_sample = tokens_per_sample
         self.warmup_steps, self.trace_max_events = warmup_steps, trace_max_events
@@ -164,7 +167,9 @@ class Monitor:
     @hookimpl
     def pipekernel_configure(self, engine: Any) -> None:
         if self.engine is not None and self.engine is not engine:
-            raise ConfigError("a Monitor serves one engine; make a new Monitor per engine")
+            raise ConfigError("a Monitor serves one engine; make a new Monitor per engine",
+                              hint="pass plugins=[Monitor(...)] with a new Monitor to each "
+                                   "PipelineEngine")
         self.engine = engine
         self.transport = engine.transport
         self.rank, self.world_size = engine.rank, engine.transport.world_size

@@ -230,7 +230,8 @@ class _Ops:
 
     def all_reduce(self, comm: _Comm, tensor: torch.Tensor, op: str) -> _EventHandle:
         if op not in NCCL_OPS:
-            raise ConfigError(f"all_reduce op must be one of {sorted(NCCL_OPS)}, got {op!r}")
+            raise ConfigError(f"all_reduce op must be one of {sorted(NCCL_OPS)}, got {op!r}",
+                              hint="use one of the listed ops ('sum', 'max', 'min')")
         code, factor = nccl_dtype(tensor.dtype, op, self.nccl)
         return self._collective(comm, tensor, "all_reduce", lambda ptr, n, h: comm.comm.allReduce(
             ptr, ptr, n * factor, code, NCCL_OPS[op], h))
@@ -396,9 +397,9 @@ class CupyNcclTransport:
                     raise
                 peers = sorted({op.peer for _, op in entries})
                 raise TransportError(f"rank {self.rank} failed to post a group with ranks "
-                                     f"{peers} on lane {tag}: {err}", rank=self.rank,
+                                     f"{peers} on lane {tag}", rank=self.rank,
                                      hint="look at the peers' logs: one probably failed "
-                                          "first") from err
+                                          "first").add_cause(err, "cupy-nccl") from None
             for (index, _), handle in zip(entries, posted):
                 handles[index] = handle
         return handles

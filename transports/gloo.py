@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipekernel.errors import ConfigError, PeerAbort, TransportError, TransportTimeout
+from pipekernel.errors import (ConfigError, PeerAbort, TransportError, TransportTimeout,
+                               shorten)
 from pipekernel.comm.attempt import attempt, keyed_store
+from pipekernel.comm.teardown import bind_defaults_before_init
 from pipekernel.comm.transport import wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
@@ -91,8 +93,8 @@ class _Handle:
                 check()
             except PeerAbort as err:
                 err.add_detail(f"rank {rank} was waiting to {self._what} {peer} "
-                               f"({type(error).__name__}: {str(error)[:200]})")
-                raise err from error
+                               f"({type(error).__name__}: {shorten(str(error), 1)})")
+                raise err from None  # the cause first, not the backend's words
         text = str(error)
         if "imed out" in text or "timeout" in text.lower():
             raise TransportTimeout(
@@ -102,14 +104,15 @@ class _Handle:
                      f"raise timeout= if it is just slow" if self._peer is not None else
                      "check that every member of the group is alive and calls the same "
                      "collectives in the same order; raise timeout= if one is just "
-                     "slow") from error
+                     "slow").add_cause(error, transport.backend) from None
         died = "closed" in text or "reset" in text.lower()
         raise TransportError(
-            f"rank {rank} failed to {self._what} {peer}: {error}", rank=rank,
-            peer=self._peer,
+            f"rank {rank} failed to {self._what} {peer}"
+            + (" (its connection closed)" if died else ""), rank=rank, peer=self._peer,
             hint=(f"{peer}'s connection closed: it probably died or failed first; look "
                   f"at its log" if died and self._peer is not None else
-                  f"look at the log of {peer}: it probably failed first")) from error
+                  f"look at the log of {peer}: it probably failed first")
+        ).add_cause(error, transport.backend) from None
 
 
 class _Box:
@@ -189,13 +192,15 @@ class TorchDistributedTransport:
             if missing:
                 raise ConfigError(
                     f"no process group exists and the environment lacks {', '.join(missing)}",
-                    hint="start the processes with torchrun or pipekernel.engine.launch(), or call "
+                    hint="start the processes with torchrun or pipekernel.engine.launch(), or "
+                         "call "
                          "torch.distributed.init_process_group() before creating the engine")
-            _bind_defaults_before_init()
+            bind_defaults_before_init()
             timeout = datetime.timedelta(seconds=self._group_timeout())
-            dist.init_process_group(self.backend, timeout=timeout,
-                                    **_rendezvous(timeout), **self._init_options())
+            _init_process_group(self.backend, timeout, self._init_options())
             _OWNED.add(self)
+        else:  # the host's group: joined at exit unless the host destroys it first
+            _HOST_GROUP_USED[0] = True
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         if self.rank < 0:
             raise ConfigError(f"global rank {dist.get_rank()} is not a member of the group "
@@ -261,16 +266,18 @@ class TorchDistributedTransport:
             elif op.op == "recv":
                 handles.append(self.irecv(op.tensor, op.peer, op.tag))
             else:
-                raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}")
+                raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}",
+                                  hint="build each P2POp with op='send' or op='recv'")
         return handles
 
     def _post(self, fn, tensor: torch.Tensor, peer: int, what: str, tag: int = 0) -> Any:
         try:
             return fn(self._bytes(tensor), self.global_rank(peer), group=self.group, tag=tag)
         except RuntimeError as err:  # e.g. the peer's connection closed: name the peer
-            raise TransportError(f"rank {self.rank} failed to {what} rank {peer}: {err}",
+            raise TransportError(f"rank {self.rank} failed to {what} rank {peer}",
                                  rank=self.rank, hint=f"look at rank {peer}'s log: it "
-                                                      "probably failed first") from err
+                                                      "probably failed first"
+                                 ).add_cause(err, self.backend) from None
 
     def _collective(self, what: str, group: Any, fn, *args, **kwargs) -> _Handle:
         """Start a collective; its handle waits like a transfer (bounded, abort-aware)."""
@@ -279,9 +286,10 @@ class TorchDistributedTransport:
             work = fn(*args, group=group, async_op=True, **kwargs)
         except RuntimeError as err:
             ranks = dist.get_process_group_ranks(group) if group is not None else "all ranks"
-            raise TransportError(f"{what} over {ranks} failed on rank {self.rank}: {err}",
+            raise TransportError(f"{what} over {ranks} failed on rank {self.rank}",
                                  rank=self.rank, hint="a peer in the group probably failed or "
-                                 "timed out first; look at its log") from err
+                                 "timed out first; look at its log"
+                                 ).add_cause(err, self.backend) from None
         return _Handle(work, self, None, self._finish_text(what, group))
 
     def _finish_text(self, what: str, group: Any) -> str:
@@ -398,40 +406,73 @@ def _fresh_store(init_method: str) -> str:
 # finalizes: atexit hooks run while it is fully alive. Destroying is local, no collective.
 _OWNED: set[TorchDistributedTransport] = set()
 
-
 _WAITERS: weakref.WeakSet[_Waiter] = weakref.WeakSet()
+
+#: a transport ran over a default group the host made (``init_process_group`` before the
+#: engine: a DeepSpeed-style script, Lightning, a host's own loop)
+_HOST_GROUP_USED = [False]
 
 
 @atexit.register
 def _close_at_exit() -> None:
+    """The orderly end: no gloo thread may outlive the interpreter's last Python moment.
+
+    A gloo worker thread that drops a collective's last reference to a tensor needs the
+    GIL; while the interpreter finalizes, taking it ends the thread with ``pthread_exit``,
+    whose unwinding through C++ frames aborts the process ("terminate called without an
+    active exception", seen once in twelve 2-process runs of a DeepSpeed-style script on
+    a loaded machine). So before finalization: close the transports' own groups, destroy
+    a host's gloo default group that an engine ran over and nobody destroyed (the host is
+    past its last line; its later atexit hooks run before this one), then end the waiter
+    threads (a wait still pending on a destroyed group returns now, in Python's time).
+    """
     for transport in list(_OWNED):
         try:
             transport.close()
         except Exception:
             pass
-    for waiter in list(_WAITERS):  # waiters of transports over a host's group: idle ones end
+    if _HOST_GROUP_USED[0]:
+        _destroy_host_group()
+    for waiter in list(_WAITERS):
         try:
             waiter.stop(join=1.0)
         except Exception:
             pass
 
 
-def _bind_defaults_before_init() -> None:
-    """Import ``torch.distributed.nn.functional`` while no process group exists.
-
-    Its collectives take ``group=group.WORLD`` as a default argument, evaluated when
-    the module is first imported, and torch imports it lazily (through
-    ``torch._dynamo``, e.g. when the first optimizer is built). Imported *after*
-    ``init_process_group``, those defaults hold the default group for good:
-    ``destroy_process_group()`` then frees nothing, gloo's worker threads outlive
-    ``close()``, and one of them dropping a finished collective's tensor while the
-    interpreter finalizes aborts the process ("terminate called without an active
-    exception"). Imported first, the defaults are ``None``.
-    """
+def _destroy_host_group() -> None:
+    """Destroy the default group at exit if it is still there and gloo only: NCCL's
+    communicators have their own teardown, and destroying one may wait on the device."""
     try:
-        import torch.distributed.nn.functional  # noqa: F401
-    except ImportError:  # a torch without it cannot leak through it either
+        if dist.is_initialized() and str(dist.get_backend()) == "gloo":
+            dist.destroy_process_group()
+    except Exception:
         pass
+
+
+def _init_process_group(backend: str, timeout: datetime.timedelta,
+                        options: dict[str, Any]) -> None:
+    """``init_process_group`` with this process's rendezvous; a failure (a peer that never
+    came, an address nobody listens on) raises pipekernel's error first, the backend's
+    text after it, shortened."""
+    try:
+        dist.init_process_group(backend, timeout=timeout, **_rendezvous(timeout), **options)
+    except (RuntimeError, ValueError) as err:  # DistBackendError, DistStoreError, ...
+        env = os.environ
+        where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}" \
+            if not env.get("PIPEKERNEL_INIT_METHOD") else "its pk.launch store"
+        raise TransportError(
+            f"rank {env.get('RANK')} of {env.get('WORLD_SIZE')} could not start the {backend} "
+            f"process group (rendezvous at {where}, timeout {timeout.total_seconds():g}s)",
+            rank=int(env["RANK"]) if env.get("RANK", "").isdigit() else None,
+            hint="check that every rank started, that each reaches MASTER_ADDR:MASTER_PORT, "
+                 "and that GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME) names an interface the "
+                 "ranks share (e.g. lo on one machine); a rank that failed earlier shows "
+                 "why in its own log").add_cause(err, backend) from None
+
+
+
+
 
 
 class GlooTransport(TorchDistributedTransport):

@@ -19,7 +19,8 @@ def split_by_lane(ops: Sequence[P2POp], lanes: int) -> dict[int, list[tuple[int,
     by_lane: dict[int, list[tuple[int, P2POp]]] = {}
     for index, op in enumerate(ops):
         if op.op not in ("send", "recv"):
-            raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}")
+            raise ConfigError(f"P2POp.op must be 'send' or 'recv', got {op.op!r}",
+                              hint="build each P2POp with op='send' or op='recv'")
         if not 0 <= op.tag < lanes:
             raise ConfigError(f"the transport has {lanes} lanes, tag {op.tag} asked for",
                               hint="raise transport_options={'lanes': ...}")

@@ -109,10 +109,10 @@ class _DeviceHandle:
         except RuntimeError as err:
             transport._watch.check()  # aborted after a timeout: that is the error to report
             peer = transport.describe(self._peer) if self._peer is not None else "its group"
-            raise TransportError(f"rank {transport.rank} failed to {self._what} {peer}: {err}",
+            raise TransportError(f"rank {transport.rank} failed to {self._what} {peer}",
                                  rank=transport.rank, peer=self._peer,
-                                 hint="look at the peer's log: it probably failed first") \
-                from err
+                                 hint="look at the peer's log: it probably failed first"
+                                 ).add_cause(err, "nccl") from None
         transport._watch.watch(self._work, transport.timeout, self._what, self._peer)
         self._done = True
 
@@ -236,9 +236,9 @@ class NcclTransport(TorchDistributedTransport):
             except RuntimeError as err:
                 peers = sorted({op.peer for _, op in entries})
                 raise TransportError(f"rank {self.rank} failed to post a group with ranks "
-                                     f"{peers} on lane {tag}: {err}", rank=self.rank,
+                                     f"{peers} on lane {tag}", rank=self.rank,
                                      hint="look at the peers' logs: one probably failed "
-                                          "first") from err
+                                          "first").add_cause(err, "nccl") from None
             for k, (index, op) in enumerate(entries):
                 work = works[k] if len(works) == len(entries) else works[-1]
                 handles[index] = _DeviceHandle(work, self, op.peer,
@@ -252,9 +252,9 @@ class NcclTransport(TorchDistributedTransport):
         try:
             work = fn(*args, group=group, async_op=True, **kwargs)
         except RuntimeError as err:
-            raise TransportError(f"{what} failed on rank {self.rank}: {err}", rank=self.rank,
+            raise TransportError(f"{what} failed on rank {self.rank}", rank=self.rank,
                                  hint="a peer in the group probably failed or timed out "
-                                      "first; look at its log") from err
+                                      "first; look at its log").add_cause(err, "nccl") from None
         return _DeviceHandle(work, self, None, f"finish a {what} with")
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:

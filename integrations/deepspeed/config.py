@@ -84,8 +84,11 @@ def load_config(config: Any) -> dict:
                               hint="pass the path of a JSON file or a dict") from err
         except json.JSONDecodeError as err:
             raise ConfigError(f"the DeepSpeed config {os.fspath(config)!r} is not valid JSON: "
-                              f"{err}") from err
-    raise ConfigError(f"config must be a dict or a JSON file path, got {type(config).__name__}")
+                              f"{err}",
+                              hint="fix the file at the place the JSON error names (a trailing "
+                                   "comma, a missing quote)") from err
+    raise ConfigError(f"config must be a dict or a JSON file path, got {type(config).__name__}",
+                      hint="pass config={...} or config='ds_config.json'")
 
 
 def batch_sizes(config: dict, world_size: int) -> tuple[int, int, int]:
@@ -100,7 +103,9 @@ def batch_sizes(config: dict, world_size: int) -> tuple[int, int, int]:
     for key, value in (("train_batch_size", train), ("train_micro_batch_size_per_gpu", micro),
                        ("gradient_accumulation_steps", acc)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ConfigError(f"{key} must be an int, got {value!r}")
+            raise ConfigError(f"{key} must be an int, got {value!r}",
+                              hint="give train_batch_size, train_micro_batch_size_per_gpu and "
+                                   "gradient_accumulation_steps as ints")
     if train is not None and micro is not None and acc is not None:
         pass
     elif train is not None and micro is not None:
@@ -135,7 +140,9 @@ class _Refusals:
 
     def __init__(self, mode: str) -> None:
         if mode not in ("error", "warn"):
-            raise ConfigError(f"unsupported must be 'error' or 'warn', got {mode!r}")
+            raise ConfigError(f"unsupported must be 'error' or 'warn', got {mode!r}",
+                              hint="pass unsupported='error' (refuse unimplemented keys) or "
+                                   "'warn'")
         self.mode, self.keys = mode, []
 
     def add(self, key: str, why: str = "not implemented by pipekernel.deepspeed") -> None:
@@ -167,7 +174,9 @@ def parse(config: Any, *, world_size: int, num_stages: int,
             refusals.add(key)
     if world_size % num_stages:
         raise ConfigError(f"num_stages ({num_stages}) must divide distributed world size "
-                          f"({world_size})")
+                          f"({world_size})",
+                          hint="start a multiple of num_stages processes, or pick num_stages "
+                               "dividing the world size")
     train, micro, acc = batch_sizes(raw, world_size // num_stages)
     settings = Settings(train_batch_size=train, micro_batch_size=micro, micro_batches=acc,
                         raw=raw)
@@ -176,11 +185,13 @@ def parse(config: Any, *, world_size: int, num_stages: int,
     _precision(raw, settings, refusals)
     clip = raw.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
     if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-        raise ConfigError(f"gradient_clipping must be a number >= 0, got {clip!r}")
+        raise ConfigError(f"gradient_clipping must be a number >= 0, got {clip!r}",
+                          hint='set "gradient_clipping" to a number, e.g. 1.0 (0: no clipping)')
     settings.max_grad_norm = float(clip) if clip > 0 else None
     steps = raw.get("steps_per_print")
     if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-        raise ConfigError(f"steps_per_print must be a positive int or null, got {steps!r}")
+        raise ConfigError(f"steps_per_print must be a positive int or null, got {steps!r}",
+                          hint='set "steps_per_print" to an int >= 1, or null')
     settings.steps_per_print = steps
     settings.wall_clock_breakdown = _flag(raw, "wall_clock_breakdown", False)
     settings.drop_last = _flag(raw, "dataloader_drop_last", False)
@@ -193,7 +204,8 @@ def parse(config: Any, *, world_size: int, num_stages: int,
 def _flag(section: dict, key: str, default: bool, where: str = "") -> bool:
     value = section.get(key, default)
     if not isinstance(value, bool):
-        raise ConfigError(f"{where}{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{where}{key} must be true or false, got {value!r}",
+                          hint="write true or false (JSON booleans), not a string or a number")
     return value
 
 
@@ -209,7 +221,8 @@ def _section(raw: dict, name: str, keys: tuple[str, ...], refusals: _Refusals) -
             refusals.add(f"{name}.{key}")
     params = section.get("params", {})
     if not isinstance(params, dict):
-        raise ConfigError(f"{name}.params must be an object, got {params!r}")
+        raise ConfigError(f"{name}.params must be an object, got {params!r}",
+                          hint='write "params": {...} with the settings as keys')
     return {"type": section["type"], "params": dict(params)}
 
 
@@ -218,7 +231,9 @@ def _precision(raw: dict, settings: Settings, refusals: _Refusals) -> None:
     bf16 = raw.get("bf16", raw.get("bfloat16", {}))
     for name, section in (("fp16", fp16), ("bf16", bf16)):
         if not isinstance(section, dict):
-            raise ConfigError(f"{name} must be an object, got {section!r}")
+            raise ConfigError(f"{name} must be an object, got {section!r}",
+                              hint='write the section as an object, e.g. "fp16": {"enabled": '
+                                   "true}")
     for key in fp16:
         if key not in _FP16_KEYS:
             refusals.add(f"fp16.{key}")
@@ -242,7 +257,8 @@ def _loss_scaling(fp16: dict) -> dict:
     ``min_loss_scale``); ``loss_scale`` > 0 is that fixed scale (overflows skip the step)."""
     scale = fp16.get("loss_scale", 0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale < 0:
-        raise ConfigError(f"fp16.loss_scale must be a number >= 0, got {scale!r}")
+        raise ConfigError(f"fp16.loss_scale must be a number >= 0, got {scale!r}",
+                          hint='set "loss_scale" to 0 (dynamic) or a positive static scale')
     if scale > 0:  # static: no growth in practice, the floor pins it on overflow
         return {"init_scale": float(scale), "min_scale": float(scale),
                 "growth_interval": 2 ** 62, "hysteresis": 1}
@@ -255,7 +271,8 @@ def _loss_scaling(fp16: dict) -> dict:
 def _zero(raw: dict, settings: Settings, refusals: _Refusals) -> None:
     zero = raw.get("zero_optimization", {})
     if not isinstance(zero, dict):
-        raise ConfigError(f"zero_optimization must be an object, got {zero!r}")
+        raise ConfigError(f"zero_optimization must be an object, got {zero!r}",
+                          hint='write "zero_optimization": {"stage": 0 or 1}')
     for key in zero:
         if key != "stage":
             refusals.add(f"zero_optimization.{key}")
@@ -275,7 +292,8 @@ def _pipeline(raw: dict, settings: Settings, refusals: _Refusals, num_stages: in
     ``seed_layers`` (unused by DeepSpeed's engine) only at their defaults or consistent."""
     section = raw.get("pipeline", {})
     if not isinstance(section, dict):
-        raise ConfigError(f"pipeline must be an object, got {section!r}")
+        raise ConfigError(f"pipeline must be an object, got {section!r}",
+                          hint='write "pipeline": {...} with its settings as keys')
     for key in section:
         if key not in _PIPELINE_DEFAULTS:
             refusals.add(f"pipeline.{key}")
@@ -283,7 +301,9 @@ def _pipeline(raw: dict, settings: Settings, refusals: _Refusals, num_stages: in
     if interval is not None:
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:
             raise ConfigError("pipeline.activation_checkpoint_interval must be an int >= 0, "
-                              f"got {interval!r}")
+                              f"got {interval!r}",
+                              hint='set "activation_checkpoint_interval" to 0 (off) or N >= 1 '
+                                   "layers per checkpoint")
         settings.activation_checkpoint_interval = interval or None
     pipe = _flag(section, "pipe_partitioned", True, "pipeline.")
     if _flag(section, "grad_partitioned", True, "pipeline.") != pipe:

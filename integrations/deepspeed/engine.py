@@ -143,7 +143,9 @@ class PipelineEngine:
         """
         if not torch.is_grad_enabled():
             raise ConfigError("train_batch() requires gradients enabled. Use eval_batch() "
-                              "instead.")
+                              "instead.",
+                              hint="call train_batch outside torch.no_grad(), or eval_batch() to "
+                                   "evaluate")
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         if self.data_iterator is None and self._reads_data():
@@ -189,7 +191,9 @@ class PipelineEngine:
         Every rank calls it."""
         if not save_latest or exclude_frozen_parameters:
             raise ConfigError("save_checkpoint(save_latest=False / exclude_frozen_parameters"
-                              "=True) is not implemented by pipekernel.deepspeed")
+                              "=True) is not implemented by pipekernel.deepspeed",
+                              hint="call save_checkpoint(save_dir, tag, client_state) with the "
+                                   "defaults")
         client_state = check_client_state(client_state if client_state is not None else {})
         directory = self.engine.save_checkpoint(save_dir, tag, client_state)
         write_deepspeed_files(self, directory, client_state)
@@ -205,7 +209,9 @@ class PipelineEngine:
         """
         if not load_module_strict or custom_load_fn is not None:
             raise ConfigError("load_checkpoint(load_module_strict=False / custom_load_fn=...) "
-                              "is not implemented by pipekernel.deepspeed")
+                              "is not implemented by pipekernel.deepspeed",
+                              hint="call load_checkpoint(load_dir, tag) with the defaults, or "
+                                   "convert the checkpoint (pipekernel convert-deepspeed)")
         from .checkpoint import load
         return load(self, load_dir, tag, optimizer=load_optimizer_states and not load_module_only,
                     lr_scheduler=load_lr_scheduler_states and not load_module_only,

@@ -27,7 +27,9 @@ def _per_group(optimizer: torch.optim.Optimizer, value: Any, name: str) -> list:
     if isinstance(value, (list, tuple)):
         if len(value) != len(optimizer.param_groups):
             raise ConfigError(f"expected {len(optimizer.param_groups)} value for {name}, "
-                              f"got {len(value)}")
+                              f"got {len(value)}",
+                              hint="give one value, or a list with one value per optimizer "
+                                   "parameter group")
         return list(value)
     return [value] * len(optimizer.param_groups)
 
@@ -50,7 +52,9 @@ class WarmupLR:
                  warmup_type: str = _LOG, last_batch_iteration: int = -1) -> None:
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ConfigError(f"warmup_num_steps must be a positive integer, got "
-                              f"{warmup_num_steps}")
+                              f"{warmup_num_steps}",
+                              hint='set "warmup_num_steps" in the scheduler params to an int >= '
+                                   "1, e.g. 1000")
         if warmup_type not in (_LOG, _LINEAR):
             raise ConfigError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}",
                               hint="DeepSpeed falls back to 'log' with a warning; say 'log'")
@@ -135,7 +139,9 @@ class OneCycle:
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
         if first <= 0 or second < 0:
             raise ConfigError(f"OneCycle needs cycle_first_step_size > 0 and "
-                              f"cycle_second_step_size >= 0, got {first} and {second}")
+                              f"cycle_second_step_size >= 0, got {first} and {second}",
+                              hint='set "cycle_first_step_size" > 0 (and "cycle_second_step_size" '
+                                   ">= 0) in the scheduler params")
         self.total_size, self.step_ratio = first + second, first / (first + second)
         self.first_step_size, self.second_step_size = first, second
         self.first_stair_count = cycle_first_stair_count

@@ -111,7 +111,9 @@ def optimizer_factory(section: dict | None, optimizer: Any, model_parameters: An
         return with_groups(lambda g: cls(g, **defaults), groups, stage_parameters)
     if callable(optimizer):
         return with_groups(optimizer, model_parameters, stage_parameters)
-    raise ConfigError(f"optimizer must be a torch optimizer or a callable, got {optimizer!r}")
+    raise ConfigError(f"optimizer must be a torch optimizer or a callable, got {optimizer!r}",
+                      hint="pass a torch.optim optimizer, a function params -> optimizer, or name "
+                           "one in the config")
 
 
 def _groups_of(optimizer: torch.optim.Optimizer) -> list[dict] | Iterable:

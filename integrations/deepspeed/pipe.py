@@ -165,7 +165,9 @@ class PipelineModule(nn.Module):
         self.global_rank, self.world_size = _rank_and_world()
         if self.world_size % num_stages:
             raise ConfigError(f"num_stages ({num_stages}) must divide distributed world size "
-                              f"({self.world_size})")
+                              f"({self.world_size})",
+                              hint="start a multiple of num_stages processes, or pick num_stages "
+                                   "dividing the world size")
         self.num_stages, self.dynamic_shape = num_stages, dynamic_shape
         self.dp_size = self.world_size // num_stages
         self.stage_id = self.global_rank // self.dp_size
@@ -198,7 +200,9 @@ class PipelineModule(nn.Module):
                        for layer in self._layer_specs]
             if not any(weights):
                 raise ConfigError(f"Partitioning '{method.split(':')[1]}' found no valid "
-                                  "layers to partition.")
+                                  "layers to partition.",
+                                  hint="use a pattern matching some layers' class names, e.g. "
+                                       "partition_method='type:Block'")
             return partition_balanced(weights, num_stages)
         raise ConfigError(f"Partitioning method {self.partition_method} not implemented.",
                           hint="use 'parameters', 'uniform' or 'type:<regex>'")
@@ -234,7 +238,9 @@ class PipelineModule(nn.Module):
                 module, forward_fn = layer, None
             else:
                 raise ConfigError(f"layer {index} is {layer!r}: not a LayerSpec, nn.Module "
-                                  "or callable")
+                                  "or callable",
+                                  hint="list LayerSpec(...), TiedLayerSpec(...), modules or "
+                                       "functions as layers")
             self._calls.append((index, module, forward_fn))
             self.forward_funcs.append(module if forward_fn is None else
                                       (lambda x, m=module, f=forward_fn: f(m, x)))

@@ -142,7 +142,9 @@ def _agree(transport: Any, error: BaseException | None, rank: int) -> None:
         return
     first = failed[0]
     if error is not None and not isinstance(error, PipelineError):
-        error = ConfigError(f"{type(error).__name__}: {error}")
+        error = ConfigError(f"{type(error).__name__}: {error}",
+                            hint="look at this rank's traceback above: its checkpoint step failed "
+                                 "there; every rank stopped with it")
     if isinstance(error, PipelineError):
         error.locate(rank=rank)
     blob = pickle.dumps(error) if rank == first else b""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PeerAbort, PipelineError, TransportError
-from pipekernel.comm import clusters
+from pipekernel.comm import clusters, teardown  # noqa: F401 - teardown binds at import
 from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import AbortBoard, check_consistency
@@ -219,9 +219,13 @@ class PipelineEngine:
     def _check_options(self, module: PipelineModule, nonfinite: str, check_data_steps: int,
                        loss_reduction: str) -> None:
         if nonfinite not in ("error", "skip"):
-            raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}")
+            raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}",
+                              hint="pass nonfinite='error' (stop on a NaN/inf loss) or "
+                                   "nonfinite='skip' (skip that step)")
         if not isinstance(check_data_steps, int) or check_data_steps < 0:
-            raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}")
+            raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}",
+                              hint="pass check_data_steps=N, the number of first batches whose "
+                                   "labels are checked (0: off)")
         self.nonfinite, self.check_data_steps = nonfinite, check_data_steps
         self.loss_reduction = check_loss_reduction(loss_reduction)
         #: the ``loss_fn`` wrapper keeping token counts (``loss_reduction="tokens"``)
@@ -782,7 +786,8 @@ class PipelineEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("PipelineEngine.forward() is not used: the schedule interleaves "
                             "forward and backward passes across stages",
-                            hint="call engine.train_batch(data_iter) or engine.eval_batch(data_iter)")
+                            hint="call engine.train_batch(data_iter) or "
+                                 "engine.eval_batch(data_iter)")
 
     backward = step = forward
 

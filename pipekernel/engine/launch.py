@@ -31,7 +31,7 @@ from typing import Any
 
 from pipekernel.comm import clusters
 from pipekernel.comm.clusters import World
-from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.errors import ConfigError, PipelineError, shorten
 
 __all__ = ["launch", "RankError", "LaunchInterrupted", "free_port", "start_context"]
 
@@ -47,6 +47,10 @@ class RankError(PipelineError):
     def __init__(self, message: str, *, original: BaseException | None = None, **kw: Any):
         super().__init__(message, **kw)
         self.original = original
+
+    def __str__(self) -> str:  # "rank R failed: ..." says where: no location bracket
+        text = f"{self.message}\n  how to fix: {self.hint}" if self.hint else self.message
+        return "".join([text, *("\n  " + d.replace("\n", "\n  ") for d in self.details)])
 
 
 class LaunchInterrupted(KeyboardInterrupt):
@@ -143,7 +147,7 @@ def _worker(fn: Callable, args: Sequence[Any], rank: int, env: dict[str, str],
         # plain pickle: tensors travel by value, not as shared memory the worker must outlive
         results.put((rank, True, pickle.dumps(fn(*args)), None))
     except BaseException as err:  # report everything, including SystemExit
-        tb = traceback.format_exc()
+        tb = _format_traceback(err)
         try:
             results.put((rank, False, err, tb))
         except Exception:  # unpicklable exception: send its text only
@@ -319,6 +323,35 @@ def _root_cause(rank: int, value: Any, tb: str, results: Any) -> tuple[int, Any,
     return rank, value, tb
 
 
+def _format_traceback(err: BaseException) -> str:
+    """The worker's traceback as Python prints it (causes first), each exception's
+    message :func:`~pipekernel.errors.shorten`-ed: a backend's 40-line text as a few."""
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__
+                                        else current.__context__)
+    parts = [f"Traceback (most recent call last):\n"
+             f"{''.join(traceback.format_tb(e.__traceback__))}"
+             f"{type(e).__name__}: {shorten(str(e), lines=3, width=300)}"
+             for e in reversed(chain)]
+    return "\n\nThe above exception led to the following exception:\n\n".join(parts)
+
+
+def _failure_text(rank: int, value: Any, tb: str | None) -> str:
+    """``rank R failed: <its error in pipekernel's words>``, then its traceback: the
+    first line says what failed and where, the backend's text (if any) comes after."""
+    if isinstance(value, PipelineError):
+        headline = str(value)
+    elif isinstance(value, BaseException):
+        headline = f"{type(value).__name__}: {shorten(str(value))}"
+    else:  # an exception that could not be pickled: its traceback's last line
+        headline = (tb or "").strip().splitlines()[-1] if tb else "no report"
+    trace = ("\n" + (tb or "")).replace("\n", "\n    ")
+    return f"rank {rank} failed: {headline}\n  traceback of rank {rank}:{trace}"
+
+
 def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float | None) -> list[Any]:
     values: dict[int, Any] = {}
     deadline = None if timeout is None else _clock() + timeout
@@ -334,14 +367,15 @@ def _collect(procs: list[Any], results: Any, nprocs: int, timeout: float | None)
                                 rank=dead[0], hint="it was probably killed (out of memory?)")
             if deadline is not None and _clock() > deadline:
                 waiting = sorted(set(range(nprocs)) - set(values))
-                raise RankError(f"the launch deadline passed: pk.launch(timeout={timeout:g}) "
-                                f"allows the whole run {timeout:g}s, and ranks {waiting} were "
-                                "still running", hint="raise timeout= or pass timeout=None "
-                                "(no deadline: a hang still ends in the engine's own "
-                                "timeout= on every wait)") from None
+                raise RankError(f"the launch deadline passed: timed out after {timeout:g}s "
+                                f"waiting for ranks {waiting} (pk.launch(timeout={timeout:g}) "
+                                "is a deadline on the whole run, not a sign of a hang)",
+                                hint="raise timeout= or pass timeout=None (no deadline; a "
+                                     "hang still ends in the engine's own timeout= on every "
+                                     "wait)") from None
             continue
         if not ok:
             rank, value, tb = _root_cause(rank, value, tb, results)
-            raise RankError(f"rank {rank} failed:\n{tb}", original=value, rank=rank) from value
+            raise RankError(_failure_text(rank, value, tb), original=value, rank=rank) from None
         values[rank] = pickle.loads(value)
     return [values[r] for r in range(nprocs)]

@@ -245,7 +245,8 @@ def auto_reason(options: dict[str, Any] | None = None) -> str:
 def _auto(options: dict[str, Any] | None) -> tuple[str, str]:
     """A process group that exists already (the host's, Ray Train's) decides by its
     backend: a gloo group stays on the CPU even on a machine with GPUs. Otherwise CUDA
-    decides: available, nccl (``cuda:LOCAL_RANK``); not, gloo."""
+    decides: a GPU for every process of the node (``cuda:LOCAL_RANK``), nccl; no CUDA, or
+    fewer GPUs than processes (4 ranks on a one-GPU laptop), gloo."""
     import torch  # the engine has imported it already; the CLI must not need it
     import torch.distributed as dist
 
@@ -254,9 +255,23 @@ def _auto(options: dict[str, Any] | None) -> tuple[str, str]:
         backend = str(dist.get_backend(group))
         chosen = "nccl" if "nccl" in backend and torch.cuda.is_available() else "gloo"
         return chosen, f"the process group's backend is {backend}"
-    if torch.cuda.is_available():
-        return "nccl", f"CUDA is available, {torch.cuda.device_count()} GPU(s)"
-    return "gloo", "no CUDA device"
+    if not torch.cuda.is_available():
+        return "gloo", "no CUDA device"
+    gpus, local = torch.cuda.device_count() or 1, _local_world_size()  # available: >= 1
+    if local > gpus:  # every rank of the node decides the same: no rank on nccl alone
+        return "gloo", (f"{local} processes on this node but {gpus} GPU(s): nccl needs one "
+                        "GPU per process")
+    return "nccl", f"{gpus} GPU(s) for {local} process(es) on this node"
+
+
+def _local_world_size() -> int:
+    """Processes on this node (torchrun's and pk.launch's ``LOCAL_WORLD_SIZE``, SLURM's
+    tasks per node), 1 when no launcher says."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(key, "").split("(")[0]
+        if value.isdigit():
+            return int(value)
+    return 1
 
 
 #: the transports ``"auto"`` chose that this process announced: once each, not per engine

@@ -39,7 +39,9 @@ class ParallelConfig:
                                           else DEFAULT_RANK_ORDER))
         if not isinstance(partition_activations, bool):
             raise ConfigError(f"partition_activations must be True or False, got "
-                              f"{partition_activations!r}")
+                              f"{partition_activations!r}",
+                              hint="pass partition_activations=True (send 1/T of each activation) "
+                                   "or False")
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}",
                               hint="zero_stage=1 shards the optimizer state over the "

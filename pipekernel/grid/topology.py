@@ -90,14 +90,17 @@ class Topology:
     def __post_init__(self) -> None:
         for name in ("pipe_size", "data_size", "model_size", "shard_size"):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}",
+                                  hint="give every parallel size (stages, replicas, "
+                                       "tensor-parallel ranks) as a positive int")
         if self.data_size % self.shard_size:
             raise ConfigError(f"{self.data_size} data-parallel ranks cannot be split into "
                               f"shards of {self.shard_size}",
                               hint="data_parallel_shard must divide the data-parallel ranks "
                                    "(world size / (stages x tensor-parallel size))")
         if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} ranks")
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} ranks",
+                              hint="give a rank in 0 .. world_size - 1 (RANK from the launcher)")
         object.__setattr__(self, "order", "-".join(parse_rank_order(self.order)))
 
     @classmethod
