@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import pytest
+
 from pipekernel.apps import cli
 from pipekernel.apps.config import TrainConfig
 from pipekernel.engine.checkpoint_files import checkpoint_tags, layer_file, prune
@@ -82,3 +84,17 @@ def test_keep_last_then_resume_a_tag_then_a_corrupt_latest_names_the_older_tag(t
     assert cli.main([*argv, "global_step7"]) == 1
     err = capfd.readouterr().err
     assert "checkpoint 'global_step7'" in err and "--resume global_step5 (under " in err
+
+
+def test_a_corrupt_checkpoint_names_the_older_tags_to_load_instead(tmp_path):
+    from pipekernel.engine.checkpoint_files import read_meta
+    from pipekernel.errors import DataError
+
+    _fake_checkpoints(tmp_path, ["global_step1", "global_step2"], "global_step2")
+    (tmp_path / "global_step2" / "meta.json").write_text("{trunc")
+    with pytest.raises(DataError) as info:
+        read_meta(str(tmp_path))
+    assert "global_step2" in info.value.message and "truncated or corrupt" in info.value.message
+    assert info.value.hint == (f"load an older tag (global_step1 under {tmp_path}): "
+                               "engine.load_checkpoint(root, tag=...), or pipekernel train "
+                               "--resume TAG")

@@ -50,6 +50,17 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def _older(directory: str, incomplete: bool = False) -> str:
+    """The fix line for a checkpoint that cannot be read: which older ones there are and
+    the two calls that load one."""
+    root, tag = os.path.split(os.path.normpath(directory))
+    others = [t for t in checkpoint_tags(root) if t != tag]
+    there = f" ({', '.join(others)} under {root})" if others else f" (none under {root})"
+    return (("the checkpoint is incomplete: " if incomplete else "")
+            + f"load an older tag{there}: engine.load_checkpoint(root, tag=...), or "
+              "pipekernel train --resume TAG")
+
+
 def latest_tag(root: str) -> str:
     """The tag ``root/latest`` points at (``DataError`` if there is none)."""
     pointer = os.path.join(root, "latest")
@@ -83,7 +94,7 @@ def read_meta(root: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
                              f"under {root}") from None
     except (OSError, ValueError) as err:
         raise DataError(f"checkpoint {tag!r}: cannot read {meta_path} (truncated or "
-                        f"corrupt): {err}", hint="load an older tag") from err
+                        f"corrupt): {err}", hint=_older(directory)) from err
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ConfigError(
@@ -102,10 +113,10 @@ def _read_layer(directory: str, meta: dict, index: int) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise DataError(f"checkpoint file {path} for layer {index} ({what}) is missing",
-                        hint="the checkpoint is incomplete: load an older tag") from None
+                        hint=_older(directory, incomplete=True)) from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for a bad zip
         raise DataError(f"checkpoint file {path} for layer {index} ({what}) is truncated "
-                        f"or corrupt: {err}", hint="load an older tag") from err
+                        f"or corrupt: {err}", hint=_older(directory)) from err
     if not isinstance(payload, dict) or payload.get("layer") != index:
         raise DataError(f"checkpoint file {path} does not hold layer {index}",
                         hint="the checkpoint directory was modified by hand")
@@ -119,10 +130,10 @@ def _read_rank(directory: str, rank: int) -> dict[str, Any]:
     except FileNotFoundError:
         raise DataError(f"checkpoint file {path} (rank {rank}'s RNG, precision and "
                         f"scheduler state) is missing",
-                        hint="the checkpoint is incomplete: load an older tag") from None
+                        hint=_older(directory, incomplete=True)) from None
     except Exception as err:  # noqa: BLE001
         raise DataError(f"checkpoint file {path} (rank {rank}'s state) is truncated or "
-                        f"corrupt: {err}", hint="load an older tag") from err
+                        f"corrupt: {err}", hint=_older(directory)) from err
 
 
 # -- the tags under a root: listing and pruning ------------------------------------------------
