@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main", "build_parser", "HelpFormatter"]
 
@@ -39,7 +40,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                     "processes (CPU, gloo); under torchrun it runs this rank only. Writes a "
                     "metrics CSV/JSONL, a Chrome trace and a timeline PNG under --out.",
         formatter_class=HelpFormatter)
-    g = p.add_argument_group("parallelism")
+    _train_parallelism(p.add_argument_group("parallelism"), d)
+    _train_run(p, d)
+    p.set_defaults(func=_run_train)
+
+
+def _train_parallelism(g: argparse._ArgumentGroup, d: Any) -> None:
+    """``pipekernel train``'s parallelism flags."""
     g.add_argument("--stages", type=int, default=d.stages, help="pipeline stages")
     g.add_argument("--data-parallel", type=int, default=d.data_parallel,
                    help="pipeline replicas (data parallelism)")
@@ -68,6 +75,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="seconds any wait on a peer may take before an error")
     g.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per local process")
+
+
+def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
+    """``pipekernel train``'s training, model and output flags."""
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
     g.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data")
@@ -78,8 +89,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="read at most this many bytes of the corpus")
     g.add_argument("--save-every", type=int, default=d.save_every, metavar="N",
                    help="save a checkpoint every N steps (0: never)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint, if there is one")
+    g.add_argument("--keep-last", type=int, default=d.keep_last, metavar="N",
+                   help="after each save, delete all but the N newest global_step checkpoints "
+                        "(0: keep all)")
+    g.add_argument("--resume", nargs="?", const=True, default=False, metavar="TAG",
+                   help="continue from checkpoint TAG (e.g. global_step100) or, with no TAG, "
+                        "from the latest one if there is one")
     g.add_argument("--checkpoint-dir", default=d.checkpoint_dir, metavar="DIR",
                    help="checkpoint directory (default: <out>/checkpoints)")
     g = p.add_argument_group("model")
@@ -100,7 +115,6 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="bytes of text to generate at the end (0: none)")
     g.add_argument("--prompt", default=d.prompt, help="prompt for the generated sample")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -192,12 +206,36 @@ def plan_for_args(args: argparse.Namespace) -> object:
                        micro_batches=args.micro_batches, pm=pk.make_plugin_manager())
 
 
+def train_command(args: argparse.Namespace, plan: object) -> str:
+    """The ``pipekernel train`` command line that trains the model ``args`` planned with
+    ``plan``'s choice: the same batch (so ``--micro-batch-size`` follows the chosen
+    count), the chosen schedule, chunks and boundaries, the same model."""
+    import shlex
+
+    from pipekernel.apps.config import TrainConfig
+
+    p: Any = plan
+    batch = args.micro_batches * args.micro_batch_size
+    argv = ["pipekernel", "train", "--stages", str(args.stages), "--schedule", p.schedule,
+            "--chunks", str(p.chunks), "--micro-batches", str(p.micro_batches),
+            "--micro-batch-size", str(batch // p.micro_batches),
+            "--partition", ",".join(str(b) for b in p.bounds),
+            "--dim", str(args.dim), "--layers", str(args.layers), "--heads", str(args.heads),
+            "--context", str(args.context)]
+    d = TrainConfig()
+    for flag in ("seed", "threads"):  # the rest as train's defaults: said only when not
+        if getattr(args, flag) != getattr(d, flag):
+            argv += [f"--{flag}", str(getattr(args, flag))]
+    return shlex.join(argv)
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     plan = plan_for_args(args)
     print(f"model: byte-level GPT, width {args.dim}, {args.layers} blocks, context "
           f"{args.context}; batch {args.micro_batches * args.micro_batch_size} sequences "
           f"per replica; {args.stages} stages")
     print(plan.format(top=args.top))  # type: ignore[attr-defined]
+    print(f"train with it: {train_command(args, plan)}")
     return 0
 
 
@@ -336,6 +374,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_left() -> int:
+    """The reader of our output went away (``pipekernel schedule ... | head -1``): stop
+    quietly with 128 + SIGPIPE, what a shell reports for a tool that SIGPIPE ended.
+
+    Standard output is pointed at ``/dev/null`` first, so the interpreter's own flush
+    at exit does not fail again and print a traceback of its own."""
+    import os
+    import signal
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real descriptor (captured): nothing left to flush
+        pass
+    return 128 + int(getattr(signal, "SIGPIPE", 13))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pipekernel`` console script; returns the exit status."""
     from pipekernel.errors import PipelineError
@@ -346,7 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader that left is then caught below
+        return status
+    except BrokenPipeError:
+        return _reader_left()
     except PipelineError as err:
         # a user-caused error: its message says what, where and how to fix; no traceback
         original = getattr(err, "original", None)

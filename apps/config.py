@@ -36,7 +36,8 @@ class TrainConfig:
     progress: bool = True
     threads: int = 1
     save_every: int = 0
-    resume: bool = False
+    keep_last: int = 3  # checkpoints kept by --save-every (0: all)
+    resume: bool | str = False  # True: the latest checkpoint, if any; a str: that tag
     checkpoint_dir: str | None = None
     rank_order: str = "tp-dp-pp"  # innermost axis first; see pipekernel.grid.topology
     zero_stage: int = 0

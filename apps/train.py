@@ -47,6 +47,15 @@ def _positive(cfg: TrainConfig) -> None:
     if not isinstance(cfg.save_every, int) or cfg.save_every < 0:
         raise pk.ConfigError(f"--save-every must be 0 or a positive integer, got "
                              f"{cfg.save_every!r}", hint="pass --save-every 100, or 0 for none")
+    if not isinstance(cfg.keep_last, int) or cfg.keep_last < 0:
+        raise pk.ConfigError(f"--keep-last must be 0 or a positive integer, got "
+                             f"{cfg.keep_last!r}", hint="pass --keep-last 3, or 0 to keep all")
+    tag = cfg.resume
+    if isinstance(tag, str) and (not tag or tag.startswith(".") or "/" in tag or os.sep in tag):
+        raise pk.ConfigError(f"--resume {tag!r} is not a checkpoint tag (one directory name "
+                             f"under the checkpoint directory, e.g. global_step100)",
+                             hint="pass the directory as --checkpoint-dir DIR and the tag "
+                                  "alone: --resume global_step100")
     if cfg.dim % cfg.heads:
         raise pk.ConfigError(f"--dim {cfg.dim} is not divisible by --heads {cfg.heads}",
                              hint="pick --dim as a multiple of --heads")
@@ -246,23 +255,10 @@ def _print(*lines: str) -> None:
 # -- the per-rank job -------------------------------------------------------------------
 
 
-def worker(cfg: TrainConfig) -> dict[str, Any] | None:
-    """Train on this rank; rank 0 prints the report and returns the summary dict."""
-    torch.set_num_threads(cfg.threads)
-    data, source = load_corpus(cfg.data, cfg.corpus_bytes)
-    train_ids, held_ids = split_corpus(data, cfg.context)
-    module = hf_model.hf_module(cfg) if cfg.hf else \
-        gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
-                   partition=partition_method(cfg.partition), seed=cfg.seed)
-    from pipekernel.plugins.monitor import Monitor
-
-    out = Path(cfg.out)
-    # without a progress bar (logs, CI) the monitor's console line every N steps replaces it
-    sinks = ("csv", "jsonl", "trace") + (() if cfg.progress else ("console",))
-    monitor = Monitor(out_dir=str(out), sinks=sinks, every=cfg.every)
+def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> pk.PipelineEngine:
     # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
     warmup = max(1, cfg.steps // 20)
-    engine = pk.PipelineEngine(
+    return pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                                            weight_decay=0.01),
         micro_batches=cfg.micro_batches, schedule=cfg.schedule, chunks=cfg.chunks,
@@ -273,27 +269,50 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
             (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))))
-    rank0 = engine.rank == 0
-    first_step = _resume(engine, cfg) if cfg.resume else 0
-    if rank0:
-        params = sum(module.parameter_counts())
-        _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
-               f"{cfg.transport} ({engine.transport.device}), schedule {cfg.schedule}, "
-               f"precision {cfg.precision}",
-               hf_model.describe(module, cfg) if cfg.hf else
-               f"model: byte-level GPT, {params / 1e6:.2f}M parameters: embedding, {cfg.layers} "
-               f"blocks (width {cfg.dim}, {cfg.heads} heads, context {cfg.context}), head",
-               f"data: {len(data) / 1e6:.2f} MB: {source}",
-               f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
-               f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
-               f"tokens per step",
-               *_describe_ranks(engine),
-               f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
-                                                                 engine.part_stages))
-    held_before = _eval_loss(engine, held_ids, cfg)
 
+
+def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.PipelineModule,
+                 data: bytes, source: str) -> None:
+    params = sum(module.parameter_counts())
+    _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
+           f"{cfg.transport} ({engine.transport.device}), schedule {cfg.schedule}, "
+           f"precision {cfg.precision}",
+           hf_model.describe(module, cfg) if cfg.hf else
+           f"model: byte-level GPT, {params / 1e6:.2f}M parameters: embedding, {cfg.layers} "
+           f"blocks (width {cfg.dim}, {cfg.heads} heads, context {cfg.context}), head",
+           f"data: {len(data) / 1e6:.2f} MB: {source}",
+           f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
+           f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
+           f"tokens per step",
+           *_describe_ranks(engine),
+           f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
+                                                             engine.part_stages))
+
+
+def _save(engine: pk.PipelineEngine, cfg: TrainConfig) -> None:
+    """Save a checkpoint; then rank 0 deletes all but the ``--keep-last`` newest.
+
+    ``save_checkpoint`` returns on a rank only after every rank wrote its files and rank 0
+    published the checkpoint (its last agreement), and no rank writes again before the
+    next save's first agreement, which waits for rank 0: so nothing is deleted while a
+    rank still writes, and never the checkpoint just written."""
+    from pipekernel.engine.checkpoint_files import prune
+
+    directory = engine.save_checkpoint(cfg.checkpoints)
+    if engine.rank != 0 or not cfg.keep_last:
+        return
+    try:
+        prune(cfg.checkpoints, cfg.keep_last, os.path.basename(directory))
+    except OSError as err:  # an old checkpoint left behind is no reason to stop training
+        _print(f"warning: could not delete an older checkpoint under {cfg.checkpoints} "
+               f"(--keep-last {cfg.keep_last}): {err}; training goes on")
+
+
+def _train(engine: pk.PipelineEngine, cfg: TrainConfig, train_ids: torch.Tensor,
+           first_step: int) -> tuple[list[float], float]:
+    """Steps ``first_step .. cfg.steps - 1``: the losses and the seconds they took."""
     bar = None
-    if rank0 and cfg.progress:
+    if engine.rank == 0 and cfg.progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.steps, initial=first_step,
                    desc=f"train (resumed at step {first_step})" if first_step else "train",
@@ -307,7 +326,7 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         loss = float(engine.train_batch(iter(batch)))
         losses.append(loss)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            engine.save_checkpoint(cfg.checkpoints)
+            _save(engine, cfg)
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.3f}",
                             tok_s=f"{cfg.tokens_per_step / (time.perf_counter() - t0):,.0f}",
@@ -316,6 +335,29 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     seconds = time.perf_counter() - start
     if bar is not None:
         bar.close()
+    return losses, seconds
+
+
+def worker(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Train on this rank; rank 0 prints the report and returns the summary dict."""
+    torch.set_num_threads(cfg.threads)
+    data, source = load_corpus(cfg.data, cfg.corpus_bytes)
+    train_ids, held_ids = split_corpus(data, cfg.context)
+    module = hf_model.hf_module(cfg) if cfg.hf else \
+        gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
+                   partition=partition_method(cfg.partition), seed=cfg.seed)
+    from pipekernel.plugins.monitor import Monitor
+
+    # without a progress bar (logs, CI) the monitor's console line every N steps replaces it
+    sinks = ("csv", "jsonl", "trace") + (() if cfg.progress else ("console",))
+    monitor = Monitor(out_dir=cfg.out, sinks=sinks, every=cfg.every)
+    engine = _make_engine(cfg, module, monitor)
+    rank0 = engine.rank == 0
+    first_step = _resume(engine, cfg) if cfg.resume else 0
+    if rank0:
+        _print_start(cfg, engine, module, data, source)
+    held_before = _eval_loss(engine, held_ids, cfg)
+    losses, seconds = _train(engine, cfg, train_ids, first_step)
     held_after = _eval_loss(engine, held_ids, cfg)
 
     saved = hf_model.save(engine, cfg) if cfg.hf else None
@@ -325,7 +367,16 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     engine.close()
     if not rank0:
         return None
+    run = {"losses": losses, "seconds": seconds, "first_step": first_step,
+           "heldout_before": held_before, "heldout_after": held_after,
+           "bounds": list(engine.bounds), "stages": summaries, "hf": saved}
+    return _summarise(cfg, module, state, monitor, run)
 
+
+def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, torch.Tensor],
+               monitor: Any, run: dict[str, Any]) -> dict[str, Any]:
+    """On rank 0: the sample, the timeline, ``train.json`` and the printed report."""
+    out = Path(cfg.out)
     full = module.build_stage(0, [0, len(module.layers)])
     full.load_state_dict(state)
     sample = generate(hf_model.TakesIds(full) if cfg.hf else full, cfg.prompt.encode(),
@@ -337,16 +388,16 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
         timeline = str(draw_trace(paths["trace"], out / "timeline.png", last_steps=2,
                                   title=f"last 2 steps: {cfg.stages} stages, {cfg.schedule}, "
                                         f"{cfg.micro_batches} micro-batches"))
-    head = sum(losses[:5]) / len(losses[:5])
-    tail = sum(losses[-5:]) / len(losses[-5:])
+    losses, seconds = run["losses"], run["seconds"]
     summary = {
         "config": dataclasses.asdict(cfg), "losses": losses, "loss_first": losses[0],
-        "loss_last": losses[-1], "loss_first5": head, "loss_last5": tail,
-        "heldout_before": held_before, "heldout_after": held_after, "seconds": seconds,
-        "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds, "first_step": first_step,
-        "bounds": list(engine.bounds),
-        "stages": summaries, "sample": sample.decode("utf-8", "replace"),
-        "paths": {**paths, "timeline": timeline, "hf": saved},
+        "loss_last": losses[-1], "loss_first5": sum(losses[:5]) / len(losses[:5]),
+        "loss_last5": sum(losses[-5:]) / len(losses[-5:]),
+        "heldout_before": run["heldout_before"], "heldout_after": run["heldout_after"],
+        "seconds": seconds, "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds,
+        "first_step": run["first_step"], "bounds": run["bounds"], "stages": run["stages"],
+        "sample": sample.decode("utf-8", "replace"),
+        "paths": {**paths, "timeline": timeline, "hf": run["hf"]},
     }
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "train.json"
@@ -356,10 +407,36 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     return summary
 
 
+def _other_checkpoints(root: str, failed: str | None) -> str:
+    """The fix line for checkpoint ``failed`` (``None``: the one ``latest`` names) that
+    is missing or corrupt: resume from the newest one before it, naming all there are."""
+    from pipekernel.engine.checkpoint_files import checkpoint_tags, latest_tag
+
+    if failed is None:
+        try:
+            failed = latest_tag(root)
+        except pk.DataError:
+            pass
+    tags = checkpoint_tags(root)
+    before = tags[:tags.index(failed)] if failed in tags else tags
+    others = [t for t in tags if t != failed]
+    if not others:
+        return (f"there is no other checkpoint under {root}: start afresh without --resume, "
+                "or pass --checkpoint-dir")
+    return (f"resume from another checkpoint: --resume {(before or others)[-1]} (under "
+            f"{root}: {', '.join(tags)})")
+
+
 def _resume(engine: pk.PipelineEngine, cfg: TrainConfig) -> int:
-    """Load the latest checkpoint under ``cfg.checkpoints`` if there is one; the step
-    to continue from."""
-    info = engine.resume(cfg.checkpoints)
+    """Load the checkpoint ``--resume`` asks for (alone: the latest under
+    ``cfg.checkpoints``, if there is one); the step to continue from."""
+    tag = cfg.resume if isinstance(cfg.resume, str) and cfg.resume != "latest" else None
+    try:
+        info = engine.resume(cfg.checkpoints) if tag is None else \
+            engine.load_checkpoint(cfg.checkpoints, tag)
+    except pk.DataError as err:  # a missing or corrupt checkpoint: name the ones there are
+        err.hint = _other_checkpoints(cfg.checkpoints, tag)
+        raise
     if info is None:
         if engine.rank == 0:
             _print(f"resume: no checkpoint under {cfg.checkpoints}, starting at step 0")

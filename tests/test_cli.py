@@ -247,3 +247,59 @@ def test_plan_with_a_budget_nothing_fits_is_a_clean_error(capsys):
     assert cli.main(["plan", *PLAN_SMALL, "--memory-budget", "1KiB"]) == 1
     err = capsys.readouterr().err
     assert "no candidate fits memory_budget=1.0 KiB" in err and "Traceback" not in err
+
+
+def test_plan_prints_the_train_command_that_runs_its_choice(tmp_path, capsys):
+    import shlex
+
+    assert cli.main(["plan", *PLAN_SMALL]) == 0
+    out = capsys.readouterr().out.splitlines()
+    plan_line = next(line for line in out if line.startswith("plan: "))
+    command = next(line for line in out if line.startswith("train with it: "))
+    argv = shlex.split(command.removeprefix("train with it: "))
+    assert argv[:2] == ["pipekernel", "train"]
+    args = cli.build_parser().parse_args(argv[1:])
+    assert f"plan: {args.schedule}, chunks {args.chunks}, {args.micro_batches} micro-batches, "\
+        in plan_line
+    assert f"[{args.partition.replace(',', ', ')}]" in plan_line  # the chosen boundaries
+    assert args.micro_batches * args.micro_batch_size == 2 * 2  # the batch the plan kept
+    assert (args.dim, args.layers, args.heads, args.context) == (16, 2, 2, 8)
+    # and the command runs: a 2-step train with that schedule, chunks and partition
+    out_dir = tmp_path / "run"
+    assert cli.main([*argv[1:], "--steps", "2", "--corpus-bytes", "20000", "--sample-bytes",
+                     "0", "--no-progress", "--out", str(out_dir)]) == 0
+    summary = json.loads((out_dir / "train.json").read_text())
+    assert summary["bounds"] == [int(b) for b in args.partition.split(",")]
+    assert summary["config"]["schedule"] == args.schedule
+
+
+def test_schedule_into_a_closed_pipe_exits_quietly():
+    """`pipekernel schedule ... | head -1`: the reader leaves; no BrokenPipeError traceback,
+    the exit status a shell shows for a tool SIGPIPE ended (128 + 13)."""
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the first write: every write fails
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pipekernel.apps.cli", "schedule", "1f1b",
+                               "--stages", "2", "--micro-batches", "4"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+def test_train_flags_resume_and_keep_last_parse():
+    parse = cli.build_parser().parse_args
+    assert parse(["train"]).resume is False and parse(["train"]).keep_last == 3
+    assert parse(["train", "--resume"]).resume is True  # alone: the latest, if any
+    assert parse(["train", "--resume", "--steps", "5"]).resume is True
+    assert parse(["train", "--resume", "global_step20"]).resume == "global_step20"
+    assert parse(["train", "--keep-last", "0"]).keep_last == 0
+
+
+@pytest.mark.parametrize("flags,text", [
+    (["--keep-last", "-1"], "--keep-last must be 0 or a positive integer"),
+    (["--resume", "ck/global_step2"], "--resume 'ck/global_step2' is not a checkpoint tag")])
+def test_train_refuses_a_bad_keep_last_or_tag_before_starting_processes(capsys, flags, text):
+    assert cli.main(["train", *flags]) == 1
+    err = capsys.readouterr().err
+    assert text in err and "how to fix" in err and "Traceback" not in err

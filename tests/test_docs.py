@@ -31,24 +31,34 @@ def test_files_the_docs_mention_exist(doc):
 # a piece of one (it needs an engine or a module from the text around it) is fenced
 # ```python fragment and only compiled.
 
+# A ```console output block right after a program (the next fenced block) is what the
+# program prints, exactly.
+
+_FENCE = re.compile(r"```(\w*)([^\n]*)\n(.*?)```", re.S)
+
+
 def _blocks():
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        text = doc.read_text()
-        for i, (info, body) in enumerate(re.findall(r"```python([^\n]*)\n(.*?)```", text, re.S)):
-            yield pytest.param(doc, info.strip(), body, id=f"{doc.name}#{i}")
+        fences = _FENCE.findall(doc.read_text())
+        programs = [(k, info, body) for k, (lang, info, body) in enumerate(fences)
+                    if lang == "python"]
+        for i, (k, info, body) in enumerate(programs):
+            after = fences[k + 1] if k + 1 < len(fences) else ("", "", "")
+            output = after[2] if after[:2] == ("console", " output") else None
+            yield pytest.param(doc, info.strip(), body, output, id=f"{doc.name}#{i}")
 
 
 BLOCKS = list(_blocks())
 
 
-@pytest.mark.parametrize("doc,info,body", BLOCKS)
-def test_doc_code_compiles(doc, info, body):
+@pytest.mark.parametrize("doc,info,body,output", BLOCKS)
+def test_doc_code_compiles(doc, info, body, output):
     assert info in ("", "fragment"), f"{doc.name}: unknown fence info {info!r}"
     compile(body, str(doc), "exec")
+    assert output is None or info == "", f"{doc.name}: output shown for a fragment"
 
 
-@pytest.mark.parametrize("doc,info,body", [b for b in BLOCKS if b.values[1] == ""])
-def test_doc_program_runs_as_written(doc, info, body, tmp_path):
+def _run_program(body, tmp_path, *launcher):
     import os
     import subprocess
     import sys
@@ -57,9 +67,91 @@ def test_doc_program_runs_as_written(doc, info, body, tmp_path):
     script.write_text(body)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "examples" /
                                                                   "plugin_package")}
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         cwd=tmp_path, env=env, timeout=600)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, *launcher, str(script)], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("doc,info,body,output", [b for b in BLOCKS if b.values[1] == ""])
+def test_doc_program_runs_as_written(doc, info, body, output, tmp_path):
+    run = _run_program(body, tmp_path)
     assert run.returncode == 0, f"{doc.name}:\n{body}\n{run.stdout}\n{run.stderr}"
+    if output is not None:  # the doc shows what it prints: exactly that
+        assert run.stdout.splitlines() == output.splitlines(), run.stderr
+
+
+def test_the_readme_program_prints_once_under_torchrun(tmp_path):
+    """The "Use it" program under torchrun (4 processes, loopback): rank 0 alone prints,
+    the lines the README shows."""
+    doc, _, body, output = next(b.values for b in BLOCKS if b.id == "README.md#0")
+    assert "pk.launch(main, nprocs=4)" in body and output is not None
+    run = _run_program(body, tmp_path, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node", "4")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == output.splitlines(), run.stderr
+    assert output.splitlines()[0] == "step 0: loss 4.16"  # ln 64: it starts knowing nothing
+
+
+def test_the_tutorial_pipeline_prints_the_plain_models_losses():
+    text = (ROOT / "docs" / "tutorial.md").read_text()
+    tutorial = [b.values for b in BLOCKS if b.values[0].name == "tutorial.md"]
+    plain, pipeline = [b for b in tutorial if b[3] is not None][:2]
+    assert "import pipekernel" not in plain[2] and "pk.launch(main" in pipeline[2]
+    assert plain[3] == pipeline[3] and len(plain[3].splitlines()) == 5
+    assert "docs/launchers.md" in text and "torchrun --nnodes 2" in text
+
+
+def test_every_docs_page_is_in_the_index():
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert sorted(pages - linked) == [], "docs/README.md does not list these pages"
+
+
+def test_the_run_time_of_pipekernel_train_has_one_source():
+    """docs/train.md's run is the one place with the figure; the README quotes its losses
+    (deterministic) and links to it for the time."""
+    readme = (ROOT / "README.md").read_text()
+    train = (ROOT / "docs" / "train.md").read_text()
+    quoted = re.search(r"ends with `(loss [^`]+)`", readme).group(1)
+    assert quoted in train  # the run's own report line
+    timed = re.compile(r"\b\d+(\.\d+)? ?(s|min|seconds|minutes)\b")
+    assert re.search(r"450 steps in \d+\.\ds", train)
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        if doc.name == "train.md":
+            continue
+        for line in doc.read_text().splitlines():
+            if "pipekernel train" in line and "steps" in line:
+                assert not timed.search(line), f"{doc.name} states a run time: {line}"
+
+
+def _idle(name, stages, micro_batches, backward_cost):
+    """Each stage's idle units in the simulator, as `pipekernel schedule` costs them."""
+    from pipekernel.schedules import BUILTIN_SCHEDULES, simulate
+    from pipekernel.schedules.instructions import Backward, BackwardInput, BackwardWeight
+
+    costs = {Backward: backward_cost, BackwardInput: backward_cost / 2,
+             BackwardWeight: backward_cost / 2}
+    r = simulate(BUILTIN_SCHEDULES[name], stages, micro_batches, 1, costs=costs)
+    busy = [sum(end - start for start, end, _ in events) for events in r.timeline]
+    return [r.makespan - b for b in busy], [span - b for span, b in zip(r.spans, busy)]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_the_readme_bubble_claims_hold_with_their_costs(stages):
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "a third of 1F1B's when a backward costs two forwards, `pipekernel schedule " \
+           "zb-h1 --backward-cost 2`, and a half at the command's default cost" in text
+    assert "no idle time inside a stage when a backward costs two forwards, and up to " \
+           "`(stages − 1) / 2` forward-times at the default cost of one" in text
+    for m in (stages, 2 * stages, 4 * stages):
+        for cost, ratio in ((2.0, 1 / 3), (1.0, 1 / 2)):
+            ours, theirs = _idle("zb-h1", stages, m, cost)[0], _idle("1f1b", stages, m, cost)[0]
+            assert ours == pytest.approx([ratio * t for t in theirs])
+        if m >= 2 * stages - 1:
+            assert max(_idle("zb-h2", stages, m, 2.0)[1]) == pytest.approx(0.0)
+            assert max(_idle("zb-h2", stages, m, 1.0)[1]) == pytest.approx((stages - 1) / 2)
 
 
 def test_the_readme_rank_order_formula_is_the_code_default():

@@ -1,11 +1,15 @@
 """Checkpoint files: where each piece lives in a checkpoint directory, writing one durably,
 and reading ``latest``, ``meta.json``, a layer file or a rank file with an error that names
-the file and what it was for (:mod:`pipekernel.engine.checkpoint` has the format and the contract).
+the file and what it was for; which checkpoints a root holds, and deleting the older ones
+(:mod:`pipekernel.engine.checkpoint` has the format and the contract).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import uuid
 from typing import Any
 
 import torch
@@ -46,6 +50,17 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def _older(directory: str, incomplete: bool = False) -> str:
+    """The fix line for a checkpoint that cannot be read: which older ones there are and
+    the two calls that load one."""
+    root, tag = os.path.split(os.path.normpath(directory))
+    others = [t for t in checkpoint_tags(root) if t != tag]
+    there = f" ({', '.join(others)} under {root})" if others else f" (none under {root})"
+    return (("the checkpoint is incomplete: " if incomplete else "")
+            + f"load an older tag{there}: engine.load_checkpoint(root, tag=...), or "
+              "pipekernel train --resume TAG")
+
+
 def latest_tag(root: str) -> str:
     """The tag ``root/latest`` points at (``DataError`` if there is none)."""
     pointer = os.path.join(root, "latest")
@@ -79,7 +94,7 @@ def read_meta(root: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
                              f"under {root}") from None
     except (OSError, ValueError) as err:
         raise DataError(f"checkpoint {tag!r}: cannot read {meta_path} (truncated or "
-                        f"corrupt): {err}", hint="load an older tag") from err
+                        f"corrupt): {err}", hint=_older(directory)) from err
     version = meta.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise ConfigError(
@@ -98,10 +113,10 @@ def _read_layer(directory: str, meta: dict, index: int) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise DataError(f"checkpoint file {path} for layer {index} ({what}) is missing",
-                        hint="the checkpoint is incomplete: load an older tag") from None
+                        hint=_older(directory, incomplete=True)) from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for a bad zip
         raise DataError(f"checkpoint file {path} for layer {index} ({what}) is truncated "
-                        f"or corrupt: {err}", hint="load an older tag") from err
+                        f"or corrupt: {err}", hint=_older(directory)) from err
     if not isinstance(payload, dict) or payload.get("layer") != index:
         raise DataError(f"checkpoint file {path} does not hold layer {index}",
                         hint="the checkpoint directory was modified by hand")
@@ -115,7 +130,64 @@ def _read_rank(directory: str, rank: int) -> dict[str, Any]:
     except FileNotFoundError:
         raise DataError(f"checkpoint file {path} (rank {rank}'s RNG, precision and "
                         f"scheduler state) is missing",
-                        hint="the checkpoint is incomplete: load an older tag") from None
+                        hint=_older(directory, incomplete=True)) from None
     except Exception as err:  # noqa: BLE001
         raise DataError(f"checkpoint file {path} (rank {rank}'s state) is truncated or "
-                        f"corrupt: {err}", hint="load an older tag") from err
+                        f"corrupt: {err}", hint=_older(directory)) from err
+
+
+# -- the tags under a root: listing and pruning ------------------------------------------------
+
+#: The tags ``save`` writes by default (``global_step{N}``); pruning touches only these.
+_STEP_TAG = re.compile(r"global_step(\d+)")
+
+
+def checkpoint_tags(root: str) -> list[str]:
+    """The complete checkpoints under ``root`` (directories holding a ``meta.json``):
+    ``global_step{N}`` tags by step, then any other tag by name; ``[]`` if ``root``
+    does not exist."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    tags = [n for n in names if not n.startswith(".")
+            and os.path.isfile(os.path.join(root, n, "meta.json"))]
+
+    def order(tag: str) -> tuple:
+        match = _STEP_TAG.fullmatch(tag)
+        return (0, int(match.group(1)), "") if match else (1, 0, tag)
+
+    return sorted(tags, key=order)
+
+
+def prune(root: str, keep_last: int, current: str) -> list[str]:
+    """Delete the ``global_step{N}`` checkpoints under ``root`` older than ``current``
+    (a lower ``N``) but the ``keep_last - 1`` newest of them; return the deleted tags.
+
+    Never deletes ``current``, the tag ``latest`` names, a tag of another form (a
+    hand-named ``best``) or a checkpoint of a later step than ``current`` (left by a run
+    that was resumed from an older tag: it goes once this run's steps pass it). Not
+    collective: one process calls it, after ``save`` returned on every rank (so no rank
+    still writes). Each directory is first renamed to a hidden name, then removed, so
+    a crash part-way never leaves a half-deleted directory that looks like a checkpoint.
+    ``keep_last <= 0`` keeps everything.
+
+    :raises OSError: a checkpoint could not be renamed or removed (those before it are
+        deleted).
+    """
+    match = _STEP_TAG.fullmatch(current)
+    if keep_last <= 0 or match is None:
+        return []
+    step = int(match.group(1))
+    try:
+        protected = {current, latest_tag(root)}
+    except DataError:
+        protected = {current}
+    older = [t for t in checkpoint_tags(root) if (m := _STEP_TAG.fullmatch(t))
+             and int(m.group(1)) < step and t not in protected]
+    doomed = older[:max(len(older) - (keep_last - 1), 0)]
+    for tag in doomed:
+        trash = os.path.join(root, f".old-{tag}-{uuid.uuid4().hex[:8]}")
+        os.rename(os.path.join(root, tag), trash)
+        shutil.rmtree(trash)
+    return doomed

@@ -14,7 +14,7 @@ times exactly:
 
 * ``zb-h1``: warm-up ``S - s``, cap ``S`` on every stage (the peak of 1F1B, which
   1F1B reaches only on stage 0): iteration time ``M (F+I+W) + (S-1)(F+I-W)``, a
-  third of 1F1B's bubble. Later stages hold up to ``S`` parts and defer their W
+  third of 1F1B's bubble (at ``T_I = T_W = T_F / 2``, a half). Later stages hold up to ``S`` parts and defer their W
   into the tail, so every stage ends together.
 * ``zb-h2``: warm-up ``2 S - 1 - 2 s``, cap ``2 S - 1``: the warm-up fills the bubble
   before the first I and the tail's W turn the trapezoid into a parallelogram —
@@ -215,7 +215,8 @@ class _ZeroBubble(OrderedSchedule):
 
 
 class ZBH1(OrderedSchedule):
-    """ZB-H1 (the paper's handcrafted schedule): 1F1B's peak memory, a third of its bubble.
+    """ZB-H1 (the paper's handcrafted schedule): 1F1B's peak memory, a third of its bubble
+    at equal costs ``T_F = T_I = T_W`` (``pipekernel schedule --backward-cost 2``).
 
     One chunk, ``"loop"`` placement, any sizes. Stage ``s`` runs ``min(S - s, M)``
     warm-up forwards and holds at most ``min(S, M)`` parts (counting a part until
@@ -233,8 +234,8 @@ class ZBH1(OrderedSchedule):
 
 
 class ZBH2(OrderedSchedule):
-    """ZB-H2 (the paper's handcrafted schedule): no bubble inside a stage, ``2 S - 1``
-    parts in flight.
+    """ZB-H2 (the paper's handcrafted schedule): no bubble inside a stage at equal costs
+    ``T_F = T_I = T_W``, ``2 S - 1`` parts in flight.
 
     One chunk, ``"loop"`` placement, any sizes. Stage ``s`` runs
     ``min(2 S - 1 - 2 s, M)`` warm-up forwards and holds at most ``min(2 S - 1, M)``
