@@ -79,12 +79,13 @@ def batch(seed: int, rows: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def build(model_type: str, seed: int = 0) -> tuple[Any, str | None]:
+def build(model_type: str, seed: int = 0, **changes: Any) -> tuple[Any, str | None]:
     """``(model, None)``, or ``(None, why)``: the family does not build at small sizes, or its
-    own forward fails on a padded batch in training mode (then the pipeline has no oracle)."""
-    model, why = _build(model_type, seed)
+    own forward fails on a padded batch in training mode (then the pipeline has no oracle).
+    ``changes``: config values over the small sizes."""
+    model, why = _build(model_type, seed, **changes)
     if model is None and why.startswith("its own forward"):
-        retried, _ = _build(model_type, seed, **RETRY)
+        retried, _ = _build(model_type, seed, **RETRY, **changes)
         model, why = (retried, None) if retried is not None else (None, why)
     return model, why
 

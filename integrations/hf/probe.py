@@ -67,21 +67,30 @@ def probe(model: nn.Module, chain: list, tied: bool) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            x = inputs
-            for layer in chain:
-                x = layer[1](layer[0], x) if isinstance(layer, tuple) else layer(x)
-            if meta:
-                return
-            ref = model(**inputs).logits
-    except ConfigError:
-        raise
-    except Exception:  # noqa: BLE001 - the meta device cannot run everything: no verdict
-        if meta:
-            return
-        raise
+            ref = None if meta else model(**inputs).logits
+            got = _run(chain, inputs, model, meta)
     finally:
         model.train(was)
-    _compare(model, x, ref)
+    if got is not None:
+        _compare(model, got, ref)
+
+
+def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tensor | None:
+    """The chain's logits; ``None`` where the meta device cannot tell."""
+    x: Any = inputs
+    try:
+        for layer in chain:
+            x = layer[1](layer[0], x) if isinstance(layer, tuple) else layer(x)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's forward runs, its layers do not
+        if meta:
+            return None  # the meta device cannot run everything: no verdict
+        raise ConfigError(f"{type(model).__name__}'s layers, run as a pipeline, fail where its "
+                          f"forward runs: {type(e).__name__}: {e}"[:400],
+                          hint="its decoder layers need something the base model's forward "
+                               f"does not pass them (e.g. input_ids); {_DOCS}") from e
+    return None if meta else x
 
 
 def _compare(model: nn.Module, got: torch.Tensor, ref: torch.Tensor) -> None:
