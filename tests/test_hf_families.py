@@ -5,7 +5,8 @@ at small sizes, each trained one step at 2 stages in one 2-process world that lo
 families, against the same model trained in one process through its own ``forward`` (its
 own loss): every family that builds either matches (loss and every parameter <= 1e-5) or is
 refused by ``pipeline_module`` with a ``ConfigError`` at build time; a mismatch or any other
-error fails. The verdicts must equal ``tests/fixtures/hf_families.json``, from which
+error fails. Each family's ``save_pretrained`` key set (every stage's) must be the one
+HF's own ``save_pretrained`` writes for the same model. The verdicts must equal ``tests/fixtures/hf_families.json``, from which
 docs/hf.md's table is generated (``PK_WRITE_FAMILIES=1`` rewrites the file, then
 ``python tests/hf_families.py`` the table). A 4-process run trains the families whose fixes
 this file pins (tuple blocks at 4 layers, soft-capping, logit scales, norms found without
@@ -15,17 +16,21 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+from safetensors.torch import load_file  # noqa: E402
 
 import hf_families as F  # noqa: E402
 import pipekernel as pk  # noqa: E402
 import pipekernel.hf as hf  # noqa: E402
 from pipekernel.errors import ConfigError  # noqa: E402
+from pipekernel.hf.save import stage_state  # noqa: E402
 from pipekernel.testing import run_ranks  # noqa: E402
 
 MICRO_BATCHES, TOLERANCE = 2, 1e-5
@@ -72,14 +77,18 @@ def train_family(name, stages):
         loss = engine.train_batch(iter(items())).item()
         state = {k.partition(".")[2]: v.detach().clone()
                  for k, v in engine.module.state_dict().items()}
+        keys = sorted(stage_state(engine))  # what save_pretrained writes for this stage
     finally:
         engine.close()
     ref_loss = reference(model, items())
     ref = model.state_dict()
     worst = max((v - ref[k]).abs().max().item() / max(1.0, ref[k].abs().max().item())
                 for k, v in state.items())
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        written = sorted(k for f in Path(directory).glob("*.safetensors") for k in load_file(f))
     return {"verdict": "trains", "loss": abs(loss - ref_loss) / abs(ref_loss),
-            "parameters": worst, "keys": sorted(state)}
+            "parameters": worst, "keys": keys, "hf_keys": written}
 
 
 def _worker(names, stages):
@@ -110,9 +119,18 @@ def _merge(ranks):
     return merged
 
 
+def _key_difference(r):
+    if r["verdict"] != "trains":
+        return {}
+    return {"only ours": sorted(set(r["keys"]) - set(r["hf_keys"]))[:5],
+            "only HF's": sorted(set(r["hf_keys"]) - set(r["keys"]))[:5]}
+
+
 def _check(results):
-    bad = {n: r for n, r in results.items() if r["verdict"] == "error"
-           or (r["verdict"] == "trains" and max(r["loss"], r["parameters"]) > TOLERANCE)}
+    bad = {n: {k: v for k, v in r.items() if "keys" not in k} | _key_difference(r)
+           for n, r in results.items() if r["verdict"] == "error"
+           or (r["verdict"] == "trains" and (max(r["loss"], r["parameters"]) > TOLERANCE
+                                             or r["keys"] != r["hf_keys"]))}
     assert not bad, json.dumps(bad, indent=1)[:6000]
 
 
