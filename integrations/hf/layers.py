@@ -9,10 +9,10 @@ The chain, with what travels between layers (and so between stages):
 
 1. :class:`Embed` — the input embeddings: ``{"input_ids", "attention_mask", ...}`` ->
    ``{"inputs_embeds", "attention_mask", ...}``.
-2. :class:`Prologue` — the base model's own ``forward`` with every decoder layer replaced
-   by a recorder: whatever the family computes before its layers (learned positions,
-   rotary ``(cos, sin)``, the causal/padding mask, scaling, dropout) is computed by its
-   own code, and what each layer was called with is recorded. Out goes a dict
+2. :class:`Prologue` — the base model's own ``forward``, calling decoder layer 0 itself
+   and, for every later layer, a recorder: whatever the family computes before its layers
+   (learned positions, rotary ``(cos, sin)``, the causal/padding mask, scaling, dropout) is
+   computed by its own code, and what each layer was called with is recorded. Out goes a dict
    ``{"hidden": h, "values": (...), "calls": ((arg slots), {kwarg: slot}) per layer}``:
    the distinct values once, and for each decoder layer where its arguments are.
 3. :class:`Decoder` — one Hugging Face decoder layer, called exactly as the base model
@@ -20,8 +20,8 @@ The chain, with what travels between layers (and so between stages):
 4. :class:`Epilogue` — the base model's children that run after the layers (final norm).
    The prologue and the epilogue are one pipeline layer with the first and the last
    decoder layer (:class:`Chain`).
-5. the output projection (:class:`Mirror` of ``lm_head``, or the tied embeddings through
-   :func:`tied_logits`).
+5. the output projection and what the model's forward does after it
+   (:mod:`pipekernel.hf.head`).
 """
 from __future__ import annotations
 
@@ -31,13 +31,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["Mirror", "Embed", "Prologue", "Decoder", "Epilogue", "Chain", "Head", "tied_logits",
-           "embed_tokens"]
+__all__ = ["Mirror", "Embed", "Prologue", "Decoder", "Epilogue", "Chain", "embed_tokens"]
 
 
 class Mirror(nn.Module):
@@ -87,25 +85,69 @@ def embed_tokens(layer: Embed, inputs: Any) -> dict[str, Any]:
     return {"inputs_embeds": layer.target(inputs["input_ids"]), **rest}
 
 
-def tied_logits(layer: Embed, hidden: torch.Tensor) -> torch.Tensor:
-    """The output projection through the input embeddings' weight (tied embeddings)."""
-    return F.linear(hidden, layer.target.weight)
+class _Log:
+    """What the base model's forward did with its decoder layers, while the prologue runs it:
+    each layer's call (``(args, kwargs, hidden in)``), the first layer's real output, and
+    the last hidden state handed back (to prove it reached the next layer unchanged)."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+        self.first: Any = None
+        self.hidden: Any = None
+        self.returned: Any = None
+        self.changed: list[int] = []
+
+    def clear(self) -> None:
+        self.calls, self.first, self.hidden, self.returned, self.changed = [], None, None, None, []
+
+    def record(self, args: tuple, kwargs: dict) -> Any:
+        if args:
+            hidden, rest, named = args[0], args[1:], kwargs
+        else:
+            named = dict(kwargs)
+            hidden, rest = named.pop("hidden_states"), ()
+        if self.calls and hidden is not self.returned:
+            self.changed.append(len(self.calls))
+        self.calls.append((rest, named, hidden))
+        return hidden
 
 
-class _Recorder(nn.Module):
-    """Stands in for decoder layer ``index``: records its arguments, returns its input."""
+class _StandIn(nn.Module):
+    """Stands where a decoder layer stood in the base model; the base model's forward may read
+    the layer's attributes (``attention_type``, ``block_type``): they are the layer's."""
 
-    def __init__(self, sink: list) -> None:
+    def __init__(self, layer: nn.Module, log: _Log) -> None:
         super().__init__()
-        self.sink = sink
+        self.__dict__["layer"], self.__dict__["log"] = layer, log
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["layer"], name)
+
+
+class _First(_StandIn):
+    """Decoder layer 0 itself, run where the base model runs it; its output tells the others'
+    recorders what to return (a tensor, or a tuple as Bloom's and Falcon's blocks return)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            hidden, rest = args[0], args[1:]
-        else:
-            hidden, rest = kwargs.pop("hidden_states"), ()
-        self.sink.append((rest, kwargs, hidden))
-        return hidden
+        self.log.record(args, kwargs)
+        out = self.layer(*args, **kwargs)
+        self.log.first = out
+        self.log.returned = self.log.hidden = out[0] if isinstance(out, (tuple, list)) else out
+        return out
+
+
+class _Recorder(_StandIn):
+    """Stands in for a later decoder layer (``layer``: the base model's, never called): records
+    its arguments, returns its input in the structure the first layer returned."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = self.log.record(args, kwargs)
+        self.log.returned = hidden
+        first = self.log.first
+        return type(first)((hidden, *first[1:])) if isinstance(first, (tuple, list)) else hidden
 
 
 class _NotCalled(nn.Module):
@@ -120,19 +162,21 @@ class _NotCalled(nn.Module):
 
 
 class Prologue(Mirror):
-    """What the base model computes before its first decoder layer, by its own ``forward``.
+    """What the base model computes before its first decoder layer, by its own ``forward``,
+    and the first decoder layer itself, called by that forward.
 
     :param base: the base model (any device: only its ``forward`` and config are used;
         its children are replaced in a shallow copy).
     :param children: ``{path: module}`` of the materialised children that run before the
         layers (e.g. learned positions, rotary embeddings).
-    :param names: the base model's child names of the layers, the embeddings and the tail.
+    :param first: the materialised decoder layer 0 (``{layers}.0``).
     """
 
     def __init__(self, base: nn.Module, base_path: str, children: dict[str, nn.Module],
-                 layers: str, num_layers: int, embed: str, tail: Sequence[str]) -> None:
-        super().__init__(children)
-        self.__dict__["sink"] = sink = []
+                 layers: str, num_layers: int, embed: str, tail: Sequence[str],
+                 first: nn.Module) -> None:
+        super().__init__({**children, f"{layers}.0": first})
+        self.__dict__["log"] = log = _Log()
         shell = copy.copy(base)
         shell._modules = dict(base._modules)
         shell._parameters, shell._buffers = dict(base._parameters), dict(base._buffers)
@@ -140,21 +184,24 @@ class Prologue(Mirror):
         for path, module in children.items():
             shell._modules[path[len(prefix):]] = module
         self.layers_key = layers[len(prefix):]
+        base_layers = base._modules[self.layers_key]
         #: keyword options of the base model's forward: no cache
         self.options = {"use_cache": False} \
             if "use_cache" in inspect.signature(base.forward).parameters else {}
         shell._modules[self.layers_key] = nn.ModuleList(
-            [_Recorder(sink) for _ in range(num_layers)])
+            [_First(first, log), *(_Recorder(layer, log) for layer in base_layers[1:])])
         shell._modules[embed[len(prefix):]] = _NotCalled(f"the input embeddings {embed!r}")
         for path in tail:
-            shell._modules[path[len(prefix):]] = nn.Identity()
+            if path not in children:  # a stateless module run on both sides stays
+                shell._modules[path[len(prefix):]] = nn.Identity()
         self.__dict__["shell"] = shell
         self.__dict__["checked"] = False
-        self._names = {module: path for path, module in children.items()}
+        self.num_layers = num_layers
+        self._names = {module: path for path, module in children.items() if path not in tail}
 
     def forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
         self.shell.training = self.training
-        self.sink.clear()
+        self.log.clear()
         order: list[Any] = []
         hooks = [] if self.checked else self._watch(order)
         try:
@@ -164,7 +211,8 @@ class Prologue(Mirror):
                 hook.remove()
         if not self.checked:
             self._check_order(order)
-        return _pack(self.sink)
+            self._check_calls()
+        return _pack(self.log.calls, self.log.hidden)
 
     def _watch(self, order: list[Any]) -> list[Any]:
         """Hooks noting the order in which the children and the first layer run (``None``)."""
@@ -181,10 +229,31 @@ class Prologue(Mirror):
                               "layers, but was taken for a module that runs before them",
                               hint="name the modules that run after the layers: "
                                    "pipeline_module(..., tail=[...]) in the order they run")
+
+    def _check_calls(self) -> None:
+        """The layers form a chain the pipeline can cut: each called once, in order, with
+        the hidden state the previous one returned and nothing else it returned."""
+        log, where = self.log, f"{type(self.shell).__name__}.forward"
+        if len(log.calls) != self.num_layers:
+            raise ConfigError(f"{where} called {len(log.calls)} decoder layers of "
+                              f"{self.num_layers} (layer drop, or layers run more than once)",
+                              hint="set the config's layerdrop to 0; a model that does not "
+                                   "call each layer once in order cannot be split here")
+        if log.changed:
+            raise ConfigError(f"{where} changes the hidden state between decoder layers "
+                              f"(before layer {log.changed[0]}), which a pipeline of its layers "
+                              "would not reproduce", hint="write the model as LayerSpecs")
+        extra = [v for v in (log.first[1:] if isinstance(log.first, (tuple, list)) else ())
+                 if isinstance(v, torch.Tensor)]
+        for j, (args, kwargs, _) in enumerate(log.calls[1:], 1):
+            if any(v is e for v in (*args, *kwargs.values()) for e in extra):
+                raise ConfigError(f"{where} passes what decoder layer {j - 1} returned besides "
+                                  f"the hidden state to layer {j}, which cannot be reproduced",
+                                  hint="write the model as LayerSpecs")
         self.__dict__["checked"] = True
 
 
-def _pack(calls: list) -> dict[str, Any]:
+def _pack(calls: list, hidden: torch.Tensor) -> dict[str, Any]:
     """The recorded calls as ``{"hidden", "values", "calls"}`` (each distinct value once)."""
     values: list[Any] = []
     slot: dict[int, int] = {}
@@ -201,7 +270,7 @@ def _pack(calls: list) -> dict[str, Any]:
     for args, kwargs, _ in calls:
         layout.append((tuple(place(f"argument {i + 1}", a) for i, a in enumerate(args)),
                        {k: place(repr(k), v) for k, v in kwargs.items()}))
-    return {"hidden": calls[0][2], "values": tuple(values), "calls": tuple(layout)}
+    return {"hidden": hidden, "values": tuple(values), "calls": tuple(layout)}
 
 
 def _check_carriable(name: str, value: Any) -> None:
@@ -235,7 +304,7 @@ class Decoder(Mirror):
         values = x["values"]
         out = self.target(x["hidden"], *(values[i] for i in slots),
                           **{k: values[i] for k, i in named.items()})
-        return {**x, "hidden": out[0] if isinstance(out, tuple) else out}
+        return {**x, "hidden": out[0] if isinstance(out, (tuple, list)) else out}
 
 
 class Epilogue(Mirror):
@@ -266,14 +335,3 @@ class Chain(Mirror):
             part.training = self.training
             x = part(x)
         return x
-
-
-class Head(Mirror):
-    """The output projection (untied)."""
-
-    def __init__(self, path: str, module: nn.Module) -> None:
-        super().__init__({path: module})
-        self.__dict__["target"] = module
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target(hidden)

@@ -16,9 +16,10 @@ from torch import nn
 from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pipekernel.hf.batches import split_batch
-from pipekernel.hf.layers import (Chain, Decoder, Embed, Epilogue, Head, Prologue,
-                                  embed_tokens, tied_logits)
+from pipekernel.hf.head import Head, TiedHead
+from pipekernel.hf.layers import Chain, Decoder, Embed, Epilogue, Prologue, embed_tokens
 from pipekernel.hf.loss import causal_lm_loss
+from pipekernel.hf.probe import check_config, probe
 from pipekernel.hf.structure import Structure, find_structure
 from pipekernel.hf.weights import make_source
 
@@ -44,7 +45,8 @@ class HFPipelineModule(PipelineModule):
 
 def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
                     partition: Any = "parameters", layers: str | None = None,
-                    tail: Sequence[str] | None = None, **options: Any) -> HFPipelineModule:
+                    tail: Sequence[str] | None = None, check: bool = True,
+                    **options: Any) -> HFPipelineModule:
     """A pipeline of a Hugging Face decoder-only causal LM, found by its structure.
 
     :param model_or_path: a ``*ForCausalLM`` model (its modules are copied, it stays
@@ -56,19 +58,29 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     :param layers: the path of the decoder layers' ``ModuleList``, when the search does
         not find exactly one (e.g. ``"model.layers"``).
     :param tail: the base model's children that run after the layers, in order, when
-        their registration order does not say (e.g. ``["model.decoder.final_layer_norm"]``).
+        HF's ``base_model_pp_plan``, the base model's ``forward`` source and the registration
+        order do not say (e.g. ``["model.decoder.final_layer_norm"]``).
+    :param check: run the layers once at build time on a tiny input against the model's own
+        ``forward`` (:func:`~pipekernel.hf.probe.probe`: numbers with a model in memory, the
+        structure with a directory or a config), so what cannot be reproduced is refused on
+        every rank before the first step.
     :param options: further :class:`~pipekernel.PipelineModule` options (``seed``,
         ``activation_checkpoint_interval``); ``loss_fn`` defaults to
         :func:`~pipekernel.hf.causal_lm_loss` (use ``loss_reduction="tokens"`` in the engine)
         and ``batch_fn`` to :func:`~pipekernel.hf.split_batch`.
     :raises ConfigError: the model is not a decoder-only causal LM this can split, naming
-        the piece that was not found.
+        the piece that was not found, or it does something the pipeline would not reproduce
+        (MoE router auxiliary losses, layer drop, logits that differ from its forward's).
 
     The layers: ``[embeddings, prologue + decoder 0, decoder 1, ..., decoder N-1 + epilogue,
     head]`` (every layer holds parameters; see :mod:`pipekernel.hf.layers`).
     """
     source = make_source(model_or_path)
     structure = find_structure(source.model, layers=layers, tail=tail)
+    check_config(source.model)
+    if check:
+        chain = _chain(_layer_specs(_Borrowed(source.model), structure))
+        probe(source.model, chain, structure.tied)
     specs = _layer_specs(source, structure)
     options.setdefault("loss_fn", causal_lm_loss)
     options.setdefault("batch_fn", split_batch)
@@ -81,17 +93,16 @@ def _layer_specs(source: Any, s: Structure) -> list[LayerSpec]:
     def embed() -> nn.Module:
         return Embed(s.embed, source.build(s.embed))
 
-    def prologue() -> nn.Module:
+    def prologue(first: nn.Module) -> nn.Module:
         base = source.model.get_submodule(s.base) if s.base else source.model
         return Prologue(base, s.base, {p: source.build(p) for p in s.prologue}, s.layers,
-                        s.num_layers, s.embed, s.tail)
+                        s.num_layers, s.embed, s.tail, first)
 
     def decoder(j: int) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
             path = f"{s.layers}.{j}"
-            parts = [Decoder(path, source.build(path), j)]
-            if j == 0:
-                parts.insert(0, prologue())
+            module = source.build(path)
+            parts = [prologue(module) if j == 0 else Decoder(path, module, j)]
             if j == s.num_layers - 1:
                 parts.append(Epilogue({p: source.build(p) for p in s.tail}))
             return Chain(parts) if len(parts) > 1 else parts[0]
@@ -99,11 +110,34 @@ def _layer_specs(source: Any, s: Structure) -> list[LayerSpec]:
         return make
 
     def head() -> nn.Module:
-        return Head(s.lm_head, source.build(s.lm_head))
+        return Head(source.model, s.base, s.lm_head, source.build(s.lm_head))
 
     for fn, name in ((embed, "Embed"), (head, "Head")):
         fn.__name__ = name
     first = TiedLayerSpec(TIED_KEY, embed, forward_fn=embed_tokens) if s.tied else LayerSpec(embed)
-    last = TiedLayerSpec(TIED_KEY, embed, forward_fn=tied_logits) if s.tied else LayerSpec(head)
+    last = TiedLayerSpec(TIED_KEY, embed, forward_fn=TiedHead(source.model, s.base, s.lm_head)) \
+        if s.tied else LayerSpec(head)
     return [first, *(LayerSpec(decoder(j)) for j in range(s.num_layers)), last]
 
+
+class _Borrowed:
+    """A source lending the model's own modules (the build-time probe copies nothing)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def build(self, path: str) -> nn.Module:
+        return self.model.get_submodule(path)
+
+
+def _chain(specs: list[LayerSpec]) -> list[Any]:
+    """The layers of ``specs`` built once each; a tied occurrence as ``(module, forward_fn)``."""
+    built: dict[str, nn.Module] = {}
+    chain: list[Any] = []
+    for spec in specs:
+        if isinstance(spec, TiedLayerSpec):
+            layer = built.setdefault(spec.key, spec.build())
+            chain.append((layer, spec.forward_fn) if spec.forward_fn else layer)
+        else:
+            chain.append(spec.build())
+    return chain

@@ -62,8 +62,11 @@ def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
 
 
 def stage_state(engine: Any) -> dict[str, torch.Tensor]:
-    """This stage's tensors by Hugging Face key (masters under low precision), on the CPU;
-    a tied weight only on the first stage holding it."""
+    """This stage's tensors as Hugging Face's ``save_pretrained`` writes them (masters under
+    low precision), on the CPU: a tied weight only on the first stage holding it, the
+    model's ``_keys_to_ignore_on_save`` left out, and transformers' own weight conversions
+    reverted (``revert_weight_conversion``: e.g. fused MoE experts back to one key per
+    expert, the hub layout), so the key set is the one HF writes for the same model."""
     module = engine.pipeline_module
     tied = module.tied_stages(engine.bounds, engine.part_stages.__getitem__)
     skip = {str(i) for i, spec in enumerate(module.layers) if isinstance(spec, TiedLayerSpec)
@@ -76,7 +79,17 @@ def stage_state(engine: Any) -> dict[str, torch.Tensor]:
             continue
         value = masters.get(name, tensor)
         state[key] = value.detach().to("cpu", copy=True).contiguous()
-    return state
+    return _as_hf_writes(module.source.model, state)
+
+
+def _as_hf_writes(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from transformers.core_model_loading import revert_weight_conversion
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    if not state:
+        return state
+    state = revert_weight_conversion(model, state)
+    return {k: v.contiguous() for k, v in state.items()}
 
 
 def _shard(stage: int, stages: int) -> str:

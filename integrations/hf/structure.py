@@ -14,6 +14,7 @@ name the pieces instead (``layers=``, ``tail=``).
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,7 +129,12 @@ def _find_layers(model: nn.Module) -> str:
 def _split_children(base: nn.Module, base_path: str, layers: str, embed: str,
                     tail: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The base model's children other than the layers and the embeddings: (run before the
-    layers, run after them). Stateless children (rotary embeddings, dropout) run before."""
+    layers, run after them, in the order they run).
+
+    Where each runs, by the first of these that knows: HF's ``base_model_pp_plan`` of the
+    config (the modules in the order they run), the base model's ``forward`` source (where
+    ``self.<child>(`` is first called relative to the layer list), the registration order (a
+    child with state registered after the layers runs after them; stateless ones before)."""
     prefix = base_path + "." if base_path else ""
     names = [prefix + n for n, _ in base.named_children() if prefix + n not in (layers, embed)]
     if tail is not None:
@@ -138,14 +144,82 @@ def _split_children(base: nn.Module, base_path: str, layers: str, embed: str,
                               f"child of the base model {base_path!r}; its children are "
                               f"{', '.join(map(repr, names))}", hint=_HINT)
         return tuple(n for n in names if n not in tail), tuple(tail)
-    order = [prefix + n for n, _ in base.named_children()]
-    after = order.index(layers)
+    key = layers[len(prefix):]
+    rules = (_plan_positions(base, key), _source_positions(base, key),
+             _registration_positions(base, key))
     before, behind = [], []
+    both = _called_on_both_sides(base, key)
     for name in names:
-        child = base.get_submodule(name[len(prefix):])
+        child = name[len(prefix):]
+        rule = next(r for r in rules if child in r)
+        (behind if rule[child] > rule[key] else before).append(name)
+        if child in both and name in before:
+            if any(True for _ in base.get_submodule(child).parameters()):
+                raise ConfigError(f"{name!r} runs both before and after the decoder layers and "
+                                  "holds parameters, which two stages would have to share",
+                                  hint=_HINT)
+            behind.append(name)  # stateless (Nanochat's norm): each side runs its own copy
+    rule = next((r for r in rules if all(n[len(prefix):] in r for n in behind)), rules[-1])
+    order = {n: rule.get(n[len(prefix):], len(rule)) for n in behind}
+    for name in behind:
+        if name[len(prefix):] in both:
+            order[name] = len(rule) + 1
+    return tuple(before), tuple(sorted(behind, key=order.__getitem__))
+
+
+def _plan_positions(base: nn.Module, key: str) -> dict[str, int]:
+    """``{child: position}`` in the config's ``base_model_pp_plan`` (empty without one)."""
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    plan = getattr(text, "base_model_pp_plan", None) or {}
+    order = {name: i for i, name in enumerate(plan)}
+    return order if key in order else {}
+
+
+def _source_positions(base: nn.Module, key: str) -> dict[str, int]:
+    """``{child: where the forward source first calls self.<child>(}``, the layer list at the
+    first ``self.<layers>`` (empty when the source is unavailable or names no layer list)."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return {}
+    layers = re.search(rf"self\.{re.escape(key)}\b", source)
+    if layers is None:
+        return {}
+    found = {key: layers.start()}
+    for name, _ in base.named_children():
+        call = re.search(rf"self\.{re.escape(name)}\s*\(", source)
+        if call is not None and name != key:
+            found[name] = call.start()
+    return found
+
+
+def _called_on_both_sides(base: nn.Module, key: str) -> set[str]:
+    """The children the forward source calls both before and after the first ``self.<layers>``."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return set()
+    layers = re.search(rf"self\.{re.escape(key)}\b", source)
+    if layers is None:
+        return set()
+    found = set()
+    for name, _ in base.named_children():
+        calls = [m.start() for m in re.finditer(rf"self\.{re.escape(name)}\s*\(", source)]
+        if calls and min(calls) < layers.start() < max(calls):
+            found.add(name)
+    return found
+
+
+def _registration_positions(base: nn.Module, key: str) -> dict[str, int]:
+    """Registration order, every stateless child counted as running first."""
+    order = [n for n, _ in base.named_children()]
+    found = {}
+    for i, name in enumerate(order):
+        child = base.get_submodule(name)
         stateful = any(True for _ in child.parameters()) or bool(child.state_dict())
-        (behind if stateful and order.index(name) > after else before).append(name)
-    return tuple(before), tuple(behind)
+        found[name] = i if stateful or name == key else -1
+    return found
 
 
 def _path_of(model: nn.Module, target: nn.Module | None, what: str) -> str:

@@ -94,7 +94,13 @@ class ConfigSource(_MetaSource):
 
 
 class CheckpointSource(_MetaSource):
-    """The weights of a ``save_pretrained`` directory, read tensor by tensor.
+    """The weights of a directory ``from_pretrained`` loads, read tensor by tensor.
+
+    Keys go through transformers' own conversion (``conversion_mapping`` and
+    ``core_model_loading``, as ``from_pretrained`` applies them): renamings, the base-model
+    prefix added or stripped (GPT-2 checkpoints without ``transformer.``), converters such
+    as the per-expert MoE keys of the hub layout fused into one tensor, a tied weight saved
+    under either name. Each stage reads only the checkpoint tensors its modules need.
 
     :param directory: holds ``config.json`` and ``model.safetensors`` or
         ``model.safetensors.index.json`` with its shards.
@@ -106,22 +112,83 @@ class CheckpointSource(_MetaSource):
         self.directory = os.fspath(directory)
         super().__init__(config if config is not None else AutoConfig.from_pretrained(self.directory))
         self.files = _weight_map(self.directory)
+        self.plan, self.converters = _conversion_plan(self.model, self.files)
 
     def fill(self, path: str, module: nn.Module) -> None:
         from safetensors import safe_open
         state = module.state_dict(keep_vars=True)
-        by_file: dict[str, list[str]] = {}
-        for name in state:
-            key = _checkpoint_key(self.files, f"{path}.{name}", self.model)
-            by_file.setdefault(self.files[key], []).append(name)
+        wanted = {f"{path}.{name}": name for name in state}
+        handles: dict[str, Any] = {}
+
+        def read(key: str) -> torch.Tensor:
+            filename = self.files[key]
+            if filename not in handles:
+                handles[filename] = safe_open(os.path.join(self.directory, filename),
+                                              framework="pt")
+            tensor = handles[filename].get_tensor(key)
+            self.bytes_read += tensor.numel() * tensor.element_size()
+            return tensor
+
+        values = {}
+        for target in _needed(self.plan, wanted, self.model):
+            values.update(self._convert(target, read))
         with torch.no_grad():
-            for filename, names in by_file.items():
-                with safe_open(os.path.join(self.directory, filename), framework="pt") as f:
-                    for name in names:
-                        tensor = f.get_tensor(_checkpoint_key(self.files, f"{path}.{name}",
-                                                              self.model))
-                        self.bytes_read += tensor.numel() * tensor.element_size()
-                        state[name].copy_(tensor)
+            for full, name in wanted.items():
+                key = full if full in values else next(
+                    (a for a in _aliases(self.model, full) if a in values), None)
+                if key is None:
+                    raise ConfigError(f"the checkpoint {self.directory!r} has no tensor for "
+                                      f"{full!r} (after transformers' key conversion)",
+                                      hint="load a checkpoint saved from the same model "
+                                           "configuration")
+                state[name].copy_(values[key])
+
+    def _convert(self, target: str, read: Any) -> dict[str, torch.Tensor]:
+        """``{model key: tensor}`` the checkpoint tensors behind ``target`` become."""
+        sources = self.plan[target]
+        pattern = sources[0][1]
+        if pattern is None:
+            return {target: read(sources[0][0])}
+        converter = copy.deepcopy(self.converters[pattern])
+        for key, source_pattern in sources:
+            converter.add_tensor(target, key, source_pattern, lambda key=key: read(key))
+        out = converter.convert(target, model=self.model, config=self.model.config)
+        return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+
+def _conversion_plan(model: nn.Module, files: dict[str, str]
+                     ) -> tuple[dict[str, list[tuple[str, str | None]]], dict[str, Any]]:
+    """``{model key: [(checkpoint key, converter pattern or None)]}`` by transformers' own
+    renaming (``rename_source_key``, as ``convert_and_load_state_dict_in_model`` does), and
+    the converters by pattern. Marks the conversions used on ``model`` as ``from_pretrained``
+    does (``_weight_conversions``), so saving reverts exactly those."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                 dot_natural_key, rename_source_key)
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    meta_state = model.state_dict()
+    prefix = model.base_model_prefix
+    plan: dict[str, list[tuple[str, str | None]]] = {}
+    for key in sorted(files, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if renamed not in meta_state and key in meta_state:
+            renamed, pattern = rename_source_key(key, [], [], prefix, meta_state)
+        if renamed in meta_state:
+            plan.setdefault(renamed, []).append((key, pattern))
+    model._weight_conversions = [m for m in mapping if m.was_used()]
+    return plan, by_pattern
+
+
+def _needed(plan: dict[str, list], wanted: dict[str, str], model: nn.Module) -> list[str]:
+    """The plan's targets that produce a key of ``wanted`` (a converter with several
+    targets is keyed by its first: every target under the same module path counts)."""
+    roots = {k.rpartition(".")[0] for k in wanted}
+    aliases = {a for k in wanted for a in _aliases(model, k)}
+    return [t for t in plan if t in wanted or t in aliases
+            or t.rpartition(".")[0] in roots or any(t.startswith(r + ".") for r in roots)]
 
 
 def _weight_map(directory: str) -> dict[str, str]:
@@ -139,17 +206,6 @@ def _weight_map(directory: str) -> dict[str, str]:
                       "model.safetensors.index.json",
                       hint="save the model with save_pretrained(path) (safetensors, the default), "
                            "or pass the loaded model itself")
-
-
-def _checkpoint_key(files: dict[str, str], key: str, model: nn.Module) -> str:
-    """``key`` as the checkpoint names it: tied weights are saved once, under either name."""
-    if key in files:
-        return key
-    for alias in _aliases(model, key):
-        if alias in files:
-            return alias
-    raise ConfigError(f"the checkpoint has no tensor {key!r}",
-                      hint="load a checkpoint saved from the same model configuration")
 
 
 def _aliases(model: nn.Module, key: str) -> list[str]:

@@ -1,0 +1,108 @@
+"""Refuse at build time what the pipeline would not reproduce: run it once, in one process.
+
+:func:`probe` chains the pipeline's layers in this process on a tiny input and compares
+their logits with the model's own ``forward``: whatever a family does that the layer chain
+misses (an operation between its layers, something after its output projection that its
+forward does not do through the shell, layers called out of order) is a ``ConfigError`` on
+every rank before the first step, never a silent mismatch. With the model in memory the
+probe borrows its modules (no copy) and compares numbers; with a meta model (a directory
+or a config) it runs on the meta device, which proves the structure (the order of calls,
+the chain of hidden states) but not the numbers.
+
+:func:`check_config` refuses by name what a config asks for and the pipeline does not do.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipekernel.errors import ConfigError
+
+__all__ = ["probe", "check_config"]
+
+_DOCS = "see docs/hf.md, 'What is refused'"
+
+
+def check_config(model: nn.Module) -> None:
+    """Refuse a config whose training the pipeline does not reproduce, naming the option.
+
+    * ``output_router_logits=True`` (MoE): the forward adds the router's auxiliary
+      load-balancing loss (``router_aux_loss_coef``) to the loss; the pipeline's loss is the
+      causal-LM loss only (router auxiliary losses: issue 30).
+    * ``layerdrop > 0``: layers are skipped at random in training.
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = type(model).__name__
+    if getattr(text, "output_router_logits", False):
+        coef = getattr(text, "router_aux_loss_coef", None)
+        raise ConfigError(f"{name} has output_router_logits=True: its forward adds the router "
+                          f"auxiliary loss (router_aux_loss_coef={coef}) to the loss, which the "
+                          "pipeline does not reproduce yet (MoE router aux losses, issue 30)",
+                          hint="set config.output_router_logits=False to train on the causal-LM "
+                               f"loss alone; {_DOCS}")
+    for key, value in text.to_dict().items():
+        if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
+            raise ConfigError(f"{name} has {key}={value}: its forward skips decoder layers at "
+                              "random in training, which a pipeline of its layers cannot",
+                              hint=f"set config.{key}=0; {_DOCS}")
+
+
+def probe(model: nn.Module, chain: list, tied: bool) -> None:
+    """Run ``chain`` (the pipeline's layers, built on ``model``'s own modules) on a tiny input
+    and compare with ``model``'s forward; ``tied``: the last entry is ``(embed layer,
+    forward_fn)``.
+
+    :raises ConfigError: a layer's own check failed, or the logits differ.
+    """
+    param = next(iter(model.parameters()), None)
+    meta = param is None or param.device.type == "meta"
+    device = torch.device("meta") if meta else param.device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.arange(1, 5, device=device).remainder(vocab)[None]
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ref = None if meta else model(**inputs).logits
+            got = _run(chain, inputs, model, meta)
+    finally:
+        model.train(was)
+    if got is not None:
+        _compare(model, got, ref)
+
+
+def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tensor | None:
+    """The chain's logits; ``None`` where the meta device cannot tell."""
+    x: Any = inputs
+    try:
+        for layer in chain:
+            x = layer[1](layer[0], x) if isinstance(layer, tuple) else layer(x)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's forward runs, its layers do not
+        if meta:
+            return None  # the meta device cannot run everything: no verdict
+        raise ConfigError(f"{type(model).__name__}'s layers, run as a pipeline, fail where its "
+                          f"forward runs: {type(e).__name__}: {e}"[:400],
+                          hint="its decoder layers need something the base model's forward "
+                               f"does not pass them (e.g. input_ids); {_DOCS}") from e
+    return None if meta else x
+
+
+def _compare(model: nn.Module, got: torch.Tensor, ref: torch.Tensor) -> None:
+    name = type(model).__name__
+    if got.shape != ref.shape:
+        raise ConfigError(f"the pipeline's logits have shape {tuple(got.shape)}, "
+                          f"{name}.forward's {tuple(ref.shape)}", hint=_DOCS)
+    scale = ref.abs().max().item() or 1.0
+    diff = (got.float() - ref.float()).abs().max().item()
+    tolerance = 1e-4 if ref.dtype == torch.float32 else 3e-2
+    if diff > tolerance * scale:
+        raise ConfigError(f"the pipeline's logits differ from {name}.forward's by {diff:.3g} "
+                          f"(largest logit {scale:.3g}): the model computes something the "
+                          "chain of its layers does not reproduce",
+                          hint=f"write the model as LayerSpecs; {_DOCS}")
