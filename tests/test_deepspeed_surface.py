@@ -103,12 +103,23 @@ def test_no_effect_keys_are_logged_once(caplog):
         "DeepSpeed config key 'csv_monitor' accepted with no effect in pipekernel: disabled"]
 
 
+CALLS = [0]
+
+
+class CountingLinear(nn.Linear):
+    """Counts its forward passes (a recomputation is one more)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CALLS[0] += 1
+        return super().forward(x)
+
+
 def _layers(pipe) -> list:
     """In-place ReLUs between linears (DeepSpeed runs them under checkpointing)."""
-    return [pipe.LayerSpec(nn.Linear, 8, 8), pipe.LayerSpec(nn.ReLU, inplace=True),
-            pipe.LayerSpec(nn.Linear, 8, 8), pipe.LayerSpec(nn.ReLU, inplace=True),
-            pipe.LayerSpec(nn.Linear, 8, 8), pipe.LayerSpec(nn.ReLU, inplace=True),
-            pipe.LayerSpec(nn.Linear, 8, 8)]
+    return [pipe.LayerSpec(CountingLinear, 8, 8), pipe.LayerSpec(nn.ReLU, inplace=True),
+            pipe.LayerSpec(CountingLinear, 8, 8), pipe.LayerSpec(nn.ReLU, inplace=True),
+            pipe.LayerSpec(CountingLinear, 8, 8), pipe.LayerSpec(nn.ReLU, inplace=True),
+            pipe.LayerSpec(CountingLinear, 8, 8)]
 
 
 def _train(interval: int, config: dict | None = None, batch_fn=None, double: bool = False,
@@ -130,7 +141,9 @@ def _train(interval: int, config: dict | None = None, batch_fn=None, double: boo
     if batch_fn is not None:
         engine.set_batch_fn(batch_fn)
     before = engine.was_step_applied()
+    CALLS[0] = 0
     losses = [float(engine.train_batch()) for _ in range(2)]
+    calls = CALLS[0]
     try:
         engine.module_state_dict()
         refused = ""
@@ -140,14 +153,16 @@ def _train(interval: int, config: dict | None = None, batch_fn=None, double: boo
     return {"losses": losses, "params": {k: v.clone() for k, v in model.state_dict().items()},
             "boundary": (seen, engine.is_gradient_accumulation_boundary()),
             "applied": (before, engine.was_step_applied()), "norm": engine.get_global_grad_norm(),
-            "refused": refused, "fp16": engine.fp16_enabled()}
+            "refused": refused, "fp16": engine.fp16_enabled(), "calls": calls}
 
 
 def _surface_worker() -> dict:
     plain = _train(0)
     return {"plain": plain, "every_layer": _train(1),
             "from_config": _train(0, {"pipeline": {"activation_checkpoint_interval": 1}}),
-            "linear_only": _train(1, checkpointable_layers=["Linear"]),
+            "linear_only": _train(1, checkpointable_layers=["CountingLinear"]),
+            "seeded": _train(1, seed_layers=True), "seeded_plain": _train(0, seed_layers=True),
+            "none_listed": _train(2, checkpointable_layers=["Conv2d"]),
             "batch_fn": _train(0, batch_fn=lambda b: (b[0] * 2, b[1])),
             "doubled": _train(0, double=True)}
 
@@ -163,10 +178,15 @@ def test_checkpointing_every_layer_runs_in_place_relus_and_changes_nothing(surfa
     the losses and weights are those of no checkpointing."""
     for got in surface_run:
         plain = got["plain"]
-        for name in ("every_layer", "from_config", "linear_only"):
+        for name in ("every_layer", "from_config", "linear_only", "none_listed"):
             assert got[name]["losses"] == pytest.approx(plain["losses"], abs=1e-7), name
             for key, value in plain["params"].items():
                 torch.testing.assert_close(got[name]["params"][key], value, rtol=0, atol=1e-7)
+        assert got["seeded"]["losses"] == pytest.approx(got["seeded_plain"]["losses"], abs=1e-7)
+        # 2 linears per stage x 4 micro-batches x 2 steps, once more when recomputed
+        assert plain["calls"] == got["none_listed"]["calls"] == 16
+        for name in ("every_layer", "from_config", "linear_only", "seeded"):
+            assert got[name]["calls"] == 32, name
 
 
 def test_step_queries_mean_what_deepspeeds_do(surface_run):

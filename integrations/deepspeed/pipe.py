@@ -144,9 +144,10 @@ class PipelineModule(nn.Module):
     ``activation_checkpoint_func`` is refused by name; runs of
     ``activation_checkpoint_interval`` layers are recomputed (non-reentrantly) as
     DeepSpeed chooses them (:func:`_checkpointed`: those with parameters, or of the
-    ``checkpointable_layers`` classes). The data-parallel size is ``world_size // num_stages``, rank ``r``
-    is stage ``r // data_parallel_size`` (DeepSpeed's ``PipeDataParallelTopology``); a
-    ``topology`` must map ranks that way (:func:`~.topology.check_topology`).
+    ``checkpointable_layers`` classes). The data-parallel size is
+    ``world_size // num_stages``, rank ``r`` is stage ``r // data_parallel_size``
+    (DeepSpeed's ``PipeDataParallelTopology``); a ``topology`` must map ranks that way
+    (:func:`~.topology.check_topology`).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
@@ -268,16 +269,19 @@ class PipelineModule(nn.Module):
         calls = [(index, module, self._seeded(index, forward_fn))
                  for index, module, forward_fn in self._calls]
         if self.activation_checkpoint_interval:
-            calls = _checkpointed(calls, self.activation_checkpoint_interval,
+            # what DeepSpeed's forward_funcs hold: the module, or the function calling it
+            funcs = [module if forward_fn is None else forward_fn
+                     for _, module, forward_fn in self._calls]
+            calls = _checkpointed(calls, funcs, self.activation_checkpoint_interval,
                                   self._checkpointable)
         return StageModule(calls, dict(self.tied_modules), self.stage_id, 0)
 
-    def _checkpointable(self, modules: Sequence[Any]) -> bool:
-        """DeepSpeed's ``_is_checkpointable``: every layer's class is in
-        ``checkpointable_layers`` when given, else any layer has parameters."""
+    def _checkpointable(self, funcs: Sequence[Any]) -> bool:
+        """DeepSpeed's ``_is_checkpointable`` over a run's forward functions: every one's
+        class is in ``checkpointable_layers`` when given, else any module has parameters."""
         if self.checkpointable_layers is not None:
-            return all(type(m).__name__ in self.checkpointable_layers for m in modules)
-        return any(len(list(m.parameters())) > 0 for m in modules if isinstance(m, nn.Module))
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, nn.Module))
 
     def _seeded(self, index: int, forward_fn: Callable | None) -> Callable | None:
         if not self.seed_layers:
@@ -324,18 +328,18 @@ class PipelineModule(nn.Module):
         return next(s for s in range(self.num_stages) if layer_idx < self.parts[s + 1])
 
 
-def _checkpointed(calls: list, interval: int, checkpointable: Callable) -> list:
+def _checkpointed(calls: list, funcs: list, interval: int, checkpointable: Callable) -> list:
     """DeepSpeed's activation checkpointing of a stage: runs of ``interval`` layers
     (counted from the stage's first), each recomputed in backward when
-    ``checkpointable`` (the run's modules; a tied module called through ``forward_fn``
-    counts as a function, as DeepSpeed's lambda) and run plainly otherwise — so a
+    ``checkpointable(funcs of the run)`` (DeepSpeed's forward functions: a tied module
+    called through ``forward_fn`` is a function there) and run plainly otherwise — so a
     parameterless in-place ``ReLU`` is not recomputed over its own output. The run's
     first call runs the run; its other calls pass their input through (they stay
     registered under their indices: the state_dict keys do not change)."""
     out = []
     for start in range(0, len(calls), interval):
         run = calls[start:start + interval]
-        if not checkpointable([m for _, m, f in run if f is None]):
+        if not checkpointable(funcs[start:start + interval]):
             out += run
             continue
         out.append((run[0][0], run[0][1], _Recomputed(run)))
