@@ -50,24 +50,25 @@ def _parse(extra: dict, world: int = 1, stages: int = 1, **kw) -> dsconfig.Setti
 
 UNSUPPORTED = [
     ({"amp": {"enabled": True}}, "'amp'"),
-    ({"activation_checkpointing": {"partition_activations": True}},
-     "'activation_checkpointing'"),
-    ({"flops_profiler": {"enabled": True}}, "'flops_profiler'"),
-    ({"tensorboard": {"enabled": True}}, "'tensorboard'"),
-    ({"prescale_gradients": False}, "'prescale_gradients'"),
-    ({"gradient_predivide_factor": 1.0}, "'gradient_predivide_factor'"),
-    ({"communication_data_type": "fp32"}, "'communication_data_type'"),
+    ({"activation_checkpointing": {"partition_activations": True, "overlap": True}},
+     "'activation_checkpointing' (unknown key(s) ['overlap'])"),
+    ({"flops_profiler": {"enabled": True}}, "'flops_profiler' (enabled"),
+    ({"tensorboard": {"enabled": True}}, "'tensorboard' (enabled"),
+    ({"wandb": {"enabled": True, "project": "p"}}, "'wandb' (enabled"),
+    ({"comms_logger": {"enabled": True}}, "'comms_logger' (enabled"),
+    ({"prescale_gradients": True}, "'prescale_gradients' (only its default (False)"),
+    ({"gradient_predivide_factor": 2.0}, "'gradient_predivide_factor' (only its default"),
+    ({"communication_data_type": "fp16"}, "'communication_data_type' (pipekernel reduces"),
     ({"data_types": {"grad_accum_dtype": "fp32"}}, "'data_types'"),
-    ({"zero_allow_untested_optimizer": True}, "'zero_allow_untested_optimizer'"),
-    ({"memory_breakdown": True}, "'memory_breakdown'"),
+    ({"memory_breakdown": True}, "'memory_breakdown' (only its default (False)"),
     ({"checkpoint": {"tag_validation": "Warn"}}, "'checkpoint'"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "'fp16.auto_cast'"),
     ({"fp16": {"enabled": True, "consecutive_hysteresis": True}},
      "'fp16.consecutive_hysteresis'"),
     ({"bf16": {"enabled": True, "immediate_grad_update": True}},
      "'bf16.immediate_grad_update'"),
-    ({"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}},
-     "'zero_optimization.reduce_bucket_size'"),
+    ({"zero_optimization": {"stage": 1, "load_from_fp32_weights": False}},
+     "'zero_optimization.load_from_fp32_weights' (only its default (True)"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
      "'zero_optimization.offload_optimizer'"),
     ({"pipeline": {"pipe_partitioned": False, "grad_partitioned": True}},
@@ -78,19 +79,21 @@ UNSUPPORTED = [
 ]
 
 
-@pytest.mark.parametrize("extra,name", UNSUPPORTED, ids=[n.strip("'") for _, n in UNSUPPORTED])
+@pytest.mark.parametrize("extra,name", UNSUPPORTED,
+                         ids=[n.split(" ")[0].strip("'") for _, n in UNSUPPORTED])
 def test_an_unimplemented_key_errors_by_name(extra, name):
-    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+    with pytest.raises(ConfigError) as err:
         _parse(extra)
+    assert name in str(err.value)
 
 
 def test_unimplemented_keys_are_named_together_or_warned_with_the_option():
     with pytest.raises(ConfigError) as err:
-        _parse({"amp": {}, "elasticity": {}})
+        _parse({"amp": {"enabled": True}, "elasticity": {"enabled": True}})
     assert "'amp'" in str(err.value) and "'elasticity'" in str(err.value)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        settings = _parse({"amp": {}}, unsupported="warn")
+        settings = _parse({"amp": {"enabled": True}}, unsupported="warn")
     assert settings.micro_batches == 1 and any("'amp'" in str(w.message) for w in seen)
 
 
@@ -190,8 +193,8 @@ def test_optimizer_sections_follow_deepspeeds_rules():
         optimizers.from_config({"type": "Lamb", "params": {}})
     with pytest.raises(ConfigError, match="take"):
         optimizers.from_config({"type": "AdamW", "params": {"momentum": 0.9}})
-    with pytest.raises(ConfigError, match="WarmupCosineLR"):
-        lr_schedules.build_scheduler({"type": "WarmupCosineLR", "params": {}})
+    with pytest.raises(ConfigError, match="'WarmupInverseLR'"):
+        lr_schedules.build_scheduler({"type": "WarmupInverseLR", "params": {}})
     with pytest.raises(ConfigError, match="warmup_steps"):
         lr_schedules.build_scheduler({"type": "WarmupLR", "params": {"warmup_steps": 3}})
 
@@ -206,6 +209,10 @@ SCHEDULES = [
                   "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01}),
     ("OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 8,
                   "cycle_first_stair_count": 3}),
+    ("WarmupCosineLR", {"total_num_steps": 20, "warmup_num_steps": 5}),
+    ("WarmupCosineLR", {"total_num_steps": 25, "warmup_min_ratio": 0.1, "warmup_num_steps": 6,
+                        "cos_min_ratio": 0.01, "warmup_type": "linear"}),
+    ("WarmupCosineLR", {"total_num_steps": 3, "warmup_num_steps": 4}),  # no decay window
 ]
 
 

@@ -132,3 +132,47 @@ def test_deepspeed_loads_what_pipekernel_saved(tmp_path):
         assert shapes[0] == shapes[1] and \
             [g["params"] for g in a["optimizer"]["param_groups"]] == \
             [g["params"] for g in b["optimizer"]["param_groups"]]
+
+
+def _bf16_worker(root: str) -> str:
+    """2 stages x 2 replicas under bf16: one step, a refused client state, a save."""
+    import pipekernel.deepspeed as deepspeed
+    from pipekernel.deepspeed import pipe
+    from pipekernel.errors import ConfigError
+    torch.manual_seed(5)
+    model = pipe.PipelineModule(_layers(pipe), num_stages=2, loss_fn=gpt_script.loss_fn,
+                                partition_method="uniform")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(),
+        config={**gpt_script.config(0.5), "bf16": {"enabled": True}})
+    engine.train_batch(iter(_batches(1)[0]))
+    try:
+        engine.save_checkpoint(root, client_state={"checkpoint_parallel_dimensions": 1})
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    engine.save_checkpoint(root, tag="t")
+    return refused
+
+
+def test_deepspeed_layout_under_bf16_with_replicas(tmp_path):
+    """Replica 0 of each stage writes DeepSpeed's files; the weights are the fp32 masters
+    pipekernel saved; the optimizer entry is None (DeepSpeed's bf16 optimizer has its own
+    format: it loads with load_optimizer_states=False); DeepSpeed's reserved client key is
+    refused before anything is written."""
+    refused = run_ranks(_bf16_worker, 4, str(tmp_path))
+    assert all("reserved checkpoint key: checkpoint_parallel_dimensions" in r for r in refused)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t"]
+    tag = tmp_path / "t"
+    for stage in (0, 1):
+        state = torch.load(tag / f"mp_rank_{stage:02d}_model_states.pt", weights_only=False)
+        assert state["optimizer"] is None and state["global_steps"] == 1
+        assert (state["dp_world_size"], state["mp_world_size"], state["global_samples"]) == \
+            (2, 2, 8)
+    for index in range(5):
+        ds = torch.load(tag / f"layer_{index:02d}-model_states.pt")
+        ours = torch.load(tag / f"layer-{index:05d}.pt")["state"] if index in (0, 1, 4) \
+            else {}
+        assert all(v.dtype == torch.float32 for v in ds.values())
+        for key, value in ours.items():
+            torch.testing.assert_close(ds[key], value, rtol=0, atol=0)

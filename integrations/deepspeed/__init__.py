@@ -14,6 +14,7 @@ See ``docs/deepspeed.md``. Imported only when used; the core never imports it.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 
 from pipekernel.errors import ConfigError
 
-from . import pipe
+from . import pipe, runtime, utils
 from .checkpoint import convert
 from .config import parse
 from .data import RepeatingLoader
@@ -30,9 +31,49 @@ from .engine import PipelineEngine
 from .lr_schedules import build_scheduler
 from .optimizers import optimizer_factory
 from .pipe import PipelineModule
+from .utils import log_dist, logger
 
-__all__ = ["initialize", "init_distributed", "convert", "PipelineEngine", "PipelineModule",
-           "RepeatingLoader", "pipe"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "convert",
+           "PipelineEngine", "PipelineModule", "RepeatingLoader", "log_dist", "logger", "pipe",
+           "runtime", "utils"]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's command-line arguments on ``parser``: ``--deepspeed`` (a flag for the
+    script), ``--deepspeed_config FILE`` (read by ``initialize(args=...)``) and the
+    deprecated ``--deepscale`` / ``--deepscale_config``."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on "
+                            "DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no "
+                            "impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated DeepSpeed json configuration file.")
+    return parser
+
+
+def _config_of(args: Any, config: Any, config_params: Any) -> Any:
+    """The config from ``config`` / ``config_params`` / ``args.deepspeed_config`` (or the
+    deprecated ``args.deepscale_config``), refusing two of them as DeepSpeed does."""
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    old = getattr(args, "deepscale_config", None)
+    if old is not None:
+        if from_args is not None:
+            raise ConfigError("Not sure how to proceed, we were given both a deepscale_config "
+                              "and deepspeed_config", hint="keep --deepspeed_config")
+        from_args = old
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError("Not sure how to proceed, we were given deepspeed configs in the "
+                              "deepspeed arguments and deepspeed.initialize() function call",
+                              hint="pass one of --deepspeed_config and initialize(config=...)")
+        config = from_args
+    return config
 
 
 def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
@@ -86,9 +127,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None,
     if mpu is not None:
         raise ConfigError("initialize(mpu=...) is not implemented by pipekernel.deepspeed",
                           hint="the pipeline grid comes from PipelineModule(num_stages=...)")
-    config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    config = _config_of(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     settings = parse(config, world_size=model.world_size, num_stages=model.num_stages,
                      unsupported=unsupported)

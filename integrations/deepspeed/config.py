@@ -1,8 +1,9 @@
 """DeepSpeed's JSON config, read and checked: what each key means in pipekernel.
 
 :func:`parse` turns the config (a dict or a JSON file path) into a :class:`Settings`.
-Every key is either implemented (mapped to a pipekernel setting below) or refused by
-name: an unknown or unimplemented key raises :class:`~pipekernel.errors.ConfigError`
+Every key is either implemented (mapped to a pipekernel setting below), accepted because
+it changes nothing in pipekernel (disabled, at its default or about performance only:
+:mod:`.config_keys`, logged once), or refused by name: an unknown or unimplemented key raises :class:`~pipekernel.errors.ConfigError`
 (``unsupported="warn"``: a warning instead, and the key has no effect). Nothing is
 silently ignored.
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipekernel.errors import ConfigError
+
+from . import config_keys
 
 __all__ = ["Settings", "parse", "load_config", "batch_sizes", "SUPPORTED_KEYS"]
 
@@ -171,7 +174,9 @@ def parse(config: Any, *, world_size: int, num_stages: int,
     refusals = _Refusals(unsupported)
     for key in raw:
         if key not in SUPPORTED_KEYS:
-            refusals.add(key)
+            reason = config_keys.check_top_level(key, raw[key])
+            if reason is not None:
+                refusals.add(key, reason)
     if world_size % num_stages:
         raise ConfigError(f"num_stages ({num_stages}) must divide distributed world size "
                           f"({world_size})",
@@ -234,12 +239,12 @@ def _precision(raw: dict, settings: Settings, refusals: _Refusals) -> None:
             raise ConfigError(f"{name} must be an object, got {section!r}",
                               hint='write the section as an object, e.g. "fp16": {"enabled": '
                                    "true}")
-    for key in fp16:
-        if key not in _FP16_KEYS:
-            refusals.add(f"fp16.{key}")
-    for key in bf16:
-        if key != "enabled":
-            refusals.add(f"bf16.{key}")
+    for name, section, known in (("fp16", fp16, _FP16_KEYS), ("bf16", bf16, ("enabled",))):
+        for key in section:
+            if key not in known:
+                reason = config_keys.check_precision_key(name, key, section[key])
+                if reason is not None:
+                    refusals.add(f"{name}.{key}", reason)
     fp16_on = _flag(fp16, "enabled", False, "fp16.")
     bf16_on = _flag(bf16, "enabled", False, "bf16.")
     if fp16_on and bf16_on:
@@ -275,7 +280,9 @@ def _zero(raw: dict, settings: Settings, refusals: _Refusals) -> None:
                           hint='write "zero_optimization": {"stage": 0 or 1}')
     for key in zero:
         if key != "stage":
-            refusals.add(f"zero_optimization.{key}")
+            reason = config_keys.check_zero_key(key, zero[key])
+            if reason is not None:
+                refusals.add(f"zero_optimization.{key}", reason)
     stage = zero.get("stage", 0)
     if stage not in (0, 1) or isinstance(stage, bool):
         raise ConfigError(f"zero_optimization.stage {stage!r} is not supported with pipeline "

@@ -24,12 +24,14 @@ from .data import make_loader
 from .layout import check_client_state, write_deepspeed_files
 from .pipe import PipelineModule
 from .report import InstructionTimes, StepReport
+from .surface import BoundaryFlag, EngineSurface
 
 __all__ = ["PipelineEngine"]
 
 
-class PipelineEngine:
-    """DeepSpeed's pipeline engine API over ``self.engine`` (a :class:`pipekernel.PipelineEngine`).
+class PipelineEngine(EngineSurface):
+    """DeepSpeed's pipeline engine API over ``self.engine`` (a :class:`pipekernel.PipelineEngine`;
+    the queries besides the loop: :mod:`pipekernel.deepspeed.surface`).
 
     :param module: the :class:`~pipekernel.deepspeed.pipe.PipelineModule` (``self.module``).
     :param settings: the parsed config (:func:`pipekernel.deepspeed.config.parse`).
@@ -42,8 +44,12 @@ class PipelineEngine:
         self.module, self._config = module, settings
         if settings.activation_checkpoint_interval is not None:
             module.activation_checkpoint_interval = settings.activation_checkpoint_interval
+        module.mpu()  # the grid's groups, created on every rank now (collective)
+        self._boundary, self._step_applied, self.batch_fn = BoundaryFlag(), False, None
+        self._curr_ckpt_path: str | None = None
         times = InstructionTimes() if settings.wall_clock_breakdown else None
         plugins = [StepReport(settings.steps_per_print, settings.train_batch_size, times),
+                   self._boundary,
                    *([module.seeding_plugin()] if module.seed_layers else []),
                    *([times] if times is not None else [])]
         options = dict(engine_options or {})
@@ -152,7 +158,10 @@ class PipelineEngine:
             raise ConfigError("train_batch() has no data", rank=self.global_rank,
                               stage=self.stage_id, hint="pass train_batch(data_iter) or "
                               "initialize(..., training_data=dataset)")
-        return self.engine.train_batch(self.data_iterator)
+        skipped = self.engine.skipped_steps
+        loss = self.engine.train_batch(self._mapped(self.data_iterator))
+        self._step_applied = self.engine.skipped_steps == skipped
+        return loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False,
                    compute_loss: bool = True, reduce_output: str = "avg",
@@ -167,7 +176,8 @@ class PipelineEngine:
             raise ConfigError(f"eval_batch(reduce_output={reduce_output!r}, bcast_loss="
                               f"{bcast_loss!r}) is not implemented by pipekernel.deepspeed",
                               hint="use reduce_output='avg', bcast_loss=True")
-        result = self.engine.eval_batch(iter(data_iter) if data_iter is not None else None,
+        result = self.engine.eval_batch(self._mapped(iter(data_iter) if data_iter is not None
+                                                     else None),
                                         compute_loss=compute_loss, return_outputs=return_logits,
                                         micro_batches=num_micro_batches)
         if not return_logits:

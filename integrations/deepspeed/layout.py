@@ -33,7 +33,7 @@ from torch import nn
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["write_deepspeed_files", "check_client_state", "DS_VERSION"]
+__all__ = ["write_deepspeed_files", "write_layer_files", "check_client_state", "DS_VERSION"]
 
 #: The DeepSpeed version whose layout is written (``ds_version`` in the ``mp_rank`` files).
 DS_VERSION = "0.19.8"
@@ -57,8 +57,11 @@ def write_deepspeed_files(shim: Any, directory: str, client_state: dict) -> None
     error: BaseException | None = None
     if engine.data_parallel_rank == 0:
         try:
-            for name, state in _layer_states(shim).items():
-                torch.save(state, os.path.join(directory, name))
+            shim._curr_ckpt_path = directory  # DeepSpeed's hand-over to module_state_dict
+            try:
+                shim.module_state_dict()
+            finally:
+                shim._curr_ckpt_path = None
             torch.save(_rank_state(shim, client_state),
                        os.path.join(directory, f"mp_rank_{shim.stage_id:02d}_model_states.pt"))
         except Exception as err:  # noqa: BLE001 - every rank must hear of it
@@ -90,14 +93,18 @@ def _master_state(precision: Any, layer: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def _layer_states(shim: Any) -> dict[str, dict]:
-    """``{file name: state}`` of this stage's layers, as DeepSpeed's ``save_state_dict``."""
-    precision = shim.engine.precision
-    out = {}
-    for index, layer, forward_fn in shim.module._calls:
+def write_layer_files(shim: Any, directory: str) -> None:
+    """This stage's ``layer_XX[-model_YY]-model_states.pt`` files, as DeepSpeed's
+    ``save_state_dict`` (data-parallel rank 0 writes them)."""
+    if shim.engine.data_parallel_rank != 0:
+        return
+    precision, module = shim.engine.precision, shim.module
+    rank_repr = module.topology().get_rank_repr(rank=module.global_rank)
+    suffix = (f"-{rank_repr}" if rank_repr else "") + "-model_states.pt"
+    for index, layer, forward_fn in module._calls:
         if forward_fn is None and isinstance(layer, nn.Module):
-            out[f"layer_{index:02d}-model_states.pt"] = _master_state(precision, layer)
-    return out
+            torch.save(_master_state(precision, layer),
+                       os.path.join(directory, f"layer_{index:02d}{suffix}"))
 
 
 def _buffer_names(module: nn.Module) -> list[str]:

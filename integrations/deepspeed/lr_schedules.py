@@ -1,4 +1,5 @@
-"""DeepSpeed's learning-rate schedules ``WarmupLR``, ``WarmupDecayLR`` and ``OneCycle``,
+"""DeepSpeed's learning-rate schedules ``WarmupLR``, ``WarmupDecayLR``, ``OneCycle`` and
+``WarmupCosineLR``,
 reimplemented from their definitions in ``deepspeed/runtime/lr_schedules.py`` (0.19):
 the same learning rate (and ``OneCycle``'s momentum) at every step, the same
 ``state_dict`` (``{"last_batch_iteration": n}``), so a DeepSpeed checkpoint's scheduler
@@ -17,7 +18,8 @@ import torch
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "OneCycle", "build_scheduler", "SCHEDULES"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "OneCycle", "WarmupCosineLR", "build_scheduler",
+           "SCHEDULES"]
 
 _LOG, _LINEAR = "log", "linear"
 
@@ -229,7 +231,70 @@ class OneCycle:
         self.last_batch_iteration = state["last_batch_iteration"]
 
 
-SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "OneCycle": OneCycle}
+class WarmupCosineLR:
+    """Each group's lr times a ratio: from ``warmup_min_ratio`` to 1 over
+    ``warmup_num_steps`` steps (at least 2; ``log`` or ``linear``), then a cosine from 1
+    down to ``cos_min_ratio`` at ``total_num_steps``, where it stays. Before the first
+    step the lr is 0, as in DeepSpeed (the ratio of ``last_batch_iteration=-1``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, total_num_steps: int,
+                 warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
+                 cos_min_ratio: float = 0.0001, warmup_type: str = _LOG,
+                 last_batch_iteration: int = -1) -> None:
+        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
+            raise ConfigError(f"warmup_num_steps must be a positive integer, got "
+                              f"{warmup_num_steps}")
+        if warmup_type not in (_LOG, _LINEAR):
+            raise ConfigError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}",
+                              hint="DeepSpeed falls back to 'log' with a warning; say 'log'")
+        self.optimizer, self.total_num_steps = optimizer, total_num_steps
+        self.last_batch_iteration, self.cos_min_ratio = last_batch_iteration, cos_min_ratio
+        self.warmup_type, self.warmup_min_ratio = warmup_type, warmup_min_ratio
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        self.org_lrs = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"]
+                        for g in optimizer.param_groups]
+        if last_batch_iteration == -1:
+            self._last_lr = _set_lr(optimizer, self.get_lr())
+
+    def get_lr_ratio(self) -> float:
+        step = self.last_batch_iteration
+        if step < 0:
+            return 0.0
+        if step < self.warmup_num_steps:
+            ratio = (self.inverse_log_warm_up * math.log(step + 1) if self.warmup_type == _LOG
+                     else step / self.warmup_num_steps)
+            return self.warmup_min_ratio + ratio * (1. - self.warmup_min_ratio)
+        real_last_step = step - self.warmup_num_steps + 1
+        real_total_steps = max(1, self.total_num_steps - self.warmup_num_steps)
+        progress = min(1.0, real_last_step / real_total_steps)
+        ratio = (1 + math.cos(math.pi * progress)) / 2
+        return max(0.0, self.cos_min_ratio + (1. - self.cos_min_ratio) * ratio)
+
+    def get_lr(self) -> list:
+        if self.last_batch_iteration < 0:
+            return [0.0 for _ in self.org_lrs]
+        ratio = self.get_lr_ratio()
+        return [lr * ratio for lr in self.org_lrs]
+
+    def get_last_lr(self) -> list:
+        return self._last_lr
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = _set_lr(self.optimizer, self.get_lr())
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+
+
+SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "OneCycle": OneCycle,
+             "WarmupCosineLR": WarmupCosineLR}
 
 
 def build_scheduler(section: dict | None) -> Any:

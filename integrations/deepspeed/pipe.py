@@ -37,6 +37,8 @@ from pipekernel.errors import ConfigError
 from pipekernel.schedules.instructions import Backward, BackwardInput, BackwardWeight, Forward
 from pipekernel.stage.module import StageModule
 
+from .topology import PipeDataParallelTopology, PipelineParallelGrid, check_topology
+
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "partition_uniform",
            "partition_balanced", "set_random_seed"]
 
@@ -139,11 +141,13 @@ def _refuse(name: str, value: Any, default: Any) -> None:
 class PipelineModule(nn.Module):
     """DeepSpeed's ``PipelineModule`` (see the module docstring for the rules).
 
-    ``topology``, ``activation_checkpoint_func`` and ``checkpointable_layers`` are refused
-    by name (pass ``num_stages``; pipekernel checkpoints every
-    ``activation_checkpoint_interval`` layers, non-reentrantly). The data-parallel size is
+    ``activation_checkpoint_func`` is refused by name; runs of
+    ``activation_checkpoint_interval`` layers are recomputed (non-reentrantly) as
+    DeepSpeed chooses them (:func:`_checkpointed`: those with parameters, or of the
+    ``checkpointable_layers`` classes). The data-parallel size is
     ``world_size // num_stages``, rank ``r`` is stage ``r // data_parallel_size``
-    (DeepSpeed's ``PipeDataParallelTopology``).
+    (DeepSpeed's ``PipeDataParallelTopology``); a ``topology`` must map ranks that way
+    (:func:`~.topology.check_topology`).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None,
@@ -154,16 +158,18 @@ class PipelineModule(nn.Module):
                  activation_checkpoint_func: Any = None, checkpointable_layers: Any = None,
                  dynamic_shape: bool = False) -> None:
         super().__init__()
-        _refuse("topology", topology, None)
         _refuse("activation_checkpoint_func", activation_checkpoint_func, None)
-        _refuse("checkpointable_layers", checkpointable_layers, None)
-        if num_stages is None:
+        self.checkpointable_layers = (None if checkpointable_layers is None
+                                      else list(checkpointable_layers))
+        if num_stages is None and topology is None:
             raise ConfigError("must provide num_stages or topology",
                               hint="PipelineModule(layers, num_stages=...)")
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.global_rank, self.world_size = _rank_and_world()
-        if self.world_size % num_stages:
+        if topology is not None:  # as DeepSpeed: the topology's pipe axis wins
+            num_stages, _ = check_topology(topology, self.world_size)
+        elif self.world_size % num_stages:
             raise ConfigError(f"num_stages ({num_stages}) must divide distributed world size "
                               f"({self.world_size})",
                               hint="start a multiple of num_stages processes, or pick num_stages "
@@ -171,6 +177,10 @@ class PipelineModule(nn.Module):
         self.num_stages, self.dynamic_shape = num_stages, dynamic_shape
         self.dp_size = self.world_size // num_stages
         self.stage_id = self.global_rank // self.dp_size
+        self._topo = topology or PipeDataParallelTopology(num_pp=num_stages, num_dp=self.dp_size)
+        self._grid: PipelineParallelGrid | None = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self._grid = PipelineParallelGrid(self._topo)  # DeepSpeed builds it here too
         self._layer_specs = list(layers)
         self.partition_method = partition_method
         self.parts = self.partition(num_stages)
@@ -264,8 +274,20 @@ class PipelineModule(nn.Module):
         layers under their global indices, seeded per forward when ``seed_layers``."""
         calls = [(index, module, self._seeded(index, forward_fn))
                  for index, module, forward_fn in self._calls]
-        return StageModule(calls, dict(self.tied_modules), self.stage_id,
-                           self.activation_checkpoint_interval)
+        if self.activation_checkpoint_interval:
+            # what DeepSpeed's forward_funcs hold: the module, or the function calling it
+            funcs = [module if forward_fn is None else forward_fn
+                     for _, module, forward_fn in self._calls]
+            calls = _checkpointed(calls, funcs, self.activation_checkpoint_interval,
+                                  self._checkpointable)
+        return StageModule(calls, dict(self.tied_modules), self.stage_id, 0)
+
+    def _checkpointable(self, funcs: Sequence[Any]) -> bool:
+        """DeepSpeed's ``_is_checkpointable`` over a run's forward functions: every one's
+        class is in ``checkpointable_layers`` when given, else any module has parameters."""
+        if self.checkpointable_layers is not None:
+            return all(type(f).__name__ in self.checkpointable_layers for f in funcs)
+        return any(len(list(f.parameters())) > 0 for f in funcs if isinstance(f, nn.Module))
 
     def _seeded(self, index: int, forward_fn: Callable | None) -> Callable | None:
         if not self.seed_layers:
@@ -287,6 +309,21 @@ class PipelineModule(nn.Module):
         explicit boundaries, and this rank's stage already built (above)."""
         return _Prebuilt(self)
 
+    def topology(self) -> Any:
+        """The process topology (DeepSpeed's ``PipeDataParallelTopology`` unless one was
+        given)."""
+        return self._topo
+
+    def mpu(self) -> PipelineParallelGrid:
+        """DeepSpeed's grid (built with the module, or by ``initialize`` when the module
+        was built before ``torch.distributed`` started)."""
+        if self._grid is None:
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                raise ConfigError("the pipeline grid needs torch.distributed",
+                                  hint="call deepspeed.init_distributed() first")
+            self._grid = PipelineParallelGrid(self._topo)
+        return self._grid
+
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
@@ -295,6 +332,48 @@ class PipelineModule(nn.Module):
 
     def stage_owner(self, layer_idx: int) -> int:
         return next(s for s in range(self.num_stages) if layer_idx < self.parts[s + 1])
+
+
+def _checkpointed(calls: list, funcs: list, interval: int, checkpointable: Callable) -> list:
+    """DeepSpeed's activation checkpointing of a stage: runs of ``interval`` layers
+    (counted from the stage's first), each recomputed in backward when
+    ``checkpointable(funcs of the run)`` (DeepSpeed's forward functions: a tied module
+    called through ``forward_fn`` is a function there) and run plainly otherwise — so a
+    parameterless in-place ``ReLU`` is not recomputed over its own output. The run's
+    first call runs the run; its other calls pass their input through (they stay
+    registered under their indices: the state_dict keys do not change)."""
+    out = []
+    for start in range(0, len(calls), interval):
+        run = calls[start:start + interval]
+        if not checkpointable(funcs[start:start + interval]):
+            out += run
+            continue
+        out.append((run[0][0], run[0][1], _Recomputed(run)))
+        out += [(index, module, _passthrough) for index, module, _ in run[1:]]
+    return out
+
+
+def _passthrough(module: Any, x: Any) -> Any:
+    return x
+
+
+class _Recomputed:
+    """A run of calls under non-reentrant checkpointing (its RNG state kept, so dropout
+    draws the same masks when recomputed)."""
+
+    def __init__(self, run: list) -> None:
+        self.run = run
+
+    def _forward(self, x: Any) -> Any:
+        for _, module, forward_fn in self.run:
+            x = module(x) if forward_fn is None else forward_fn(module, x)
+        return x
+
+    def __call__(self, module: Any, x: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self._forward(x)
+        return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False,
+                                                 preserve_rng_state=True)
 
 
 class _ForwardCounter:
@@ -328,7 +407,7 @@ class _Prebuilt(pk.PipelineModule):
     def __init__(self, ds: PipelineModule) -> None:
         super().__init__(ds._layer_specs, loss_fn=ds.loss_fn, num_stages=ds.num_stages,
                          partition=list(ds.parts),
-                         activation_checkpoint_interval=ds.activation_checkpoint_interval)
+                         activation_checkpoint_interval=0)  # the stage module checkpoints
         self.ds = ds
 
     def build_stage(self, stage: int, bounds: Sequence[int],
