@@ -70,8 +70,16 @@ class PipeModel(LightningModule):
         opt = optimizer(self.parameters())
         every_2 = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
         per_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=EPOCH_GAMMA)
+        # manual optimization: the module steps it with its metric (it never fires here;
+        # the strategy stepping it without one crashed at the first epoch end)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=10 ** 6)
         return [opt], [{"scheduler": every_2, "interval": "step", "frequency": 2},
-                       {"scheduler": per_epoch, "interval": "epoch"}]
+                       {"scheduler": per_epoch, "interval": "epoch"},
+                       {"scheduler": plateau, "interval": "epoch"}]
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.state.fn == "fit":
+            self.lr_schedulers()[2].step(self.trainer.callback_metrics["val_loss"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.trainer.strategy.train_batch(batch)
