@@ -206,7 +206,7 @@ class UsualModel(LightningModule):
     listing the layers, and ``train_batch``/``eval_batch`` where the loss is computed (the
     one-process branch is the user's original code, the oracle)."""
 
-    def __init__(self, lr: float = LR, mistake: str = "") -> None:
+    def __init__(self, lr: float = LR, mistake: str = "", plateau: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(7)
@@ -258,6 +258,9 @@ class UsualModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=MOMENTUM)
+        if not self.hparams.plateau:  # (Lightning skips a plateau step on resuming)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(
+                opt, step_size=1, gamma=GAMMA)}
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5,
                                                              patience=0)
         return {"optimizer": opt,

@@ -60,6 +60,12 @@ def _worker(root: str) -> dict:
     trainer.fit(bf16)
     out["bf16"] = bf16.record()
     out["bf16_policy"] = trainer.strategy.engine.precision.name
+    # resume: a straight run and one from its first epoch's checkpoint, in these processes
+    straight, resumed = lm.UsualModel(plateau=False), lm.UsualModel(plateau=False)
+    _trainer(2, os.path.join(root, "straight"), pipeline=True).fit(straight)
+    _trainer(2, os.path.join(root, "resumed"), pipeline=True).fit(
+        resumed, ckpt_path=os.path.join(root, "straight", "ckpts", "epoch=0.ckpt"))
+    out["resume"] = (straight.record(), resumed.record())
     out["error"] = _error("forward")  # last: training_step calls self.net(x)
     return out
 
@@ -141,3 +147,17 @@ def test_a_training_step_that_runs_the_layers_itself_is_told_what_to_write(usual
     for result in results:
         assert "is a layer of the pipeline" in result["error"]
         assert "self.trainer.strategy.train_batch(batch)" in result["error"]
+
+
+def test_resume_from_model_checkpoints_file_continues_bit_exactly(usual):
+    """Accumulation windows, clipping and an epoch scheduler: fit(ckpt_path=the file
+    ModelCheckpoint wrote after epoch 0) ends with the straight run's weights, bit for bit."""
+    _, results = usual
+    for rank, result in enumerate(results):
+        straight, resumed = result["resume"]
+        assert resumed["train_losses"] == straight["train_losses"][lm.USUAL_BATCHES:], rank
+        assert resumed["global_step"] == straight["global_step"] == EPOCHS * 2
+        assert resumed["lrs"] == straight["lrs"][2:]
+        assert resumed["state"].keys() == straight["state"].keys()
+        for key, value in straight["state"].items():
+            assert torch.equal(resumed["state"][key], value), (rank, key)
