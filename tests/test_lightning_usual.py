@@ -31,7 +31,8 @@ def _trainer(devices: int, root: str | None, *, pipeline: bool, epochs: int = EP
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipekernel.lightning import PipelineStrategy
-    strategy = PipelineStrategy(num_stages=2, micro_batches=lm.MICRO) if pipeline else "auto"
+    strategy = PipelineStrategy(num_stages=2, micro_batches=lm.MICRO,
+                                log_grad_norm="grad_norm") if pipeline else "auto"
     callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), filename="{epoch}",
                                  save_top_k=-1)] if root else []
     return Trainer(accelerator="cpu", devices=devices, max_epochs=epochs, strategy=strategy,
@@ -53,7 +54,8 @@ def _worker(root: str) -> dict:
     model = lm.UsualModel()
     trainer = _trainer(2, root, pipeline=True)
     trainer.fit(model)
-    out = {"fit": model.record(), "stage": trainer.strategy.engine.stage}
+    out = {"fit": model.record(), "stage": trainer.strategy.engine.stage,
+           "logged_norm": float(trainer.callback_metrics["grad_norm"])}
     out["predict"] = trainer.predict(model)
     bf16 = lm.UsualModel()
     trainer = _trainer(2, None, pipeline=True, epochs=1, precision="bf16-mixed", clip=None)
@@ -107,6 +109,7 @@ def test_automatic_optimization_matches_lightning_in_one_process(usual):
             assert ours == helper == pytest.approx(theirs, rel=1e-5), rank
         # ReduceLROnPlateau stepped on val_loss (mode="max": every later epoch halves)
         assert fit["lrs"] == pytest.approx(ref.lrs) and len(set(ref.lrs)) > 1
+        assert result["logged_norm"] == pytest.approx(fit["norms"][-1][0])  # log_grad_norm
     assert ref.norms[0][0] > 0.05  # the clipping was active
 
 

@@ -92,6 +92,8 @@ class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
     :param whole_model_file: the Lightning checkpoint file holds the whole model (rank 0
         reads every stage's layers back after saving), for ``load_from_checkpoint``;
         ``False``: the Trainer's state only (models one process cannot hold).
+    :param log_grad_norm: a metric name: ``self.log`` the whole model's gradient norm
+        (:attr:`grad_norm`) under it at every step (``trainer.callback_metrics``, loggers).
     :param engine_options: any other :class:`pipekernel.PipelineEngine` option
         (``precision``, ``max_grad_norm``, ``chunks``, ``timeout``, ``plugins``, ...).
     """
@@ -106,7 +108,8 @@ class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, start_method: str = "popen",
-                 whole_model_file: bool = True, **engine_options: Any) -> None:
+                 whole_model_file: bool = True, log_grad_norm: str | None = None,
+                 **engine_options: Any) -> None:
         if num_stages is not None and (not isinstance(num_stages, int)
                                        or isinstance(num_stages, bool) or num_stages < 1):
             raise ConfigError(f"PipelineStrategy(num_stages={num_stages!r}): a positive int "
@@ -135,6 +138,8 @@ class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
         self._engine_open = False
         #: write the whole model into the Lightning checkpoint file (rank 0 reads it back)
         self.whole_model_file = whole_model_file
+        #: log the whole model's gradient norm under this name at every step
+        self.log_grad_norm = log_grad_norm
         #: the engine plugin behind accumulation, the hooks at the step and the grad norm
         self.step_control = StepControl(self)
         self._precision_options: dict[str, Any] = {}
@@ -412,8 +417,11 @@ class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
         return self.step_control.grad_norm
 
     def _before_optimizer_step(self) -> None:
-        trainer = self.lightning_module.trainer
-        optimizer = self.optimizers[0]
+        module = self.lightning_module
+        trainer, optimizer = module.trainer, self.optimizers[0]
+        norm = self.step_control.grad_norm
+        if self.log_grad_norm and norm is not None:  # (we are inside training_step)
+            module.log(self.log_grad_norm, norm, on_step=True, on_epoch=False)
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
 
