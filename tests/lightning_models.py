@@ -70,8 +70,16 @@ class PipeModel(LightningModule):
         opt = optimizer(self.parameters())
         every_2 = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
         per_epoch = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=EPOCH_GAMMA)
+        # manual optimization: the module steps it with its metric (it never fires here;
+        # the strategy stepping it without one crashed at the first epoch end)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=10 ** 6)
         return [opt], [{"scheduler": every_2, "interval": "step", "frequency": 2},
-                       {"scheduler": per_epoch, "interval": "epoch"}]
+                       {"scheduler": per_epoch, "interval": "epoch"},
+                       {"scheduler": plateau, "interval": "epoch"}]
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.state.fn == "fit":
+            self.lr_schedulers()[2].step(self.trainer.callback_metrics["val_loss"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.trainer.strategy.train_batch(batch)
@@ -198,7 +206,7 @@ class UsualModel(LightningModule):
     listing the layers, and ``train_batch``/``eval_batch`` where the loss is computed (the
     one-process branch is the user's original code, the oracle)."""
 
-    def __init__(self, lr: float = LR, mistake: str = "") -> None:
+    def __init__(self, lr: float = LR, mistake: str = "", plateau: bool = True) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(7)
@@ -250,6 +258,9 @@ class UsualModel(LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=MOMENTUM)
+        if not self.hparams.plateau:  # (Lightning skips a plateau step on resuming)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(
+                opt, step_size=1, gamma=GAMMA)}
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", factor=0.5,
                                                              patience=0)
         return {"optimizer": opt,

@@ -31,7 +31,8 @@ def _trainer(devices: int, root: str | None, *, pipeline: bool, epochs: int = EP
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from pipekernel.lightning import PipelineStrategy
-    strategy = PipelineStrategy(num_stages=2, micro_batches=lm.MICRO) if pipeline else "auto"
+    strategy = PipelineStrategy(num_stages=2, micro_batches=lm.MICRO,
+                                log_grad_norm="grad_norm") if pipeline else "auto"
     callbacks = [ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), filename="{epoch}",
                                  save_top_k=-1)] if root else []
     return Trainer(accelerator="cpu", devices=devices, max_epochs=epochs, strategy=strategy,
@@ -53,13 +54,20 @@ def _worker(root: str) -> dict:
     model = lm.UsualModel()
     trainer = _trainer(2, root, pipeline=True)
     trainer.fit(model)
-    out = {"fit": model.record(), "stage": trainer.strategy.engine.stage}
+    out = {"fit": model.record(), "stage": trainer.strategy.engine.stage,
+           "logged_norm": float(trainer.callback_metrics["grad_norm"])}
     out["predict"] = trainer.predict(model)
     bf16 = lm.UsualModel()
     trainer = _trainer(2, None, pipeline=True, epochs=1, precision="bf16-mixed", clip=None)
     trainer.fit(bf16)
     out["bf16"] = bf16.record()
     out["bf16_policy"] = trainer.strategy.engine.precision.name
+    # resume: a straight run and one from its first epoch's checkpoint, in these processes
+    straight, resumed = lm.UsualModel(plateau=False), lm.UsualModel(plateau=False)
+    _trainer(2, os.path.join(root, "straight"), pipeline=True).fit(straight)
+    _trainer(2, os.path.join(root, "resumed"), pipeline=True).fit(
+        resumed, ckpt_path=os.path.join(root, "straight", "ckpts", "epoch=0.ckpt"))
+    out["resume"] = (straight.record(), resumed.record())
     out["error"] = _error("forward")  # last: training_step calls self.net(x)
     return out
 
@@ -101,6 +109,7 @@ def test_automatic_optimization_matches_lightning_in_one_process(usual):
             assert ours == helper == pytest.approx(theirs, rel=1e-5), rank
         # ReduceLROnPlateau stepped on val_loss (mode="max": every later epoch halves)
         assert fit["lrs"] == pytest.approx(ref.lrs) and len(set(ref.lrs)) > 1
+        assert result["logged_norm"] == pytest.approx(fit["norms"][-1][0])  # log_grad_norm
     assert ref.norms[0][0] > 0.05  # the clipping was active
 
 
@@ -141,3 +150,17 @@ def test_a_training_step_that_runs_the_layers_itself_is_told_what_to_write(usual
     for result in results:
         assert "is a layer of the pipeline" in result["error"]
         assert "self.trainer.strategy.train_batch(batch)" in result["error"]
+
+
+def test_resume_from_model_checkpoints_file_continues_bit_exactly(usual):
+    """Accumulation windows, clipping and an epoch scheduler: fit(ckpt_path=the file
+    ModelCheckpoint wrote after epoch 0) ends with the straight run's weights, bit for bit."""
+    _, results = usual
+    for rank, result in enumerate(results):
+        straight, resumed = result["resume"]
+        assert resumed["train_losses"] == straight["train_losses"][lm.USUAL_BATCHES:], rank
+        assert resumed["global_step"] == straight["global_step"] == EPOCHS * 2
+        assert resumed["lrs"] == straight["lrs"][2:]
+        assert resumed["state"].keys() == straight["state"].keys()
+        for key, value in straight["state"].items():
+            assert torch.equal(resumed["state"][key], value), (rank, key)

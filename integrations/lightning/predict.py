@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["OutputBroadcast", "to_device"]
+from pipekernel.lightning.batches import split_batch
+
+__all__ = ["OutputBroadcast", "PredictMixin", "to_device", "concat"]
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -70,3 +72,33 @@ class OutputBroadcast:
         device = self.device if torch.device(self.device).type == "cuda" else None
         dist.broadcast_object_list(box, src=self.src, group=self.group, device=device)
         return to_device(box[0], self.device)
+
+
+class PredictMixin:
+    """The prediction half of :class:`~pipekernel.lightning.PipelineStrategy`."""
+
+    def predict_batch(self, batch: Any, micro_batches: int | None = None) -> Any:
+        """The model's outputs for ``batch`` (the last stage's, micro-batches joined along
+        the batch dimension), on **every** rank of the replica (see
+        :mod:`pipekernel.lightning.predict`). ``batch`` is the inputs, or ``(inputs,
+        labels)`` (the labels are not used). Call it on every rank."""
+        engine = self._need_engine("predict_batch")
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
+        count = micro_batches or engine.micro_batches
+        items = split_batch((inputs, inputs), count, "predict_batch")
+        with torch.inference_mode(False):
+            _, outputs = engine.eval_batch(iter(items), compute_loss=False,
+                                           return_outputs=True, micro_batches=micro_batches)
+        if self._broadcast is None:
+            self._broadcast = OutputBroadcast(engine)
+        return self._broadcast(concat(outputs) if outputs is not None else None)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """A module without its own ``predict_step`` predicts through the pipeline
+        (Lightning's default would call ``self(batch)``, one stage's layers at best)."""
+        from lightning.pytorch.core.module import LightningModule
+        module = self.lightning_module
+        if type(module).predict_step is LightningModule.predict_step:
+            batch = args[0] if args else kwargs["batch"]
+            return self.predict_batch(batch)
+        return super().predict_step(*args, **kwargs)

@@ -13,16 +13,21 @@ and replaces what DDP does with the model:
   its stage) and registers the stage under the LightningModule (attribute
   :attr:`PipelineStrategy.stage_attribute`), so ``self.parameters()`` are the stage's when
   Lightning calls ``configure_optimizers()``. The one optimizer it returns becomes the
-  engine's; its LR schedulers stay Lightning's and are stepped here as configured.
-* ``train_batch(batch)`` / ``eval_batch(batch)``, called from ``training_step`` /
-  ``validation_step``: cut the batch into micro-batches and run a whole pipelined step.
+  engine's; its LR schedulers stay Lightning's (stepped by Lightning's automatic loop, or
+  here for a manual optimization). Layers the module built in ``__init__`` are taken out
+  of it (:mod:`pipekernel.lightning.modules`); the Trainer's precision, clipping and
+  accumulation become engine options (:mod:`pipekernel.lightning.options`).
+* ``train_batch(batch)`` / ``eval_batch(batch)`` / ``predict_batch(batch)``, called from
+  ``training_step`` / ``validation_step`` / ``predict_step`` (the last also by default):
+  cut the batch into micro-batches and run a whole pipelined step. Under automatic
+  optimization Lightning's closure runs ``training_step`` and nothing else
+  (:mod:`pipekernel.lightning.stepping` does accumulation and the step's hooks).
 * samplers: ``DistributedSampler`` over the data-parallel replicas, not over every rank.
-* checkpoints: every rank writes its layers through pipekernel's checkpoints; the
-  Trainer's own state (loops, callbacks, schedulers, ...) travels in them.
+* checkpoints (:mod:`pipekernel.lightning.checkpoints`): a Lightning file with the whole
+  model, and pipekernel's directory beside it for resuming.
 """
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -39,10 +44,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import ConfigError
 from pipekernel.lightning.batches import split_batch
-from pipekernel.lightning.checkpoints import CHECKPOINT_TAG, CheckpointMixin
+from pipekernel.lightning.checkpoints import CheckpointMixin
 from pipekernel.lightning.modules import detach_pipeline_layers, restore_layers
 from pipekernel.lightning.options import engine_precision, trainer_step_options
-from pipekernel.lightning.predict import OutputBroadcast, concat
+from pipekernel.lightning.predict import OutputBroadcast, PredictMixin
 from pipekernel.lightning.stepping import StepControl
 from pipekernel.stage.module import PipelineModule, StageModule
 
@@ -55,25 +60,24 @@ _RESERVED = {
     "data_parallel_size": "it is Trainer(devices x num_nodes) / num_stages",
     "zero_stage": "ZeRO-1 is not available through Lightning yet; drop zero_stage",
 }
-_ = CHECKPOINT_TAG  # re-exported by pipekernel.lightning
-
-
-class PipelineStrategy(CheckpointMixin, DDPStrategy):
+class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
     """Train a ``LightningModule`` whose ``configure_model()`` returns a
     :class:`pipekernel.PipelineModule`, with pipeline x data parallelism.
 
     The contract the LightningModule is written against (see ``docs/lightning.md``):
 
-    * ``configure_model()`` returns the ``pk.PipelineModule`` (return the same object if
-      called again); each rank then builds only its stage, registered as
-      ``self.pipeline`` (:attr:`stage_attribute`), so ``self.parameters()`` are the stage's;
-    * ``configure_optimizers()`` as usual: one optimizer over ``self.parameters()``, LR
-      schedulers with their ``interval`` / ``frequency`` (``ReduceLROnPlateau`` is stepped
-      by the module itself, as in any manual optimization);
-    * ``self.automatic_optimization = False``; ``training_step`` calls
+    * ``configure_model()`` returns the ``pk.PipelineModule`` (of ``LayerSpec``\ s, or of
+      layers the module built in ``__init__``: ``pk.PipelineModule(list(self.net),
+      loss_fn=...)``); this rank's stage is registered as ``self.pipeline``
+      (:attr:`stage_attribute`), so ``self.parameters()`` are the stage's;
+    * ``configure_optimizers()`` as usual: one optimizer over ``self.parameters()`` and its
+      LR schedulers (under manual optimization a ``ReduceLROnPlateau`` is the module's to
+      step, as Lightning's manual optimization requires);
+    * automatic or manual optimization; ``training_step`` calls
       ``loss = self.trainer.strategy.train_batch(batch)`` and ``validation_step``
       ``loss = self.trainer.strategy.eval_batch(batch)``: the loss of the whole batch, the
-      same 0-dim tensor on every rank (log it with ``self.log`` on every rank).
+      same 0-dim tensor on every rank (log it with ``self.log`` on every rank);
+      ``trainer.predict`` returns the model's outputs on every rank.
 
     :param num_stages: pipeline stages; ``None``: the PipelineModule's ``num_stages`` or,
         if that is ``None`` too, one stage per process. The processes
@@ -85,6 +89,11 @@ class PipelineStrategy(CheckpointMixin, DDPStrategy):
     :param transport: pipekernel transport; ``None``: ``"nccl"`` on GPUs, else ``"gloo"``.
     :param start_method: how the Trainer starts its processes, as for ``DDPStrategy``:
         ``"popen"`` (runs the script again per rank), ``"spawn"``, ``"fork"``.
+    :param whole_model_file: the Lightning checkpoint file holds the whole model (rank 0
+        reads every stage's layers back after saving), for ``load_from_checkpoint``;
+        ``False``: the Trainer's state only (models one process cannot hold).
+    :param log_grad_norm: a metric name: ``self.log`` the whole model's gradient norm
+        (:attr:`grad_norm`) under it at every step (``trainer.callback_metrics``, loggers).
     :param engine_options: any other :class:`pipekernel.PipelineEngine` option
         (``precision``, ``max_grad_norm``, ``chunks``, ``timeout``, ``plugins``, ...).
     """
@@ -99,7 +108,8 @@ class PipelineStrategy(CheckpointMixin, DDPStrategy):
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Any = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout, start_method: str = "popen",
-                 whole_model_file: bool = True, **engine_options: Any) -> None:
+                 whole_model_file: bool = True, log_grad_norm: str | None = None,
+                 **engine_options: Any) -> None:
         if num_stages is not None and (not isinstance(num_stages, int)
                                        or isinstance(num_stages, bool) or num_stages < 1):
             raise ConfigError(f"PipelineStrategy(num_stages={num_stages!r}): a positive int "
@@ -128,6 +138,8 @@ class PipelineStrategy(CheckpointMixin, DDPStrategy):
         self._engine_open = False
         #: write the whole model into the Lightning checkpoint file (rank 0 reads it back)
         self.whole_model_file = whole_model_file
+        #: log the whole model's gradient norm under this name at every step
+        self.log_grad_norm = log_grad_norm
         #: the engine plugin behind accumulation, the hooks at the step and the grad norm
         self.step_control = StepControl(self)
         self._precision_options: dict[str, Any] = {}
@@ -359,32 +371,6 @@ class PipelineStrategy(CheckpointMixin, DDPStrategy):
         with torch.inference_mode(False):
             return engine.eval_batch(iter(items), micro_batches=micro_batches)
 
-    def predict_batch(self, batch: Any, micro_batches: int | None = None) -> Any:
-        """The model's outputs for ``batch`` (the last stage's, micro-batches joined along
-        the batch dimension), on **every** rank of the replica (see
-        :mod:`pipekernel.lightning.predict`). ``batch`` is the inputs, or ``(inputs,
-        labels)`` (the labels are not used). Call it on every rank."""
-        engine = self._need_engine("predict_batch")
-        inputs = batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 2 else batch
-        count = micro_batches or engine.micro_batches
-        items = split_batch((inputs, inputs), count, "predict_batch")
-        with torch.inference_mode(False):
-            _, outputs = engine.eval_batch(iter(items), compute_loss=False,
-                                           return_outputs=True, micro_batches=micro_batches)
-        if self._broadcast is None:
-            self._broadcast = OutputBroadcast(engine)
-        return self._broadcast(concat(outputs) if outputs is not None else None)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """A module without its own ``predict_step`` predicts through the pipeline
-        (Lightning's default would call ``self(batch)``, one stage's layers at best)."""
-        from lightning.pytorch.core.module import LightningModule
-        module = self.lightning_module
-        if type(module).predict_step is LightningModule.predict_step:
-            batch = args[0] if args else kwargs["batch"]
-            return self.predict_batch(batch)
-        return super().predict_step(*args, **kwargs)
-
     # -- automatic optimization: the engine's step inside Lightning's ------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._train_batch_calls = 0
@@ -431,8 +417,11 @@ class PipelineStrategy(CheckpointMixin, DDPStrategy):
         return self.step_control.grad_norm
 
     def _before_optimizer_step(self) -> None:
-        trainer = self.lightning_module.trainer
-        optimizer = self.optimizers[0]
+        module = self.lightning_module
+        trainer, optimizer = module.trainer, self.optimizers[0]
+        norm = self.step_control.grad_norm
+        if self.log_grad_norm and norm is not None:  # (we are inside training_step)
+            module.log(self.log_grad_norm, norm, on_step=True, on_epoch=False)
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
 
