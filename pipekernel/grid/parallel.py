@@ -21,12 +21,14 @@ class ParallelConfig:
     zero_stage: int = 0
     data_parallel_shard: int = 1
     reshard_after_forward: bool = False
+    #: ``{module-name pattern: ParallelStyle}`` for DTensor tensor parallelism, or ``None``
+    tensor_parallel_plan: Any = None
 
     @classmethod
     def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
              partition_activations: Any = True, zero_stage: Any = 0,
-             data_parallel_shard: Any = 1, reshard_after_forward: Any = False
-             ) -> ParallelConfig:
+             data_parallel_shard: Any = 1, reshard_after_forward: Any = False,
+             tensor_parallel_plan: Any = None) -> ParallelConfig:
         """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
@@ -54,13 +56,14 @@ class ParallelConfig:
             raise ConfigError("zero_stage=1 with data_parallel_shard > 1: FSDP2 already shards "
                               "the optimizer state (and parameters and gradients)",
                               hint="drop zero_stage, or use data_parallel_shard=1")
-        if data_parallel_shard > 1 and tensor_parallel_size > 1:
+        _check_plan(tensor_parallel_plan, tensor_parallel_size)
+        if data_parallel_shard > 1 and tensor_parallel_size > 1 and tensor_parallel_plan is None:
             raise ConfigError("data_parallel_shard > 1 with tensor_parallel_size > 1: FSDP2 "
                               "over pipekernel's own tensor-parallel layers is not supported",
-                              hint="use one of the two (FSDP2 x DTensor tensor parallelism "
-                                   "is the way to combine them, issue 28)")
+                              hint="give the tensor parallelism as a DTensor plan "
+                                   "(tensor_parallel_plan=...), which FSDP2 composes with")
         return cls(tensor_parallel_size, order, partition_activations, zero_stage,
-                   data_parallel_shard, reshard_after_forward)
+                   data_parallel_shard, reshard_after_forward, tensor_parallel_plan)
 
     @property
     def partitions(self) -> bool:
@@ -74,4 +77,24 @@ class ParallelConfig:
                 "partition activations": self.partition_activations,
                 "zero stage": self.zero_stage,
                 "data parallel shard": self.data_parallel_shard,
-                "reshard after forward": self.reshard_after_forward}
+                "reshard after forward": self.reshard_after_forward,
+                "tensor parallel plan": None if self.tensor_parallel_plan is None else
+                sorted((k, type(v).__name__) for k, v in self.tensor_parallel_plan.items())}
+
+
+def _check_plan(plan: Any, tensor_parallel_size: int) -> None:
+    """A DTensor plan: ``{str pattern: ParallelStyle}``, with ``tensor_parallel_size > 1``."""
+    if plan is None:
+        return
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(plan, dict) or not plan or not all(
+            isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in plan.items()):
+        raise ConfigError(f"tensor_parallel_plan must be a non-empty dict of module-name "
+                          f"patterns to torch ParallelStyles, got {plan!r}",
+                          hint="e.g. {'*.fc1': ColwiseParallel(), '*.fc2': RowwiseParallel()} "
+                               "(torch.distributed.tensor.parallel), names relative to the "
+                               "stage, whose children are the global layer indices")
+    if tensor_parallel_size < 2:
+        raise ConfigError("tensor_parallel_plan needs tensor_parallel_size > 1 (the size of "
+                          "the mesh's tp dim)", hint="pass tensor_parallel_size=2 (or more)")
