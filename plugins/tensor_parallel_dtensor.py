@@ -11,6 +11,13 @@ module on *any* stage is a :class:`~pipekernel.errors.ConfigError` (one all-redu
 match counts), and so is a ``Colwise``/``Rowwise`` style on a ``Linear`` or ``Embedding``
 whose sharded dimension ``T`` does not divide.
 
+``tensor_parallel_plan="hf"`` takes a Hugging Face model's own plan (its config's
+``base_model_tp_plan``, a pipeline made by :func:`pipekernel.hf.pipeline_module`), each key
+placed under the base model's path inside the stage's layers (``"layers.*.mlp.up_proj"``
+becomes ``"*.model.layers.*.mlp.up_proj"``) and each style name mapped to torch's
+(:data:`HF_STYLES`: ``colwise``, ``rowwise``); a plan with any other style (sequence
+parallel, ``gather``, ...) is refused by name.
+
 What crosses stages stays plain tensors: ``ColwiseParallel``/``RowwiseParallel`` take and
 give plain (replicated) tensors by default (``use_local_output=True``), and the engine's
 wire never sees a DTensor. The parameters become DTensors over ``mesh["tp"]``; the
@@ -27,7 +34,36 @@ import torch
 from pipekernel.errors import ConfigError
 from pipekernel.extend.hookspecs import hookimpl
 
-__all__ = ["matches", "pipekernel_parallelize_stage"]
+__all__ = ["HF_STYLES", "hf_plan", "matches", "pipekernel_parallelize_stage"]
+
+#: Hugging Face TP style names this maps (to ``torch.distributed.tensor.parallel`` classes).
+HF_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}
+
+
+def hf_plan(pipeline_module: Any) -> dict[str, Any]:
+    """The DTensor plan of a Hugging Face pipeline's own ``base_model_tp_plan``."""
+    import torch.distributed.tensor.parallel as tp
+
+    config = getattr(pipeline_module, "config", None)
+    structure = getattr(pipeline_module, "structure", None)
+    plan = getattr(config, "base_model_tp_plan", None)
+    if structure is None or not plan:
+        raise ConfigError("tensor_parallel_plan='hf' needs a Hugging Face pipeline "
+                          "(pipekernel.hf.pipeline_module) whose config has a "
+                          "base_model_tp_plan" + ("" if structure is None else
+                                                  f" ({type(config).__name__} has none)"),
+                          hint="pass the plan itself: tensor_parallel_plan={pattern: "
+                               "ColwiseParallel(), ...}")
+    out = {}
+    for key, style in plan.items():
+        if style not in HF_STYLES:
+            raise ConfigError(f"tensor_parallel_plan='hf': {type(config).__name__}'s plan "
+                              f"entry {key!r}: {style!r} is not mapped (only "
+                              f"{', '.join(HF_STYLES)})",
+                              hint="pass a plan of your own with torch ParallelStyles")
+        prefix = f"*.{structure.base}." if structure.base else "*."
+        out[prefix + key] = getattr(tp, HF_STYLES[style])()
+    return out
 
 
 def matches(module: torch.nn.Module, pattern: str) -> list[str]:
@@ -62,12 +98,28 @@ def _check_divisible(module: torch.nn.Module, name: str, style: Any, size: int,
             return
 
 
+def _check_heads(config: Any, size: int, where: dict) -> None:
+    """Attention heads split whole: ``T`` divides the query and the key/value heads (a
+    Linear's features alone may divide while a head would be cut in two)."""
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, field, None)
+        if isinstance(heads, int) and heads % size:
+            raise ConfigError(f"tensor_parallel_plan='hf': {field}={heads} of "
+                              f"{type(config).__name__} is not divisible by "
+                              f"tensor_parallel_size={size}",
+                              hint=f"choose a tensor_parallel_size dividing {heads}", **where)
+
+
 @hookimpl(tryfirst=True)
 def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
     plan = engine.parallel.tensor_parallel_plan
     if plan is None:
         return
     where = {"rank": engine.transport.rank, "stage": engine.stage}
+    if plan == "hf":
+        plan = hf_plan(engine.pipeline_module)
+        _check_heads(engine.pipeline_module.config, engine.parallel.tensor_parallel_size,
+                     where)
     engine.grid.require_mesh("tensor_parallel_plan", rank=where["rank"])
     from torch.distributed.tensor.parallel import parallelize_module
 

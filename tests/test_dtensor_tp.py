@@ -98,3 +98,37 @@ def test_bad_plans_fail_before_the_first_step(hidden, extra, words):
             assert words in result["error"]
         else:
             pytest.fail(f"no error on a rank: {result}")
+
+
+def hf_tp_worker():
+    torch.set_num_threads(1)
+    import test_hf as t
+    from torch.distributed.tensor import DTensor
+
+    import pipekernel.hf as hf
+
+    module = hf.pipeline_module(t.llama(), num_stages=2)
+    engine = pk.PipelineEngine(module, optimizer=t.sgd, micro_batches=t.MICRO_BATCHES,
+                               tensor_parallel_size=2, tensor_parallel_plan="hf",
+                               loss_reduction="tokens", timeout=120)
+    losses = [engine.train_batch(iter(t.batches(step, engine.data_parallel_rank))).item()
+              for step in range(t.STEPS)]
+    state = {k.partition(".")[2]: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+             for k, v in engine.module.state_dict().items()}
+    sharded = [n for n, p in engine.module.named_parameters() if isinstance(p, DTensor)]
+    return losses, state, sharded
+
+
+def test_pp2_x_tp2_on_an_unmodified_hf_llama_with_its_own_plan():
+    pytest.importorskip("transformers")
+    import test_hf as t
+
+    results = run_ranks(hf_tp_worker, 4, timeout=600)
+    ref_losses, ref_model = t.reference("llama", 1)
+    for losses, state, sharded in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+        t.check_state(state, ref_model, "hf tp")
+        # the plan's seven projections of each decoder layer the stage holds
+        assert sharded and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"))
+                               for n in sharded)

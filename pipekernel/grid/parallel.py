@@ -78,7 +78,8 @@ class ParallelConfig:
                 "zero stage": self.zero_stage,
                 "data parallel shard": self.data_parallel_shard,
                 "reshard after forward": self.reshard_after_forward,
-                "tensor parallel plan": None if self.tensor_parallel_plan is None else
+                "tensor parallel plan": self.tensor_parallel_plan
+                if not isinstance(self.tensor_parallel_plan, dict) else
                 sorted((k, type(v).__name__) for k, v in self.tensor_parallel_plan.items())}
 
 
@@ -88,10 +89,11 @@ def _check_plan(plan: Any, tensor_parallel_size: int) -> None:
         return
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    if not isinstance(plan, dict) or not plan or not all(
-            isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in plan.items()):
-        raise ConfigError(f"tensor_parallel_plan must be a non-empty dict of module-name "
-                          f"patterns to torch ParallelStyles, got {plan!r}",
+    # "hf": the Hugging Face model's own plan (pipekernel.plugins.tensor_parallel_dtensor)
+    if plan != "hf" and (not isinstance(plan, dict) or not plan or not all(
+            isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in plan.items())):
+        raise ConfigError(f"tensor_parallel_plan must be 'hf' or a non-empty dict of "
+                          f"module-name patterns to torch ParallelStyles, got {plan!r}",
                           hint="e.g. {'*.fc1': ColwiseParallel(), '*.fc2': RowwiseParallel()} "
                                "(torch.distributed.tensor.parallel), names relative to the "
                                "stage, whose children are the global layer indices")
