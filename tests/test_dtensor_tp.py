@@ -132,3 +132,9 @@ def test_pp2_x_tp2_on_an_unmodified_hf_llama_with_its_own_plan():
         assert sharded and all(any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj",
                                                      "gate_proj", "up_proj", "down_proj"))
                                for n in sharded)
+
+
+def test_a_dtensor_plan_with_replicas_but_no_fsdp_is_refused():
+    # 2 replicas x TP2 on one stage: DTensor gradients that nothing would average
+    for result in run_ranks(tp_worker, 4, 1, 1):
+        assert "only FSDP2 reduces DTensor gradients" in result.get("error", "")
