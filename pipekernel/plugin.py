@@ -11,7 +11,12 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
 * embedding: :class:`Kernel` (the instruction loop with your handlers),
   :func:`make_plugin_manager`;
 * schedules: :class:`Schedule`, :data:`BUILTIN_SCHEDULES`, :func:`simulate`,
-  :func:`plan_communication` / :class:`CommPlan`, and every instruction class.
+  :func:`plan_communication` / :class:`CommPlan`, and every instruction class;
+* torch parallelism inside a stage: the hook ``pipekernel_parallelize_stage(module, mesh,
+  engine)`` (FSDP2, DTensor, float8, a wrapping policy of your own; the built-in FSDP2 of
+  ``data_parallel_shard`` is a plugin on it, :mod:`pipekernel.plugins.fsdp`), the mesh's
+  dims :data:`MESH_DIMS` and :class:`StageParallel` (how the engine times any
+  ``fully_shard`` module by the schedule).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from pipekernel.comm.conformance import run_transport_conformance
 from pipekernel.comm.transport import Handle, P2POp, Transport, wait_sliced
 from pipekernel.extend.hookspecs import hookimpl, hookspec
 from pipekernel.extend.manager import make_plugin_manager
+from pipekernel.grid.mesh import MESH_DIMS
+from pipekernel.grid.stage_parallel import StageParallel
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import BUILTIN_SCHEDULES, Schedule, SimulationResult, simulate
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
@@ -39,5 +46,5 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "SkipInstruction", "LoadMicroBatch", "Forward",
     "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ReduceTiedGrads",
-    "ReduceGrads", "OptimizerStep",
+    "ReduceGrads", "OptimizerStep", "MESH_DIMS", "StageParallel",
 ]

@@ -134,6 +134,12 @@ class PipelineEngine:
     :param reshard_after_forward: with ``data_parallel_shard``, free each layer's gathered
         parameters after its forward and gather them again for its backward (less memory,
         two all-gathers per micro-batch); default ``False``: gathered once per batch.
+    :param tensor_parallel_plan: a ``parallelize_module`` plan (``{module-name pattern:
+        ParallelStyle}``, names relative to the stage, whose children are the global layer
+        indices: ``{"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}``) applied to
+        each stage over ``mesh["tp"]`` (``tensor_parallel_size`` ranks) by the built-in plugin
+        :mod:`pipekernel.plugins.tensor_parallel_dtensor`; what crosses stages stays plain
+        tensors.
 
     ``engine.mesh`` is the :class:`~torch.distributed.device_mesh.DeviceMesh` with the dims
     ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
@@ -158,7 +164,7 @@ class PipelineEngine:
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
                  partition_activations: bool = True, zero_stage: int = 0,
                  data_parallel_shard: int = 1, reshard_after_forward: bool = False,
-                 expert_parallel_size: int = 1) -> None:
+                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -195,7 +201,8 @@ class PipelineEngine:
                                                      partition_activations, zero_stage,
                                                      data_parallel_shard,
                                                      reshard_after_forward,
-                                                     expert_parallel_size))
+                                                     expert_parallel_size,
+                                                     tensor_parallel_plan))
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise

@@ -35,6 +35,7 @@ def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
                           f"(pipekernel.plugins.fsdp) is disabled or not installed",
                           hint="do not disable 'fsdp'; reinstall pipekernel (pip install -e .) "
                                "if its entry points predate the plugin", **where)
+    _check_dtensors(engine, driver, where)
     if driver is None:
         return None
     name = getattr(engine.precision, "name", "fp32")
@@ -43,11 +44,31 @@ def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
                           f"precision='fp32' only so far, not {name!r}",
                           hint="use precision='fp32' (FSDP2's MixedPrecisionPolicy is not "
                                "mapped yet)", **where)
-    if engine.parallel.zero_stage or engine.parallel.tensor_parallel_size > 1:
+    own_tp = engine.parallel.tensor_parallel_size > 1 and \
+        engine.parallel.tensor_parallel_plan is None
+    if engine.parallel.zero_stage or own_tp:
         raise ConfigError(f"stage {engine.stage} is sharded with FSDP2, which does not combine "
-                          f"with zero_stage=1 or tensor_parallel_size > 1",
-                          hint="drop zero_stage / tensor_parallel_size", **where)
+                          f"with zero_stage=1 or pipekernel's own tensor-parallel layers",
+                          hint="drop zero_stage; give tensor parallelism as a DTensor plan "
+                               "(tensor_parallel_plan=...)", **where)
     return driver
+
+
+def _check_dtensors(engine: Any, driver: Any, where: dict) -> None:
+    """DTensor parameters FSDP2 does not manage (a DTensor plan alone) are reduced by no
+    one over data-parallel ranks: refuse them there rather than train replicas apart."""
+    from pipekernel.grid.mesh import local_share
+
+    if engine.topology.data_size == 1:
+        return
+    loose = [name for name, p in engine.module.named_parameters()
+             if local_share(p) is not False and (driver is None or not driver.managed(p))]
+    if loose:
+        raise ConfigError(f"stage {engine.stage} has DTensor parameters ({loose[:3]}...) with "
+                          f"{engine.topology.data_size} data-parallel ranks, and only FSDP2 "
+                          f"reduces DTensor gradients over them",
+                          hint="add data_parallel_shard (FSDP2 composes with the DTensor "
+                               "plan) or run one data-parallel rank per stage", **where)
 
 
 def refuse_sharded_checkpoint(engine: Any, what: str) -> None:

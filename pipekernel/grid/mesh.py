@@ -164,10 +164,13 @@ def _transport_groups(topology: Any, transport: Any) -> dict[str, tuple[Any, lis
     return groups
 
 
-def local_share(tensor: Any) -> Any:
+def local_share(tensor: Any, tp_rank: int = 0) -> Any:
     """What of a DTensor this rank counts in a global sum of squares (a norm): its local
     shard, or ``None`` where that is a copy of another rank's (a ``Replicate`` dim at a
-    coordinate other than 0); ``False`` for a plain tensor (the caller decides)."""
+    coordinate other than 0, or a DTensor whose mesh lacks the ``tp`` dim on a
+    tensor-parallel rank other than ``0``: FSDP2 alone shards a layer outside the plan the
+    same way on every tensor-parallel rank); ``False`` for a plain tensor (the caller
+    decides)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
@@ -175,6 +178,8 @@ def local_share(tensor: Any) -> Any:
     if not isinstance(tensor, DTensor):
         return False
     mesh = tensor.device_mesh
+    if tp_rank != 0 and "tp" not in (mesh.mesh_dim_names or ()):
+        return None
     for dim, placement in enumerate(tensor.placements):
         if placement.is_replicate() and mesh.get_local_rank(dim) != 0:
             return None

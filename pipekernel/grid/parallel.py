@@ -24,12 +24,15 @@ class ParallelConfig:
     data_parallel_shard: int = 1
     reshard_after_forward: bool = False
     expert_parallel_size: int = 1
+    #: ``{module-name pattern: ParallelStyle}`` for DTensor tensor parallelism, or ``None``
+    tensor_parallel_plan: Any = None
 
     @classmethod
     def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
              partition_activations: Any = True, zero_stage: Any = 0,
              data_parallel_shard: Any = 1, reshard_after_forward: Any = False,
-             expert_parallel_size: Any = 1) -> ParallelConfig:
+             expert_parallel_size: Any = 1, tensor_parallel_plan: Any = None
+             ) -> ParallelConfig:
         """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
                 or tensor_parallel_size < 1:
@@ -59,11 +62,12 @@ class ParallelConfig:
             raise ConfigError("zero_stage=1 with data_parallel_shard > 1: FSDP2 already shards "
                               "the optimizer state (and parameters and gradients)",
                               hint="drop zero_stage, or use data_parallel_shard=1")
-        if data_parallel_shard > 1 and tensor_parallel_size > 1:
+        _check_plan(tensor_parallel_plan, tensor_parallel_size)
+        if data_parallel_shard > 1 and tensor_parallel_size > 1 and tensor_parallel_plan is None:
             raise ConfigError("data_parallel_shard > 1 with tensor_parallel_size > 1: FSDP2 "
                               "over pipekernel's own tensor-parallel layers is not supported",
-                              hint="use one of the two (FSDP2 x DTensor tensor parallelism "
-                                   "is the way to combine them, issue 28)")
+                              hint="give the tensor parallelism as a DTensor plan "
+                                   "(tensor_parallel_plan=...), which FSDP2 composes with")
         if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
                 or expert_parallel_size < 1:
             raise ConfigError(f"expert_parallel_size must be a positive int, got "
@@ -74,7 +78,8 @@ class ParallelConfig:
                               hint="use data_parallel_size (replicas) for the expert-parallel "
                                    "ranks, or data_parallel_shard without experts")
         return cls(tensor_parallel_size, order, partition_activations, zero_stage,
-                   data_parallel_shard, reshard_after_forward, expert_parallel_size)
+                   data_parallel_shard, reshard_after_forward, expert_parallel_size,
+                   tensor_parallel_plan)
 
     @property
     def partitions(self) -> bool:
@@ -89,4 +94,26 @@ class ParallelConfig:
                 "zero stage": self.zero_stage,
                 "data parallel shard": self.data_parallel_shard,
                 "reshard after forward": self.reshard_after_forward,
-                "expert parallel size": self.expert_parallel_size}
+                "expert parallel size": self.expert_parallel_size,
+                "tensor parallel plan": self.tensor_parallel_plan
+                if not isinstance(self.tensor_parallel_plan, dict) else
+                sorted((k, type(v).__name__) for k, v in self.tensor_parallel_plan.items())}
+
+
+def _check_plan(plan: Any, tensor_parallel_size: int) -> None:
+    """A DTensor plan: ``{str pattern: ParallelStyle}``, with ``tensor_parallel_size > 1``."""
+    if plan is None:
+        return
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    # "hf": the Hugging Face model's own plan (pipekernel.plugins.tensor_parallel_dtensor)
+    if plan != "hf" and (not isinstance(plan, dict) or not plan or not all(
+            isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in plan.items())):
+        raise ConfigError(f"tensor_parallel_plan must be 'hf' or a non-empty dict of "
+                          f"module-name patterns to torch ParallelStyles, got {plan!r}",
+                          hint="e.g. {'*.fc1': ColwiseParallel(), '*.fc2': RowwiseParallel()} "
+                               "(torch.distributed.tensor.parallel), names relative to the "
+                               "stage, whose children are the global layer indices")
+    if tensor_parallel_size < 2:
+        raise ConfigError("tensor_parallel_plan needs tensor_parallel_size > 1 (the size of "
+                          "the mesh's tp dim)", hint="pass tensor_parallel_size=2 (or more)")

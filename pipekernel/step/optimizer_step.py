@@ -227,7 +227,7 @@ class BatchStep:
         for p, grad in self._master_grads(self.module.parameters()):
             if id(p) in not_owner or not (experts if ep is not None and is_expert(p) else dense):
                 continue
-            share = local_share(grad)
+            share = local_share(grad, topo.model_rank)
             if share is False:  # a plain tensor: equal on every shard and (maybe) tp rank
                 if topo.shard_rank != 0 or (replicated and sharded_dim(p) is None):
                     continue
