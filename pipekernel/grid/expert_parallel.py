@@ -23,7 +23,7 @@ the expert-data-parallel group.
 every token the ``E`` members routed to it (the all-to-all's backward brings them back);
 summing over the expert-data-parallel group adds the other ``D / E - 1`` groups' tokens.
 Dividing by ``D`` — not by the group's size — gives the mean over replicas that the dense
-parameters get, hence parity with one process.
+parameters get, hence parity with one process (:mod:`pipekernel.step.expert_reduce`).
 
 **All-to-all** is torch's autograd ``all_to_all_single`` over the group's process group
 (uneven splits; gloo and NCCL support it). The split sizes are host numbers: one host
@@ -47,7 +47,7 @@ import torch
 from pipekernel.errors import ConfigError
 
 __all__ = ["ExpertParallelGroup", "group", "context", "make_group", "expert_groups", "mark",
-           "is_expert", "check_config", "ExpertGradReducer", "ReducerPair", "broadcast_experts",
+           "is_expert", "check_config", "broadcast_experts",
            "gather_layer_state", "shard_layer_state", "full_shapes"]
 
 
@@ -206,62 +206,6 @@ def mark(param: torch.Tensor, dim: int = 0) -> torch.Tensor:
 def is_expert(param: torch.Tensor) -> bool:
     """Whether ``param`` holds a slice of experts (see :func:`mark`)."""
     return getattr(param, "expert_parallel_dim", None) is not None
-
-
-class ExpertGradReducer:
-    """The expert gradients' reduction: summed over the expert-data-parallel group, then
-    divided by the data-parallel size (see the module docstring). Offers the calls of a
-    :class:`~pipekernel.step.grad_reduce.GradReducer` (``arm``, ``backward_done``,
-    ``finish``) so the engine drives both alike."""
-
-    def __init__(self, params: Iterable[torch.Tensor], transport: Any, ep: ExpertParallelGroup,
-                 bucket_bytes: int, master: Any, names: Sequence[str]) -> None:
-        from pipekernel.step.grad_reduce import GradReducer
-
-        self.params, self.ep, self.master = list(params), ep, master
-        self.bucket_bytes = bucket_bytes
-        self.reducer = (GradReducer(self.params, transport, ep.data_handle, ep.data_size,
-                                    bucket_bytes, master=master, names=list(names))
-                        if len(ep.data_ranks) > 1 and self.params else None)
-
-    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
-        if self.reducer is not None:
-            self.reducer.arm(final)
-
-    def backward_done(self) -> None:
-        if self.reducer is not None:
-            self.reducer.backward_done()
-
-    def finish(self) -> None:
-        if self.reducer is not None:
-            self.reducer.finish()  # divides by ep.data_size
-            return
-        scale = 1.0 / self.ep.data_size  # the E members' tokens are summed already
-        for p in self.params:
-            grad = self.master(p).grad
-            if grad is not None:
-                grad.mul_(scale)
-
-
-class ReducerPair:
-    """The dense reducer and the expert reducer as one (what the engine calls)."""
-
-    def __init__(self, dense: Any, experts: ExpertGradReducer) -> None:
-        self.parts = [r for r in (dense, experts) if r is not None]
-        self.bucket_bytes = max(r.bucket_bytes for r in self.parts)
-
-    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
-        final = list(final)
-        for r in self.parts:
-            r.arm(final)
-
-    def backward_done(self) -> None:
-        for r in self.parts:
-            r.backward_done()
-
-    def finish(self) -> None:
-        for r in self.parts:
-            r.finish()
 
 
 def broadcast_experts(transport: Any, params: Iterable[torch.Tensor],
