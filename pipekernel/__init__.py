@@ -6,7 +6,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 from importlib.metadata import PackageNotFoundError, version
 
 from pipekernel.grid import expert_parallel, tensor_parallel
-from pipekernel.grid.moe import MoE
+from pipekernel.stage.moe import MoE
 from pipekernel.engine.checkpoint import load_sequential
 from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,

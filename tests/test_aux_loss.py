@@ -90,18 +90,22 @@ CASES = [("1f1b", None, 0, 4), ("zb-h1", None, 0, 4), ("dualpipev", 2, 0, 4),
 
 
 def _worker(cases, steps):
+    from pipekernel.plugins.monitor import Monitor
+
     out = []
     for schedule, chunks, checkpoint, micro_batches in cases:
-        metrics = Metrics()
+        metrics, monitor = Metrics(), Monitor(sinks=(), dump_signal=None)
         engine = pk.PipelineEngine(aux_mlp(2, checkpoint), optimizer=sgd,
                                    micro_batches=micro_batches, schedule=schedule,
-                                   chunks=chunks, plugins=[metrics], timeout=60)
+                                   chunks=chunks, plugins=[metrics, monitor], timeout=60)
         losses = [engine.train_batch(iter(data(s, 0, micro_batches))).item()
                   for s in range(steps)]
         eval_loss = engine.eval_batch(iter(data(99, 0, 4)), micro_batches=4).item()
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         engine.close()
-        out.append((losses, metrics.seen, state, eval_loss))
+        seen = [(lo, aux, record["extra"].get("aux_loss"))  # and in the monitor's records
+                for (lo, aux), record in zip(metrics.seen, monitor.history)]
+        out.append((losses, seen, state, eval_loss))
     return out
 
 
@@ -117,8 +121,9 @@ def test_aux_losses_train_like_one_process_under_every_kind_of_backward():
             assert_parity(losses, ref_losses, state, ref_state)
             covered |= set(state)
             # reported apart: the same on every rank, part of the returned loss
-            assert [a for _, a in seen] == pytest.approx(ref_aux, rel=1e-5)
-            assert [lo for lo, _ in seen] == pytest.approx(losses, rel=1e-6)
+            assert [a for _, a, _ in seen] == pytest.approx(ref_aux, rel=1e-5)
+            assert [m for _, _, m in seen] == [a for _, a, _ in seen]
+            assert [lo for lo, _, _ in seen] == pytest.approx(losses, rel=1e-6)
             assert eval_loss == pytest.approx(ref_eval, rel=1e-5), (schedule, chunks)
         assert covered == set(ref_state), schedule
 

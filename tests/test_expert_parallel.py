@@ -45,9 +45,9 @@ def _config_errors():
     return found
 
 
-def _worker():
+def _worker(path):
     out = {"errors": _config_errors(), "runs": []}
-    for schedule, micro_batches, clip in CASES:
+    for index, (schedule, micro_batches, clip) in enumerate(CASES):
         engine = pk.PipelineEngine(build(2), optimizer=sgd, micro_batches=micro_batches,
                                    schedule=schedule, expert_parallel_size=2,
                                    max_grad_norm=clip, timeout=60)
@@ -58,8 +58,39 @@ def _worker():
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         out["runs"].append((losses, state, experts, engine.ep_group.rank,
                             engine.last_grad_norm))
+        if index == 0:  # whole stacks in the files, this rank's slice on load
+            engine.save_checkpoint(path, tag="ep")
+            again = pk.PipelineEngine(build(2), optimizer=sgd, micro_batches=micro_batches,
+                                      schedule=schedule, expert_parallel_size=2, timeout=60)
+            again.load_checkpoint(path, tag="ep")
+            loaded = again.module.state_dict()
+            mine, theirs = (o.optimizer.state_dict()["state"] for o in (engine, again))
+            out["reloaded"] = (all(torch.equal(loaded[k], v) for k, v in state.items())
+                               and mine.keys() == theirs.keys() and all(
+                                   torch.equal(mine[i]["momentum_buffer"],
+                                               theirs[i]["momentum_buffer"]) for i in mine))
+            again.close()
         engine.close()
+    out["nonfinite"] = _nonfinite_expert()
     return out
+
+
+def _nonfinite_expert():
+    """A NaN in one expert of one expert-parallel rank of stage 0: every rank raises."""
+    engine = pk.PipelineEngine(build(2), optimizer=sgd, micro_batches=2,
+                               expert_parallel_size=2, timeout=60)
+    if engine.stage == 0 and engine.ep_group.rank == 1:
+        with torch.no_grad():
+            for name, p in engine.module.named_parameters():
+                if name.endswith("mlp.w_in"):
+                    p.fill_(float("nan"))
+    try:
+        engine.train_batch(iter(data(0, engine.data_parallel_rank, 2)))
+    except pk.NonFiniteLossError as err:
+        return str(err)
+    finally:
+        engine.close()
+    return None
 
 
 def _reference(clip):
@@ -69,8 +100,10 @@ def _reference(clip):
     return hook
 
 
-def test_pp2_ep2_trains_like_one_process_under_1f1b_and_dualpipev():
-    results = run_ranks(_worker, 4, timeout=400)
+def test_pp2_ep2_trains_like_one_process_under_1f1b_and_dualpipev(tmp_path):
+    results = run_ranks(_worker, 4, str(tmp_path), timeout=400)
+    assert all(r["reloaded"] for r in results)
+    assert all("loss is NaN/inf at train step 1" in (r["nonfinite"] or "") for r in results)
     for errors in (r["errors"] for r in results):
         assert len(errors) == 2
         assert "expert_parallel_size=3 does not divide the data-parallel size 2" in errors[0]
@@ -94,6 +127,9 @@ def test_pp2_ep2_trains_like_one_process_under_1f1b_and_dualpipev():
         assert covered == set(ref_state), schedule
         norms = {r["runs"][index][4] for r in results}
         assert len(norms) == 1  # the same global norm on every rank
+        if index == 0:  # the checkpoint is the whole single-process model
+            whole = pk.load_sequential(str(tmp_path), build(), tag="ep").state_dict()
+            assert_parity(ref_losses, ref_losses, whole, ref_state)
 
 
 def test_the_moe_layer_refuses_bad_sizes_by_name():

@@ -71,6 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipekernel.grid import expert_parallel
 from pipekernel.grid import tensor_parallel as tp
 from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _read_layer, _read_rank,
                                          _write_file, latest_tag, layer_file, rank_file,
@@ -194,7 +195,8 @@ def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
     ``state_dict``) and tensor-parallel shards (gathered) put together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
-    if engine.data_parallel_rank != 0:
+    ep = getattr(engine, "ep_group", None) or expert_parallel.group()
+    if engine.data_parallel_rank >= ep.size:  # the first expert-parallel group gathers
         return {}
     tp_group = getattr(engine, "tp_group", None) or tp.group()
     index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
@@ -216,9 +218,10 @@ def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
                 if i in opt_state:
                     optim[sub] = opt_state[i]
         state, optim = tp.gather_layer_state(layer, state, optim, tp_group)
+        state, optim = expert_parallel.gather_layer_state(layer, state, optim, ep)
         payloads[index] = _cpu({"layer": index, "state": state, "optimizer": optim,
                                 "param_groups": hyper})
-    return payloads if tp_group.rank == 0 else {}
+    return payloads if tp_group.rank == 0 and engine.data_parallel_rank == 0 else {}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -420,6 +423,7 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
     rank, transport = engine.rank, engine.transport
     local = _local_layers(engine.module, engine.pipeline_module)
     tp_group = getattr(engine, "tp_group", None) or tp.group()
+    ep = getattr(engine, "ep_group", None) or expert_parallel.group()
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
@@ -429,7 +433,8 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
             canonical_layers.setdefault(index, layer)
         _check_model(meta, engine.pipeline_module, directory,
                      [(i, canonical_layers[i]) for i in needed],
-                     lambda layer: tp.full_shapes(layer, tp_group))
+                     lambda layer: expert_parallel.full_shapes(
+                         layer, ep, tp.full_shapes(layer, tp_group)))
         payloads = {i: _read_layer(directory, meta, i) for i in needed}
         exact = _same_layout(meta["topology"], _layout(engine))
         mine = _read_rank(directory, rank if exact else 0)
@@ -495,6 +500,8 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
                 continue
             state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
                                                 getattr(engine, "tp_group", None) or tp.group())
+            state, optim = expert_parallel.shard_layer_state(
+                layer, state, optim, getattr(engine, "ep_group", None) or expert_parallel.group())
             payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)

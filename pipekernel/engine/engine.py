@@ -40,6 +40,7 @@ from pipekernel.engine.parallelize import (check_stage_parallel, refuse_sharded_
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.grid.topology import Topology
 from pipekernel.grid import expert_parallel
+from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
 
 __all__ = ["PipelineEngine"]
 
@@ -518,8 +519,8 @@ class PipelineEngine:
                 int(self.grad_bucket_mb * 2 ** 20), master=master, late=tied,
                 names=[name for name, _ in named])
             if self.ep_group.size > 1:
-                self.grad_reducer = expert_parallel.ReducerPair(
-                    self.grad_reducer, expert_parallel.ExpertGradReducer(
+                self.grad_reducer = ReducerPair(
+                    self.grad_reducer, ExpertGradReducer(
                         [p for _, p in experts], self.transport, self.ep_group,
                         int(self.grad_bucket_mb * 2 ** 20), master, [n for n, _ in experts]))
 

@@ -1,1 +1,2 @@
-"""The process grid: topology and rank order, data/tensor parallel groups, ZeRO-1, partitioned activations."""
+"""The process grid: topology and rank order, data/tensor/expert parallel groups, ZeRO-1,
+partitioned activations."""

@@ -23,11 +23,17 @@ the expert-data-parallel group.
 every token the ``E`` members routed to it (the all-to-all's backward brings them back);
 summing over the expert-data-parallel group adds the other ``D / E - 1`` groups' tokens.
 Dividing by ``D`` — not by the group's size — gives the mean over replicas that the dense
-parameters get, hence parity with one process.
+parameters get, hence parity with one process (:mod:`pipekernel.step.expert_reduce`).
 
 **All-to-all** is torch's autograd ``all_to_all_single`` over the group's process group
 (uneven splits; gloo and NCCL support it). The split sizes are host numbers: one host
 synchronisation per MoE layer and forward (:meth:`ExpertParallelGroup.exchange_counts`).
+
+**Checkpoints** hold whole expert stacks, as they hold whole tensor-parallel tensors: on
+save the first expert-parallel group gathers every slice (:func:`gather_layer_state`) and
+data-parallel rank 0 writes it; on load each rank cuts its slice
+(:func:`shard_layer_state`), so a checkpoint loads at any expert-parallel size and as one
+plain model.
 """
 from __future__ import annotations
 
@@ -41,7 +47,8 @@ import torch
 from pipekernel.errors import ConfigError
 
 __all__ = ["ExpertParallelGroup", "group", "context", "make_group", "expert_groups", "mark",
-           "is_expert", "check_config", "ExpertGradReducer", "broadcast_experts"]
+           "is_expert", "check_config", "broadcast_experts",
+           "gather_layer_state", "shard_layer_state", "full_shapes"]
 
 
 class ExpertParallelGroup:
@@ -201,62 +208,6 @@ def is_expert(param: torch.Tensor) -> bool:
     return getattr(param, "expert_parallel_dim", None) is not None
 
 
-class ExpertGradReducer:
-    """The expert gradients' reduction: summed over the expert-data-parallel group, then
-    divided by the data-parallel size (see the module docstring). Offers the calls of a
-    :class:`~pipekernel.step.grad_reduce.GradReducer` (``arm``, ``backward_done``,
-    ``finish``) so the engine drives both alike."""
-
-    def __init__(self, params: Iterable[torch.Tensor], transport: Any, ep: ExpertParallelGroup,
-                 bucket_bytes: int, master: Any, names: Sequence[str]) -> None:
-        from pipekernel.step.grad_reduce import GradReducer
-
-        self.params, self.ep, self.master = list(params), ep, master
-        self.bucket_bytes = bucket_bytes
-        self.reducer = (GradReducer(self.params, transport, ep.data_handle, ep.data_size,
-                                    bucket_bytes, master=master, names=list(names))
-                        if len(ep.data_ranks) > 1 and self.params else None)
-
-    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
-        if self.reducer is not None:
-            self.reducer.arm(final)
-
-    def backward_done(self) -> None:
-        if self.reducer is not None:
-            self.reducer.backward_done()
-
-    def finish(self) -> None:
-        if self.reducer is not None:
-            self.reducer.finish()  # divides by ep.data_size
-            return
-        scale = 1.0 / self.ep.data_size  # the E members' tokens are summed already
-        for p in self.params:
-            grad = self.master(p).grad
-            if grad is not None:
-                grad.mul_(scale)
-
-
-class ReducerPair:
-    """The dense reducer and the expert reducer as one (what the engine calls)."""
-
-    def __init__(self, dense: Any, experts: ExpertGradReducer) -> None:
-        self.parts = [r for r in (dense, experts) if r is not None]
-        self.bucket_bytes = max(r.bucket_bytes for r in self.parts)
-
-    def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
-        final = list(final)
-        for r in self.parts:
-            r.arm(final)
-
-    def backward_done(self) -> None:
-        for r in self.parts:
-            r.backward_done()
-
-    def finish(self) -> None:
-        for r in self.parts:
-            r.finish()
-
-
 def broadcast_experts(transport: Any, params: Iterable[torch.Tensor],
                       ep: ExpertParallelGroup) -> None:
     """Make the expert slices equal over their expert-data-parallel group (from its first
@@ -266,3 +217,78 @@ def broadcast_experts(transport: Any, params: Iterable[torch.Tensor],
     with torch.no_grad():
         for p in params:
             transport.broadcast(p.data, ep.data_ranks[0], ep.data_handle)
+
+
+# -- checkpoints: whole expert stacks in the files, slices in memory ------------------------
+
+def _gather(part: torch.Tensor, dim: int, ep: ExpertParallelGroup) -> torch.Tensor:
+    from torch.distributed import _functional_collectives as funcol
+
+    whole = funcol.all_gather_tensor(part.contiguous(), dim, ep.handle)
+    return funcol.wait_tensor(whole)
+
+
+def _expert_params(layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, int]]:
+    for sub, param in layer.named_parameters():
+        dim = getattr(param, "expert_parallel_dim", None)
+        if dim is not None:
+            yield sub, param, dim
+
+
+def gather_layer_state(layer: torch.nn.Module, state: dict[str, Any], optim: dict[str, dict],
+                       ep: ExpertParallelGroup) -> tuple[dict[str, Any], dict[str, dict]]:
+    """``layer``'s ``state`` and per-parameter optimizer state with every expert slice
+    gathered whole (collective over the expert-parallel group: every member calls it for
+    the same layers in the same order)."""
+    if ep.size == 1:
+        return state, optim
+    state, optim = dict(state), {k: dict(v) for k, v in optim.items()}
+    for sub, param, dim in _expert_params(layer):
+        if sub in state:
+            state[sub] = _gather(state[sub], dim, ep)
+        for key, value in optim.get(sub, {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape \
+                    and value.dim() > 0:
+                optim[sub][key] = _gather(value, dim, ep)
+    return state, optim
+
+
+def shard_layer_state(layer: torch.nn.Module, state: dict[str, Any], optim: dict[str, dict],
+                      ep: ExpertParallelGroup) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The inverse of :func:`gather_layer_state`: whole stacks (as saved, at any
+    expert-parallel size) cut to this rank's experts."""
+    if ep.size == 1:
+        return state, optim
+    state, optim = dict(state), {k: dict(v) for k, v in optim.items()}
+    for sub, param, dim in _expert_params(layer):
+        n = param.shape[dim]
+        whole = _whole_shape(param, dim, ep)
+
+        def cut(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == whole:
+                return value.narrow(dim, ep.rank * n, n).clone()
+            return value
+
+        if sub in state:
+            state[sub] = cut(state[sub])
+        for key, value in optim.get(sub, {}).items():
+            optim[sub][key] = cut(value)
+    return state, optim
+
+
+def _whole_shape(param: torch.Tensor, dim: int, ep: ExpertParallelGroup) -> tuple[int, ...]:
+    shape = list(param.shape)
+    shape[dim] *= ep.size
+    return tuple(shape)
+
+
+def full_shapes(layer: torch.nn.Module, ep: ExpertParallelGroup,
+                shapes: dict[str, list[int]]) -> dict[str, list[int]]:
+    """``shapes`` (a layer's state shapes) with every expert slice counted whole."""
+    if ep.size == 1:
+        return shapes
+    shapes = dict(shapes)
+    for sub, param, dim in _expert_params(layer):
+        if sub in shapes:
+            shapes[sub] = list(_whole_shape(param, dim, ep))
+    return shapes
