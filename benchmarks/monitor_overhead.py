@@ -72,7 +72,7 @@ def train_worker(monitor: bool, steps: int, out_dir: str, width: int, micro_batc
         start = time.perf_counter()
         engine.train_batch(iter(data))
         times.append(time.perf_counter() - start)
-    instructions = sum(len(s) for s in engine._steps(engine.schedule_cls)[0])
+    instructions = len(engine._program(engine.schedule_cls).stream)
     engine.close()
     return statistics.median(times[2:]), instructions
 

@@ -48,7 +48,7 @@ def worker(stages: int, schedule: str, chunks: int, micro_batches: int, steps: i
         for _ in range(steps):
             engine.train_batch(iter(data))
         times.append((time.perf_counter() - start) / steps)
-    instructions = len(engine._steps(engine.schedule_cls)[2].stream)
+    instructions = len(engine._program(engine.schedule_cls).stream)
     engine.close()
     return statistics.median(times), instructions
 

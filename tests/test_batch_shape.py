@@ -24,7 +24,7 @@ def _ramp_worker(stages, dp, schedule, per_call):
         else:
             engine.set_micro_batches(n)
             losses.append(engine.train_batch(it).item())
-    cached = sorted({key[1] for key in engine._steps_cache})
+    cached = sorted({key[1] for key in engine._programs})
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     return losses, state, cached
 

@@ -5,13 +5,16 @@ fill the pipeline: under per-pair order they passed with the old lanes, under th
 they deadlock with them (tests/test_lanes.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from models import MODELS, sgd
 from rendezvous_transport import RendezvousPlugin
 
 import pipekernel as pk
 from pipekernel.errors import TransportError
-from pipekernel.schedules.comm import CommPlan, P2P
+from pipekernel.schedules.comm import P2P
+from pipekernel.schedules.program import compile_program, program_of
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 STEPS = 2
@@ -24,19 +27,25 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False, tim
                                transport="rendezvous", plugins=[RendezvousPlugin()],
                                timeout=timeout, chunks=chunks)
     if naive:  # the old model: every op posted alone where it stands, all on one lane
-        steps, buffers, plan = engine._steps(engine.schedule_cls)
-        posts = tuple((ins,) if isinstance(ins, P2P) and not plan.local[i] and plan.peers[i]
+        # compiled, not loaded: loading makes the runtime's channels, on the plan's lanes
+        program = compile_program(engine.schedule_cls, stage=engine.stage,
+                                  num_stages=stages, micro_batches=micro_batches,
+                                  chunks=engine.chunks, placement=engine.placement)
+        plan = program.plan
+        posts = tuple((i,) if isinstance(ins, P2P) and not plan.local[i] and plan.peers[i]
                       else () for i, ins in enumerate(plan.stream))
-        naive_plan = CommPlan(plan.stage, plan.stream, plan.step_of, posts, plan.peers,
-                              plan.local, tuple(0 if lane is not None else None
-                                                for lane in plan.lanes))
-        engine._steps_cache[engine.schedule_cls, engine.micro_batches] = (steps, buffers,
-                                                                          naive_plan)
+        naive_plan = dataclasses.replace(plan, posts=posts, lanes=tuple(
+            0 if lane is not None else None for lane in plan.lanes))
+        engine._programs[engine.schedule_cls, engine.micro_batches] = engine._load(
+            program_of(naive_plan, program.steps, schedule=program.schedule,
+                       trains=program.trains, micro_batches=program.micro_batches,
+                       num_buffers=program.num_buffers))
     losses = [engine.train_batch(iter(data(step, 0, micro_batches))).item()
               for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    plan = engine._steps(engine.schedule_cls)[2]
-    expected = [[("send" if "Send" in type(i).__name__ else "recv", None) for i in group]
+    plan = engine._program(engine.schedule_cls).program
+    expected = [[("send" if "Send" in type(plan.stream[i]).__name__ else "recv", None)
+                 for i in group]
                 for group in plan.posts if group]
     posted = [[(op, None) for op, _ in group] for group in engine.transport.groups_posted]
     engine.close()

@@ -99,7 +99,7 @@ def one_lane(steps, **kw):
 def naive_plan(steps, **kw):
     """Post every send and receive at its own instruction, one group each, on one lane."""
     plan = one_lane(steps, **kw)
-    posts = tuple((ins,) if isinstance(ins, P2P) and plan.peers[i] is not None
+    posts = tuple((i,) if isinstance(ins, P2P) and plan.peers[i] is not None
                   and not plan.local[i] else () for i, ins in enumerate(plan.stream))
     return dataclasses.replace(plan, posts=posts)
 
@@ -131,15 +131,15 @@ def test_old_plan_policy_deadlocks_1f1b_with_three_stages():
     def eager_grad_plan(steps, **kw):
         plan = one_lane(steps, **kw)
         posts = [list(group) for group in plan.posts]
-        index = {id(i): n for n, i in enumerate(plan.stream)}
         for n, group in enumerate(plan.posts):
-            for ins in group:
+            for at in group:
+                ins = plan.stream[at]
                 if isinstance(ins, RecvGrad) and ins.micro_batch == 0:
                     sent = next(k for k, x in enumerate(plan.stream)
                                 if isinstance(x, SendActivation) and x.micro_batch == 0)
-                    posts[n].remove(ins)
-                    posts[sent].append(ins)
-                    posts[sent].sort(key=lambda x: index[id(x)])
+                    posts[n].remove(at)
+                    posts[sent].append(at)
+                    posts[sent].sort()
         return dataclasses.replace(plan, posts=tuple(map(tuple, posts)))
 
     simulate(OneFOneB, 3, 4)

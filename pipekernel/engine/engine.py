@@ -25,12 +25,12 @@ from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
 from pipekernel.extend.manager import (make_plugin_manager, make_precision, make_transport,
                                        resolve_schedule)
 from pipekernel.stage.runtime import StageRuntime
-from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
-from pipekernel.schedules.instructions import Backward, BackwardWeight
+from pipekernel.kernel.program import LoadedProgram
+from pipekernel.schedules.comm import lanes_needed
+from pipekernel.schedules.program import Program, compile_program
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.grid.partitioned import ActivationPartitioner
-from pipekernel.schedules.skips import add_skip_transfers
 from pipekernel.stage.skip_routing import check_schedules, router_for
 from pipekernel.step.optimizer_step import BatchStep
 from pipekernel.grid.tensor_parallel import context as tp_context
@@ -406,7 +406,8 @@ class PipelineEngine:
         self.skipped_steps = 0
         #: Micro-batches each replica trained on so far (the counts may change).
         self.trained_micro_batches = 0
-        self._steps_cache: dict[Any, tuple[list, int, CommPlan]] = {}
+        #: (schedule class, micro-batch count) -> its loaded program: the one cache of them
+        self._programs: dict[tuple[Any, int], LoadedProgram] = {}
         self._checked_micro_batches = micro_batches  # agreed on by the check above
         self.pm.hook.pipekernel_configure(engine=self)
 
@@ -540,21 +541,7 @@ class PipelineEngine:
         else:
             after = reducer.backward_done
         return {**callbacks, "after_last_backward": after,
-                "before_last_backward": lambda: reducer.arm(final=self._settled_parameters())}
-
-    def _settled_parameters(self) -> list[torch.Tensor]:
-        """Parameters of this stage's other chunks, final before its last backward (see
-        :func:`~pipekernel.step.grad_reduce.settled_parameters`), per micro-batch count."""
-        cache = self.__dict__.setdefault("_settled_cache", {})
-        if self.micro_batches not in cache:
-            _, _, plan = self._steps(self.schedule_cls)
-            module = self.module
-            parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
-            backwards = [ins.chunk for ins in plan.stream
-                         if isinstance(ins, (Backward, BackwardWeight))]
-            cache[self.micro_batches] = settled_parameters(
-                backwards[-1] if backwards else None, parts)
-        return cache[self.micro_batches]
+                "before_last_backward": lambda settled: reducer.arm(final=settled)}
 
     def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
         """Replace the optimizer (and LR scheduler) after construction, for hosts that
@@ -640,20 +627,28 @@ class PipelineEngine:
         require_lanes(self.transport, needed, name=name, layout=layout,
                       rank=self.transport.rank)
 
-    def _steps(self, cls: Any) -> tuple[list, int, CommPlan]:
-        """The schedule's steps, buffer count and communication plan for the current
-        micro-batch count (built once per schedule and count)."""
+    def _program(self, cls: Any) -> LoadedProgram:
+        """The loaded program of schedule ``cls`` for the current micro-batch count (compiled
+        and loaded once per schedule and count; :mod:`pipekernel.schedules.program`)."""
         key = (cls, self.micro_batches)
-        if key not in self._steps_cache:
-            schedule = cls(self.num_stages, self.stage, self.micro_batches, self.chunks)
-            steps = add_skip_transfers(schedule.steps(), stage=self.stage,
-                                       num_stages=self.num_stages, chunks=self.chunks,
-                                       placement=self.placement, edges=self.skip_edges)
-            plan = plan_communication(steps, stage=self.stage, num_stages=self.num_stages,
-                                      chunks=self.chunks, placement=self.placement,
-                                      trains=cls.trains, skips=self.skip_edges)
-            self._steps_cache[key] = (steps, schedule.num_buffers(), plan)
-        return self._steps_cache[key]
+        loaded = self._programs.get(key)
+        if loaded is None:
+            loaded = self._programs[key] = self._load(compile_program(
+                cls, stage=self.stage, num_stages=self.num_stages,
+                micro_batches=self.micro_batches, chunks=self.chunks,
+                placement=self.placement, skips=self.skip_edges))
+        return loaded
+
+    def _load(self, program: Program) -> LoadedProgram:
+        """``program`` bound to this engine: handlers, channels, settled parameters."""
+        channels, groups = self.runtime.bind(program)
+        settled: tuple = ()
+        if program.last_weight_chunk is not None:
+            module = self.module
+            parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
+            settled = tuple(settled_parameters(program.last_weight_chunk, parts))
+        return LoadedProgram(program, self.kernel.resolve(program.stream), channels, groups,
+                             settled)
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
@@ -666,16 +661,16 @@ class PipelineEngine:
         self._batches_run += 1
         try:
             self._agree_micro_batches()
-            steps, num_buffers, plan = self._steps(cls)
+            program = self._program(cls)
             if self.token_loss is not None:
                 self.token_loss.reset()
             losses = self.batch_step.begin(self.micro_batches, self.global_steps)
-            self.runtime.begin(data_iter, self.micro_batches, num_buffers, plan,
+            self.runtime.begin(data_iter, self.micro_batches, program.program.num_buffers, program,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check, losses=losses)
             if self.stage_parallel is not None:
                 self.stage_parallel.begin_batch(cls.trains)
-            self.kernel.run(plan, **self._when(cls))
+            self.kernel.run(program, **self._when(cls))
             if self.stage_parallel is not None:
                 self.stage_parallel.end_batch(cls.trains)
             losses = self.runtime.end()

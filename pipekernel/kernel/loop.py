@@ -50,7 +50,6 @@ class Kernel:
         self.hook, self.rank, self.stage = hook, rank, stage
         self.clock, self.enter = clock, enter
         self._by_type: dict[type, Handler] = {}  # each type's handler, resolved once
-        self._plans: dict[int, tuple[Any, list[Handler]]] = {}  # id(plan) -> its handlers
         self._stream: Sequence[Instruction] = ()
         self._step_of: Sequence[int] = ()
         self._at = -1  # index in ``_stream`` of the instruction running now; -1: none
@@ -95,24 +94,25 @@ class Kernel:
                 error.add_detail(f"(a pipekernel_instruction_error plugin failed: {hook_err!r})")
         return error
 
+    def resolve(self, stream: Sequence[Instruction]) -> tuple[Handler, ...] | None:
+        """The handler of each instruction of ``stream``, in order, or ``None`` when one has
+        none (the loop then reports it at that instruction). The engine keeps the answer in
+        its :class:`~pipekernel.kernel.program.LoadedProgram`; the kernel keeps nothing."""
+        try:
+            return tuple(self._handler(ins) for ins in stream)
+        except PipelineError:
+            return None
+
     def _program(self, program: Any) -> tuple[Sequence[Instruction], Sequence[int],
-                                              list[Handler] | None]:
-        """``(stream, step of each index, handlers by index or None)`` of ``program``:
-        a plan (anything with ``stream`` and ``step_of``, e.g. a
-        :class:`~pipekernel.schedules.comm.CommPlan`; its handlers resolved once and
-        kept) or an iterable of steps (flattened here, every run)."""
+                                              Sequence[Handler] | None]:
+        """``(stream, step of each index, handlers by index or None)`` of ``program``: a
+        program (anything with ``stream`` and ``step_of``, e.g. a
+        :class:`~pipekernel.schedules.program.Program`; its ``handlers`` when it has them,
+        as a :class:`~pipekernel.kernel.program.LoadedProgram` does) or an iterable of
+        steps (flattened here, every run)."""
         stream = getattr(program, "stream", None)
         if stream is not None:
-            kept = self._plans.get(id(program))
-            if kept is None or kept[0] is not program:
-                try:
-                    calls = [self._handler(ins) for ins in stream]
-                except PipelineError:
-                    calls = None  # the loop reports it at the instruction that has none
-                if len(self._plans) > 64:  # plans are cached by their owner; bound ours
-                    self._plans.clear()
-                kept = self._plans[id(program)] = (program, calls)
-            return stream, program.step_of, kept[1]
+            return stream, program.step_of, getattr(program, "handlers", None)
         flat, step_of = [], []
         for step_id, step in enumerate(program):
             flat += step
@@ -122,9 +122,11 @@ class Kernel:
     def run(self, steps: Any, **when: Any) -> None:
         """Execute every instruction of every step, in order.
 
-        :param steps: an iterable of steps (sequences of instructions), or a plan
+        :param steps: an iterable of steps (sequences of instructions), or a program
             with ``stream`` (the instructions in order) and ``step_of`` (each one's
-            step), walked by index with its handlers resolved once per plan.
+            step), walked by index — with its ``handlers`` (one per index) if it has
+            them, else each instruction's handler looked up by type (resolved once per
+            type).
         :param when: which batch this run is, for its errors (the engine passes
             ``train_step=N`` or ``eval_after=N``; see :func:`pipekernel.errors.describe_where`),
             filled in before plugins see the error.

@@ -85,9 +85,11 @@ class CommPlan:
 
     * ``stream``: the schedule's instructions, flattened in execution order;
       ``step_of[i]`` is the step ``stream[i]`` came from.
-    * ``posts[i]``: the point-to-point instructions posted together, as one group,
-      right before ``stream[i]`` runs (in stream order; a send appears at its own
-      index, a receive at or before its own index). Local hand-offs never appear.
+    * ``posts[i]``: the stream indices of the point-to-point instructions posted
+      together, as one group, right before ``stream[i]`` runs (ascending: stream order;
+      a send appears at its own index, a receive at or before its own index). Local
+      hand-offs never appear. Indices, not instructions: equal instructions may stand at
+      several places of a stream, and every reader needs the place.
     * ``peers[i]``: ``(stage, chunk)`` of the peer of ``stream[i]`` if it is a
       point-to-point instruction with one, else ``None``.
     * ``local[i]``: ``True`` when ``stream[i]`` is a hand-off to or from this stage.
@@ -99,18 +101,14 @@ class CommPlan:
     stage: int
     stream: tuple[Instruction, ...]
     step_of: tuple[int, ...]
-    posts: tuple[tuple[Instruction, ...], ...]
+    posts: tuple[tuple[int, ...], ...]
     peers: tuple[tuple[int, int] | None, ...]
     local: tuple[bool, ...]
     lanes: tuple[int | None, ...] = ()
 
     def posted_at(self) -> dict[int, int]:
         """``{stream index of a remote p2p instruction: stream index where it is posted}``."""
-        where, index_of = {}, {id(i): n for n, i in enumerate(self.stream)}
-        for n, group in enumerate(self.posts):
-            for instruction in group:
-                where[index_of[id(instruction)]] = n
-        return where
+        return {index: n for n, group in enumerate(self.posts) for index in group}
 
 
 _ROLES = frozenset(P2P)
@@ -196,6 +194,5 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         last_recv_on[channel] = i
         posts[min(max(earliest, 0), i)].append(i)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(tuple(stream[j] for j in sorted(group)) if group else ()
-                                for group in posts),
+                    posts=tuple(tuple(sorted(group)) for group in posts),
                     peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))

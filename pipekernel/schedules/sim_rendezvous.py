@@ -107,7 +107,8 @@ class _Rendezvous(_Simulation):
                     f"{len(out)} send(s) to stage {recv.rank})")
 
     def _place_posts(self, stage: int, plan: CommPlan) -> tuple[list[list[_Op]], dict[int, _Op]]:
-        """Turn ``plan.posts`` into ops by stream index, checking the plan itself."""
+        """Turn ``plan.posts`` (stream indices) into ops by stream index, checking the plan
+        itself."""
         stream, n = self.stages[stage].stream, len(self.stages[stage].stream)
         if len(plan.stream) != n or len(plan.posts) != n or len(plan.peers) != n:
             raise ScheduleError(f"stage {stage}: the posting plan covers {len(plan.stream)} "
@@ -123,26 +124,21 @@ class _Rendezvous(_Simulation):
         def lane(i: int) -> int | None:
             return lanes[i] if len(lanes) == n else None
 
-        by_id: dict[int, list[int]] = {}
-        for i in remote:
-            by_id.setdefault(id(stream[i][1]), []).append(i)
+        is_remote = set(remote)
         groups: dict[int, list[_Op]] = {}
         op_at: dict[int, _Op] = {}
         peers = plan.peers
         for g, group in enumerate(plan.posts):
-            for ins in group:
-                candidates = by_id.get(id(ins), ())
-                if len(candidates) == 1:  # the usual case: one object, one index
-                    at = candidates[0] if candidates[0] >= g and candidates[0] not in op_at \
-                        else None
-                else:
-                    at = next((i for i in candidates if i >= g and i not in op_at), None)
-                if at is None:
-                    what = ("is not a point-to-point instruction to another stage"
-                            if not [i for i in candidates if i not in op_at]
-                            else "runs before that")
-                    self.problems.append(f"stage {stage}: the posting plan posts {ins} at "
-                                         f"stream index {g}, but it {what}")
+            for at in group:
+                ins = stream[at][1] if isinstance(at, int) and 0 <= at < n else at
+                problem = ("is not a stream index (CommPlan.posts holds the indices of the "
+                           "instructions posted)" if not isinstance(at, int)
+                           else "is not a point-to-point instruction to another stage"
+                           if at not in is_remote else "is posted twice" if at in op_at
+                           else "runs before that" if at < g else None)
+                if problem is not None:
+                    self.problems.append(f"stage {stage}: the posting plan posts {ins} (stream "
+                                         f"index {at}) at stream index {g}, but it {problem}")
                     continue
                 if at != g and isinstance(ins, _SENDS):
                     self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "

@@ -2,8 +2,9 @@
 
 Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`; knows
 nothing of schedules — it executes whatever instructions the kernel hands it,
-and posts communication by the :class:`~pipekernel.schedules.comm.CommPlan` of
-the stream it runs: each posting point's sends and receives go out as one group
+and posts communication by the :class:`~pipekernel.kernel.program.LoadedProgram` the
+engine gives it (read, never changed or cached here; :meth:`StageRuntime.bind` makes
+the runtime's part of it): each posting point's sends and receives go out as one group
 (``batch_isend_irecv``), receives ahead of the compute that needs them, and a
 receive is waited on only at its own instruction. Sends never block compute:
 their handles are kept until the batch ends. Skip connections between parts are
@@ -24,7 +25,9 @@ from pipekernel.stage.aux_loss import attach as attach_aux
 from pipekernel.stage.aux_loss import collecting as collect_aux
 from pipekernel.stage.loss import TokenLoss
 from pipekernel.stage.fingerprint import fingerprint
-from pipekernel.schedules.comm import SENDS, CommPlan
+from pipekernel.kernel.program import LoadedProgram
+from pipekernel.schedules.comm import SENDS
+from pipekernel.schedules.program import Program
 from pipekernel.schedules.placement import position
 from pipekernel.stage.skip_routing import SkipRouter, SkipState
 from pipekernel.grid.topology import Topology
@@ -83,8 +86,9 @@ class StageRuntime:
         loss scaling, gradient accumulation).
     :param chunks: parts per stage; :param placement: which parts
         (:mod:`pipekernel.schedules.placement`).
-    :param before_last_backward: called right before the last instruction of the
-        batch that produces weight gradients on this stage (to start reductions).
+    :param before_last_backward: ``before_last_backward(settled)`` is called right before
+        the last instruction of the batch that produces weight gradients on this stage (to
+        start reductions), with the program's ``settled`` parameters.
     :param after_last_backward: called right after that instruction and the
         precision's ``after_backward`` (gradients are final there, fp32 masters included).
     :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
@@ -101,7 +105,7 @@ class StageRuntime:
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
                  loss_fn: Callable | None, precision: Any, *, chunks: int = 1,
                  placement: str = "loop",
-                 before_last_backward: Callable[[], None] | None = None,
+                 before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
                  wire: Any = None, skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None) -> None:
@@ -134,9 +138,7 @@ class StageRuntime:
         self.outputs: list[Any] = []
         self.check_data = False
         self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
-        self._plan: CommPlan | None = None
-        self._compiled: dict[int, _Compiled] = {}  # id(plan) -> what is known once per plan
-        self._run: _Compiled | None = None  # the current plan's
+        self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[Any] = []        # handles of sends in flight
@@ -144,10 +146,11 @@ class StageRuntime:
 
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
-              plan: CommPlan | None = None, *, compute_loss: bool = True,
+              program: LoadedProgram | None = None, *, compute_loss: bool = True,
               keep_outputs: bool = False, check_data: bool = False,
               losses: BatchLosses | None = None) -> None:
-        """Start a batch that runs ``plan.stream`` (built by the engine once per schedule).
+        """Start a batch that runs ``program.stream`` (loaded by the engine once per schedule
+        and count, with :meth:`bind`).
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
@@ -163,38 +166,27 @@ class StageRuntime:
         self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
         self.losses = losses if losses is not None else BatchLosses()
         self.outputs, self.labels = [], {}
-        self._plan, self._at, self._recvs, self._local = plan, -1, {}, {}
-        self._run = self._compile(plan) if plan is not None else None
+        self._program, self._at, self._recvs, self._local = program, -1, {}, {}
 
-    def _compile(self, plan: CommPlan) -> _Compiled:
-        """What the runtime needs of ``plan`` at each index, worked out once per plan (the
-        engine caches its plans): the groups to post with their channels, and the index
-        of the batch's last weight-gradient instruction."""
-        run = self._compiled.get(id(plan))
-        if run is not None and run.plan is plan:
-            return run
-        groups: list[tuple] = []
-        channels: list[Channel | None] = [None] * len(plan.stream)
-        index_of = {id(ins): i for i, ins in enumerate(plan.stream)}
-        for group in plan.posts:
-            for ins in group:
-                channels[index_of[id(ins)]] = self._channel_at(plan, index_of[id(ins)])
-            groups.append(tuple((index_of[id(ins)], isinstance(ins, SENDS),
-                                 channels[index_of[id(ins)]],
-                                 _WHAT.get(type(ins), "value")) for ins in group))
-        weights = [i for i, ins in enumerate(plan.stream)
-                   if isinstance(ins, (isa.Backward, isa.BackwardWeight))]
-        if len(self._compiled) > 64:  # the engine keeps one plan per schedule and count
-            self._compiled.clear()
-        run = self._compiled[id(plan)] = _Compiled(plan, tuple(groups), tuple(channels),
-                                                   weights[-1] if weights else -1)
-        return run
+    def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
+        """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
+        ``program``: ``(channels, groups)`` — per stream index, the channel of a remote
+        transfer (one per channel key, made on first use and shared by every program of
+        this stage) and the group posted there as ``(index, is_send, channel, what)``."""
+        channels: list[Channel | None] = [None] * len(program.stream)
+        for index, number in enumerate(program.channel_of):
+            if number is not None:
+                channels[index] = self._channel(program.channels[number])
+        groups = tuple(tuple((index, isinstance(program.stream[index], SENDS), channels[index],
+                              _WHAT.get(type(program.stream[index]), "value"))
+                             for index in group) for group in program.posts)
+        return tuple(channels), groups
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
         (The kernel calls it before each instruction, whoever handles it.)"""
         self._at = index
-        group = self._run.groups[index]
+        group = self._program.groups[index]
         if group:
             self._post_group(group)
 
@@ -242,16 +234,14 @@ class StageRuntime:
         }
 
     # -- posting by the plan -------------------------------------------------
-    def _channel_at(self, plan: CommPlan, index: int) -> Channel:
-        """The channel of the remote transfer ``plan.stream[index]`` (made on first use)."""
-        instruction = plan.stream[index]
-        key = (type(instruction), instruction.chunk, getattr(instruction, "peer", None))
-        channel = self._channels.get(key)
+    def _channel(self, spec: Any) -> Channel:
+        """The channel of ``spec`` (a :class:`~pipekernel.schedules.program.ChannelSpec`),
+        made on first use."""
+        channel = self._channels.get(spec.key)
         if channel is None:
-            peer_stage, _ = plan.peers[index]
-            channel = Channel(self.transport, self.topology.stage_rank(peer_stage),
-                              tag=plan.lanes[index])
-            self._channels[key] = channel
+            channel = Channel(self.transport, self.topology.stage_rank(spec.peer_stage),
+                              tag=spec.lane)
+            self._channels[spec.key] = channel
         return channel
 
     def _post_group(self, group: Sequence[tuple]) -> None:
@@ -260,7 +250,7 @@ class StageRuntime:
         data: list[Any] = []
         control: list[Any] = []
         spans = []
-        stream = self._plan.stream
+        stream = self._program.stream
         for index, is_send, channel, what in group:
             if is_send:
                 pending = None
@@ -324,7 +314,7 @@ class StageRuntime:
 
     def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
         index = self._at
-        if self._plan.local[index]:
+        if self._program.program.local[index]:
             key = (type(instruction), instruction.chunk, instruction.micro_batch,
                    getattr(instruction, "peer", None))
             if key not in self._local:
@@ -333,15 +323,16 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        obj = self._join(self._run.channels[index].finish(pending))
+        obj = self._join(self._program.channels[index].finish(pending))
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
         index = self._at
-        if self._plan.local[index]:
-            peer_chunk = self._plan.peers[index][1]
+        program = self._program.program
+        if program.local[index]:
+            peer_chunk = program.peers[index][1]
             # a skip hand-off is found by the position it comes from
             source = self.positions[instruction.chunk] \
                 if isinstance(instruction, isa.SkipInstruction) else None
@@ -486,11 +477,11 @@ class StageRuntime:
         return loss.reshape(())
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
-        if self._before_last_backward is not None and self._at == self._run.last_backward:
-            self._before_last_backward()
+        if self._before_last_backward is not None and self._at == self._program.last_weight:
+            self._before_last_backward(self._program.settled)
 
     def _after_weights(self, instruction: isa.Instruction) -> None:
-        if self._after_last_backward is not None and self._at == self._run.last_backward:
+        if self._after_last_backward is not None and self._at == self._program.last_weight:
             self._after_last_backward()
 
     def backward(self, instruction: isa.Backward) -> None:
@@ -598,19 +589,6 @@ class StageRuntime:
         if buffer.skips is None:
             buffer.skips = SkipState()
         self._skips.deliver(instruction, buffer.skips, obj)
-
-
-class _Compiled:
-    """One plan as the runtime runs it: per stream index, the group posted there as
-    ``(index, is_send, channel, what)`` tuples and the channel of a remote transfer;
-    the last weight-gradient index."""
-
-    __slots__ = ("plan", "groups", "channels", "last_backward")
-
-    def __init__(self, plan: CommPlan, groups: tuple, channels: tuple,
-                 last_backward: int) -> None:
-        self.plan, self.groups, self.channels = plan, groups, channels
-        self.last_backward = last_backward
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
