@@ -176,3 +176,28 @@ def test_deepspeed_layout_under_bf16_with_replicas(tmp_path):
         assert all(v.dtype == torch.float32 for v in ds.values())
         for key, value in ours.items():
             torch.testing.assert_close(ds[key], value, rtol=0, atol=0)
+
+
+def test_deepspeed_optimizer_state_of_several_groups_is_refused(tmp_path):
+    """DeepSpeed numbers a stage's parameters group by group in the script's order, which
+    its checkpoint does not record: mapping them in module order could swap same-shaped
+    tensors silently, so the optimizer state is refused by name (the weights load)."""
+    import shutil
+
+    from pipekernel.deepspeed import convert, pipe
+    from pipekernel.errors import ConfigError
+    module = pipe.PipelineModule(gpt_script.layers(pipe), num_stages=1,
+                                 loss_fn=gpt_script.loss_fn, partition_method="uniform")
+    ckpt = tmp_path / "ds"
+    shutil.copytree(FIXTURES / "ckpt", ckpt)
+    stage0 = ckpt / "step2" / "mp_rank_00_model_states.pt"
+    saved = torch.load(stage0, weights_only=False)
+    group = saved["optimizer"]["param_groups"][0]
+    saved["optimizer"]["param_groups"] = [{**group, "params": group["params"][:3]},
+                                          {**group, "params": group["params"][3:],
+                                           "weight_decay": 0.0}]
+    torch.save(saved, stage0)
+    with pytest.raises(ConfigError, match="stage 0 has 2 param groups") as err:
+        convert(ckpt, tmp_path / "a", module=module)
+    assert "load_optimizer_states=False" in str(err.value)
+    convert(ckpt, tmp_path / "b", module=module, optimizer=False)

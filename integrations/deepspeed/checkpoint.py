@@ -16,7 +16,8 @@ What :func:`convert` carries over (``docs/deepspeed.md`` has the table):
 * **optimizer state** (``exp_avg``, ``exp_avg_sq``, ``step`` and each parameter's group
   hyperparameters): when the model is known (``module=``, as ``load_checkpoint`` does)
   and the stage's optimizer state is a plain ``torch.optim`` state dict (fp32, ZeRO
-  stage 0). DeepSpeed keys it by position in each stage's ``parameters()`` order; that
+  stage 0) of one param group (with several, DeepSpeed's numbering follows the script's
+  grouping, which the checkpoint does not record: refused by name). DeepSpeed keys it by position in each stage's ``parameters()`` order; that
   order is rebuilt from DeepSpeed's partition of the module for the checkpoint's stage
   count and checked tensor by tensor against the saved shapes. fp16/bf16 optimizer
   wrappers and ZeRO partitions are refused by name (load with
@@ -146,6 +147,15 @@ def _optimizer_by_name(module: Any, ranks: dict[int, str], shapes: dict[str, lis
             raise ConfigError(f"{path}: the optimizer state is not a plain torch.optim state "
                               f"dict (keys {kinds}: an fp16/bf16 wrapper or ZeRO partitions), "
                               "which pipekernel cannot map to parameters",
+                              hint="load the weights only: load_checkpoint(..., "
+                                   "load_optimizer_states=False)")
+        if len(saved["param_groups"]) > 1:
+            # DeepSpeed numbers parameters group after group, in the order the script
+            # listed them: which parameter is in which group is not in the checkpoint
+            raise ConfigError(f"{path}: the optimizer state of stage {stage} has "
+                              f"{len(saved['param_groups'])} param groups, and DeepSpeed "
+                              "numbers parameters group by group in the order the script "
+                              "built them, which cannot be rebuilt from the model",
                               hint="load the weights only: load_checkpoint(..., "
                                    "load_optimizer_states=False)")
         names = _ds_parameter_names(module, bounds, stage)
