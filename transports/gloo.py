@@ -457,6 +457,12 @@ def _init_process_group(backend: str, timeout: datetime.timedelta,
     text after it, shortened."""
     try:
         dist.init_process_group(backend, timeout=timeout, **_rendezvous(timeout), **options)
+        if backend == "gloo":
+            # gloo connects every pair inside init, and a rank returns once its own pairs
+            # are up: one that then fails fast (a ConfigError every rank raises) and exits
+            # would close a socket a slower peer is still connecting ("connectFullMesh
+            # failed ... Connection closed by peer"). Nobody leaves before all connected.
+            dist.barrier()
     except (RuntimeError, ValueError) as err:  # DistBackendError, DistStoreError, ...
         env = os.environ
         where = f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}" \
