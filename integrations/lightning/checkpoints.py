@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pipekernel.engine.checkpoint import load_sequential
+from pipekernel.engine.checkpoint_files import _read_layer, read_meta
 from pipekernel.errors import ConfigError
 
 __all__ = ["pipeline_dir", "CHECKPOINT_TAG", "CheckpointMixin"]
@@ -91,14 +91,21 @@ class CheckpointMixin:
         self.barrier("pipekernel checkpoint file")
 
     def _whole_model_state(self, directory: str) -> dict[str, torch.Tensor]:
-        """Every layer's weights from ``directory`` (fp32 masters), named as in one process."""
-        pipeline = self._pipeline_module
-        whole = load_sequential(directory, pipeline, tag=CHECKPOINT_TAG).state_dict()
+        """Every layer's weights from the layer files of ``directory`` (fp32 masters),
+        named as in one process; a tied layer under each index where it occurs, as a
+        module's ``state_dict`` lists it. Read from the files, not through a model: no
+        layer is built, and this rank's live layers are not touched."""
+        layer_dir, meta = read_meta(directory, CHECKPOINT_TAG)
+        states: dict[int, dict[str, torch.Tensor]] = {}
         out = {}
-        for key, value in whole.items():
-            index, _, rest = key.partition(".")
-            prefix = self._layer_names.get(int(index), f"{self.stage_attribute}.{index}")
-            out[f"{prefix}.{rest}"] = value.detach().cpu().clone()
+        for entry in meta["layers"]:
+            index, canonical = entry["index"], entry.get("canonical", entry["index"])
+            if canonical not in states:
+                has_file = meta["layers"][canonical].get("file")
+                states[canonical] = (_read_layer(layer_dir, meta, canonical)["state"]
+                                     if has_file else {})
+            prefix = self._layer_names.get(index, f"{self.stage_attribute}.{index}")
+            out.update({f"{prefix}.{name}": value for name, value in states[canonical].items()})
         return out
 
     def remove_checkpoint(self, filepath: Any) -> None:
