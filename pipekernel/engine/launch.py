@@ -234,6 +234,8 @@ def _launched_world(nprocs: int) -> World | None:
     world = clusters.detect()
     if world is None or world.launcher == "pk.launch":  # a job of its own, as always
         return None
+    if world.launcher == "process group" and world.world_size == 1 and nprocs != 1:
+        return None  # a one-process group (a notebook, a test): the job is started here
     if world.world_size == nprocs:
         return world
     how = {"torchrun": f"start torchrun with {nprocs} processes in all (e.g. torchrun "
