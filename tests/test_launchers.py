@@ -227,3 +227,16 @@ def test_the_engine_default_is_auto():
     import inspect
 
     assert inspect.signature(pk.PipelineEngine).parameters["transport"].default == "auto"
+
+
+def test_a_one_process_group_still_lets_launch_start_its_job(monkeypatch):
+    monkeypatch.setattr(clusters.ProcessGroupEnvironment, "detect", lambda self, env: True)
+    monkeypatch.setattr(clusters.ProcessGroupEnvironment, "world",
+                        lambda self, env: clusters.World("process group", 0, 1, 0))
+    assert launch_mod._launched_world(2) is None  # a notebook's group of one: start 2
+    assert launch_mod._launched_world(1).launcher == "process group"
+    monkeypatch.setattr(clusters.ProcessGroupEnvironment, "world",
+                        lambda self, env: clusters.World("process group", 1, 3, 1))
+    with pytest.raises(pk.ConfigError, match=r"runs inside an initialised process group of "
+                                             r"WORLD_SIZE=3 \(this is RANK=1\)"):
+        launch_mod._launched_world(2)

@@ -166,19 +166,14 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
            env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes; return their results by rank.
 
-    Inside a world a launcher already started (:mod:`pipekernel.comm.clusters`: torchrun,
-    TorchX and Kubeflow through torchrun's variables, a SLURM step of several tasks, Ray
-    Train's workers, a process group the caller initialised), ``launch`` *joins* it instead
-    of starting processes of its own: it runs ``fn(*args)`` once, in this process, as this
-    rank, and returns a list of ``nprocs`` entries holding this rank's result at its index
-    and ``None`` elsewhere — so one script runs the same with ``python train.py``,
-    ``torchrun ... train.py`` and ``srun ... python train.py``. ``nprocs`` must then equal
-    the world's size.
+    Inside a world a launcher made (:mod:`pipekernel.comm.clusters`: torchrun, TorchX,
+    Kubeflow, a SLURM step, Ray Train, a process group of several ranks), ``launch`` runs
+    ``fn(*args)`` once, here, as this rank, and returns ``nprocs`` entries: this rank's
+    result at its index, ``None`` elsewhere (``nprocs`` must be the world's size).
 
     :param fn: a picklable (module-level) function.
-    :param timeout: ``None`` (default): no limit, a job runs as long as it trains (a hang
-        ends in the engine's own ``timeout=`` on every wait). A number: a *deadline* on the
-        whole run, in seconds, after which every process is killed and an error raised.
+    :param timeout: ``None`` (default): no limit (a hang ends in the engine's own
+        ``timeout=``). A number: a *deadline* on the whole run, in seconds.
     :param threads: ``torch.set_num_threads`` in each worker (``None`` leaves it).
     :raises RankError: naming the first rank that failed, with its traceback.
     :raises ConfigError: inside a launched world that does not fit ``nprocs``.
@@ -234,6 +229,8 @@ def _launched_world(nprocs: int) -> World | None:
     world = clusters.detect()
     if world is None or world.launcher == "pk.launch":  # a job of its own, as always
         return None
+    if world.launcher == "process group" and world.world_size == 1 and nprocs != 1:
+        return None  # a one-process group (a notebook, a test): the job is started here
     if world.world_size == nprocs:
         return world
     how = {"torchrun": f"start torchrun with {nprocs} processes in all (e.g. torchrun "
