@@ -3,8 +3,8 @@
 :func:`families` enumerates ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (transformers' own list,
 not a hand list); :func:`tiny_config` builds each family's config with small sizes through
 the names its config class takes (``attribute_map`` translates ``hidden_size`` to
-``n_embd``...) and every dropout at 0 (random draws cannot agree between two runs that draw in
-different orders); :func:`build` returns the model or why it does not build small.
+``n_embd``...) and every dropout and router jitter at 0 (random draws cannot agree between
+two runs that draw in different orders); :func:`build` returns the model or why it does not build small.
 :func:`render` writes docs/hf.md's table of families from the test's results file.
 """
 from __future__ import annotations
@@ -61,7 +61,8 @@ def tiny_config(model_type: str, **changes: Any) -> Any:
         if name in names and value is not None:
             kwargs[name] = value
     for name in names:
-        if ("dropout" in name or "pdrop" in name) and not name.startswith("use_"):
+        random = ("dropout", "pdrop", "jitter")  # random draws in training
+        if any(r in name for r in random) and not name.startswith("use_"):
             default = getattr(cls, name, None)
             if isinstance(default, float):
                 kwargs[name] = 0.0

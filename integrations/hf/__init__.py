@@ -7,8 +7,10 @@
 >>> hf.save_pretrained(engine, "out")        # every rank; AutoModelForCausalLM loads "out"
 
 Modules, one job each: :mod:`~pipekernel.hf.structure` (find the pieces),
-:mod:`~pipekernel.hf.layers` (the pipeline layers), :mod:`~pipekernel.hf.weights` (each
-stage's own weights), :mod:`~pipekernel.hf.module` (``pipeline_module``),
+:mod:`~pipekernel.hf.layers` (the pipeline layers), :mod:`~pipekernel.hf.head` (the output
+projection by the model's own forward), :mod:`~pipekernel.hf.probe` (what is refused at build
+time), :mod:`~pipekernel.hf.weights` (each stage's own weights, through transformers' key
+conversion), :mod:`~pipekernel.hf.module` (``pipeline_module``),
 :mod:`~pipekernel.hf.batches` (dict micro-batches), :mod:`~pipekernel.hf.loss` (the shifted
 causal-LM loss), :mod:`~pipekernel.hf.save` (``save_pretrained``). See ``docs/hf.md``.
 

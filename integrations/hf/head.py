@@ -115,8 +115,10 @@ def run_head(shell: nn.Module, stub: _Hidden, hidden: torch.Tensor, training: bo
     """The logits ``shell``'s own forward computes from the last hidden state."""
     shell.training = training
     stub.value = hidden
-    options = {"use_cache": False} if "use_cache" in inspect.signature(shell.forward).parameters \
-        else {}
+    options = shell.__dict__.get("_head_options")
+    if options is None:  # once per shell: no cache
+        takes = "use_cache" in inspect.signature(shell.forward).parameters
+        options = shell.__dict__["_head_options"] = {"use_cache": False} if takes else {}
     try:
         out = shell(inputs_embeds=hidden, **options)
     finally:

@@ -80,7 +80,7 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     check_config(source.model)
     if check:
         chain = _chain(_layer_specs(_Borrowed(source.model), structure))
-        probe(source.model, chain, structure.tied)
+        probe(source.model, chain, structure.tied, loss="loss_fn" not in options)
     specs = _layer_specs(source, structure)
     options.setdefault("loss_fn", causal_lm_loss)
     options.setdefault("batch_fn", split_batch)

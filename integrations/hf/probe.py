@@ -50,10 +50,11 @@ def check_config(model: nn.Module) -> None:
                               hint=f"set config.{key}=0; {_DOCS}")
 
 
-def probe(model: nn.Module, chain: list, tied: bool) -> None:
+def probe(model: nn.Module, chain: list, tied: bool, loss: bool = True) -> None:
     """Run ``chain`` (the pipeline's layers, built on ``model``'s own modules) on a tiny input
     and compare with ``model``'s forward; ``tied``: the last entry is ``(embed layer,
-    forward_fn)``.
+    forward_fn)``; ``loss``: the pipeline's loss is :func:`~pipekernel.hf.causal_lm_loss`,
+    so the model's own loss must be that.
 
     :raises ConfigError: a layer's own check failed, or the logits differ.
     """
@@ -67,12 +68,14 @@ def probe(model: nn.Module, chain: list, tied: bool) -> None:
     model.eval()
     try:
         with torch.no_grad():
-            ref = None if meta else model(**inputs).logits
+            out = None if meta else model(**inputs, labels=ids)
             got = _run(chain, inputs, model, meta)
     finally:
         model.train(was)
     if got is not None:
-        _compare(model, got, ref)
+        _compare(model, got, out.logits)
+        if loss:
+            _compare_loss(model, out, ids)
 
 
 def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tensor | None:
@@ -91,6 +94,20 @@ def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tenso
                           hint="its decoder layers need something the base model's forward "
                                f"does not pass them (e.g. input_ids); {_DOCS}") from e
     return None if meta else x
+
+
+def _compare_loss(model: nn.Module, out: Any, labels: torch.Tensor) -> None:
+    """The model's own loss is the shifted causal-LM loss the pipeline computes."""
+    from pipekernel.hf.loss import causal_lm_loss
+    if getattr(out, "loss", None) is None:
+        return
+    total, count = causal_lm_loss(out.logits, labels)
+    mine, theirs = (total / count).item(), out.loss.float().item()
+    if abs(mine - theirs) > 1e-4 * max(1.0, abs(theirs)):
+        raise ConfigError(f"{type(model).__name__}.forward's loss ({theirs:.6g} on the probe) is "
+                          f"not the shifted causal-LM loss the pipeline computes ({mine:.6g})",
+                          hint="pass loss_fn=... to pipeline_module computing the model's loss "
+                               f"from (logits, labels); {_DOCS}")
 
 
 def _compare(model: nn.Module, got: torch.Tensor, ref: torch.Tensor) -> None:
