@@ -74,7 +74,8 @@ def _reference(model, replicas, kw=None):
     batches = [[data(step, r, MB) for r in range(replicas)] for step in range(STEPS)]
     kw, hook = kw or {}, None
     if kw.get("max_grad_norm"):
-        hook = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), kw["max_grad_norm"])  # noqa: E731
+        def hook(model):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
     optimizer = {"adam": adam, "sgd": sgd}[kw.get("optimizer", "adam")]
     return reference_train(build(num_stages=1), optimizer, batches, MB, hook=hook)
 
