@@ -37,9 +37,24 @@ from typing import Any
 from pipekernel.errors import ConfigError
 from pipekernel.extend.hookspecs import hookimpl
 
-#: Precision policies FSDP2 runs under (the others cast the stage and keep fp32 masters
-#: of their own, which FSDP2's ``MixedPrecisionPolicy`` would have to replace).
-SUPPORTED_PRECISIONS = ("fp32",)
+#: Precision policies FSDP2 runs under: ``fp32``, and ``bf16`` mapped to FSDP2's
+#: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` — the fp32 shards
+#: are the masters the optimizer steps, gathered in bf16 for the forward and backward,
+#: gradients accumulated over micro-batches and reduced in fp32 (the policy keeps its own
+#: masters only for what FSDP2 does not manage, e.g. tied layers). ``fp16`` (loss
+#: scaling) and ``amp-bf16`` are refused so far.
+SUPPORTED_PRECISIONS = ("fp32", "bf16")
+
+
+def mixed_precision(precision: Any) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the engine's precision policy."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if getattr(precision, "name", "fp32") == "bf16":
+        return MixedPrecisionPolicy(param_dtype=getattr(precision, "dtype", torch.bfloat16),
+                                    reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def data_mesh(mesh: Any) -> Any:
@@ -72,12 +87,13 @@ def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
     dp_mesh = data_mesh(mesh)
     tied = {p for m in module.tied_modules.values() for p in m.parameters()}
     reshard = engine.parallel.reshard_after_forward
+    mp = mixed_precision(engine.precision)
     for layer in module.children():
         own = [p for p in layer.parameters() if p not in tied]
         if own and not isinstance(layer, FSDPModule):
-            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard,
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
                         ignored_params={p for p in layer.parameters() if p in tied} or None)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard,
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
                 ignored_params=tied or None)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):

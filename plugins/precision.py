@@ -21,6 +21,7 @@ import torch
 
 from pipekernel.errors import ConfigError
 from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.grid import stage_parallel
 from pipekernel.step.precision import Precision, cast_floats
 
 __all__ = ["FP32", "LowPrecision", "FP16", "AmpBF16", "LossScaler"]
@@ -56,8 +57,12 @@ class LowPrecision(Precision):
     def prepare(self, module: torch.nn.Module) -> None:
         keep = {id(p) for name, sub in module.named_modules() if self.keeps_fp32(name, sub)
                 for p in sub.parameters(recurse=False)}
+        # FSDP2 keeps its fp32 shards as the masters and gathers them in self.dtype itself
+        # (pipekernel.plugins.fsdp maps this policy to its MixedPrecisionPolicy)
+        sharded = stage_parallel.find(module)
         for name, param in module.named_parameters():
-            if not param.is_floating_point() or id(param) in keep:
+            if not param.is_floating_point() or id(param) in keep or (
+                    sharded is not None and sharded.managed(param)):
                 continue
             # The master is the fp32 original (not a round trip through the low dtype),
             # so step 0 starts from exactly the reference's weights.

@@ -74,7 +74,8 @@ def _reference(model, replicas, kw=None):
     batches = [[data(step, r, MB) for r in range(replicas)] for step in range(STEPS)]
     kw, hook = kw or {}, None
     if kw.get("max_grad_norm"):
-        hook = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), kw["max_grad_norm"])  # noqa: E731
+        def hook(model):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
     optimizer = {"adam": adam, "sgd": sgd}[kw.get("optimizer", "adam")]
     return reference_train(build(num_stages=1), optimizer, batches, MB, hook=hook)
 
@@ -136,7 +137,7 @@ def bad_shard_worker(kwargs):
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"data_parallel_shard": 3}, "data_parallel_shard=3 does not divide"),
-    ({"data_parallel_shard": 2, "precision": "bf16"}, "precision='bf16'"),
+    ({"data_parallel_shard": 2, "precision": "fp16"}, "precision='fp16'"),
     ({"data_parallel_shard": 2, "disable_plugins": ["fsdp"]}, "no plugin applied FSDP2"),
 ])
 def test_bad_fsdp_configs_fail_before_the_first_step(kwargs, words):
@@ -246,3 +247,32 @@ def test_a_transport_without_a_mesh_refuses_what_needs_one():
     assert grid.mesh is None and grid.data == (("group", (0, 1)), [0, 1])
     with pytest.raises(ConfigError, match="data_parallel_shard=2 needs a torch DeviceMesh"):
         grid.require_mesh("data_parallel_shard=2")
+
+
+def bf16_worker():
+    torch.set_num_threads(1)
+    # SGD: linear in the gradient, so bf16's rounding shows as is (AdamW's normalised
+    # steps turn a near-zero gradient's rounding into a whole lr-sized step)
+    engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=sgd, micro_batches=MB,
+                               data_parallel_shard=2, precision="bf16", timeout=120)
+    from torch.distributed.tensor import DTensor
+
+    losses = [engine.train_batch(iter(mlp_data(s, engine.data_parallel_rank, MB))).item()
+              for s in range(STEPS)]
+    params = list(engine.module.parameters())
+    return {"losses": losses, "state": _full_state(engine),
+            "fp32_shards": all(isinstance(p, DTensor) and p.dtype == torch.float32
+                               for p in params),
+            "optimizer_steps_shards": {id(p) for g in engine.optimizer.param_groups
+                                       for p in g["params"]} == {id(p) for p in params}}
+
+
+def test_bf16_under_fsdp2_tracks_fp32():
+    results = run_ranks(bf16_worker, 4)
+    ref_losses, ref_state = _reference("mlp", 2, {"optimizer": "sgd"})
+    for result in results:
+        assert result["fp32_shards"] and result["optimizer_steps_shards"]
+        assert result["losses"] == pytest.approx(ref_losses, rel=2e-2)
+        assert result["losses"][1:] != pytest.approx(ref_losses[1:], rel=1e-6)  # bf16 ran
+        for name, value in result["state"].items():
+            torch.testing.assert_close(value, ref_state[name], rtol=5e-2, atol=1e-2)

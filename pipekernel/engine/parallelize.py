@@ -39,11 +39,11 @@ def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
     if driver is None:
         return None
     name = getattr(engine.precision, "name", "fp32")
-    if name != "fp32":
+    if name not in ("fp32", "bf16"):
         raise ConfigError(f"stage {engine.stage} is sharded with FSDP2, which runs under "
-                          f"precision='fp32' only so far, not {name!r}",
-                          hint="use precision='fp32' (FSDP2's MixedPrecisionPolicy is not "
-                               "mapped yet)", **where)
+                          f"precision='fp32' or 'bf16' only so far, not {name!r}",
+                          hint="use precision='fp32' or 'bf16' (mapped to FSDP2's "
+                               "MixedPrecisionPolicy)", **where)
     own_tp = engine.parallel.tensor_parallel_size > 1 and \
         engine.parallel.tensor_parallel_plan is None
     if engine.parallel.zero_stage or own_tp:
