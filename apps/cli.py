@@ -56,6 +56,9 @@ def _train_parallelism(g: argparse._ArgumentGroup, d: Any) -> None:
                         "permutation of tp, dp, pp); the mapping is printed at start")
     g.add_argument("--zero-stage", type=int, default=d.zero_stage, choices=(0, 1),
                    help="1: shard the optimizer state over the replicas (ZeRO-1)")
+    g.add_argument("--expert-parallel", type=int, default=d.expert_parallel,
+                   help="spread each stage's experts over this many of its replicas "
+                        "(divides --data-parallel; docs/moe.md)")
     g.add_argument("--micro-batches", type=int, default=d.micro_batches,
                    help="micro-batches per step")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
@@ -102,6 +105,9 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--layers", type=int, default=d.layers, help="transformer blocks")
     g.add_argument("--heads", type=int, default=d.heads, help="attention heads")
     g.add_argument("--context", type=int, default=d.context, help="sequence length in bytes")
+    g.add_argument("--experts", type=int, default=d.experts,
+                   help="a mixture of this many experts as every block's MLP (0: dense)")
+    g.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
     g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
                    help="train a Hugging Face causal LM instead: a save_pretrained directory, "
                         "a config (.json or directory) or a model type such as llama (random, "

@@ -42,6 +42,9 @@ class TrainConfig:
     rank_order: str = "tp-dp-pp"  # innermost axis first; see pipekernel.grid.topology
     zero_stage: int = 0
     hf: str | None = None  # a Hugging Face model instead of the built-in GPT (apps/hf_model.py)
+    experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (pk.MoE)
+    top_k: int = 2  # experts per token
+    expert_parallel: int = 1  # replicas each stage's experts are spread over
 
     @property
     def checkpoints(self) -> str:

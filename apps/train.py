@@ -31,6 +31,7 @@ from pipekernel.schedules.placement import parts_of
 from pipekernel.apps.config import TrainConfig
 from pipekernel.apps import hf_model
 from pipekernel.apps.gpt import generate, gpt_module
+from pipekernel.grid.expert_parallel import whole_state_dict
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
            "stage_table", "partition_method", "run", "worker"]
@@ -66,6 +67,22 @@ def _positive(cfg: TrainConfig) -> None:
             hint=f"pass --layers {cfg.stages - 2} or more, or fewer --stages")
     from pipekernel.grid.parallel import ParallelConfig
     ParallelConfig.make(rank_order=cfg.rank_order, zero_stage=cfg.zero_stage)  # clear errors
+    _check_experts(cfg)
+
+
+def _check_experts(cfg: TrainConfig) -> None:
+    from pipekernel.grid.expert_parallel import check_config
+    if not isinstance(cfg.experts, int) or cfg.experts < 0:
+        raise pk.ConfigError(f"--experts must be 0 or a positive integer, got {cfg.experts!r}",
+                             hint="pass --experts 8, or 0 for dense MLPs")
+    check_config(cfg.expert_parallel, cfg.data_parallel, zero_stage=cfg.zero_stage)
+    if cfg.experts and cfg.experts % cfg.expert_parallel:
+        raise pk.ConfigError(f"--experts {cfg.experts} is not divisible by --expert-parallel "
+                             f"{cfg.expert_parallel}",
+                             hint=f"pass --experts a multiple of {cfg.expert_parallel}")
+    if cfg.experts and not 1 <= cfg.top_k <= cfg.experts:
+        raise pk.ConfigError(f"--top-k {cfg.top_k} with --experts {cfg.experts}",
+                             hint="pass --top-k between 1 and --experts")
 
 
 # -- data -------------------------------------------------------------------------------
@@ -146,13 +163,16 @@ def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
                       ) -> dict[str, torch.Tensor] | None:
     """Every layer's weights (replica 0's stages) on rank 0, ``None`` elsewhere.
 
-    Uses only the transport's ``broadcast`` (so it works on any transport): the
+    Uses the transport's ``broadcast`` (so it works on any transport; spread experts are
+    first gathered over their expert-parallel group): the
     rank holding stage ``s`` of replica 0 sends its ``state_dict`` as one flat
     float32 tensor; the others know its keys and shapes from a meta-device build
     of that stage (keys are global layer indices whatever the partitioning).
     """
     transport, topo = engine.transport, engine.topology
     state: dict[str, torch.Tensor] = {}
+    ep = engine.ep_group  # spread experts: the first expert-parallel group gathers them
+    whole = whole_state_dict(engine.module, ep) if topo.data_rank < ep.size else None
     for stage in range(engine.num_stages):
         with torch.device("meta"):
             parts = parts_of(stage, engine.num_stages, engine.chunks, engine.placement)
@@ -160,8 +180,7 @@ def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
                       .state_dict().items()}
         owner = topo.rank_of(0, stage)
         if engine.rank == owner:
-            local = engine.module.state_dict()
-            flat = torch.cat([local[k].detach().float().reshape(-1) for k in shapes])
+            flat = torch.cat([whole[k].detach().float().reshape(-1) for k in shapes])
         else:
             flat = torch.empty(sum(math.prod(s) for s in shapes.values()), dtype=torch.float32)
         flat = flat.to(transport.device)
@@ -265,6 +284,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
+        expert_parallel_size=cfg.expert_parallel,
         loss_reduction="tokens" if cfg.hf else "mean",
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
@@ -279,7 +299,9 @@ def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.Pipelin
            f"precision {cfg.precision}",
            hf_model.describe(module, cfg) if cfg.hf else
            f"model: byte-level GPT, {params / 1e6:.2f}M parameters: embedding, {cfg.layers} "
-           f"blocks (width {cfg.dim}, {cfg.heads} heads, context {cfg.context}), head",
+           f"blocks (width {cfg.dim}, {cfg.heads} heads, context {cfg.context}"
+           + (f", MLPs of {cfg.experts} experts, top-{cfg.top_k}" if cfg.experts else "")
+           + "), head",
            f"data: {len(data) / 1e6:.2f} MB: {source}",
            f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
            f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
@@ -345,7 +367,8 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     train_ids, held_ids = split_corpus(data, cfg.context)
     module = hf_model.hf_module(cfg) if cfg.hf else \
         gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
-                   partition=partition_method(cfg.partition), seed=cfg.seed)
+                   partition=partition_method(cfg.partition), seed=cfg.seed,
+                   experts=cfg.experts, top_k=cfg.top_k)
     from pipekernel.plugins.monitor import Monitor
 
     # without a progress bar (logs, CI) the monitor's console line every N steps replaces it

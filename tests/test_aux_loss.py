@@ -106,12 +106,30 @@ def _worker(cases, steps):
         seen = [(lo, aux, record["extra"].get("aux_loss"))  # and in the monitor's records
                 for (lo, aux), record in zip(metrics.seen, monitor.history)]
         out.append((losses, seen, state, eval_loss))
-    return out
+    return out, _tokens_refused()
+
+
+def _tokens_refused():
+    """``loss_reduction="tokens"`` rescales every gradient after the backward: refused."""
+    module = aux_mlp(2)
+    module.loss_fn = lambda out, y: (((out - y) ** 2).sum(), torch.tensor(y.numel()))
+    engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=2,
+                               loss_reduction="tokens", timeout=60)
+    try:
+        engine.train_batch(iter(data(0, 0, 2)))
+    except pk.PipelineError as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        engine.close()
+    return None
 
 
 def test_aux_losses_train_like_one_process_under_every_kind_of_backward():
     steps = 2
     results = run_ranks(_worker, 2, CASES, steps, timeout=300)
+    for _, refused in results:  # the first to fail names it; its peer hears of it
+        assert "pk.add_aux_loss) with loss_reduction='tokens'" in (refused or ""), refused
+    results = [runs for runs, _ in results]
     for index, (schedule, chunks, checkpoint, micro_batches) in enumerate(CASES):
         build = lambda: aux_mlp(None, checkpoint)  # noqa: E731
         ref_losses, ref_aux, ref_state, ref_eval = reference(build, steps, micro_batches)

@@ -91,6 +91,12 @@ def test_train_rejects_bad_sizes_before_starting_processes(capsys):
     assert "cannot fill 5 stages" in capsys.readouterr().err
     assert cli.main(["train", "--rank-order", "tp-pp"]) == 1
     assert "rank_order='tp-pp' is not an order" in capsys.readouterr().err
+    assert cli.main(["train", "--expert-parallel", "2"]) == 1
+    assert "expert_parallel_size=2 does not divide the data-parallel size 1" in \
+        capsys.readouterr().err
+    assert cli.main(["train", "--experts", "3", "--expert-parallel", "2",
+                     "--data-parallel", "2"]) == 1
+    assert "--experts 3 is not divisible by --expert-parallel 2" in capsys.readouterr().err
 
 
 def _losses_from_csv(path: str) -> list[float]:

@@ -48,7 +48,7 @@ from pipekernel.errors import ConfigError
 
 __all__ = ["ExpertParallelGroup", "group", "context", "make_group", "expert_groups", "mark",
            "is_expert", "check_config", "broadcast_experts",
-           "gather_layer_state", "shard_layer_state", "full_shapes"]
+           "gather_layer_state", "shard_layer_state", "full_shapes", "whole_state_dict"]
 
 
 class ExpertParallelGroup:
@@ -292,3 +292,16 @@ def full_shapes(layer: torch.nn.Module, ep: ExpertParallelGroup,
         if sub in shapes:
             shapes[sub] = list(_whole_shape(param, dim, ep))
     return shapes
+
+
+def whole_state_dict(module: torch.nn.Module, ep: ExpertParallelGroup) -> dict[str, Any]:
+    """``module.state_dict()`` with every expert slice gathered whole (collective over the
+    expert-parallel group)."""
+    state = module.state_dict()
+    if ep.size == 1:
+        return state
+    for name, param in module.named_parameters():
+        dim = getattr(param, "expert_parallel_dim", None)
+        if dim is not None and name in state:
+            state[name] = _gather(state[name], dim, ep)
+    return state
