@@ -35,6 +35,9 @@ from pathlib import Path
 
 _TESTS = Path(__file__).resolve().parent
 TIERS = ("system", "multirank", "fast")
+#: a test without processes but too long for the fast tier (an exhaustive sweep over sizes)
+#: carries this marker and gets no tier: the full run has it, ``-m fast`` does not
+EXHAUSTIVE = "exhaustive"
 #: names a test that starts ranks refers to
 _MULTIRANK = frozenset({"run_ranks", "launch", "check_transport", "start_processes",
                         "spawn", "Process"})
@@ -105,7 +108,7 @@ def _kinds(path: Path, name: str, seen: set[tuple[Path, str]]) -> set[str]:
 
 
 def _tier_of(item: pytest.Item) -> str:
-    path = Path(str(item.fspath))
+    path = Path(str(getattr(item, "path", None) or item.fspath))
     name = getattr(item, "originalname", None) or item.name.split("[")[0]
     if item.cls is not None:
         name = f"{item.cls.__name__}.{name}"
@@ -122,9 +125,9 @@ def _tier_of(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.get_closest_marker(tier) is not None for tier in TIERS):
+        if any(item.get_closest_marker(tier) is not None for tier in (*TIERS, EXHAUSTIVE)):
             continue  # the test (or its module) says
-        if Path(str(item.fspath)).parent != _TESTS:
+        if Path(str(getattr(item, "path", None) or item.fspath)).parent != _TESTS:
             continue  # a test tree of another project (e.g. pytester's)
         item.add_marker(getattr(pytest.mark, _tier_of(item)))
 
