@@ -110,6 +110,8 @@ class Monitor:
     :param sink_options: ``{sink name: {option: value}}`` for sinks given by name.
     :param keep_steps: how many steps ``history``/``records`` keep in memory (the
         summaries are running totals over every step).
+    :param clock: host seconds now (default :func:`time.perf_counter`): every time the
+        monitor reads on the host, and the CPU timer's (tests drive it with a fake clock).
     """
 
     def __init__(self, out_dir: str = "pipekernel-out", sinks: Iterable[Any] = ("console",),
@@ -117,7 +119,8 @@ class Monitor:
                  warmup_steps: int = 1, trace_max_events: int = 200_000, heartbeat: float = 1.0,
                  dump_signal: int | None = getattr(signal, "SIGUSR1", None),
                  sink_options: Mapping[str, Mapping[str, Any]] | None = None,
-                 keep_steps: int = 10_000) -> None:
+                 keep_steps: int = 10_000,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if not isinstance(every, int) or every < 1:
             raise ConfigError(f"Monitor(every=...) must be an int >= 1, got {every!r}",
                               hint="e.g. Monitor(every=10): a summary every 10 train steps")
@@ -138,6 +141,7 @@ class Monitor:
         self.needs_trace = any(getattr(s, "needs_trace", False) for s in self.sinks)
         self.paths: dict[str, str] = {}
         self.keep_steps = keep_steps
+        self._clock = clock
         #: this rank's numbers of the last ``keep_steps`` steps
         self.history: deque[dict[str, Any]] = deque(maxlen=keep_steps)
         #: rank 0: the merged records of the last ``keep_steps`` steps (when sinks are on)
@@ -149,12 +153,12 @@ class Monitor:
         self.rank, self.world_size, self.stage = 0, 1, 0
         self._closed = False
         # hot-path state
-        self._timer: HostTimer | CudaTimer = HostTimer()  # CUDA events on a GPU (configure)
+        self._timer: HostTimer | CudaTimer = HostTimer(clock)  # CUDA events on a GPU (configure)
         # (host start, start mark, end mark, instruction) of the instructions since the step began
         self._events: list[tuple[float, Any, Any, Any]] = []
         self._trace = TraceBuffer(trace_max_events)
         self._current: tuple[float, Any, Any] | None = None  # (host start, instruction, mark)
-        self._last_end = time.perf_counter()
+        self._last_end = clock()
         self._in_train = False
         self._step_start = 0.0
         self._step_mark: Any = None
@@ -177,8 +181,8 @@ class Monitor:
         self._count_inputs = engine.is_first_stage()
         self._classes = sorted({cls.__name__ for cls in engine.kernel.handlers})
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
-        self._timer = make_timer(engine.transport.device)
-        self._epoch = time.perf_counter()
+        self._timer = make_timer(engine.transport.device, clock=self._clock)
+        self._epoch = self._clock()
         if self.world_size > 1:
             self._align(engine.transport)
         if self.rank == 0 and self.sinks:
@@ -199,7 +203,7 @@ class Monitor:
         import torch
 
         transport.barrier()
-        perf, wall = time.perf_counter(), time.time()
+        perf, wall = self._clock(), time.time()
         host = int(hashlib.sha1(socket.gethostname().encode()).hexdigest()[:12], 16)
         info = torch.tensor([int.from_bytes(os.urandom(6), "little"), wall, host],
                             dtype=torch.float64, device=transport.device)
@@ -219,19 +223,19 @@ class Monitor:
         if self._cuda:
             import torch
             torch.cuda.reset_peak_memory_stats(engine.transport.device)
-        self._step_start = time.perf_counter()
+        self._step_start = self._clock()
         self._step_mark = self._timer.mark()
 
     @hookimpl
     def pipekernel_before_instruction(self, instruction: Any) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         self._current = (now, instruction, self._timer.start(now))
 
     @hookimpl
     def pipekernel_after_instruction(self, instruction: Any, seconds: float) -> None:
         current = self._current
         if current is None:  # no before hook seen (e.g. a plugin registered mid-step)
-            now = time.perf_counter() - seconds
+            now = self._clock() - seconds
             current = (now, instruction, self._timer.start(now))
         start, _, mark = current
         self._events.append((start, mark, self._timer.stop(mark, seconds), instruction))
@@ -425,7 +429,7 @@ class Monitor:
     # ------------------------------------------------------- hang diagnostics
     def position(self) -> dict[str, Any]:
         """Where this rank is now: train step, schedule step, instruction and for how long."""
-        now = time.perf_counter()
+        now = self._clock()
         current, engine = self._current, self.engine
         kernel_pos = getattr(getattr(engine, "kernel", None), "position", None)
         pos: dict[str, Any] = {

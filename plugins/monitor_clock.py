@@ -84,6 +84,7 @@ class CudaTimer:
         return out, anchor.elapsed_time(end) / 1e3
 
 
-def make_timer(device: Any) -> HostTimer | CudaTimer:
-    """The timer for a stage whose tensors live on ``device``."""
-    return CudaTimer() if getattr(device, "type", "cpu") == "cuda" else HostTimer()
+def make_timer(device: Any, clock: Callable[[], float] = time.perf_counter
+               ) -> HostTimer | CudaTimer:
+    """The timer for a stage whose tensors live on ``device`` (``clock``: the host timer's)."""
+    return CudaTimer() if getattr(device, "type", "cpu") == "cuda" else HostTimer(clock)

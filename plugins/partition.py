@@ -308,17 +308,26 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
             if outputs is not None:
                 outputs.append(float(sum(t.numel() * t.element_size() for t in _tensors(out))))
             if time_it:
-                total, forward = _time_layer(call, inp, device, warmup, repeats, now)
-                seconds.append(total)
-                forwards.append(forward)
-                if split is not None:
-                    split.append(_time_split(call, inp, layer, device, warmup, repeats, now))
-                if isinstance(layer, nn.Module):
-                    layer.zero_grad(set_to_none=True)
+                _time_into(seconds, forwards, split, call, inp, layer, device,
+                           (warmup, repeats, now))
             static.append(_static_bytes(layer, index, optimizer, optimizer_states))
             x = _leaf(out)
             del out, layer
     return (seconds if time_it else None), (forwards if time_it else None), static, act
+
+
+def _time_into(seconds: list, forwards: list, split: list | None, call: Callable, inp: Any,
+               layer: Any, device: torch.device, timing: tuple) -> None:
+    """Time one layer (forward + backward, forward alone, and the split backward when
+    ``split`` is a list), appending the medians; its gradients are dropped after."""
+    warmup, repeats, now = timing
+    total, forward = _time_layer(call, inp, device, warmup, repeats, now)
+    seconds.append(total)
+    forwards.append(forward)
+    if split is not None:
+        split.append(_time_split(call, inp, layer, device, warmup, repeats, now))
+    if isinstance(layer, nn.Module):
+        layer.zero_grad(set_to_none=True)
 
 
 def _check_measuring(sample: Any, repeats: int, warmup: int) -> None:

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 from models import MODELS, sgd
 from rendezvous_transport import RendezvousPlugin
+from sweep import Sweep
 
 import pipekernel as pk
 from pipekernel.errors import TransportError
@@ -52,12 +53,18 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False, tim
     return losses, state, posted, expected
 
 
-@pytest.mark.parametrize("schedule,stages,micro_batches,chunks", [
-    ("1f1b", 4, 8, None), ("gpipe", 3, 3, None), ("interleaved", 4, 8, 2),
-    ("zb-h1", 4, 8, None), ("zbv", 3, 4, 2)])
-def test_pipelines_train_under_rendezvous_semantics(schedule, stages, micro_batches, chunks):
-    results = run_ranks(_train, stages, "mlp", stages, micro_batches, schedule, chunks,
-                        timeout=240)
+SWEEP = Sweep(timeout=240)  # one world per stage count for the cases below
+CASES = [SWEEP.case(f"{schedule}-{stages}x{micro_batches}", stages, _train, "mlp", stages,
+                    micro_batches, schedule, chunks)
+         for schedule, stages, micro_batches, chunks in [
+             ("1f1b", 4, 8, None), ("gpipe", 3, 3, None), ("interleaved", 4, 8, 2),
+             ("zb-h1", 4, 8, None), ("zbv", 3, 4, 2)]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_pipelines_train_under_rendezvous_semantics(case):
+    results = SWEEP.results(case)
+    micro_batches = case.args[2]
     build, data = MODELS["mlp"]
     ref_losses, ref_state = reference_train(build(), sgd,
                                             [[data(s, 0, micro_batches)] for s in range(STEPS)],

@@ -13,13 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from models import MODELS, adam, sgd
+from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
 from pipekernel.schedules import instructions as isa
 from pipekernel.errors import ConfigError
 from pipekernel.step.grad_reduce import GradReducer
-from pipekernel.testing import assert_parity, reference_train, run_ranks
+from pipekernel.testing import assert_parity, reference_train
 
 STEPS = 4
 SMALL = 1.0 / 1024  # 1 KiB buckets: the 16-wide MLP stage splits into several
@@ -193,11 +194,18 @@ def train_worker(model, stages, dp, micro_batches, optimizer, precision="fp32",
             "in_backward": counter.in_backward}
 
 
-def check_parity(model, micro_batches=4, optimizer=sgd, precision="fp32", tol=(1e-5, 1e-6),
-                 steps=STEPS, grad_bucket_mb=SMALL):
-    stages = dp = 2
-    results = run_ranks(train_worker, stages * dp, model, stages, dp, micro_batches, optimizer,
-                        precision, grad_bucket_mb, steps)
+SWEEP = Sweep()  # every case below in one world of 2 stages x 2 replicas
+
+
+def case(name, model, micro_batches=4, optimizer=sgd, precision="fp32", steps=STEPS,
+         grad_bucket_mb=SMALL):
+    return SWEEP.case(name, 4, train_worker, model, 2, 2, micro_batches, optimizer, precision,
+                      grad_bucket_mb, steps)
+
+
+def check_parity(case, tol=(1e-5, 1e-6)):
+    results = SWEEP.results(case)
+    model, stages, dp, micro_batches, optimizer, precision, grad_bucket_mb, steps = case.args
     build, data = MODELS[model]
     batches = [[data(step, r, micro_batches) for r in range(dp)] for step in range(steps)]
     ref_losses, ref_state = reference_train(build(), optimizer, batches, micro_batches)
@@ -209,15 +217,24 @@ def check_parity(model, micro_batches=4, optimizer=sgd, precision="fp32", tol=(1
     return results
 
 
-@pytest.mark.parametrize("optimizer", [sgd, adam], ids=["sgd", "adamw"])
-def test_parity_small_buckets_start_during_the_last_backward(optimizer):
-    for r in check_parity("mlp", optimizer=optimizer):
+SMALL_BUCKETS = [case("small-sgd", "mlp", optimizer=sgd),
+                 case("small-adamw", "mlp", optimizer=adam)]
+ON_THE_WIRE = SWEEP.case("on-the-wire", 4, train_worker, "mlp", 2, 2, 4, sgd, "fp32", SMALL, 2)
+NO_OVERLAP = case("no-overlap", "mlp", grad_bucket_mb=0)
+BF16 = case("bf16", "mlp", precision="bf16", steps=6)
+TIED = case("tied", "tied", optimizer=adam)
+BRANCHES = case("branches", "branches", optimizer=adam)
+
+
+@pytest.mark.parametrize("case", SMALL_BUCKETS, ids=["sgd", "adamw"])
+def test_parity_small_buckets_start_during_the_last_backward(case):
+    for r in check_parity(case):
         assert r["buckets"] >= 3
         assert r["launches"] == ["backward"] * r["buckets"], r["launches"]
 
 
 def test_buckets_are_on_the_wire_before_reduce_grads():
-    results = run_ranks(train_worker, 4, "mlp", 2, 2, 4, sgd, "fp32", SMALL, 2)
+    results = SWEEP.results(ON_THE_WIRE)
     for r in results:
         # per batch: every bucket started by ReduceGrads, from hooks inside the backward
         # (the loss's all-reduce over the world is a blocking all_reduce, not counted)
@@ -226,19 +243,19 @@ def test_buckets_are_on_the_wire_before_reduce_grads():
 
 
 def test_no_overlap_option_gives_the_same_training():
-    for r in check_parity("mlp", grad_bucket_mb=0):
+    for r in check_parity(NO_OVERLAP):
         assert r["launches"] == ["finish"] and r["at_reduce_grads"] == list(range(STEPS))
 
 
 def test_bf16_masters_start_after_backward_parity():
     # test_precision's bf16 tolerance: 5e-3 on losses (relative) and fp32 masters (absolute)
-    for r in check_parity("mlp", precision="bf16", tol=(5e-3, 5e-3), steps=6):
+    for r in check_parity(BF16, tol=(5e-3, 5e-3)):
         assert r["launches"] == ["after_backward"] * r["buckets"] and r["buckets"] >= 3
         assert all(v.dtype == torch.float32 for v in r["state"].values())
 
 
 def test_tied_weights_wait_for_the_tied_sum():
-    for r in check_parity("tied", optimizer=adam):
+    for r in check_parity(TIED):
         assert r["launches"][-1] == "finish" and "backward" in r["launches"], r["launches"]
 
 
@@ -283,7 +300,7 @@ MODELS = {**MODELS, "branches": (branches, branch_data)}
 
 def test_parameters_unused_on_a_replica_or_everywhere_match_the_reference():
     # AdamW decays weights: a zero-filled `never` that reached the optimizer would move
-    results = check_parity("branches", optimizer=adam)
+    results = check_parity(BRANCHES)
     first = [r for r in results if r["stage"] == 0]
     assert all(torch.equal(r["state"]["0.never"], torch.ones(16)) for r in first)
     # the buckets holding `never` (and `b` or `c`) wait for the backward's end, not the step

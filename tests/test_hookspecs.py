@@ -4,6 +4,7 @@ runs, and docs/hooks.md matches the docstrings."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def _is_hookimpl(decorator: ast.expr) -> bool:
     return name == "hookimpl"
 
 
+@functools.lru_cache(maxsize=None)  # one read of the tree for every hook's test
 def implementations() -> dict[str, dict[str, set[str]]]:
     """``{hook name: {parameter: {files whose implementation takes it}}}``."""
     found: dict[str, dict[str, set[str]]] = {}

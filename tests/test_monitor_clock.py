@@ -99,18 +99,14 @@ def test_the_monitor_reports_device_time_when_it_has_the_cuda_timer():
     mon.close()
 
 
-def test_the_monitor_on_the_host_timer_reports_the_bubble_of_a_fake_clock(monkeypatch):
+def test_the_monitor_on_the_host_timer_reports_the_bubble_of_a_fake_clock():
     # the host path end to end with a deterministic clock: the bubble is receive wait
     # plus the drain at the end of the step, over the step
-    import pipekernel.plugins.monitor as monitor_module
-
     now = [100.0]
-    monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: now[0])
     engine = fake_engine()
-    mon = Monitor(sinks=(), heartbeat=0, warmup_steps=0)
+    mon = Monitor(sinks=(), heartbeat=0, warmup_steps=0, clock=lambda: now[0])
     mon.pipekernel_configure(engine)
-    assert isinstance(mon._timer, HostTimer)
-    mon._timer = HostTimer(lambda: now[0])
+    assert isinstance(mon._timer, HostTimer) and mon._timer.clock() == 100.0  # the injected one
     for step in range(2):
         mon.pipekernel_before_train_batch(engine)
         for instruction, seconds in ((isa.RecvActivation(micro_batch=0, buffer=0), 0.3),

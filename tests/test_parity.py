@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import pytest
 from models import MODELS, adam, sgd
+from sweep import Sweep
 
 import pipekernel as pk
-from pipekernel.testing import assert_parity, reference_train, run_ranks
+from pipekernel.testing import assert_parity, reference_train
 
 STEPS = 4
 
@@ -21,9 +22,18 @@ def train_worker(model, stages, dp, micro_batches, schedule, optimizer):
     return losses, state, engine.stage, engine.data_parallel_rank
 
 
-def check_parity(model, stages, dp, micro_batches, schedule="1f1b", optimizer=sgd):
-    results = run_ranks(train_worker, stages * dp, model, stages, dp, micro_batches, schedule,
-                        optimizer)
+SWEEP = Sweep()  # one world per world size for the whole module
+
+
+def case(model, stages, dp, micro_batches, schedule="1f1b", optimizer=sgd):
+    name = f"{model}-{stages}x{dp}-m{micro_batches}-{schedule}-{optimizer.__name__}"
+    return SWEEP.case(name, stages * dp, train_worker, model, stages, dp, micro_batches,
+                      schedule, optimizer)
+
+
+def check_parity(case):
+    results = SWEEP.results(case)
+    model, stages, dp, micro_batches, schedule, optimizer = case.args
     build, data = MODELS[model]
     batches = [[data(step, r, micro_batches) for r in range(dp)] for step in range(STEPS)]
     ref_losses, ref_state = reference_train(build(), optimizer, batches, micro_batches)
@@ -36,41 +46,52 @@ def check_parity(model, stages, dp, micro_batches, schedule="1f1b", optimizer=sg
                                              for r in range(stages * dp)]
 
 
-@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 6), (4, 2)])
-def test_mlp_parity_stages(stages, micro_batches):
-    check_parity("mlp", stages, 1, micro_batches)
+STAGES = [case("mlp", 2, 1, 4), case("mlp", 4, 1, 6), case("mlp", 4, 1, 2)]
+GPIPE_ADAM = case("mlp", 2, 1, 3, schedule="gpipe", optimizer=adam)
+PIPE_AND_DATA = case("mlp", 2, 2, 4)
+MIXED_DTYPES = case("masked", 2, 1, 3)
+TIED = case("tied", 2, 1, 4, optimizer=adam)
+TIED_DATA = case("tied", 2, 2, 3)  # 2 stages x 2 replicas: tied and data-parallel reductions
+TIED_MIDDLE = case("tied", 3, 1, 3)
+VARLEN = case("varlen", 2, 1, 3)
+DICTS = [case("dicts", 2, 1, 4), case("dicts", 4, 1, 4)]
+
+
+@pytest.mark.parametrize("case", STAGES, ids=str)
+def test_mlp_parity_stages(case):
+    check_parity(case)
 
 
 def test_mlp_parity_gpipe_adam():
-    check_parity("mlp", 2, 1, 3, schedule="gpipe", optimizer=adam)
+    check_parity(GPIPE_ADAM)
 
 
 def test_pipe_and_data_parallel_parity():
-    check_parity("mlp", 2, 2, 4)
+    check_parity(PIPE_AND_DATA)
 
 
 def test_mixed_dtype_tuple_activations():
-    check_parity("masked", 2, 1, 3)
+    check_parity(MIXED_DTYPES)
 
 
 def test_tied_layers_first_and_last_stage():
-    check_parity("tied", 2, 1, 4, optimizer=adam)
+    check_parity(TIED)
 
 
 def test_tied_layers_with_data_parallel():
-    check_parity("tied", 2, 2, 3)  # 2 stages x 2 replicas: tied and data-parallel reductions
+    check_parity(TIED_DATA)
 
 
 def test_tied_layers_with_a_middle_stage():
-    check_parity("tied", 3, 1, 3)
+    check_parity(TIED_MIDDLE)
 
 
 def test_sequence_length_changes_between_steps():
-    check_parity("varlen", 2, 1, 3)
+    check_parity(VARLEN)
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_dict_activations_float_bool_int64(stages):
+@pytest.mark.parametrize("case", DICTS, ids=str)
+def test_dict_activations_float_bool_int64(case):
     # {"hidden": float, "mask": bool, "pos": int64} crosses every boundary; only hidden
     # gets a gradient
-    check_parity("dicts", stages, 1, 4)
+    check_parity(case)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from models import MODELS, adam, sgd
+from sweep import Sweep
 
 import pipekernel as pk
 from pipekernel.schedules import BUILTIN_SCHEDULES
@@ -26,9 +27,18 @@ def worker(model, stages, dp, micro_batches, schedule, chunks, optimizer):
     return losses, state, eval_loss, engine.stage, parts
 
 
-def check(model, stages, dp, micro_batches, schedule, chunks=None, optimizer=sgd):
-    results = run_ranks(worker, stages * dp, model, stages, dp, micro_batches, schedule, chunks,
-                        optimizer, timeout=240)
+SWEEP = Sweep(timeout=240)  # one world per world size for the cases below
+
+
+def case(model, stages, dp, micro_batches, schedule, chunks=None, optimizer=sgd):
+    name = f"{schedule}-{model}-{stages}x{dp}-m{micro_batches}-{optimizer.__name__}"
+    return SWEEP.case(name, stages * dp, worker, model, stages, dp, micro_batches, schedule,
+                      chunks, optimizer)
+
+
+def check(case):
+    results = SWEEP.results(case)
+    model, stages, dp, micro_batches, schedule, chunks, optimizer = case.args
     build, data = MODELS[model]
     batches = [[data(step, r, micro_batches) for r in range(dp)] for step in range(STEPS)]
     ref_losses, ref_state = reference_train(build(), optimizer, batches, micro_batches)
@@ -43,46 +53,58 @@ def check(model, stages, dp, micro_batches, schedule, chunks=None, optimizer=sgd
         assert eval_loss == pytest.approx(ref_eval, rel=1e-5, abs=1e-6)
 
 
+INTERLEAVED = case("mlp", 2, 1, 4, "interleaved", 2, optimizer=adam)
+INTERLEAVED_DATA = case("mlp", 2, 2, 4, "interleaved", 2)
+INTERLEAVED_TIED = case("tied", 2, 1, 2, "interleaved", 2, optimizer=adam)
+ZB_H1 = case("mlp", 4, 1, 6, "zb-h1", optimizer=adam)
+ZB_H1_DATA = case("mlp", 2, 2, 4, "zb-h1", optimizer=adam)
+ZBV = case("tied", 2, 1, 4, "zbv", optimizer=adam)
+ZBV_MIXED = case("masked", 2, 1, 3, "zbv")
+ZB_H2 = case("mlp", 2, 1, 5, "zb-h2", optimizer=adam)
+DUALPIPEV = case("tied", 2, 1, 4, "dualpipev", optimizer=adam)
+DICTS = [case("dicts", 4, 1, 4, "zb-h1"), case("dicts", 2, 1, 4, "interleaved", 2)]
+
+
 def test_interleaved_two_stages_two_chunks():
-    check("mlp", 2, 1, 4, "interleaved", 2, optimizer=adam)
+    check(INTERLEAVED)
 
 
 def test_interleaved_with_two_data_parallel_replicas():
-    check("mlp", 2, 2, 4, "interleaved", 2)
+    check(INTERLEAVED_DATA)
 
 
 def test_interleaved_tied_layers_across_parts():
     # 4 parts on 2 stages: the tied embedding sits on part 0 (stage 0) and part 3 (stage 1)
-    check("tied", 2, 1, 2, "interleaved", 2, optimizer=adam)
+    check(INTERLEAVED_TIED)
 
 
 def test_zb_h1_four_stages():
-    check("mlp", 4, 1, 6, "zb-h1", optimizer=adam)
+    check(ZB_H1)
 
 
 def test_zb_h1_with_two_data_parallel_replicas():
     # the weight pass (BackwardWeight) is where the bucketed reduction starts
-    check("mlp", 2, 2, 4, "zb-h1", optimizer=adam)
+    check(ZB_H1_DATA)
 
 
 def test_zbv_two_stages():
     # V placement: stage 0 holds the first and the last part (loads inputs and labels)
-    check("tied", 2, 1, 4, "zbv", optimizer=adam)
+    check(ZBV)
 
 
 def test_zbv_mixed_dtype_activations():
-    check("masked", 2, 1, 3, "zbv")
+    check(ZBV_MIXED)
 
 
 def test_zb_h2_two_stages():
     # up to 2 S - 1 = 3 parts in flight on stage 0, W deferred into the tail
-    check("mlp", 2, 1, 5, "zb-h2", optimizer=adam)
+    check(ZB_H2)
 
 
 def test_dualpipev_two_stages():
     # full backwards paired with forwards in the steady state, I/W splits in the drain,
     # the tied embedding on the first and the last part (both on stage 0)
-    check("tied", 2, 1, 4, "dualpipev", optimizer=adam)
+    check(DUALPIPEV)
 
 
 def bad_chunks_worker():
@@ -96,6 +118,6 @@ def test_chunks_the_schedule_cannot_hold_is_a_clear_error():
         run_ranks(bad_chunks_worker, 2, timeout=300)
 
 
-@pytest.mark.parametrize("schedule,stages,chunks", [("zb-h1", 4, None), ("interleaved", 2, 2)])
-def test_dict_activations_zero_bubble_and_interleaved(schedule, stages, chunks):
-    check("dicts", stages, 1, 4, schedule, chunks)
+@pytest.mark.parametrize("case", DICTS, ids=str)
+def test_dict_activations_zero_bubble_and_interleaved(case):
+    check(case)

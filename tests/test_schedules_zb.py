@@ -68,6 +68,7 @@ def _by_kind(orders):
 
 # -- the grid: every size simulates, buffers are declared exactly ---------------------------
 
+@pytest.mark.exhaustive
 def test_every_size_simulates_with_exact_buffers_and_ordered_pairs():
     for cls, stages, micro_batches, chunks in _cases():
         result = simulate(cls, stages, micro_batches, chunks)
@@ -175,6 +176,7 @@ def test_bubble_below_1f1b(stages, micro_batches):
     assert zbv < simulate(ZBH1, stages, micro_batches, costs=COSTS).bubble_fraction
 
 
+@pytest.mark.exhaustive
 def test_zero_bubble_memory_is_the_papers():
     # ZB-H1: no stage above 1F1B's peak (stage 0's min(S, M)); ZB-H2: at most 2 S - 1
     for stages, micro_batches in SIZES:
@@ -244,6 +246,7 @@ def test_dualpipev_pairs_forward_and_backward_of_different_micro_batches():
     assert result.makespan <= zbv.makespan
 
 
+@pytest.mark.exhaustive
 def test_zbv_memory_is_1f1b_first_stage_memory():
     # a ZB-V part is half a stage: 2 * S parts hold what 1F1B's first stage holds
     for stages, micro_batches in SIZES:

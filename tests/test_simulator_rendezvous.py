@@ -31,6 +31,7 @@ def _two_skip_edges(positions):
                    (max(0, positions // 2 - 1), min(positions - 1, positions // 2 + 1))})
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("name", sorted(BUILTIN_SCHEDULES))
 def test_builtin_schedules_are_deadlock_free_under_rendezvous(name):
     """The grid proof under NCCL's ordering (a lane is one ordered stream per rank,

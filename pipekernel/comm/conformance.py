@@ -191,66 +191,88 @@ def _check_batched(run: _Run) -> None:
     deadlock), with messages large enough that gloo and NCCL rendezvous; then several
     groups back to back to check per-pair order across groups; a middle rank posts one
     group spanning two peers."""
-    from pipekernel.comm.transport import P2POp
-
     t = run.t
     if not hasattr(t, "batch_isend_irecv"):
         raise run.fail(f"{type(t).__name__} lacks batch_isend_irecv")
     if run.rank <= 1:
-        peer = 1 - run.rank
-        for round_ in range(3):
-            out = _payload(torch.float32, (1 << 20,), 10 * run.rank + round_).to(t.device)
-            small = _payload(torch.bool, (7,), 10 * run.rank + round_).to(t.device)
-            got = torch.empty_like(out)
-            got_small = torch.empty_like(small)
-            handles = t.batch_isend_irecv([P2POp("send", out, peer), P2POp("send", small, peer),
-                                           P2POp("recv", got, peer),
-                                           P2POp("recv", got_small, peer)])
-            if len(handles) != 4 or not all(isinstance(h, Handle) for h in handles):
-                raise run.fail(f"batch_isend_irecv must return one handle per op, got {handles!r}")
-            for handle in reversed(handles):  # wait in any order
-                handle.wait()
-            if not (_same(got, _payload(torch.float32, (1 << 20,), 10 * peer + round_))
-                    and _same(got_small, _payload(torch.bool, (7,), 10 * peer + round_))):
-                raise run.fail(f"group {round_}: the messages from rank {peer} arrived changed "
-                               "or out of order")
-    if t.world_size >= 3:  # rank 1 receives from 0 and sends to 2 in one group, like a stage
-        if run.rank == 0:
-            t.batch_isend_irecv([P2POp("send", torch.full((5,), 3.0, device=t.device), 1)])[0].wait()
-        elif run.rank == 1:
-            got = torch.empty(5, device=t.device)
-            handles = t.batch_isend_irecv([P2POp("send", torch.full((5,), 4.0, device=t.device), 2),
-                                           P2POp("recv", got, 0)])
-            for handle in handles:
-                handle.wait()
-            if got.cpu().tolist() != [3.0] * 5:
-                raise run.fail(f"a group spanning two peers received {got.tolist()} from rank 0")
-        elif run.rank == 2:
-            got = torch.empty(5, device=t.device)
-            t.batch_isend_irecv([P2POp("recv", got, 1)])[0].wait()
-            if got.cpu().tolist() != [4.0] * 5:
-                raise run.fail(f"a group spanning two peers sent {got.tolist()} to rank 2")
-    if run.rank <= 1:  # lanes: rank 0 sends on tag 1 then tag 0, rank 1 receives 0 then 1
-        lanes = min(int(getattr(t, "max_tags", 1)), 4)
-        if lanes >= 2:
-            peer = 1 - run.rank
-            if run.rank == 0:
-                handles = t.batch_isend_irecv(
-                    [P2POp("send", torch.full((1 << 18,), float(tag), device=t.device), peer, tag)
-                     for tag in reversed(range(lanes))])
-                for handle in handles:
-                    handle.wait()
-            else:
-                got = [torch.empty(1 << 18, device=t.device) for _ in range(lanes)]
-                for tag in range(lanes):  # one group per lane, in the other order
-                    t.batch_isend_irecv([P2POp("recv", got[tag], peer, tag)])[0].wait()
-                for tag in range(lanes):
-                    if not bool((got[tag] == float(tag)).all()):
-                        raise run.fail(f"lane {tag} received the message of lane "
-                                       f"{got[tag].flatten()[0].item():g}: tags must match "
-                                       "messages per (pair, tag)")
+        _batched_pair(run)
+    if t.world_size >= 3:
+        _batched_span(run)
+    if run.rank <= 1:
+        _batched_lanes(run)
     if t.batch_isend_irecv([]) != []:
         raise run.fail("an empty group must return no handles")
+
+
+def _batched_pair(run: _Run) -> None:
+    """Ranks 0 and 1: three groups back to back, each sending first, then receiving."""
+    from pipekernel.comm.transport import P2POp
+
+    t = run.t
+    peer = 1 - run.rank
+    for round_ in range(3):
+        out = _payload(torch.float32, (1 << 20,), 10 * run.rank + round_).to(t.device)
+        small = _payload(torch.bool, (7,), 10 * run.rank + round_).to(t.device)
+        got = torch.empty_like(out)
+        got_small = torch.empty_like(small)
+        handles = t.batch_isend_irecv([P2POp("send", out, peer), P2POp("send", small, peer),
+                                       P2POp("recv", got, peer),
+                                       P2POp("recv", got_small, peer)])
+        if len(handles) != 4 or not all(isinstance(h, Handle) for h in handles):
+            raise run.fail(f"batch_isend_irecv must return one handle per op, got {handles!r}")
+        for handle in reversed(handles):  # wait in any order
+            handle.wait()
+        if not (_same(got, _payload(torch.float32, (1 << 20,), 10 * peer + round_))
+                and _same(got_small, _payload(torch.bool, (7,), 10 * peer + round_))):
+            raise run.fail(f"group {round_}: the messages from rank {peer} arrived changed "
+                           "or out of order")
+
+
+def _batched_span(run: _Run) -> None:
+    """Rank 1 receives from 0 and sends to 2 in one group, like a stage."""
+    from pipekernel.comm.transport import P2POp
+
+    t = run.t
+    if run.rank == 0:
+        t.batch_isend_irecv([P2POp("send", torch.full((5,), 3.0, device=t.device), 1)])[0].wait()
+    elif run.rank == 1:
+        got = torch.empty(5, device=t.device)
+        handles = t.batch_isend_irecv([P2POp("send", torch.full((5,), 4.0, device=t.device), 2),
+                                       P2POp("recv", got, 0)])
+        for handle in handles:
+            handle.wait()
+        if got.cpu().tolist() != [3.0] * 5:
+            raise run.fail(f"a group spanning two peers received {got.tolist()} from rank 0")
+    elif run.rank == 2:
+        got = torch.empty(5, device=t.device)
+        t.batch_isend_irecv([P2POp("recv", got, 1)])[0].wait()
+        if got.cpu().tolist() != [4.0] * 5:
+            raise run.fail(f"a group spanning two peers sent {got.tolist()} to rank 2")
+
+
+def _batched_lanes(run: _Run) -> None:
+    """Lanes: rank 0 sends on tag 1 then tag 0, rank 1 receives 0 then 1."""
+    from pipekernel.comm.transport import P2POp
+
+    t = run.t
+    lanes = min(int(getattr(t, "max_tags", 1)), 4)
+    if lanes >= 2:
+        peer = 1 - run.rank
+        if run.rank == 0:
+            handles = t.batch_isend_irecv(
+                [P2POp("send", torch.full((1 << 18,), float(tag), device=t.device), peer, tag)
+                 for tag in reversed(range(lanes))])
+            for handle in handles:
+                handle.wait()
+        else:
+            got = [torch.empty(1 << 18, device=t.device) for _ in range(lanes)]
+            for tag in range(lanes):  # one group per lane, in the other order
+                t.batch_isend_irecv([P2POp("recv", got[tag], peer, tag)])[0].wait()
+            for tag in range(lanes):
+                if not bool((got[tag] == float(tag)).all()):
+                    raise run.fail(f"lane {tag} received the message of lane "
+                                   f"{got[tag].flatten()[0].item():g}: tags must match "
+                                   "messages per (pair, tag)")
 
 
 def _check_async_all_reduce(run: _Run) -> None:

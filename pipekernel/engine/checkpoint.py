@@ -292,6 +292,24 @@ def _check_tag(tag: str) -> None:
                           hint="a tag is one directory name, e.g. 'global_step100'")
 
 
+def _publish(root: str, tag: str, tmp: str, final: str) -> None:
+    """Rank 0, every rank's files written: move ``tmp`` to ``final`` (replacing an older
+    save of ``tag``), then point ``root/latest`` at it — each step atomic and synced."""
+    _fsync_dir(tmp)
+    trash = None
+    if os.path.lexists(final):
+        trash = os.path.join(root, f".old-{tag}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    pointer = os.path.join(root, f".latest-{uuid.uuid4().hex[:8]}")
+    _write_file(pointer, (tag + "\n").encode())
+    os.replace(pointer, os.path.join(root, "latest"))
+    _fsync_dir(root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
          client_state: Any = None) -> str:
     """Write a checkpoint of ``engine`` to ``root/tag`` and point ``root/latest`` at it.
@@ -338,24 +356,7 @@ def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
     _, error = _attempt(write)
     _agree(transport, _wrap(error, root, "write"), rank)
 
-    def publish() -> None:
-        if rank != 0:
-            return
-        _fsync_dir(tmp)
-        trash = None
-        if os.path.lexists(final):
-            trash = os.path.join(root, f".old-{tag}-{uuid.uuid4().hex[:8]}")
-            os.rename(final, trash)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        pointer = os.path.join(root, f".latest-{uuid.uuid4().hex[:8]}")
-        _write_file(pointer, (tag + "\n").encode())
-        os.replace(pointer, os.path.join(root, "latest"))
-        _fsync_dir(root)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-
-    _, error = _attempt(publish)
+    _, error = _attempt(lambda: _publish(root, tag, tmp, final) if rank == 0 else None)
     _agree(transport, _wrap(error, root, "publish"), rank)
     return final
 

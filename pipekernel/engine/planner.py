@@ -345,6 +345,33 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
 
 # -- the engine's (and the CLI's) way in: profile through the plugins, then search --------
 
+def _sample_of(module: Any, request: Auto, profile: type) -> Any:
+    """The micro-batch to profile: the request's, else the module's profile partition's."""
+    sample = request.sample
+    if sample is None and isinstance(getattr(module, "partition_method", None), profile):
+        sample = module.partition_method.sample
+    if sample is None:
+        raise ConfigError("schedule='auto' needs a sample micro-batch to profile the layers",
+                          hint="pass schedule=pk.auto(sample=inputs) or "
+                               "partition=pk.profile(inputs) (one micro-batch of inputs)")
+    return sample
+
+
+def _counts(request: Auto, micro_batches: int, rows: int) -> list[int]:
+    """The micro-batch counts to profile, each dividing the batch's rows."""
+    total = rows * micro_batches
+    counts = sorted(set(request.micro_batches or
+                        [n for n in (micro_batches // 2, micro_batches, 2 * micro_batches,
+                                     4 * micro_batches) if n >= 1 and total % n == 0]))
+    for n in counts:
+        if not isinstance(n, int) or n < 1 or total % n:
+            raise ConfigError(f"pk.auto(micro_batches=...) has {n!r}, which does not divide "
+                              f"the batch of {total} rows ({micro_batches} micro-batches x "
+                              f"{rows} rows of the sample)",
+                              hint="give micro-batch counts that divide the batch")
+    return counts
+
+
 def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: int, pm: Any,
                 transport: Any = None, device: Any = None, optimizer: Any = None) -> Plan:
     """Profile ``module``'s layers for each candidate micro-batch size and :func:`search`.
@@ -358,24 +385,10 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     from pipekernel.stage.partitioning import Balance, PartitionContext, Profile
     from pipekernel.extend.manager import registered_schedules
 
-    sample = request.sample
-    if sample is None and isinstance(getattr(module, "partition_method", None), Profile):
-        sample = module.partition_method.sample
-    if sample is None:
-        raise ConfigError("schedule='auto' needs a sample micro-batch to profile the layers",
-                          hint="pass schedule=pk.auto(sample=inputs) or "
-                               "partition=pk.profile(inputs) (one micro-batch of inputs)")
+    sample = _sample_of(module, request, Profile)
     rows = _rows(sample)
     total = rows * micro_batches
-    counts = sorted(set(request.micro_batches or
-                        [n for n in (micro_batches // 2, micro_batches, 2 * micro_batches,
-                                     4 * micro_batches) if n >= 1 and total % n == 0]))
-    for n in counts:
-        if not isinstance(n, int) or n < 1 or total % n:
-            raise ConfigError(f"pk.auto(micro_batches=...) has {n!r}, which does not divide "
-                              f"the batch of {total} rows ({micro_batches} micro-batches x "
-                              f"{rows} rows of the sample)",
-                              hint="give micro-batch counts that divide the batch")
+    counts = _counts(request, micro_batches, rows)
     if transport is not None:  # every rank profiles the same sizes, in the same order
         from pipekernel.engine.faults import check_consistency
         check_consistency(transport, {"sample rows": rows, "micro-batch counts": counts},

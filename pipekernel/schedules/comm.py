@@ -130,6 +130,31 @@ def _route(ins: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
     return peer, False, lane
 
 
+def _routes(stream: list, stage: int, num_stages: int, chunks: int, placement: str,
+            layout: Any) -> tuple[list, list, list, dict[tuple, int]]:
+    """``(peers, local, lanes, sent_at)`` of ``stream`` (see :class:`CommPlan`); ``sent_at``:
+    the index of each activation or skip send, by ``(class, chunk, micro-batch, peer)``."""
+    n = len(stream)
+    peers: list[tuple[int, int] | None] = [None] * n
+    local = [False] * n
+    lanes: list[int | None] = [None] * n
+    # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
+    seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
+    sent_at: dict[tuple, int] = {}
+    for i, ins in enumerate(stream):
+        cls = type(ins)
+        if cls not in _ROLES and not isinstance(ins, P2P):
+            continue
+        key = (cls, ins.chunk, getattr(ins, "peer", None))
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)
+        peers[i], local[i], lanes[i] = found
+        if cls is SendActivation or cls is SendSkip:
+            sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
+    return peers, local, lanes, sent_at
+
+
 def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, num_stages: int,
                        chunks: int = 1, placement: str = "loop",
                        trains: bool | None = None,
@@ -155,24 +180,8 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             stream.append(instruction)
             step_of.append(index)
     n = len(stream)
-    peers: list[tuple[int, int] | None] = [None] * n
-    local = [False] * n
-    lanes: list[int | None] = [None] * n
-    layout = lane_map(num_stages, chunks, placement, skips)
-    # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
-    seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
-    sent_at: dict[tuple, int] = {}
-    for i, ins in enumerate(stream):
-        cls = type(ins)
-        if cls not in _ROLES and not isinstance(ins, P2P):
-            continue
-        key = (cls, ins.chunk, getattr(ins, "peer", None))
-        found = seen.get(key)
-        if found is None:
-            found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)
-        peers[i], local[i], lanes[i] = found
-        if cls is SendActivation or cls is SendSkip:
-            sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
+    peers, local, lanes, sent_at = _routes(stream, stage, num_stages, chunks, placement,
+                                           lane_map(num_stages, chunks, placement, skips))
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
     for i, ins in enumerate(stream):

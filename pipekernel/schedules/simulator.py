@@ -69,6 +69,7 @@ All problems are collected and raised as one :class:`ScheduleError`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import Instruction
@@ -125,15 +126,7 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         the grid so far, missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
-    if semantics not in SEMANTICS:
-        raise ConfigError(f"simulate: unknown semantics {semantics!r}",
-                          hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
-    if host_costs and semantics != "rendezvous":
-        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
-                          hint="drop host_costs= or use semantics='rendezvous'")
-    if posting is not None and semantics != "rendezvous":
-        raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
-                          hint="drop posting= or use semantics='rendezvous'")
+    _check_semantics(semantics, host_costs, posting)
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
@@ -143,6 +136,15 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
                    for s, obj in enumerate(objects)]
     cls = _Rendezvous if semantics == "rendezvous" else _Buffered
     sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
+    _configure(sim, edges, posting, stage_costs, host_costs)
+    sim.run()
+    if sim.problems:
+        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
+    return sim.result()
+
+
+def _configure(sim: Any, edges: Any, posting: Any, stage_costs: Any, host_costs: Any) -> None:
+    """Give ``sim`` the skip edges, the posting policy and the cost tables asked for."""
     sim.skips = edges
     if posting is not None:
         sim.posting = posting
@@ -150,10 +152,18 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
     if host_costs:
         sim.host_costs = _cost_table(host_costs, base={})
-    sim.run()
-    if sim.problems:
-        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
-    return sim.result()
+
+
+def _check_semantics(semantics: str, host_costs: Any, posting: Any) -> None:
+    if semantics not in SEMANTICS:
+        raise ConfigError(f"simulate: unknown semantics {semantics!r}",
+                          hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
+    if host_costs and semantics != "rendezvous":
+        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
+                          hint="drop host_costs= or use semantics='rendezvous'")
+    if posting is not None and semantics != "rendezvous":
+        raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
+                          hint="drop posting= or use semantics='rendezvous'")
 
 
 class _WithSkips:

@@ -70,107 +70,127 @@ def plan(num_stages: int, micro_batches: int, chunks: int, placement: str,
     :param chunk_priority: chunks in the order a stage prefers them when several
         are ready (default: the deepest position first).
     """
-    S, M, C = num_stages, micro_batches, chunks
-    last = S * C - 1
-    pos = [[position(s, c, S, placement) for c in range(C)] for s in range(S)]
-    if chunk_priority is None:
-        order = [sorted(range(C), key=lambda c, s=s: -pos[s][c]) for s in range(S)]
-    else:
-        order = [list(chunk_priority) for _ in range(S)]
-    done: dict[tuple[str, int], int] = {}   # (kind, position, mb) -> end time
-    next_f = [[0] * C for _ in range(S)]
-    next_i = [[0] * C for _ in range(S)]
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(S)]
-    live = [0] * S
-    admitted = finished = 0  # micro-batches that entered position 0 / left it backwards
-    busy_until = [0] * S
-    ops: list[list[Op]] = [[] for _ in range(S)]
-    # messages in flight between two different ranks, in send order: (src, dst) -> deque
-    wire: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
-    total = S * C * M * 3
+    return _ListScheduler(num_stages, micro_batches, chunks, placement, caps, admit,
+                          chunk_priority).play()
 
-    def arrived(kind: str, p: int, mb: int, t: int) -> bool:
+
+class _ListScheduler:
+    """:func:`plan`'s play of the whole pipeline in unit time, one tick at a time."""
+
+    def __init__(self, S: int, M: int, C: int, placement: str, caps: tuple[int, ...],
+                 admit: int, chunk_priority: tuple[int, ...] | None) -> None:
+        self.S, self.M, self.C, self.placement = S, M, C, placement
+        self.caps, self.admit = caps, admit
+        self.last = S * C - 1
+        pos = self.pos = [[position(s, c, S, placement) for c in range(C)] for s in range(S)]
+        if chunk_priority is None:
+            self.order = [sorted(range(C), key=lambda c, s=s: -pos[s][c]) for s in range(S)]
+        else:
+            self.order = [list(chunk_priority) for _ in range(S)]
+        self.done: dict[tuple[str, int, int], int] = {}   # (kind, position, mb) -> end time
+        self.next_f = [[0] * C for _ in range(S)]
+        self.next_i = [[0] * C for _ in range(S)]
+        self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(S)]
+        self.live = [0] * S
+        self.admitted = self.finished = 0  # micro-batches that entered position 0 / left it
+        self.busy_until = [0] * S
+        self.ops: list[list[Op]] = [[] for _ in range(S)]
+        # messages in flight between two different ranks, in send order: (src, dst) -> deque
+        self.wire: dict[tuple[int, int], deque[tuple[str, int, int]]] = {}
+
+    def play(self) -> tuple[tuple[Op, ...], ...]:
+        total, t = self.S * self.C * self.M * 3, 0
+        while sum(len(o) for o in self.ops) < total:
+            moved = False
+            for s in range(self.S):
+                if self.busy_until[s] > t:
+                    moved = True
+                    continue
+                choice = self._input(s, t) or self._forward(s, t) or self._weight(s)
+                if choice is not None:
+                    self._take(s, *choice, t)
+                    moved = True
+            if not moved:
+                raise ScheduleError(
+                    f"zero-bubble planner is stuck at time {t} for {self.S} stage(s) x "
+                    f"{self.M} micro-batch(es) with memory caps {list(self.caps)}",
+                    hint="raise the memory caps (this is a bug in the schedule's caps)")
+            t += 1
+        return tuple(tuple(o) for o in self.ops)
+
+    def _input(self, s: int, t: int) -> tuple[str, int, int] | None:
+        """1. the next backward-input whose output gradient has arrived."""
+        pos = self.pos[s]
+        for c in self.order[s]:
+            mb = self.next_i[s][c]
+            ready = pos[c] == self.last or self._arrived("I", pos[c], mb, t)
+            if mb < self.next_f[s][c] and ready \
+                    and self.done.get(("F", pos[c], mb), t + 1) <= t:
+                return ("I", c, mb)
+        return None
+
+    def _forward(self, s: int, t: int) -> tuple[str, int, int] | None:
+        """2. the next forward whose input has arrived, when there is room for it."""
+        for c in self.order[s]:
+            mb, p = self.next_f[s][c], self.pos[s][c]
+            if mb >= self.M or not (p == 0 or self._arrived("F", p, mb, t)):
+                continue
+            if p == 0 and self.admitted - self.finished >= self.admit:
+                continue
+            if self.live[s] >= self.caps[s]:
+                continue
+            return ("F", c, mb)
+        return None
+
+    def _weight(self, s: int) -> tuple[str, int, int] | None:
+        """3. the oldest pending weight pass."""
+        if not self.pending_w[s]:
+            return None
+        c, mb = self.pending_w[s].popleft()
+        return ("W", c, mb)
+
+    def _arrived(self, kind: str, p: int, mb: int, t: int) -> bool:
         """The message a part at position ``p`` waits for has arrived by ``t``."""
         src = p - 1 if kind == "F" else p + 1
-        end = done.get(("F" if kind == "F" else "I", src, mb))
+        end = self.done.get(("F" if kind == "F" else "I", src, mb))
         if end is None or end > t:
             return False
-        me, peer = locate(p, S, placement)[0], locate(src, S, placement)[0]
+        me, peer = locate(p, self.S, self.placement)[0], locate(src, self.S, self.placement)[0]
         if me == peer:
             return True
-        queue = wire.get((peer, me))
+        queue = self.wire.get((peer, me))
         return bool(queue) and queue[0] == (kind, p, mb)
 
-    def run(s: int, kind: str, chunk: int, mb: int, t: int) -> None:
-        p = pos[s][chunk]
+    def _take(self, s: int, kind: str, c: int, mb: int, t: int) -> None:
+        p = self.pos[s][c]
+        if kind == "F":
+            self.next_f[s][c] += 1
+            self.live[s] += 1
+            self.admitted += p == 0
+        elif kind == "I":
+            self.next_i[s][c] += 1
+            self.finished += p == 0
+            self.pending_w[s].append((c, mb))
+        else:
+            self.live[s] -= 1
         if kind in ("F", "I"):
-            src = p - 1 if kind == "F" else p + 1
-            if 0 <= src <= last:
-                peer = locate(src, S, placement)[0]
-                if peer != s:
-                    wire[(peer, s)].popleft()
-            dst = p + 1 if kind == "F" else p - 1
-            if 0 <= dst <= last:
-                peer = locate(dst, S, placement)[0]
-                if peer != s:
-                    wire.setdefault((s, peer), deque()).append(("F" if kind == "F" else "I",
-                                                                dst, mb))
-        done[(kind, p, mb)] = t + 1
-        busy_until[s] = t + 1
-        ops[s].append((kind, chunk, mb))
+            self._message(s, kind, p, mb)
+        self.done[(kind, p, mb)] = t + 1
+        self.busy_until[s] = t + 1
+        self.ops[s].append((kind, c, mb))
 
-    t = 0
-    while sum(len(o) for o in ops) < total:
-        moved = False
-        for s in range(S):
-            if busy_until[s] > t:
-                moved = True
-                continue
-            choice = None
-            for c in order[s]:  # 1. backward-input
-                mb = next_i[s][c]
-                if mb < next_f[s][c] and (pos[s][c] == last or arrived("I", pos[s][c], mb, t)) \
-                        and done.get(("F", pos[s][c], mb), t + 1) <= t:
-                    choice = ("I", c, mb)
-                    break
-            if choice is None:  # 2. forward
-                for c in order[s]:
-                    mb, p = next_f[s][c], pos[s][c]
-                    if mb >= M or not (p == 0 or arrived("F", p, mb, t)):
-                        continue
-                    if p == 0 and admitted - finished >= admit:
-                        continue
-                    if live[s] >= caps[s]:
-                        continue
-                    choice = ("F", c, mb)
-                    break
-            if choice is None and pending_w[s]:  # 3. weight
-                c, mb = pending_w[s].popleft()
-                choice = ("W", c, mb)
-            if choice is None:
-                continue
-            kind, c, mb = choice
-            if kind == "F":
-                next_f[s][c] += 1
-                live[s] += 1
-                if pos[s][c] == 0:
-                    admitted += 1
-            elif kind == "I":
-                next_i[s][c] += 1
-                if pos[s][c] == 0:
-                    finished += 1
-                pending_w[s].append((c, mb))
-            else:
-                live[s] -= 1
-            run(s, kind, c, mb, t)
-            moved = True
-        if not moved:
-            raise ScheduleError(
-                f"zero-bubble planner is stuck at time {t} for {S} stage(s) x {M} "
-                f"micro-batch(es) with memory caps {list(caps)}",
-                hint="raise the memory caps (this is a bug in the schedule's caps)")
-        t += 1
-    return tuple(tuple(o) for o in ops)
+    def _message(self, s: int, kind: str, p: int, mb: int) -> None:
+        """``F``/``I`` at position ``p`` takes its message off the wire and sends the next."""
+        src = p - 1 if kind == "F" else p + 1
+        if 0 <= src <= self.last:
+            peer = locate(src, self.S, self.placement)[0]
+            if peer != s:
+                self.wire[(peer, s)].popleft()
+        dst = p + 1 if kind == "F" else p - 1
+        if 0 <= dst <= self.last:
+            peer = locate(dst, self.S, self.placement)[0]
+            if peer != s:
+                self.wire.setdefault((s, peer), deque()).append((kind, dst, mb))
 
 
 def handcrafted(micro_batches: int, warmup: int, cap: int) -> tuple[Op, ...]:

@@ -84,7 +84,8 @@ Layer 2 (pure torch): imports nothing from the runtime or the engine.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -324,7 +325,36 @@ def backward_input(outputs: Sequence[torch.Tensor],
     """
     outs, out_grads = _roots(outputs, grad_outputs, loss)
     inputs = _check_list("inputs", inputs)
-    params = _check_list("params", params)
+    grad_inputs, stage_params = _leaves_of(inputs, _check_list("params", params))
+    root_edges = [get_gradient_edge(t) for t in outs]
+    walk = _Walk([e.node for e in root_edges])
+    roots = tuple((walk.index[e.node], e.output_nr) for e in root_edges)
+    leaves = _leaf_indices(walk, grad_inputs + stage_params)
+    plan = _plan(walk, roots, leaves[:len(grad_inputs)], leaves[len(grad_inputs):])
+    nodes = walk.nodes
+    splits = [_Split(nodes[n], slots, [GradientEdge(nodes[c], k) for c, k in targets],
+                     [(e, nodes[c], k) for e, c, k in wedges], guard, direct)
+              for n, slots, wedges, targets, guard, direct in plan.splits]
+
+    captures = [GradientEdge(s.node, slot) for s in splits for slot in s.slots]
+    wanted = [*grad_inputs, *captures]
+    grads = (_input_pass(outs, wanted, out_grads, plan.has_weight_part) if outs and wanted
+             else (None,) * len(wanted))
+    found = iter(grads[:len(grad_inputs)])
+    input_grads = []
+    for t in inputs:
+        g = next(found) if t.requires_grad else None
+        input_grads.append(torch.zeros_like(t) if g is None else g)
+    kept_splits = _keep_recorded(splits, grads[len(grad_inputs):], out_grads)
+    # the caller may reuse its gradient buffers once B returns: W gets copies
+    direct = [(root_edges[k], out_grads[k].clone()) for k in plan.weight_roots]
+    reached = [stage_params[k] for k in plan.reached]
+    return input_grads, WeightGradState(kept_splits, direct, reached)
+
+
+def _leaves_of(inputs: list[torch.Tensor], params: list[torch.Tensor]
+               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(inputs that require grad, parameters that do, each once)``, checked."""
     input_ids = {id(t) for t in inputs}
     stage_params, seen = [], set()
     for p in params:
@@ -340,55 +370,39 @@ def backward_input(outputs: Sequence[torch.Tensor],
             raise PipelineError(
                 "split_backward: a stage input that requires grad is not a leaf tensor",
                 hint="pass the received activation detached: x = x.detach().requires_grad_()")
+    return grad_inputs, stage_params
 
-    root_edges = [get_gradient_edge(t) for t in outs]
-    walk = _Walk([e.node for e in root_edges])
-    roots = tuple((walk.index[e.node], e.output_nr) for e in root_edges)
-    leaves = _leaf_indices(walk, grad_inputs + stage_params)
-    plan = _plan(walk, roots, leaves[:len(grad_inputs)], leaves[len(grad_inputs):])
-    nodes = walk.nodes
-    splits = [_Split(nodes[n], slots, [GradientEdge(nodes[c], k) for c, k in targets],
-                     [(e, nodes[c], k) for e, c, k in wedges], guard, direct)
-              for n, slots, wedges, targets, guard, direct in plan.splits]
 
-    captures = [GradientEdge(s.node, slot) for s in splits for slot in s.slots]
-    wanted = [*grad_inputs, *captures]
-    if outs and wanted:
-        try:
-            grads = torch.autograd.grad(outs, wanted, out_grads,
-                                        retain_graph=plan.has_weight_part, allow_unused=True)
-        except RuntimeError as err:
-            if "use_reentrant" not in str(err):
-                raise
-            raise PipelineError(
-                "split_backward: the stage uses activation checkpointing with "
-                "use_reentrant=True, which torch cannot back-propagate in parts "
-                "(torch.autograd.grad refuses it)",
-                hint="checkpoint with use_reentrant=False (pipekernel's own activation "
-                     "checkpointing does), or use a schedule without the split backward "
-                     "(1f1b, gpipe, interleaved)") from err
-    else:
-        grads = (None,) * len(wanted)
+def _input_pass(outs: list, wanted: list, out_grads: list, retain: bool) -> tuple:
+    """B's one autograd call: the gradients of ``wanted`` (inputs, then split captures)."""
+    try:
+        return torch.autograd.grad(outs, wanted, out_grads, retain_graph=retain,
+                                   allow_unused=True)
+    except RuntimeError as err:
+        if "use_reentrant" not in str(err):
+            raise
+        raise PipelineError(
+            "split_backward: the stage uses activation checkpointing with "
+            "use_reentrant=True, which torch cannot back-propagate in parts "
+            "(torch.autograd.grad refuses it)",
+            hint="checkpoint with use_reentrant=False (pipekernel's own activation "
+                 "checkpointing does), or use a schedule without the split backward "
+                 "(1f1b, gpipe, interleaved)") from err
 
-    found = iter(grads[:len(grad_inputs)])
-    input_grads = []
-    for t in inputs:
-        g = next(found) if t.requires_grad else None
-        input_grads.append(torch.zeros_like(t) if g is None else g)
 
+def _keep_recorded(splits: list[_Split], recorded: Sequence, out_grads: list) -> list[_Split]:
+    """Give each split node the gradients B captured for it (copies of any that are the
+    caller's own buffers); the split nodes that got one."""
     caller = {g.untyped_storage().data_ptr() for g in out_grads}  # the caller's buffers
-    recorded = iter(grads[len(grad_inputs):])
-    kept_splits = []
+    found = iter(recorded)
+    kept = []
     for s in splits:
-        s.grads = [next(recorded) for _ in s.slots]
+        s.grads = [next(found) for _ in s.slots]
         s.grads = [g.clone() if g is not None and g.untyped_storage().data_ptr() in caller
                    else g for g in s.grads]
         if any(g is not None for g in s.grads):
-            kept_splits.append(s)
-    # the caller may reuse its gradient buffers once B returns: W gets copies
-    direct = [(root_edges[k], out_grads[k].clone()) for k in plan.weight_roots]
-    reached = [stage_params[k] for k in plan.reached]
-    return input_grads, WeightGradState(kept_splits, direct, reached)
+            kept.append(s)
+    return kept
 
 
 def _silence(grads: tuple) -> tuple:
@@ -419,100 +433,21 @@ def backward_weight(state: WeightGradState) -> None:
     Raises :class:`~pipekernel.errors.PipelineError` when called a second time on the
     same state.
     """
-    if not isinstance(state, WeightGradState):
-        raise PipelineError(
-            "split_backward: backward_weight needs the state backward_input returned, "
-            f"got {type(state).__name__}",
-            hint="call input_grads, state = backward_input(...) first and pass state")
-    if state.done:
-        raise PipelineError(
-            "split_backward: backward_weight called twice on the same state",
-            hint="run exactly one backward_weight per backward_input; the first call already "
-                 "accumulated the parameter gradients and freed what the state held")
+    _check_state(state)
     splits, roots, params = state._splits, state._roots, state._params
     state._splits, state._roots, state._params = [], [], []
     state.done = True
     if not params:
         return
-
     into: dict[GradientEdge, torch.Tensor] = {}  # root gradients of the weight part
     for edge, g in roots:
         _add(into, edge, g)
-
-    # custom Functions: one autograd call each, from the recorded gradient to its targets
-    for s in [s for s in splits if not s.direct]:
-        pairs = [(GradientEdge(s.node, slot), g) for slot, g in zip(s.slots, s.grads)
-                 if g is not None]
-        handles = []
-        if s.guard:
-            # another child may lead to a target: silence the children (they run, passing
-            # on undefined gradients), so what is captured is this node's own contribution
-            # — the rest is counted by the other split nodes. A target that runs is
-            # captured before its pre-hook fires.
-            handles = [c.register_prehook(_silence)
-                       for c in {c for c, _ in s.node.next_functions if c is not None}]
-        try:
-            got = torch.autograd.grad([e for e, _ in pairs], s.targets, [g for _, g in pairs],
-                                      retain_graph=s.guard, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
-        for edge, g in zip(s.targets, got):
-            if g is not None:
-                _add(into, edge, g)
-    splits = [s for s in splits if s.direct]
-
-    # C++ split nodes are called directly from a pre-hook on the first weight-part node
-    # they feed, i.e. inside the autograd call below: autograd then makes them compute
-    # only the outputs whose edges this call needs — those into the weight part, never
-    # the input side (which is not part of this call's graph at all).
-    feeders: dict[Node, list[_Split]] = {}
-    for s in splits:
-        for edge in s.targets:
-            feeders.setdefault(edge.node, [])
-            if s not in feeders[edge.node]:
-                feeders[edge.node].append(s)
-    pending: dict[tuple[Node, int], torch.Tensor] = {}
-    placeholders: dict[tuple[Node, int], torch.Tensor] = {}
-
-    def run(s: _Split) -> None:
-        args: list = [None] * len(s.node._input_metadata)
-        for slot, g in zip(s.slots, s.grads):
-            args[slot] = g
-        s.grads = []
-        outs = s.node(*args)
-        del args
-        for i, child, slot in s.wedges:
-            if outs[i] is not None:
-                _add(pending, (child, slot), _as_input(outs[i], child._input_metadata[slot]))
-
-    def hook_for(node: Node):
-        def pre_hook(grads: tuple) -> tuple:
-            for s in feeders.pop(node, ()):
-                if s.grads:  # not run yet
-                    run(s)
-            new = list(grads)
-            for slot, g in enumerate(new):
-                if g is not None and g is placeholders.get((node, slot)):
-                    g = None
-                c = pending.pop((node, slot), None)
-                new[slot] = c if g is None else g if c is None else g + c
-            return tuple(new)
-        return pre_hook
-
-    zero = {}
-    for s in splits:
-        for edge in s.targets:
-            if edge not in into:
-                # a root needs a gradient; this zero (no memory: a broadcast scalar) stands
-                # in for the one the pre-hook supplies
-                meta = edge.node._input_metadata[edge.output_nr]
-                key = (meta.dtype, meta.device)
-                if key not in zero:
-                    zero[key] = torch.zeros((), dtype=meta.dtype, device=meta.device)
-                placeholders[(edge.node, edge.output_nr)] = into[edge] = \
-                    zero[key].expand(meta.shape)
-    handles = [node.register_prehook(hook_for(node)) for node in feeders]
+    for s in splits:  # custom Functions: one autograd call each
+        if not s.direct:
+            _run_function_split(s, into)
+    direct = _DirectSplits([s for s in splits if s.direct])
+    direct.stand_in(into)
+    handles = [node.register_prehook(direct.hook_for(node)) for node in direct.feeders]
     try:
         if into:
             edges, grads = tuple(into), tuple(into.values())
@@ -528,3 +463,99 @@ def backward_weight(state: WeightGradState) -> None:
     finally:
         for h in handles:
             h.remove()
+
+
+def _check_state(state: Any) -> None:
+    """``state`` is a :class:`WeightGradState` that no W pass used yet."""
+    if not isinstance(state, WeightGradState):
+        raise PipelineError(
+            "split_backward: backward_weight needs the state backward_input returned, "
+            f"got {type(state).__name__}",
+            hint="call input_grads, state = backward_input(...) first and pass state")
+    if state.done:
+        raise PipelineError(
+            "split_backward: backward_weight called twice on the same state",
+            hint="run exactly one backward_weight per backward_input; the first call already "
+                 "accumulated the parameter gradients and freed what the state held")
+
+
+def _run_function_split(s: _Split, into: dict) -> None:
+    """A custom Function's split node: one autograd call from the gradient B recorded to
+    its targets, whose gradients are added to ``into``."""
+    pairs = [(GradientEdge(s.node, slot), g) for slot, g in zip(s.slots, s.grads)
+             if g is not None]
+    handles = []
+    if s.guard:
+        # another child may lead to a target: silence the children (they run, passing
+        # on undefined gradients), so what is captured is this node's own contribution
+        # — the rest is counted by the other split nodes. A target that runs is
+        # captured before its pre-hook fires.
+        handles = [c.register_prehook(_silence)
+                   for c in {c for c, _ in s.node.next_functions if c is not None}]
+    try:
+        got = torch.autograd.grad([e for e, _ in pairs], s.targets, [g for _, g in pairs],
+                                  retain_graph=s.guard, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    for edge, g in zip(s.targets, got):
+        if g is not None:
+            _add(into, edge, g)
+
+
+class _DirectSplits:
+    """The C++ split nodes of one W pass. Each is called directly from a pre-hook on the
+    first weight-part node it feeds, i.e. inside W's autograd call: autograd then makes
+    it compute only the outputs whose edges that call needs — those into the weight part,
+    never the input side (which is not part of that call's graph at all)."""
+
+    def __init__(self, splits: list[_Split]) -> None:
+        self.splits = splits
+        self.feeders: dict[Node, list[_Split]] = {}
+        for s in splits:
+            for edge in s.targets:
+                self.feeders.setdefault(edge.node, [])
+                if s not in self.feeders[edge.node]:
+                    self.feeders[edge.node].append(s)
+        self.pending: dict[tuple[Node, int], torch.Tensor] = {}
+        self.placeholders: dict[tuple[Node, int], torch.Tensor] = {}
+
+    def stand_in(self, into: dict) -> None:
+        """Give every target without a root gradient one: a zero (no memory: a broadcast
+        scalar) standing in for the one its pre-hook supplies."""
+        zero: dict = {}
+        for s in self.splits:
+            for edge in s.targets:
+                if edge not in into:
+                    meta = edge.node._input_metadata[edge.output_nr]
+                    key = (meta.dtype, meta.device)
+                    if key not in zero:
+                        zero[key] = torch.zeros((), dtype=meta.dtype, device=meta.device)
+                    self.placeholders[(edge.node, edge.output_nr)] = into[edge] = \
+                        zero[key].expand(meta.shape)
+
+    def run(self, s: _Split) -> None:
+        args: list = [None] * len(s.node._input_metadata)
+        for slot, g in zip(s.slots, s.grads):
+            args[slot] = g
+        s.grads = []
+        outs = s.node(*args)
+        del args
+        for i, child, slot in s.wedges:
+            if outs[i] is not None:
+                _add(self.pending, (child, slot),
+                     _as_input(outs[i], child._input_metadata[slot]))
+
+    def hook_for(self, node: Node) -> Callable[[tuple], tuple]:
+        def pre_hook(grads: tuple) -> tuple:
+            for s in self.feeders.pop(node, ()):
+                if s.grads:  # not run yet
+                    self.run(s)
+            new = list(grads)
+            for slot, g in enumerate(new):
+                if g is not None and g is self.placeholders.get((node, slot)):
+                    g = None
+                c = self.pending.pop((node, slot), None)
+                new[slot] = c if g is None else g if c is None else g + c
+            return tuple(new)
+        return pre_hook

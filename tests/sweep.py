@@ -1,0 +1,92 @@
+"""One process world per world size for a module's multi-rank cases.
+
+Starting a world (processes that import torch, a process group) costs seconds on a loaded
+2-core machine, more than most cases' own work. A :class:`Sweep` holds a module's cases,
+declared when the module is imported; the first test that asks for a case's results runs
+every case of that world size not yet run, one after another in one world, and keeps the
+answers for the others' tests. Each test still asserts its own case and fails by itself:
+a case that raises on a rank is reported by its test with that rank's traceback (a case
+that fails may leave its world's later cases failing too; the first failure is the cause).
+"""
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pipekernel.testing import run_ranks
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case: ``fn(*args)`` on ``nprocs`` ranks (``name`` for messages and test ids)."""
+
+    name: str
+    nprocs: int
+    fn: Callable[..., Any]
+    args: tuple
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Sweep:
+    """The cases of one module (see the module docstring).
+
+    :param timeout: seconds per case; a world gets the sum of its cases'.
+    """
+
+    def __init__(self, timeout: float = 300.0) -> None:
+        self.timeout = timeout
+        self._cases: list[Case] = []
+        self._results: dict[Case, list[tuple[bool, Any]]] = {}
+
+    def case(self, name: str, nprocs: int, fn: Callable[..., Any], *args: Any) -> Case:
+        """Declare a case (at import time, so that its world runs it with the others)."""
+        case = Case(name, nprocs, fn, args)
+        if case in self._cases:
+            raise ValueError(f"case {name!r} is declared twice")
+        self._cases.append(case)
+        return case
+
+    def results(self, case: Case) -> list[Any]:
+        """``case``'s result on each rank, by rank (its world runs on first use)."""
+        if case not in self._results:
+            batch = [c for c in self._cases
+                     if c.nprocs == case.nprocs and c not in self._results]
+            if case not in batch:
+                batch.append(case)
+            per_rank = run_ranks(_run_cases, case.nprocs, [(c.fn, c.args) for c in batch],
+                                 timeout=self.timeout * len(batch))
+            for k, c in enumerate(batch):
+                self._results[c] = [rank[k] for rank in per_rank]
+        outcome = self._results[case]
+        for rank, (ok, value) in enumerate(outcome):
+            if not ok:
+                raise AssertionError(f"case {case.name} failed on rank {rank} "
+                                     f"(world of {case.nprocs}):\n{value}")
+        return [value for _, value in outcome]
+
+
+def _run_cases(cases: list[tuple[Callable[..., Any], tuple]]) -> list[tuple[bool, Any]]:
+    """One rank of a world: each case in turn, its result or its traceback."""
+    out: list[tuple[bool, Any]] = []
+    for fn, args in cases:
+        try:
+            out.append((True, fn(*args)))
+        except Exception:  # noqa: BLE001 - the case's test reports it
+            out.append((False, traceback.format_exc()))
+            _reset()
+    return out
+
+
+def _reset() -> None:
+    """After a failed case: no process group left over for the next case to reuse."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort; the next case starts its own
+            pass
