@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from pipekernel.nested import map_tensors
 from pipekernel.stage import skips
 from pipekernel.errors import ConfigError, did_you_mean
 
@@ -142,7 +143,7 @@ class StageModule(nn.Module):
         # Non-reentrant checkpointing keeps only each chunk's input and recomputes
         # the chunk in backward; the saved RNG state makes dropout draw the same mask.
         for start in range(0, len(calls), k):
-            x = torch.utils.checkpoint.checkpoint(_run_calls, calls[start:start + k], x,
+            x = torch.utils.checkpoint.checkpoint(_run_segment, calls[start:start + k], x,
                                                   use_reentrant=False, preserve_rng_state=True)
         return x
 
@@ -176,6 +177,21 @@ def _run_calls(calls: Sequence[tuple[int, Any, Callable | None]], x: Any) -> Any
         except Exception as err:
             raise _name_layer(err, index, layer)
     return x
+
+
+def _run_segment(calls: Sequence[tuple[int, Any, Callable | None]], x: Any) -> Any:
+    """One checkpointed segment, run on a copy of its input.
+
+    The checkpoint keeps the segment's input by reference and runs the segment on it
+    again in backward. A first layer that works in place on its input
+    (``nn.ReLU(inplace=True)``, ``x += bias``) would change that saved input: the
+    recomputation would start from the modified values, and modify a tensor of the
+    graph outside the segment a second time (``RuntimeError: ... modified by an
+    inplace operation``). The copy costs one tensor of the input's size while the
+    segment runs, in forward and in the recomputation (the layers' saved tensors are
+    the checkpoint's, dropped until backward), and one copy's time; its gradient is
+    the identity, so the result is the one without checkpointing, bit for bit."""
+    return _run_calls(calls, map_tensors(torch.Tensor.clone, x))
 
 
 def _name_layer(err: Exception, index: int, layer: Any) -> Exception:
