@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,21 +23,15 @@ from pipekernel.deepspeed import lr_schedules, optimizers, pipe
 from pipekernel.errors import ConfigError
 from pipekernel.testing import run_ranks
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+from deepspeed_support import FIXTURES, deepspeed_or_skip
+
 sys.path.insert(0, str(FIXTURES))
 import gpt_script  # noqa: E402
 
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 
 
-def _deepspeed():
-    """The installed DeepSpeed on its CPU accelerator, or a skip."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-    except Exception as err:  # noqa: BLE001 - ImportError, or a broken accelerator set-up
-        pytest.skip(f"DeepSpeed is not usable here: {type(err).__name__}: {err}")
-    return deepspeed
+_deepspeed = deepspeed_or_skip
 
 
 def _parse(extra: dict, world: int = 1, stages: int = 1, **kw) -> dsconfig.Settings:

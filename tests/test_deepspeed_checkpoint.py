@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,18 +17,13 @@ from torch import nn
 
 from pipekernel.testing import run_ranks
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+from deepspeed_support import FIXTURES, deepspeed_or_skip
+
 sys.path.insert(0, str(FIXTURES))
 import gpt_script  # noqa: E402
 
 
-def _deepspeed():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-    except Exception as err:  # noqa: BLE001 - ImportError, or a broken accelerator set-up
-        pytest.skip(f"DeepSpeed is not usable here: {type(err).__name__}: {err}")
-    return deepspeed
+_deepspeed = deepspeed_or_skip
 
 
 def _layers(pipe) -> list:

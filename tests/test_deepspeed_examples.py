@@ -9,7 +9,6 @@ monitors and profilers, ZeRO bucket sizes, DeepSpeed's activation-checkpointing 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,17 +16,12 @@ import pytest
 
 from pipekernel.testing import run_ranks
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
+from deepspeed_support import FIXTURES, deepspeed_or_skip
+
 sys.path.insert(0, str(FIXTURES))
 
 
-def _deepspeed():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-    except Exception as err:  # noqa: BLE001 - ImportError, or a broken accelerator set-up
-        pytest.skip(f"DeepSpeed is not usable here: {type(err).__name__}: {err}")
-    return deepspeed
+_deepspeed = deepspeed_or_skip
 
 
 def _config(path: Path, drop: tuple[str, ...] = (), **overrides) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 import pytest
 import torch
@@ -18,14 +17,10 @@ from pipekernel.deepspeed import topology as topo
 from pipekernel.errors import ConfigError
 from pipekernel.testing import run_ranks
 
+from deepspeed_support import deepspeed_or_skip
 
-def _deepspeed():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        import deepspeed
-    except Exception as err:  # noqa: BLE001 - ImportError, or a broken accelerator set-up
-        pytest.skip(f"DeepSpeed is not usable here: {type(err).__name__}: {err}")
-    return deepspeed
+
+_deepspeed = deepspeed_or_skip
 
 
 TOPOLOGIES = [("ProcessTopology", (["x", "y"], [2, 3])),
