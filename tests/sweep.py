@@ -50,14 +50,19 @@ class Sweep:
         self._cases.append(case)
         return case
 
-    def results(self, case: Case) -> list[Any]:
-        """``case``'s result on each rank, by rank (its world runs on first use)."""
+    def results(self, case: Case, prepare: Callable[[tuple], tuple] | None = None
+                ) -> list[Any]:
+        """``case``'s result on each rank, by rank (its world runs on first use).
+
+        :param prepare: ``prepare(args) -> args`` for each case of the world, right before
+            it starts: what only a test can know (a fixture's directory, made on demand)."""
         if case not in self._results:
             batch = [c for c in self._cases
                      if c.nprocs == case.nprocs and c not in self._results]
             if case not in batch:
                 batch.append(case)
-            per_rank = run_ranks(_run_cases, case.nprocs, [(c.fn, c.args) for c in batch],
+            work = [(c.fn, prepare(c.args) if prepare is not None else c.args) for c in batch]
+            per_rank = run_ranks(_run_cases, case.nprocs, work,
                                  timeout=self.timeout * len(batch))
             for k, c in enumerate(batch):
                 self._results[c] = [rank[k] for rank in per_rank]

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 from models import adam, mlp, mlp_data
+from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
@@ -89,11 +90,20 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("source,stages,dp", [("2", 2, 1), ("2", 4, 1), ("4", 1, 1),
-                                              ("2x2", 2, 1), ("interleaved", 2, 1)])
-def test_round_trip_then_training_continues_like_the_reference(saved, source, stages, dp):
-    root, saved_dp = saved(source)
-    results = run_ranks(worker, stages * dp, root, stages, dp, range(2, 3), "1f1b", None, True)
+ROUND_TRIPS = Sweep()  # the loads below, one world per world size
+#: (source, stages, dp): load a checkpoint saved at ``source``'s shape, train one step; the
+#: first argument (the source's name) becomes its directory when the world starts
+LOADS = [ROUND_TRIPS.case(f"{source}->{stages}x{dp}", stages * dp, worker, source, stages, dp,
+                          range(2, 3), "1f1b", None, True)
+         for source, stages, dp in [("2", 2, 1), ("2", 4, 1), ("4", 1, 1), ("2x2", 2, 1),
+                                    ("interleaved", 2, 1)]]
+
+
+@pytest.mark.parametrize("case", LOADS, ids=str)
+def test_round_trip_then_training_continues_like_the_reference(saved, case):
+    source, stages, dp = case.args[:3]
+    _, saved_dp = saved(source)
+    results = ROUND_TRIPS.results(case, prepare=lambda args: (saved(args[0])[0], *args[1:]))
     ref_losses, ref_state = _reference([saved_dp, saved_dp, dp])
     covered = set()
     for r in results:
