@@ -1,5 +1,5 @@
 """House rule: no function longer than 60 lines (def line to last line, docstring included)
-in the core, the built-in plugins, the transports and the applications."""
+in the core, the built-in plugins, the transports, the applications and the integrations."""
 from __future__ import annotations
 
 import ast
@@ -7,9 +7,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 60
-CHECKED = ["pipekernel", "plugins", "transports", "apps"]
-#: files still being reworked elsewhere (issue 29): each leaves this list once it is split
-NOT_YET = {"apps/train.py", "apps/cli.py", "pipekernel/engine/launch.py"}
+CHECKED = ["pipekernel", "plugins", "transports", "apps", "integrations"]
+#: files exempt from the rule (none today: a file joins only with its reason beside it)
+NOT_YET: set[str] = set()
 
 
 def long_functions(paths=CHECKED, limit=LIMIT, skip=frozenset(NOT_YET)):
