@@ -70,7 +70,8 @@ def _train_parallelism(g: argparse._ArgumentGroup, d: Any) -> None:
                    help="model chunks per stage for interleaved/V schedules (default: the "
                         "schedule's)")
     g.add_argument("--precision", default=d.precision, help="precision policy name")
-    g.add_argument("--transport", default=d.transport, help="transport name")
+    g.add_argument("--transport", default=d.transport,
+                   help="transport name (default auto: nccl on CUDA, gloo otherwise)")
     g.add_argument("--partition", default=d.partition,
                    help="partition method (parameters, uniform, type:<regex>, ...) or "
                         "explicit layer boundaries such as 0,3,6")

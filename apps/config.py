@@ -17,7 +17,7 @@ class TrainConfig:
     schedule: str = "1f1b"
     chunks: int | None = None  # parts per stage; None: the schedule's default
     precision: str = "fp32"
-    transport: str = "gloo"
+    transport: str = "auto"  # nccl when the stages are on CUDA, gloo otherwise (pk.PipelineEngine)
     partition: str = "parameters"
     steps: int = 450
     seed: int = 0

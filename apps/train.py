@@ -295,7 +295,7 @@ def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.Pipelin
                  data: bytes, source: str) -> None:
     params = sum(module.parameter_counts())
     _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
-           f"{cfg.transport} ({engine.transport.device}), schedule {cfg.schedule}, "
+           f"{getattr(engine.transport, 'backend', cfg.transport)} ({engine.transport.device}), schedule {cfg.schedule}, "
            f"precision {cfg.precision}",
            hf_model.describe(module, cfg) if cfg.hf else
            f"model: byte-level GPT, {params / 1e6:.2f}M parameters: embedding, {cfg.layers} "

@@ -255,6 +255,7 @@ def test_plan_with_a_budget_nothing_fits_is_a_clean_error(capsys):
     assert "no candidate fits memory_budget=1.0 KiB" in err and "Traceback" not in err
 
 
+@pytest.mark.system  # runs the printed train command: processes
 def test_plan_prints_the_train_command_that_runs_its_choice(tmp_path, capsys):
     import shlex
 
