@@ -17,7 +17,23 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
   engine)`` (FSDP2, DTensor, float8, a wrapping policy of your own; the built-in FSDP2 of
   ``data_parallel_shard`` is a plugin on it, :mod:`pipekernel.plugins.fsdp`), the mesh's
   dims :data:`MESH_DIMS` and :class:`StageParallel` (how the engine times any
-  ``fully_shard`` module by the schedule).
+  ``fully_shard`` module by the schedule), :func:`find_stage_parallel` (a module's driver);
+* precision policies: :class:`Precision` (the base; its methods and when the engine calls
+  them are its contract) and :func:`cast_floats`;
+* partitioning: the method values a ``pipekernel_partition`` implementation receives
+  (:class:`Balance`, :class:`Profile`, :class:`Memory`; the context is
+  ``pipekernel.PartitionContext``), :class:`SkipScope` (run layers that stash and pop
+  outside the engine) and the split backward (:func:`backward_input`,
+  :func:`backward_weight`);
+* nested values: :func:`map_tensors`, :func:`tensors_of`;
+* agreement across ranks: :func:`all_gather_objects`;
+* writing a transport: :data:`TORCH_REDUCE_OPS`, :func:`attempt`, :func:`attempt_prefix`,
+  :func:`keyed_store`, :func:`bind_defaults_before_init`;
+* installed extensions: :func:`entry_points`.
+
+Built-in plugins (``pipekernel.plugins.*``) and transports (``pipekernel.transports.*``)
+import from here, ``pipekernel`` and ``pipekernel.errors`` only (``tests/test_surface.py``),
+so this surface is the one the project itself uses.
 """
 from __future__ import annotations
 
@@ -39,6 +55,18 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
                                                SendGrad, SendSkip, SendSkipGrad,
                                                SkipInstruction)
 from pipekernel.testing import check_transport
+# what the built-in plugins and transports use (one line each in docs/api.md)
+from pipekernel.comm.attempt import attempt, attempt_prefix, keyed_store
+from pipekernel.comm.collectives import TORCH_REDUCE_OPS
+from pipekernel.comm.teardown import bind_defaults_before_init
+from pipekernel.engine.faults import all_gather_objects
+from pipekernel.extend.installed import entry_points
+from pipekernel.grid.stage_parallel import find as find_stage_parallel
+from pipekernel.nested import map_tensors, tensors_of
+from pipekernel.stage.partitioning import Balance, Memory, Profile
+from pipekernel.stage.skips import SkipScope
+from pipekernel.stage.split_backward import backward_input, backward_weight
+from pipekernel.step.precision import Precision, cast_floats
 
 __all__ = [
     "hookimpl", "hookspec", "make_plugin_manager", "Kernel",
@@ -48,5 +76,8 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "SkipInstruction", "LoadMicroBatch", "Forward",
     "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ReduceTiedGrads",
-    "ReduceGrads", "OptimizerStep", "MESH_DIMS", "StageParallel",
+    "ReduceGrads", "OptimizerStep", "MESH_DIMS", "StageParallel", "find_stage_parallel",
+    "Precision", "cast_floats", "Balance", "Profile", "Memory", "SkipScope", "backward_input",
+    "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "TORCH_REDUCE_OPS",
+    "attempt", "attempt_prefix", "keyed_store", "bind_defaults_before_init", "entry_points",
 ]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.plugin import hookimpl
 
 __all__ = ["CountingTransport", "CountingPlugin"]
 

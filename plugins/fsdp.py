@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipekernel.errors import ConfigError
-from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.plugin import hookimpl
 
 #: Precision policies FSDP2 runs under: ``fp32``, and ``bf16`` mapped to FSDP2's
 #: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` — the fp32 shards

@@ -69,9 +69,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pipekernel.schedules import instructions as isa
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.plugin import LoadMicroBatch, all_gather_objects, hookimpl, tensors_of
 
 from pipekernel.plugins.monitor_clock import CudaTimer, HostTimer, make_timer
 from pipekernel.plugins.monitor_positions import PositionBoard, format_positions
@@ -241,16 +240,14 @@ class Monitor:
         self._events.append((start, mark, self._timer.stop(mark, seconds), instruction))
         self._current = None
         self._last_end = start + seconds
-        if self._count_inputs and type(instruction) is isa.LoadMicroBatch and self._in_train:
+        if self._count_inputs and type(instruction) is LoadMicroBatch and self._in_train:
             self._count(instruction)
 
     def _count(self, instruction: Any) -> None:
-        from pipekernel.comm.wire import flatten
-
         inputs = self.engine.runtime.inputs_of(instruction)
         if inputs is None:
             return
-        tensors, _ = flatten(inputs)
+        tensors = tensors_of(inputs)
         samples = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
         self._samples += samples
         spec = self.tokens_per_sample
@@ -485,7 +482,6 @@ def gather_objects(transport: Any, obj: Any) -> list[Any] | None:
     Uses only the Transport protocol's collectives (an all-reduce of the sizes,
     then one broadcast per rank), so it works on any transport.
     """
-    from pipekernel.engine.faults import all_gather_objects
 
     out = all_gather_objects(transport, obj)
     return out if transport.rank == 0 else None

@@ -33,12 +33,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipekernel import LayerSpec, PartitionContext, PipelineModule, TiedLayerSpec
 from pipekernel.errors import ConfigError
-from pipekernel.nested import map_tensors, tensors_of
-from pipekernel.extend.hookspecs import hookimpl
-from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
-from pipekernel.stage.partitioning import Balance, Memory, PartitionContext, Profile
-from pipekernel.stage.skips import SkipScope
+from pipekernel.plugin import (Balance, Memory, Profile, SkipScope, backward_input,
+                               backward_weight, hookimpl, map_tensors, tensors_of)
 
 __all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers", "measure_layer_times"]
 
@@ -416,7 +414,6 @@ def _time_layer(call: Callable, inp: Any, device: torch.device, warmup: int, rep
 def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warmup: int,
                 repeats: int, now: Callable[[], float]) -> tuple[float, float]:
     """Median seconds of the input pass and of the weight pass of one layer's backward."""
-    from pipekernel.stage.split_backward import backward_input, backward_weight
 
     params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
     inputs = _grad_outputs(inp)

@@ -20,9 +20,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError
-from pipekernel.extend.hookspecs import hookimpl
-from pipekernel.grid import stage_parallel
-from pipekernel.step.precision import Precision, cast_floats
+from pipekernel.plugin import Precision, cast_floats, find_stage_parallel, hookimpl
 
 __all__ = ["FP32", "LowPrecision", "FP16", "AmpBF16", "LossScaler"]
 
@@ -59,7 +57,7 @@ class LowPrecision(Precision):
                 for p in sub.parameters(recurse=False)}
         # FSDP2 keeps its fp32 shards as the masters and gathers them in self.dtype itself
         # (pipekernel.plugins.fsdp maps this policy to its MixedPrecisionPolicy)
-        sharded = stage_parallel.find(module)
+        sharded = find_stage_parallel(module)
         for name, param in module.named_parameters():
             if not param.is_floating_point() or id(param) in keep or (
                     sharded is not None and sharded.managed(param)):

@@ -268,7 +268,7 @@ def make_sink(spec: Any, **options: Any) -> Any:
         return spec
     if spec in SINKS:
         return SINKS[spec](**options)
-    from pipekernel.extend.manager import entry_points
+    from pipekernel.plugin import entry_points
 
     for ep in entry_points(SINKS_GROUP):
         if ep.name == spec:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError
-from pipekernel.extend.hookspecs import hookimpl
+from pipekernel.plugin import hookimpl
 
 __all__ = ["HF_STYLES", "hf_plan", "matches", "pipekernel_parallelize_stage"]
 

@@ -26,13 +26,11 @@ import torch.distributed as dist
 
 from pipekernel.errors import (ConfigError, PeerAbort, TransportError, TransportTimeout,
                                shorten)
-from pipekernel.comm.attempt import attempt, keyed_store
-from pipekernel.comm.teardown import bind_defaults_before_init
-from pipekernel.comm.transport import wait_sliced
+from pipekernel.plugin import TORCH_REDUCE_OPS as _OPS
+from pipekernel.plugin import attempt, bind_defaults_before_init, keyed_store, wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -60,10 +60,10 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.comm.transport import P2POp
+from pipekernel.plugin import P2POp, TORCH_REDUCE_OPS
 from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
-from pipekernel.transports.gloo import _OPS, TorchDistributedTransport
+from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
 __all__ = ["NcclTransport", "cuda_device_from_env"]
@@ -258,11 +258,11 @@ class NcclTransport(TorchDistributedTransport):
         return _DeviceHandle(work, self, None, f"finish a {what} with")
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
-        self._start("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op]).wait()
+        self._start("all_reduce", group, dist.all_reduce, tensor, op=TORCH_REDUCE_OPS[op]).wait()
 
     def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None
                     ) -> _DeviceHandle:
-        return self._start("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
+        return self._start("all_reduce", group, dist.all_reduce, tensor, op=TORCH_REDUCE_OPS[op])
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
         self._start("broadcast", group, dist.broadcast, tensor, self.global_rank(src)).wait()

@@ -5,8 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["all_gather"]
+__all__ = ["all_gather", "TORCH_REDUCE_OPS"]
+
+#: The protocol's reduction names (``all_reduce(tensor, op)``) as ``torch.distributed`` ops,
+#: for transports built on ``torch.distributed`` (gloo, nccl).
+TORCH_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                    "min": dist.ReduceOp.MIN}
 
 
 def all_gather(transport: Any, tensor: torch.Tensor, group: Any, rank: int,

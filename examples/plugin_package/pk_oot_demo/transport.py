@@ -5,7 +5,7 @@ from pipekernel.transports.gloo import GlooTransport
 
 
 class CountingTransport:
-    """A :class:`pipekernel.comm.transport.Transport` that delegates to gloo and counts.
+    """A :class:`pipekernel.plugin.Transport` that delegates to gloo and counts.
 
     pipekernel calls the entry point with keyword options (``timeout`` and the
     engine's ``transport_options``).
