@@ -43,7 +43,8 @@ def check_client_state(client_state: Any) -> dict:
     """The client state DeepSpeed accepts (a dict without its reserved key), checked
     before anything is written."""
     if not isinstance(client_state, dict):
-        raise ConfigError(f"client_state must be a dict, got {type(client_state).__name__}")
+        raise ConfigError(f"client_state must be a dict, got {type(client_state).__name__}",
+                          hint="pass client_state={...} (a dict of picklable values) or nothing")
     if "checkpoint_parallel_dimensions" in client_state:  # DeepSpeed's KeyError, by name
         raise ConfigError("client_state contains reserved checkpoint key: "
                           "checkpoint_parallel_dimensions", hint="rename it")

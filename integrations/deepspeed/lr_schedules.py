@@ -243,7 +243,7 @@ class WarmupCosineLR:
                  last_batch_iteration: int = -1) -> None:
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ConfigError(f"warmup_num_steps must be a positive integer, got "
-                              f"{warmup_num_steps}")
+                              f"{warmup_num_steps}", hint="e.g. warmup_num_steps=1000")
         if warmup_type not in (_LOG, _LINEAR):
             raise ConfigError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}",
                               hint="DeepSpeed falls back to 'log' with a warning; say 'log'")

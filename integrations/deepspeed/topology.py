@@ -40,7 +40,9 @@ class ProcessTopology:
             raise ValueError("get_rank() does not support slices. Use filter_match())")
         key = self.ProcessCoord(**coord)
         if key not in self.mapping:
-            raise ConfigError(f"key {coord} invalid")
+            raise ConfigError(f"key {coord} invalid",
+                              hint=f"give one coordinate per axis {self.axes}, each inside "
+                                   f"its dimension {self.dims}")
         return self.mapping[key]
 
     def get_axis_names(self) -> list[str]:

@@ -57,7 +57,9 @@ class ParallelConfig:
                                    "with FSDP2 (1: no sharding)")
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(f"reshard_after_forward must be True or False, got "
-                              f"{reshard_after_forward!r}")
+                              f"{reshard_after_forward!r}",
+                              hint="True frees each layer's gathered parameters after its "
+                                   "forward (less memory); False (default) gathers once per batch")
         if data_parallel_shard > 1 and zero_stage:
             raise ConfigError("zero_stage=1 with data_parallel_shard > 1: FSDP2 already shards "
                               "the optimizer state (and parameters and gradients)",
