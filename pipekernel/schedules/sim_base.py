@@ -99,8 +99,7 @@ def _grid(timeline, makespan: float) -> str:
     q = _quantum(timeline)
     step = q or Fraction(1)
     columns = math.ceil(Fraction(makespan).limit_denominator(1 << 20) / step)
-    rows = [[_cell(events, t * step, (t + 1) * step) for t in range(columns)]
-            for events in timeline]
+    rows = [_row(events, step, columns) for events in timeline]
     width = max((len(cell) for row in rows for cell in row), default=1)
     label = len(f"stage {len(rows) - 1}")
     lines = [f"{f'stage {s}':<{label}} | " + " ".join(c.ljust(width) for c in row).rstrip()
@@ -110,10 +109,20 @@ def _grid(timeline, makespan: float) -> str:
     return "\n".join(lines)
 
 
-def _cell(events, lo: Fraction, hi: Fraction) -> str:
-    inside = [str(instruction) for start, end, instruction in events
-              if start < hi and end > lo]
-    return "+".join(inside) or "."
+def _row(events, step: Fraction, columns: int) -> list[str]:
+    """One stage's cells: column ``t`` (``[t * step, (t + 1) * step)``) lists, in timeline
+    order, every instruction with ``start < (t + 1) * step`` and ``end > t * step`` (exact
+    comparisons, as floats are exact fractions) — found per instruction from its own start
+    and end, so a row costs its columns plus the columns its instructions cover."""
+    cells: list[list[str]] = [[] for _ in range(columns)]
+    for start, end, instruction in events:
+        first = max(math.floor(Fraction(start) / step), 0)
+        last = min(math.ceil(Fraction(end) / step), columns)  # one past the last column
+        if first < last:
+            text = str(instruction)
+            for t in range(first, last):
+                cells[t].append(text)
+    return ["+".join(inside) or "." for inside in cells]
 
 
 def _kind(instruction: Instruction) -> str:
@@ -292,6 +301,29 @@ class _Simulation:
         return ok
 
     # -- instruction semantics -----------------------------------------------------------
+
+    def _fits(self, stage: int, i: MicroBatchInstruction) -> bool:
+        """``True`` when :meth:`_in_range` would find nothing wrong with ``i`` (no problem
+        to report): the event loops' fast paths take only such instructions."""
+        limit = self.stages[stage].num_buffers
+        return (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C
+                and (limit is None or 0 <= i.buffer < limit))
+
+    def _prepared(self, stage: int, i: MicroBatchInstruction) -> tuple:
+        """What :meth:`_run` looks up for ``i``, looked up once: ``(progress, writes a
+        buffer, handler)`` — the progress record is created now rather than at its first
+        instruction (a record never touched reads as a fresh one either way)."""
+        p = self.progress.setdefault((stage, i.chunk, i.micro_batch), _Progress())
+        return p, isinstance(i, _WRITES), _HANDLERS.get(type(i))
+
+    def _run_prepared(self, stage: int, index: int, i: Instruction, prepared: tuple) -> None:
+        """:meth:`_run` with what it looks up given (:meth:`_prepared`)."""
+        p, writes, handler = prepared
+        where = _Where(stage, index, i)
+        if writes:
+            self._write_buffer(stage, where, i)
+        if handler is not None:
+            handler(self, stage, where, i, p)
 
     def _run(self, stage: int, where: str, i: Instruction) -> None:
         if not isinstance(i, MicroBatchInstruction):

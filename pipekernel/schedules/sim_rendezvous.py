@@ -8,8 +8,12 @@ from collections.abc import Callable
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
-from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
-                                           _Simulation)
+from pipekernel.schedules.sim_base import (COMPUTE, WORLD_COLLECTIVES, _END, _RECVS, _SENDS,
+                                           _kind, _Simulation)
+
+
+# how _advance runs one instruction (_Rendezvous._compile)
+_RUN, _SEND, _RECV, _TICK, _SLOW = "run", "send", "recv", "tick", "slow"
 
 
 class _Op:
@@ -105,6 +109,9 @@ class _Rendezvous(_Simulation):
                 self.problems.append(
                     f"{recv.where()}: nothing is ever sent to it (stage {recv.peer} posts only "
                     f"{len(out)} send(s) to stage {recv.rank})")
+        self.code = [self._compile(s) for s in range(n_stages)]
+        self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
+                          if self.host_costs else None for s, st in enumerate(self.stages)]
 
     def _place_posts(self, stage: int, plan: CommPlan) -> tuple[list[list[_Op]], dict[int, _Op]]:
         """Turn ``plan.posts`` (stream indices) into ops by stream index, checking the plan
@@ -241,22 +248,86 @@ class _Rendezvous(_Simulation):
                 return
         self._check_complete()
 
+    def _compile(self, stage: int) -> list[tuple]:
+        """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, cost,
+        on the timeline, prepared)`` for a compute or other micro-batch instruction,
+        ``(_SEND, prepared)`` / ``(_RECV, op, host cost, prepared)`` for a transfer to or
+        from another stage, ``(_TICK, cost)`` for a local blocking point, and ``(_SLOW,)``
+        for the rest (collectives, hand-offs, anything with a problem to report), which
+        :meth:`_execute` runs as it always did. Everything here is fixed before the batch
+        starts (the stream, the peers, the costs), so the answers are the same."""
+        out: list[tuple] = []
+        ops = self.op_at[stage]
+        for pc, (_, i) in enumerate(self.stages[stage].stream):
+            if isinstance(i, MicroBatchInstruction):
+                if not self._fits(stage, i):
+                    out.append((_SLOW,))
+                elif isinstance(i, _SENDS + _RECVS):
+                    peer = self._peer_of(stage, i)
+                    op = ops.get(pc)
+                    if peer is None or peer[0] == stage or op is None:
+                        out.append((_SLOW,))
+                    elif op.send:
+                        out.append((_SEND, self._prepared(stage, i)))
+                    else:
+                        out.append((_RECV, op, self.host_costs.get(type(i), 0.0),
+                                    self._prepared(stage, i)))
+                else:
+                    out.append((_RUN, self._compute_cost(stage, i), isinstance(i, COMPUTE),
+                                self._prepared(stage, i)))
+            elif isinstance(i, WORLD_COLLECTIVES):
+                out.append((_SLOW,))
+            else:
+                out.append((_TICK, self._compute_cost(stage, i)))
+        return out
+
     def _advance(self, stage: int) -> bool:
-        """Run ``stage`` until it blocks or finishes; ``True`` if anything happened."""
+        """Run ``stage`` until it blocks or finishes; ``True`` if anything happened.
+
+        What :meth:`_execute` does, with what it looks up found once (:meth:`_compile`):
+        the one loop every instruction of the batch goes through."""
         st, moved = self.stages[stage], False
         stream, n, groups = st.stream, len(st.stream), self.groups[stage]
+        code, send_host = self.code[stage], self.send_host[stage]
+        run = self._run_prepared
         while st.pc < n:
             pc = st.pc
             if self.posted_upto[stage] < pc:
                 self.posted_upto[stage] = pc
-                if self.host_costs:  # a send is packed before its group leaves
-                    st.clock += self._send_host_cost(stage, stream[pc][1])
+                if send_host:  # a send is packed before its group leaves
+                    st.clock += send_host[pc]
                 if groups[pc]:
                     self._post(stage, st.clock)
                 moved = True
-            index, instruction = stream[pc]
-            if not self._execute(stage, pc, index, instruction):
-                return moved
+            how = code[pc]
+            kind = how[0]
+            if kind is _RUN:
+                index, instruction = stream[pc]
+                start = st.clock
+                run(stage, index, instruction, how[3])
+                end = start + how[1]
+                if how[2]:
+                    st.timeline.append((start, end, instruction))
+                st.clock = end
+            elif kind is _RECV:
+                done = how[1].done
+                if done is None:
+                    return moved
+                clock = st.clock
+                start = max(clock, done)
+                st.wait += start - clock
+                st.clock = start + how[2]
+                index, instruction = stream[pc]
+                run(stage, index, instruction, how[3])
+            elif kind is _SEND:
+                index, instruction = stream[pc]
+                run(stage, index, instruction, how[1])
+            elif kind is _TICK:
+                st.clock = st.clock + how[1]
+            else:
+                index, instruction = stream[pc]
+                if not self._execute(stage, pc, index, instruction):
+                    return moved
             st.pc, moved = pc + 1, True
         return self._finish(stage) or moved
 
