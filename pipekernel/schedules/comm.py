@@ -194,5 +194,6 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         last_recv_on[channel] = i
         posts[min(max(earliest, 0), i)].append(i)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(tuple(sorted(group)) for group in posts),
+                    posts=tuple(() if not group else (group[0],) if len(group) == 1
+                                else tuple(sorted(group)) for group in posts),
                     peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))

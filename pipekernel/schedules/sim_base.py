@@ -7,6 +7,8 @@ import math
 from fractions import Fraction
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
@@ -129,6 +131,38 @@ def _kind(instruction: Instruction) -> str:
     if isinstance(instruction, SkipInstruction):
         return "skip" if isinstance(instruction, (SendSkip, RecvSkip)) else "skip grad"
     return "activation" if isinstance(instruction, (SendActivation, RecvActivation)) else "grad"
+
+
+class Role(NamedTuple):
+    """What the simulator needs to know about an instruction class (:func:`role`)."""
+
+    instruction: bool
+    micro_batch: bool
+    p2p: bool
+    send: bool
+    compute: bool
+    world: bool
+    writes: bool
+    kind: str | None
+    handler: object
+
+
+@lru_cache(maxsize=None)
+def role(cls: type) -> Role:
+    """The :class:`Role` of instruction class ``cls`` (by ``issubclass``, as the
+    simulator's ``isinstance`` tests read it), worked out once per class."""
+    is_mb = issubclass(cls, MicroBatchInstruction)
+    p2p = issubclass(cls, _SENDS + _RECVS)
+    return Role(instruction=issubclass(cls, Instruction), micro_batch=is_mb, p2p=p2p,
+                send=issubclass(cls, _SENDS), compute=issubclass(cls, COMPUTE),
+                world=issubclass(cls, WORLD_COLLECTIVES), writes=issubclass(cls, _WRITES),
+                kind=_kind_of_class(cls) if p2p else None, handler=_HANDLERS.get(cls))
+
+
+def _kind_of_class(cls: type) -> str:
+    if issubclass(cls, SkipInstruction):
+        return "skip" if issubclass(cls, (SendSkip, RecvSkip)) else "skip grad"
+    return "activation" if issubclass(cls, (SendActivation, RecvActivation)) else "grad"
 
 
 class _Where:
@@ -313,8 +347,12 @@ class _Simulation:
         """What :meth:`_run` looks up for ``i``, looked up once: ``(progress, writes a
         buffer, handler)`` — the progress record is created now rather than at its first
         instruction (a record never touched reads as a fresh one either way)."""
-        p = self.progress.setdefault((stage, i.chunk, i.micro_batch), _Progress())
-        return p, isinstance(i, _WRITES), _HANDLERS.get(type(i))
+        key = (stage, i.chunk, i.micro_batch)
+        p = self.progress.get(key)
+        if p is None:
+            p = self.progress[key] = _Progress()
+        r = role(type(i))
+        return p, r.writes, r.handler
 
     def _run_prepared(self, stage: int, index: int, i: Instruction, prepared: tuple) -> None:
         """:meth:`_run` with what it looks up given (:meth:`_prepared`)."""

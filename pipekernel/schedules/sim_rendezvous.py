@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
-from pipekernel.schedules.sim_base import (COMPUTE, WORLD_COLLECTIVES, _END, _RECVS, _SENDS,
-                                           _kind, _Simulation)
+from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
+                                           _Simulation, role)
 
 
 # how _advance runs one instruction (_Rendezvous._compile)
@@ -25,10 +25,8 @@ class _Op:
                  ins: Instruction) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
         self.lane = lane
-        self.send = isinstance(ins, _SENDS)
-        self.mate: _Op | None = None
-        self.unit: _Unit | None = None  # set when posted
-        self.done: float | None = None
+        self.send = role(type(ins)).send
+        self.mate = self.unit = self.done = None  # unit: set when posted
 
     def name(self) -> str:
         return f"stage {self.rank}'s {self.ins}"
@@ -80,7 +78,7 @@ class _Rendezvous(_Simulation):
         sends: dict[tuple[int, int], list[_Op]] = {}
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
-            steps = [[i for i in step if isinstance(i, Instruction)] for step in self.steps[s]]
+            steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
             extra = {"skips": self.skips} if self.skips else {}
             plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
                                 placement=self.placement, trains=self.trains, **extra)
@@ -122,19 +120,20 @@ class _Rendezvous(_Simulation):
                                 f"instruction(s), the stream has {n}",
                                 hint="a posting= function must plan the steps it is given",
                                 stage=stage)
-        p2p = _SENDS + _RECVS
+        peers, local, chunks = plan.peers, plan.local, self.C
         remote = [i for i, (_, ins) in enumerate(stream)
-                  if isinstance(ins, p2p) and 0 <= ins.chunk < self.C
-                  and plan.peers[i] is not None and not plan.local[i]]
+                  if role(type(ins)).p2p and 0 <= ins.chunk < chunks
+                  and peers[i] is not None and not local[i]]
         lanes = tuple(getattr(plan, "lanes", ()) or ())
+        if len(lanes) != n:
+            lanes = (None,) * n
 
         def lane(i: int) -> int | None:
-            return lanes[i] if len(lanes) == n else None
+            return lanes[i]
 
         is_remote = set(remote)
         groups: dict[int, list[_Op]] = {}
         op_at: dict[int, _Op] = {}
-        peers = plan.peers
         for g, group in enumerate(plan.posts):
             for at in group:
                 ins = stream[at][1] if isinstance(at, int) and 0 <= at < n else at
@@ -147,12 +146,15 @@ class _Rendezvous(_Simulation):
                     self.problems.append(f"stage {stage}: the posting plan posts {ins} (stream "
                                          f"index {at}) at stream index {g}, but it {problem}")
                     continue
-                if at != g and isinstance(ins, _SENDS):
+                if at != g and role(type(ins)).send:
                     self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
                                          "posting plan posts a send before its data exists")
-                op = _Op(stage, peers[at][0], lane(at), at, stream[at][0], ins)
+                op = _Op(stage, peers[at][0], lanes[at], at, stream[at][0], ins)
                 op_at[at] = op
-                groups.setdefault(g, []).append(op)
+                if g in groups:
+                    groups[g].append(op)
+                else:
+                    groups[g] = [op]
         for i in remote:
             if i not in op_at:  # a plan that forgot it: post it at its index
                 ins = stream[i][1]
@@ -163,6 +165,9 @@ class _Rendezvous(_Simulation):
                 groups.setdefault(i, []).append(op)
         split: list = [()] * n
         for g, group in groups.items():
+            if len(group) == 1:
+                split[g] = [(group[0].lane, group)]
+                continue
             group.sort(key=lambda op: op.index)
             by_lane: dict[int | None, list[_Op]] = {}
             for op in group:  # one unit per lane, whatever the peers
@@ -173,7 +178,7 @@ class _Rendezvous(_Simulation):
     def _check_pair(self, send: _Op, recv: _Op) -> None:
         s, r = send.ins, recv.ins
         target = self._peer_of(send.rank, s)
-        same_kind = _kind(s) == _kind(r)
+        same_kind = role(type(s)).kind == role(type(r)).kind
         if same_kind and s.micro_batch == r.micro_batch and target[1] == r.chunk:
             return
         source = self._peer_of(recv.rank, r)
@@ -190,17 +195,22 @@ class _Rendezvous(_Simulation):
     def _post(self, stage: int, at: float) -> None:
         """Post the group planned at the current instruction."""
         todo: list[_Op] = []
+        queues, last_end = self.queues[stage], self.last_end[stage]
         for lane, ops in self.groups[stage][self.stages[stage].pc]:
-            queue = self.queues[stage].setdefault(lane, deque())
+            queue = queues.get(lane)
+            if queue is None:
+                queue = queues[lane] = deque()
             unit = _Unit(ops, at, queue)
             for op in ops:
                 op.unit = unit
             self.pending[stage] += len(ops)
             queue.append(unit)
-            if len(queue) == 1:
-                self._activate(stage, lane, unit)
+            if len(queue) == 1:  # it heads its lane: it may progress from now on
+                unit.active = True
+                unit.start = max(at, last_end.get(lane, 0.0))
                 todo.extend(ops)
-        self._progress(todo)
+        if todo:
+            self._progress(todo)
 
     def _activate(self, stage: int, lane: int | None, unit: _Unit) -> None:
         """``unit`` heads its lane's queue: it may progress from now on."""
@@ -257,25 +267,35 @@ class _Rendezvous(_Simulation):
         :meth:`_execute` runs as it always did. Everything here is fixed before the batch
         starts (the stream, the peers, the costs), so the answers are the same."""
         out: list[tuple] = []
-        ops = self.op_at[stage]
+        ops, host = self.op_at[stage], self.host_costs
+        remote: dict[tuple, bool] = {}  # (class, chunk, skip peer) -> talks to another stage
+        costs: dict[tuple, float] = {}  # (class, chunk) -> compute cost
         for pc, (_, i) in enumerate(self.stages[stage].stream):
-            if isinstance(i, MicroBatchInstruction):
+            cls = type(i)
+            r = role(cls)
+            if r.micro_batch:
                 if not self._fits(stage, i):
                     out.append((_SLOW,))
-                elif isinstance(i, _SENDS + _RECVS):
-                    peer = self._peer_of(stage, i)
-                    op = ops.get(pc)
-                    if peer is None or peer[0] == stage or op is None:
+                elif r.p2p:
+                    key = (cls, i.chunk, getattr(i, "peer", None))
+                    far = remote.get(key)
+                    if far is None:
+                        peer = self._peer_of(stage, i)
+                        far = remote[key] = peer is not None and peer[0] != stage
+                    op = ops.get(pc) if far else None
+                    if op is None:
                         out.append((_SLOW,))
                     elif op.send:
                         out.append((_SEND, self._prepared(stage, i)))
                     else:
-                        out.append((_RECV, op, self.host_costs.get(type(i), 0.0),
-                                    self._prepared(stage, i)))
+                        out.append((_RECV, op, host.get(cls, 0.0), self._prepared(stage, i)))
                 else:
-                    out.append((_RUN, self._compute_cost(stage, i), isinstance(i, COMPUTE),
-                                self._prepared(stage, i)))
-            elif isinstance(i, WORLD_COLLECTIVES):
+                    key = (cls, i.chunk)
+                    cost = costs.get(key)
+                    if cost is None:
+                        cost = costs[key] = self._compute_cost(stage, i)
+                    out.append((_RUN, cost, r.compute, self._prepared(stage, i)))
+            elif r.world:
                 out.append((_SLOW,))
             else:
                 out.append((_TICK, self._compute_cost(stage, i)))

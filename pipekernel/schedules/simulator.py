@@ -68,7 +68,9 @@ All problems are collected and raised as one :class:`ScheduleError`.
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import Instruction
@@ -142,6 +144,30 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
                    for s, obj in enumerate(objects)]
     cls = _Rendezvous if semantics == "rendezvous" else _Buffered
+    with _no_cyclic_gc():
+        return _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs,
+                         host_costs, semantics, (num_stages, micro_batches, chunks))
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """The cyclic garbage collector off while a simulation runs: it builds hundreds of
+    thousands of objects that all stay alive until it ends (ops, units, timelines), which
+    the collector would scan again and again — time that grows faster than the plan.
+    The collector's state is restored after; the few cycles (an op and its mate) are then
+    collected as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
+              semantics, sizes) -> SimulationResult:
+    num_stages, micro_batches, chunks = sizes
     sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
     sim.skips = edges
     if posting is not None:
