@@ -151,9 +151,8 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     """
     stream, step_of = [], []
     for index, step in enumerate(steps):
-        for instruction in step:
-            stream.append(instruction)
-            step_of.append(index)
+        stream.extend(step)
+        step_of.extend([index] * (len(stream) - len(step_of)))
     n = len(stream)
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n
@@ -162,10 +161,16 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
     seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
     sent_at: dict[tuple, int] = {}
+    p2p: list[int] = []  # the stream indices of the point-to-point instructions
+    is_p2p: dict[type, bool] = dict.fromkeys(_ROLES, True)  # by class: isinstance once
     for i, ins in enumerate(stream):
         cls = type(ins)
-        if cls not in _ROLES and not isinstance(ins, P2P):
+        role = is_p2p.get(cls)
+        if role is None:
+            role = is_p2p[cls] = isinstance(ins, P2P)
+        if not role:
             continue
+        p2p.append(i)
         key = (cls, ins.chunk, getattr(ins, "peer", None))
         found = seen.get(key)
         if found is None:
@@ -175,13 +180,19 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
     posts: list[list[int]] = [[] for _ in range(n)]
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
-    for i, ins in enumerate(stream):
+    sends: dict[type, bool] = {}
+    for i in p2p:
         if peers[i] is None or local[i]:
             continue
-        if isinstance(ins, SENDS):
+        ins = stream[i]
+        cls = type(ins)
+        send = sends.get(cls)
+        if send is None:
+            send = sends[cls] = isinstance(ins, SENDS)
+        if send:
             posts[i].append(i)
             continue
-        answers = _ANSWERS.get(type(ins))
+        answers = _ANSWERS.get(cls)
         if answers is None:
             earliest = 0
         else:

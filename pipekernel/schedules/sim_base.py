@@ -8,6 +8,7 @@ from fractions import Fraction
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from operator import itemgetter
 from typing import NamedTuple
 
 from pipekernel.errors import ScheduleError
@@ -165,13 +166,15 @@ def _kind_of_class(cls: type) -> str:
     return "activation" if issubclass(cls, (SendActivation, RecvActivation)) else "grad"
 
 
-class _Where:
-    """``"stage S step N (INSTRUCTION)"``, formatted only when a problem is reported."""
+class _Where(tuple):
+    """``"stage S step N (INSTRUCTION)"``, formatted only when a problem is reported:
+    ``_Where((stage, index, instruction))`` (a tuple: made once per instruction run, at the
+    cost of a tuple)."""
 
-    __slots__ = ("stage", "index", "instruction")
-
-    def __init__(self, stage: int, index: int, instruction: object) -> None:
-        self.stage, self.index, self.instruction = stage, index, instruction
+    __slots__ = ()
+    stage = property(itemgetter(0))
+    index = property(itemgetter(1))
+    instruction = property(itemgetter(2))
 
     def __str__(self) -> str:
         return f"stage {self.stage} step {self.index} ({self.instruction})"
@@ -245,7 +248,7 @@ class _Simulation:
         stream = []
         for index, step in enumerate(self.steps[stage]):
             for item in step:
-                if isinstance(item, Instruction):
+                if role(type(item)).instruction:
                     stream.append((index, item))
                 else:
                     self.problems.append(f"stage {stage} step {index}: {item!r} is not an "
@@ -303,7 +306,7 @@ class _Simulation:
 
     @staticmethod
     def _where(stage: int, index: int, instruction: object) -> _Where:
-        return _Where(stage, index, instruction)
+        return _Where((stage, index, instruction))
 
     def _compute_cost(self, stage: int, instruction: Instruction) -> float:
         table = self.stage_costs.get((stage, getattr(instruction, "chunk", 0)))
@@ -357,7 +360,7 @@ class _Simulation:
     def _run_prepared(self, stage: int, index: int, i: Instruction, prepared: tuple) -> None:
         """:meth:`_run` with what it looks up given (:meth:`_prepared`)."""
         p, writes, handler = prepared
-        where = _Where(stage, index, i)
+        where = _Where((stage, index, i))
         if writes:
             self._write_buffer(stage, where, i)
         if handler is not None:

@@ -9,7 +9,7 @@ from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
-                                           _Simulation, role)
+                                           _Progress, _Simulation, role)
 
 
 # how _advance runs one instruction (_Rendezvous._compile)
@@ -267,17 +267,28 @@ class _Rendezvous(_Simulation):
         :meth:`_execute` runs as it always did. Everything here is fixed before the batch
         starts (the stream, the peers, the costs), so the answers are the same."""
         out: list[tuple] = []
-        ops, host = self.op_at[stage], self.host_costs
+        ops, host, progress = self.op_at[stage], self.host_costs, self.progress
         remote: dict[tuple, bool] = {}  # (class, chunk, skip peer) -> talks to another stage
         costs: dict[tuple, float] = {}  # (class, chunk) -> compute cost
+        limit = self.stages[stage].num_buffers
+        limit = 1 << 62 if limit is None else limit
+        micro_batches, chunks = self.M, self.C
         for pc, (_, i) in enumerate(self.stages[stage].stream):
             cls = type(i)
             r = role(cls)
             if r.micro_batch:
-                if not self._fits(stage, i):
+                chunk = i.chunk
+                if not (0 <= i.micro_batch < micro_batches and 0 <= chunk < chunks
+                        and 0 <= i.buffer < limit):  # _in_range would report it
                     out.append((_SLOW,))
-                elif r.p2p:
-                    key = (cls, i.chunk, getattr(i, "peer", None))
+                    continue
+                key = (stage, chunk, i.micro_batch)  # what _run looks up (_prepared)
+                p = progress.get(key)
+                if p is None:
+                    p = progress[key] = _Progress()
+                prepared = (p, r.writes, r.handler)
+                if r.p2p:
+                    key = (cls, chunk, getattr(i, "peer", None))
                     far = remote.get(key)
                     if far is None:
                         peer = self._peer_of(stage, i)
@@ -286,15 +297,15 @@ class _Rendezvous(_Simulation):
                     if op is None:
                         out.append((_SLOW,))
                     elif op.send:
-                        out.append((_SEND, self._prepared(stage, i)))
+                        out.append((_SEND, prepared))
                     else:
-                        out.append((_RECV, op, host.get(cls, 0.0), self._prepared(stage, i)))
+                        out.append((_RECV, op, host.get(cls, 0.0), prepared))
                 else:
-                    key = (cls, i.chunk)
+                    key = (cls, chunk)
                     cost = costs.get(key)
                     if cost is None:
                         cost = costs[key] = self._compute_cost(stage, i)
-                    out.append((_RUN, cost, r.compute, self._prepared(stage, i)))
+                    out.append((_RUN, cost, r.compute, prepared))
             elif r.world:
                 out.append((_SLOW,))
             else:
