@@ -78,7 +78,10 @@ class _Rendezvous(_Simulation):
         sends: dict[tuple[int, int], list[_Op]] = {}
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
-            steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
+            if len(st.stream) == sum(map(len, self.steps[s])):  # nothing but instructions
+                steps = [list(step) for step in self.steps[s]]
+            else:
+                steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
             extra = {"skips": self.skips} if self.skips else {}
             plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
                                 placement=self.placement, trains=self.trains, **extra)
