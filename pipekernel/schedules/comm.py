@@ -178,7 +178,19 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         peers[i], local[i], lanes[i] = found
         if cls is SendActivation or cls is SendSkip:
             sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
-    posts: list[list[int]] = [[] for _ in range(n)]
+    posts = _posting_points(stream, p2p, peers, local, lanes, sent_at)
+    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
+                    posts=tuple(() if not group else (group[0],) if len(group) == 1
+                                else tuple(sorted(group)) for group in posts),
+                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+
+
+def _posting_points(stream: list, p2p: list[int], peers: list, local: list, lanes: list,
+                    sent_at: dict[tuple, int]) -> list[list[int]]:
+    """``posts`` of :func:`plan_communication` (see the module docstring): a send at its own
+    index; a receive as early as its channel allows — after the receive before it on its
+    (peer, lane), and for a gradient after the send it answers."""
+    posts: list[list[int]] = [[] for _ in stream]
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
     sends: dict[type, bool] = {}
     for i in p2p:
@@ -204,7 +216,4 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             earliest = max(earliest, previous + 1)
         last_recv_on[channel] = i
         posts[min(max(earliest, 0), i)].append(i)
-    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(() if not group else (group[0],) if len(group) == 1
-                                else tuple(sorted(group)) for group in posts),
-                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+    return posts

@@ -141,6 +141,14 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     if posting is not None and semantics != "rendezvous":
         raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
                           hint="drop posting= or use semantics='rendezvous'")
+    return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+                    stage_costs, skips, host_costs)
+
+
+def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+             stage_costs, skips, host_costs) -> SimulationResult:
+    """:func:`simulate` once its arguments are checked: the schedule objects, placement and
+    skip edges, then the simulation with the collector off."""
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
