@@ -130,31 +130,6 @@ def _route(ins: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
     return peer, False, lane
 
 
-def _routes(stream: list, stage: int, num_stages: int, chunks: int, placement: str,
-            layout: Any) -> tuple[list, list, list, dict[tuple, int]]:
-    """``(peers, local, lanes, sent_at)`` of ``stream`` (see :class:`CommPlan`); ``sent_at``:
-    the index of each activation or skip send, by ``(class, chunk, micro-batch, peer)``."""
-    n = len(stream)
-    peers: list[tuple[int, int] | None] = [None] * n
-    local = [False] * n
-    lanes: list[int | None] = [None] * n
-    # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
-    seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
-    sent_at: dict[tuple, int] = {}
-    for i, ins in enumerate(stream):
-        cls = type(ins)
-        if cls not in _ROLES and not isinstance(ins, P2P):
-            continue
-        key = (cls, ins.chunk, getattr(ins, "peer", None))
-        found = seen.get(key)
-        if found is None:
-            found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)
-        peers[i], local[i], lanes[i] = found
-        if cls is SendActivation or cls is SendSkip:
-            sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
-    return peers, local, lanes, sent_at
-
-
 def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, num_stages: int,
                        chunks: int = 1, placement: str = "loop",
                        trains: bool | None = None,
@@ -176,21 +151,60 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     """
     stream, step_of = [], []
     for index, step in enumerate(steps):
-        for instruction in step:
-            stream.append(instruction)
-            step_of.append(index)
+        stream.extend(step)
+        step_of.extend([index] * (len(stream) - len(step_of)))
     n = len(stream)
-    peers, local, lanes, sent_at = _routes(stream, stage, num_stages, chunks, placement,
-                                           lane_map(num_stages, chunks, placement, skips))
-    posts: list[list[int]] = [[] for _ in range(n)]
-    last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
+    peers: list[tuple[int, int] | None] = [None] * n
+    local = [False] * n
+    lanes: list[int | None] = [None] * n
+    layout = lane_map(num_stages, chunks, placement, skips)
+    # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
+    seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
+    sent_at: dict[tuple, int] = {}
+    p2p: list[int] = []  # the stream indices of the point-to-point instructions
+    is_p2p: dict[type, bool] = dict.fromkeys(_ROLES, True)  # by class: isinstance once
     for i, ins in enumerate(stream):
+        cls = type(ins)
+        role = is_p2p.get(cls)
+        if role is None:
+            role = is_p2p[cls] = isinstance(ins, P2P)
+        if not role:
+            continue
+        p2p.append(i)
+        key = (cls, ins.chunk, getattr(ins, "peer", None))
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)
+        peers[i], local[i], lanes[i] = found
+        if cls is SendActivation or cls is SendSkip:
+            sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
+    posts = _posting_points(stream, p2p, peers, local, lanes, sent_at)
+    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
+                    posts=tuple(() if not group else (group[0],) if len(group) == 1
+                                else tuple(sorted(group)) for group in posts),
+                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+
+
+def _posting_points(stream: list, p2p: list[int], peers: list, local: list, lanes: list,
+                    sent_at: dict[tuple, int]) -> list[list[int]]:
+    """``posts`` of :func:`plan_communication` (see the module docstring): a send at its own
+    index; a receive as early as its channel allows — after the receive before it on its
+    (peer, lane), and for a gradient after the send it answers."""
+    posts: list[list[int]] = [[] for _ in stream]
+    last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
+    sends: dict[type, bool] = {}
+    for i in p2p:
         if peers[i] is None or local[i]:
             continue
-        if isinstance(ins, SENDS):
+        ins = stream[i]
+        cls = type(ins)
+        send = sends.get(cls)
+        if send is None:
+            send = sends[cls] = isinstance(ins, SENDS)
+        if send:
             posts[i].append(i)
             continue
-        answers = _ANSWERS.get(type(ins))
+        answers = _ANSWERS.get(cls)
         if answers is None:
             earliest = 0
         else:
@@ -202,6 +216,4 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             earliest = max(earliest, previous + 1)
         last_recv_on[channel] = i
         posts[min(max(earliest, 0), i)].append(i)
-    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(tuple(sorted(group)) for group in posts),
-                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+    return posts

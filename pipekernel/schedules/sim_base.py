@@ -7,6 +7,9 @@ import math
 from fractions import Fraction
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
+from operator import itemgetter
+from typing import NamedTuple
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
@@ -99,8 +102,7 @@ def _grid(timeline, makespan: float) -> str:
     q = _quantum(timeline)
     step = q or Fraction(1)
     columns = math.ceil(Fraction(makespan).limit_denominator(1 << 20) / step)
-    rows = [[_cell(events, t * step, (t + 1) * step) for t in range(columns)]
-            for events in timeline]
+    rows = [_row(events, step, columns) for events in timeline]
     width = max((len(cell) for row in rows for cell in row), default=1)
     label = len(f"stage {len(rows) - 1}")
     lines = [f"{f'stage {s}':<{label}} | " + " ".join(c.ljust(width) for c in row).rstrip()
@@ -110,10 +112,20 @@ def _grid(timeline, makespan: float) -> str:
     return "\n".join(lines)
 
 
-def _cell(events, lo: Fraction, hi: Fraction) -> str:
-    inside = [str(instruction) for start, end, instruction in events
-              if start < hi and end > lo]
-    return "+".join(inside) or "."
+def _row(events, step: Fraction, columns: int) -> list[str]:
+    """One stage's cells: column ``t`` (``[t * step, (t + 1) * step)``) lists, in timeline
+    order, every instruction with ``start < (t + 1) * step`` and ``end > t * step`` (exact
+    comparisons, as floats are exact fractions) — found per instruction from its own start
+    and end, so a row costs its columns plus the columns its instructions cover."""
+    cells: list[list[str]] = [[] for _ in range(columns)]
+    for start, end, instruction in events:
+        first = max(math.floor(Fraction(start) / step), 0)
+        last = min(math.ceil(Fraction(end) / step), columns)  # one past the last column
+        if first < last:
+            text = str(instruction)
+            for t in range(first, last):
+                cells[t].append(text)
+    return ["+".join(inside) or "." for inside in cells]
 
 
 def _kind(instruction: Instruction) -> str:
@@ -122,13 +134,47 @@ def _kind(instruction: Instruction) -> str:
     return "activation" if isinstance(instruction, (SendActivation, RecvActivation)) else "grad"
 
 
-class _Where:
-    """``"stage S step N (INSTRUCTION)"``, formatted only when a problem is reported."""
+class Role(NamedTuple):
+    """What the simulator needs to know about an instruction class (:func:`role`)."""
 
-    __slots__ = ("stage", "index", "instruction")
+    instruction: bool
+    micro_batch: bool
+    p2p: bool
+    send: bool
+    compute: bool
+    world: bool
+    writes: bool
+    kind: str | None
+    handler: object
 
-    def __init__(self, stage: int, index: int, instruction: object) -> None:
-        self.stage, self.index, self.instruction = stage, index, instruction
+
+@lru_cache(maxsize=None)
+def role(cls: type) -> Role:
+    """The :class:`Role` of instruction class ``cls`` (by ``issubclass``, as the
+    simulator's ``isinstance`` tests read it), worked out once per class."""
+    is_mb = issubclass(cls, MicroBatchInstruction)
+    p2p = issubclass(cls, _SENDS + _RECVS)
+    return Role(instruction=issubclass(cls, Instruction), micro_batch=is_mb, p2p=p2p,
+                send=issubclass(cls, _SENDS), compute=issubclass(cls, COMPUTE),
+                world=issubclass(cls, WORLD_COLLECTIVES), writes=issubclass(cls, _WRITES),
+                kind=_kind_of_class(cls) if p2p else None, handler=_HANDLERS.get(cls))
+
+
+def _kind_of_class(cls: type) -> str:
+    if issubclass(cls, SkipInstruction):
+        return "skip" if issubclass(cls, (SendSkip, RecvSkip)) else "skip grad"
+    return "activation" if issubclass(cls, (SendActivation, RecvActivation)) else "grad"
+
+
+class _Where(tuple):
+    """``"stage S step N (INSTRUCTION)"``, formatted only when a problem is reported:
+    ``_Where((stage, index, instruction))`` (a tuple: made once per instruction run, at the
+    cost of a tuple)."""
+
+    __slots__ = ()
+    stage = property(itemgetter(0))
+    index = property(itemgetter(1))
+    instruction = property(itemgetter(2))
 
     def __str__(self) -> str:
         return f"stage {self.stage} step {self.index} ({self.instruction})"
@@ -202,7 +248,7 @@ class _Simulation:
         stream = []
         for index, step in enumerate(self.steps[stage]):
             for item in step:
-                if isinstance(item, Instruction):
+                if role(type(item)).instruction:
                     stream.append((index, item))
                 else:
                     self.problems.append(f"stage {stage} step {index}: {item!r} is not an "
@@ -260,7 +306,7 @@ class _Simulation:
 
     @staticmethod
     def _where(stage: int, index: int, instruction: object) -> _Where:
-        return _Where(stage, index, instruction)
+        return _Where((stage, index, instruction))
 
     def _compute_cost(self, stage: int, instruction: Instruction) -> float:
         table = self.stage_costs.get((stage, getattr(instruction, "chunk", 0)))
@@ -292,6 +338,33 @@ class _Simulation:
         return ok
 
     # -- instruction semantics -----------------------------------------------------------
+
+    def _fits(self, stage: int, i: MicroBatchInstruction) -> bool:
+        """``True`` when :meth:`_in_range` would find nothing wrong with ``i`` (no problem
+        to report): the event loops' fast paths take only such instructions."""
+        limit = self.stages[stage].num_buffers
+        return (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C
+                and (limit is None or 0 <= i.buffer < limit))
+
+    def _prepared(self, stage: int, i: MicroBatchInstruction) -> tuple:
+        """What :meth:`_run` looks up for ``i``, looked up once: ``(progress, writes a
+        buffer, handler)`` — the progress record is created now rather than at its first
+        instruction (a record never touched reads as a fresh one either way)."""
+        key = (stage, i.chunk, i.micro_batch)
+        p = self.progress.get(key)
+        if p is None:
+            p = self.progress[key] = _Progress()
+        r = role(type(i))
+        return p, r.writes, r.handler
+
+    def _run_prepared(self, stage: int, index: int, i: Instruction, prepared: tuple) -> None:
+        """:meth:`_run` with what it looks up given (:meth:`_prepared`)."""
+        p, writes, handler = prepared
+        where = _Where((stage, index, i))
+        if writes:
+            self._write_buffer(stage, where, i)
+        if handler is not None:
+            handler(self, stage, where, i, p)
 
     def _run(self, stage: int, where: str, i: Instruction) -> None:
         if not isinstance(i, MicroBatchInstruction):

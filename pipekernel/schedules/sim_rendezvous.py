@@ -8,8 +8,13 @@ from collections.abc import Callable
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
+from pipekernel.schedules.sim_deadlock import _DeadlockReport
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
-                                           _Simulation)
+                                           _Progress, _Simulation, role)
+
+
+# how _advance runs one instruction (_Rendezvous._compile)
+_RUN, _SEND, _RECV, _TICK, _SLOW = "run", "send", "recv", "tick", "slow"
 
 
 class _Op:
@@ -21,10 +26,8 @@ class _Op:
                  ins: Instruction) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
         self.lane = lane
-        self.send = isinstance(ins, _SENDS)
-        self.mate: _Op | None = None
-        self.unit: _Unit | None = None  # set when posted
-        self.done: float | None = None
+        self.send = role(type(ins)).send
+        self.mate = self.unit = self.done = None  # unit: set when posted
 
     def name(self) -> str:
         return f"stage {self.rank}'s {self.ins}"
@@ -44,7 +47,23 @@ class _Unit:
         self.start, self.end, self.left, self.active = post, post, len(ops), False
 
 
-class _Rendezvous(_Simulation):
+def _by_lane(groups: dict[int, list[_Op]], n: int) -> list:
+    """Per stream index, the group posted there as ``[(lane, its ops on that lane)]``, the
+    ops in stream order: one unit per lane, whatever the peers."""
+    split: list = [()] * n
+    for g, group in groups.items():
+        if len(group) == 1:
+            split[g] = [(group[0].lane, group)]
+            continue
+        group.sort(key=lambda op: op.index)
+        by_lane: dict[int | None, list[_Op]] = {}
+        for op in group:
+            by_lane.setdefault(op.lane, []).append(op)
+        split[g] = list(by_lane.items())
+    return split
+
+
+class _Rendezvous(_DeadlockReport, _Simulation):
     """Each stage runs its CommPlan; sends rendezvous, a rank's lane completes in order."""
 
     semantics = "rendezvous"
@@ -76,7 +95,10 @@ class _Rendezvous(_Simulation):
         sends: dict[tuple[int, int], list[_Op]] = {}
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
-            steps = [[i for i in step if isinstance(i, Instruction)] for step in self.steps[s]]
+            if len(st.stream) == sum(map(len, self.steps[s])):  # nothing but instructions
+                steps = [list(step) for step in self.steps[s]]
+            else:
+                steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
             extra = {"skips": self.skips} if self.skips else {}
             plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
                                 placement=self.placement, trains=self.trains, **extra)
@@ -105,6 +127,9 @@ class _Rendezvous(_Simulation):
                 self.problems.append(
                     f"{recv.where()}: nothing is ever sent to it (stage {recv.peer} posts only "
                     f"{len(out)} send(s) to stage {recv.rank})")
+        self.code = [self._compile(s) for s in range(n_stages)]
+        self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
+                          if self.host_costs else None for s, st in enumerate(self.stages)]
 
     def _place_posts(self, stage: int, plan: CommPlan) -> tuple[list[list[_Op]], dict[int, _Op]]:
         """Turn ``plan.posts`` (stream indices) into ops by stream index, checking the plan
@@ -115,19 +140,20 @@ class _Rendezvous(_Simulation):
                                 f"instruction(s), the stream has {n}",
                                 hint="a posting= function must plan the steps it is given",
                                 stage=stage)
-        p2p = _SENDS + _RECVS
+        peers, local, chunks = plan.peers, plan.local, self.C
         remote = [i for i, (_, ins) in enumerate(stream)
-                  if isinstance(ins, p2p) and 0 <= ins.chunk < self.C
-                  and plan.peers[i] is not None and not plan.local[i]]
+                  if role(type(ins)).p2p and 0 <= ins.chunk < chunks
+                  and peers[i] is not None and not local[i]]
         lanes = tuple(getattr(plan, "lanes", ()) or ())
+        if len(lanes) != n:
+            lanes = (None,) * n
 
         def lane(i: int) -> int | None:
-            return lanes[i] if len(lanes) == n else None
+            return lanes[i]
 
         is_remote = set(remote)
         groups: dict[int, list[_Op]] = {}
         op_at: dict[int, _Op] = {}
-        peers = plan.peers
         for g, group in enumerate(plan.posts):
             for at in group:
                 ins = stream[at][1] if isinstance(at, int) and 0 <= at < n else at
@@ -140,12 +166,15 @@ class _Rendezvous(_Simulation):
                     self.problems.append(f"stage {stage}: the posting plan posts {ins} (stream "
                                          f"index {at}) at stream index {g}, but it {problem}")
                     continue
-                if at != g and isinstance(ins, _SENDS):
+                if at != g and role(type(ins)).send:
                     self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
                                          "posting plan posts a send before its data exists")
-                op = _Op(stage, peers[at][0], lane(at), at, stream[at][0], ins)
+                op = _Op(stage, peers[at][0], lanes[at], at, stream[at][0], ins)
                 op_at[at] = op
-                groups.setdefault(g, []).append(op)
+                if g in groups:
+                    groups[g].append(op)
+                else:
+                    groups[g] = [op]
         for i in remote:
             if i not in op_at:  # a plan that forgot it: post it at its index
                 ins = stream[i][1]
@@ -154,19 +183,12 @@ class _Rendezvous(_Simulation):
                 op = _Op(stage, plan.peers[i][0], lane(i), i, stream[i][0], ins)
                 op_at[i] = op
                 groups.setdefault(i, []).append(op)
-        split: list = [()] * n
-        for g, group in groups.items():
-            group.sort(key=lambda op: op.index)
-            by_lane: dict[int | None, list[_Op]] = {}
-            for op in group:  # one unit per lane, whatever the peers
-                by_lane.setdefault(op.lane, []).append(op)
-            split[g] = list(by_lane.items())
-        return split, op_at
+        return _by_lane(groups, n), op_at
 
     def _check_pair(self, send: _Op, recv: _Op) -> None:
         s, r = send.ins, recv.ins
         target = self._peer_of(send.rank, s)
-        same_kind = _kind(s) == _kind(r)
+        same_kind = role(type(s)).kind == role(type(r)).kind
         if same_kind and s.micro_batch == r.micro_batch and target[1] == r.chunk:
             return
         source = self._peer_of(recv.rank, r)
@@ -183,17 +205,22 @@ class _Rendezvous(_Simulation):
     def _post(self, stage: int, at: float) -> None:
         """Post the group planned at the current instruction."""
         todo: list[_Op] = []
+        queues, last_end = self.queues[stage], self.last_end[stage]
         for lane, ops in self.groups[stage][self.stages[stage].pc]:
-            queue = self.queues[stage].setdefault(lane, deque())
+            queue = queues.get(lane)
+            if queue is None:
+                queue = queues[lane] = deque()
             unit = _Unit(ops, at, queue)
             for op in ops:
                 op.unit = unit
             self.pending[stage] += len(ops)
             queue.append(unit)
-            if len(queue) == 1:
-                self._activate(stage, lane, unit)
+            if len(queue) == 1:  # it heads its lane: it may progress from now on
+                unit.active = True
+                unit.start = max(at, last_end.get(lane, 0.0))
                 todo.extend(ops)
-        self._progress(todo)
+        if todo:
+            self._progress(todo)
 
     def _activate(self, stage: int, lane: int | None, unit: _Unit) -> None:
         """``unit`` heads its lane's queue: it may progress from now on."""
@@ -241,22 +268,107 @@ class _Rendezvous(_Simulation):
                 return
         self._check_complete()
 
+    def _compile(self, stage: int) -> list[tuple]:
+        """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, cost,
+        on the timeline, prepared)`` for a compute or other micro-batch instruction,
+        ``(_SEND, prepared)`` / ``(_RECV, op, host cost, prepared)`` for a transfer to or
+        from another stage, ``(_TICK, cost)`` for a local blocking point, and ``(_SLOW,)``
+        for the rest (collectives, hand-offs, anything with a problem to report), which
+        :meth:`_execute` runs as it always did. Everything here is fixed before the batch
+        starts (the stream, the peers, the costs), so the answers are the same."""
+        out: list[tuple] = []
+        ops, host, progress = self.op_at[stage], self.host_costs, self.progress
+        remote: dict[tuple, bool] = {}  # (class, chunk, skip peer) -> talks to another stage
+        costs: dict[tuple, float] = {}  # (class, chunk) -> compute cost
+        limit = self.stages[stage].num_buffers
+        limit = 1 << 62 if limit is None else limit
+        micro_batches, chunks = self.M, self.C
+        for pc, (_, i) in enumerate(self.stages[stage].stream):
+            cls = type(i)
+            r = role(cls)
+            if r.micro_batch:
+                chunk = i.chunk
+                if not (0 <= i.micro_batch < micro_batches and 0 <= chunk < chunks
+                        and 0 <= i.buffer < limit):  # _in_range would report it
+                    out.append((_SLOW,))
+                    continue
+                key = (stage, chunk, i.micro_batch)  # what _run looks up (_prepared)
+                p = progress.get(key)
+                if p is None:
+                    p = progress[key] = _Progress()
+                prepared = (p, r.writes, r.handler)
+                if r.p2p:
+                    key = (cls, chunk, getattr(i, "peer", None))
+                    far = remote.get(key)
+                    if far is None:
+                        peer = self._peer_of(stage, i)
+                        far = remote[key] = peer is not None and peer[0] != stage
+                    op = ops.get(pc) if far else None
+                    if op is None:
+                        out.append((_SLOW,))
+                    elif op.send:
+                        out.append((_SEND, prepared))
+                    else:
+                        out.append((_RECV, op, host.get(cls, 0.0), prepared))
+                else:
+                    key = (cls, chunk)
+                    cost = costs.get(key)
+                    if cost is None:
+                        cost = costs[key] = self._compute_cost(stage, i)
+                    out.append((_RUN, cost, r.compute, prepared))
+            elif r.world:
+                out.append((_SLOW,))
+            else:
+                out.append((_TICK, self._compute_cost(stage, i)))
+        return out
+
     def _advance(self, stage: int) -> bool:
-        """Run ``stage`` until it blocks or finishes; ``True`` if anything happened."""
+        """Run ``stage`` until it blocks or finishes; ``True`` if anything happened.
+
+        What :meth:`_execute` does, with what it looks up found once (:meth:`_compile`):
+        the one loop every instruction of the batch goes through."""
         st, moved = self.stages[stage], False
         stream, n, groups = st.stream, len(st.stream), self.groups[stage]
+        code, send_host = self.code[stage], self.send_host[stage]
+        run = self._run_prepared
         while st.pc < n:
             pc = st.pc
             if self.posted_upto[stage] < pc:
                 self.posted_upto[stage] = pc
-                if self.host_costs:  # a send is packed before its group leaves
-                    st.clock += self._send_host_cost(stage, stream[pc][1])
+                if send_host:  # a send is packed before its group leaves
+                    st.clock += send_host[pc]
                 if groups[pc]:
                     self._post(stage, st.clock)
                 moved = True
-            index, instruction = stream[pc]
-            if not self._execute(stage, pc, index, instruction):
-                return moved
+            how = code[pc]
+            kind = how[0]
+            if kind is _RUN:
+                index, instruction = stream[pc]
+                start = st.clock
+                run(stage, index, instruction, how[3])
+                end = start + how[1]
+                if how[2]:
+                    st.timeline.append((start, end, instruction))
+                st.clock = end
+            elif kind is _RECV:
+                done = how[1].done
+                if done is None:
+                    return moved
+                clock = st.clock
+                start = max(clock, done)
+                st.wait += start - clock
+                st.clock = start + how[2]
+                index, instruction = stream[pc]
+                run(stage, index, instruction, how[3])
+            elif kind is _SEND:
+                index, instruction = stream[pc]
+                run(stage, index, instruction, how[1])
+            elif kind is _TICK:
+                st.clock = st.clock + how[1]
+            else:
+                index, instruction = stream[pc]
+                if not self._execute(stage, pc, index, instruction):
+                    return moved
             st.pc, moved = pc + 1, True
         return self._finish(stage) or moved
 
@@ -379,131 +491,3 @@ class _Rendezvous(_Simulation):
                 self.problems.append(f"{sender}: the {kind} of micro-batch {micro_batch} handed "
                                      f"to chunk {chunk} of the same stage is never received")
         self._check_micro_batches()
-
-    # -- deadlock report -----------------------------------------------------------------
-
-    def _report_deadlock(self) -> None:
-        self.deadlocked = True
-        stuck = [s for s in range(self.S) if not self.finished[s]]
-        lines = [self._where_stuck(s) for s in range(self.S)]
-        cycle = self._cycle(stuck)
-        self.problems.append(
-            f"deadlock: stages {stuck} cannot progress:\n"
-            + "\n".join(f"      {line}" for line in lines)
-            + (f"\n    cycle: {cycle}" if cycle else "") + self._grid_so_far())
-        self._check_micro_batches(only_excess=True)
-
-    def _blocked_on(self, stage: int) -> tuple:
-        """The node ``stage`` waits on: ``("op", op)`` or ``("coll", stage)``."""
-        st = self.stages[stage]
-        if st.pc < len(st.stream):
-            _, i = st.stream[st.pc]
-            if isinstance(i, _RECVS):
-                op = self.op_at[stage].get(st.pc)
-                return ("op", op) if op is not None else ("local", stage)
-            return ("coll", stage)
-        if not self.flushed[stage]:
-            return ("op", self._first_pending(stage))
-        return ("coll", stage)
-
-    def _first_pending(self, stage: int) -> _Op:
-        heads = [q[0] for q in self.queues[stage].values() if q]
-        unit = min(heads, key=lambda u: u.ops[0].index)
-        return next(op for op in unit.ops if op.done is None)
-
-    def _collective_name(self, stage: int) -> str:
-        st = self.stages[stage]
-        if st.pc < len(st.stream):
-            return f"the world collective {st.stream[st.pc][1]}"
-        return _END
-
-    def _where_stuck(self, stage: int) -> str:
-        st = self.stages[stage]
-        if self.finished[stage]:
-            return f"stage {stage}: finished"
-        node = self._blocked_on(stage)
-        if st.pc < len(st.stream):
-            index, i = st.stream[st.pc]
-            head = f"stage {stage}: blocked at step {index} on {i}"
-        elif node[0] == "op":
-            head = f"stage {stage}: blocked at the end of the batch on its {node[1].ins}"
-        else:
-            head = f"stage {stage}: blocked in {_END}"
-        text, following, joiner = self._edge(node)
-        if joiner is not None:
-            text += joiner + self._verb(following)
-        if text[:3] in ("<- ", "-> "):
-            text = text[3:]
-        elif node[0] == "coll":
-            text = text.removeprefix("for ")
-        return f"{head}, waiting for {text}"
-
-    def _edge(self, node: tuple) -> tuple[str, tuple | None, str | None]:
-        """Why ``node`` cannot progress: ``(text, the node it waits on or None, joiner)``.
-
-        With a ``joiner``, the text ends in ``"stage N"`` and reads on with what
-        stage N waits on (:meth:`_verb`); without, it names the node it leads to."""
-        kind, what = node
-        if kind == "local":
-            st = self.stages[what]
-            return f"its own hand-off to {st.stream[st.pc][1]}, which never ran", None, None
-        if kind == "coll":
-            waiting = [s for s in range(self.S) if not self._in_collective(s)]
-            if not waiting:
-                return "the other stages (mismatched collectives)", None, None
-            return f"for stage {waiting[0]}", self._blocked_on(waiting[0]), ", which "
-        op: _Op = what
-        unit = op.unit
-        if unit is not None and not unit.active:
-            behind = next(o for o in unit.queue[0].ops if o.done is None)
-            return f"queued behind {behind.name()}", ("op", behind), None
-        mate = op.mate
-        if mate is None:
-            return (f"stage {op.peer} to post a matching {'receive' if op.send else 'send'}, "
-                    "which it never does", None, None)
-        arrow = "->" if op.send else "<-"
-        if mate.unit is None:
-            return (f"{arrow} {mate.name()}, not yet posted: stage {mate.rank}",
-                    self._blocked_on(mate.rank), " ")
-        behind = next(o for o in mate.unit.queue[0].ops if o.done is None)
-        return f"{arrow} {mate.name()}, queued behind {behind.name()}", ("op", behind), None
-
-    def _in_collective(self, stage: int) -> bool:
-        return self.arrived[stage] and self.coll[stage] < len(self.world)
-
-    def _verb(self, node: tuple) -> str:
-        """What the stage of ``node`` does while blocked on it: ``"waits RECV_F0"``."""
-        kind, what = node
-        if kind == "coll":
-            return f"waits in {self._collective_name(what)}"
-        if kind == "local":
-            return f"waits {self.stages[what].stream[self.stages[what].pc][1]}"
-        return f"waits {what.ins}"
-
-    def _cycle(self, stuck: list[int]) -> str:
-        """The wait-for chain from the first stuck stage that reaches a cycle, rendered as
-        ``stage 0 waits RECV_B0 <- stage 1's SEND_B0, queued behind ... (the cycle closes)``."""
-        for start in stuck:
-            node = self._blocked_on(start)
-            out = f"stage {start} {self._verb(node)}"
-            seen: set[tuple] = set()
-            while node is not None and self._key(node) not in seen:
-                seen.add(self._key(node))
-                text, following, joiner = self._edge(node)
-                out += (", " if text.startswith("queued") else " ") + text
-                if joiner is not None:
-                    out += joiner + self._verb(following)
-                node = following
-            if node is not None:
-                return out + " (the cycle closes)"
-        return ""
-
-    @staticmethod
-    def _key(node: tuple) -> tuple:
-        kind, what = node
-        return (kind, id(what)) if kind == "op" else node
-
-    @staticmethod
-    def _rank(node: tuple) -> int:
-        kind, what = node
-        return what.rank if kind == "op" else what

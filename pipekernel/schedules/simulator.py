@@ -65,11 +65,17 @@ gradients (local hand-offs included). An edge whose consumer does not come after
 its producer is rejected before simulating.
 
 All problems are collected and raised as one :class:`ScheduleError`.
+
+Cost: linear in the instructions of the plan (every stage's stream), with the cyclic
+garbage collector off while it runs; ``benchmarks/planner_scale.py`` prints the growth,
+``tests/test_simulator_scale.py`` proves it by counting executed lines, and
+``tests/test_simulator_frozen.py`` holds the answers fixed.
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import Instruction
@@ -126,35 +132,6 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         the grid so far, missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
-    _check_semantics(semantics, host_costs, posting)
-    objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
-    placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
-    check_placement(placement, chunks)
-    edges = check_skip_edges(skips, num_stages * chunks)
-    if edges:
-        objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
-                   for s, obj in enumerate(objects)]
-    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
-    sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
-    _configure(sim, edges, posting, stage_costs, host_costs)
-    sim.run()
-    if sim.problems:
-        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
-    return sim.result()
-
-
-def _configure(sim: Any, edges: Any, posting: Any, stage_costs: Any, host_costs: Any) -> None:
-    """Give ``sim`` the skip edges, the posting policy and the cost tables asked for."""
-    sim.skips = edges
-    if posting is not None:
-        sim.posting = posting
-    if stage_costs:
-        sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
-    if host_costs:
-        sim.host_costs = _cost_table(host_costs, base={})
-
-
-def _check_semantics(semantics: str, host_costs: Any, posting: Any) -> None:
     if semantics not in SEMANTICS:
         raise ConfigError(f"simulate: unknown semantics {semantics!r}",
                           hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
@@ -164,6 +141,58 @@ def _check_semantics(semantics: str, host_costs: Any, posting: Any) -> None:
     if posting is not None and semantics != "rendezvous":
         raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
                           hint="drop posting= or use semantics='rendezvous'")
+    return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+                    stage_costs, skips, host_costs)
+
+
+def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+             stage_costs, skips, host_costs) -> SimulationResult:
+    """:func:`simulate` once its arguments are checked: the schedule objects, placement and
+    skip edges, then the simulation with the collector off."""
+    objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
+    placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
+    check_placement(placement, chunks)
+    edges = check_skip_edges(skips, num_stages * chunks)
+    if edges:
+        objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
+                   for s, obj in enumerate(objects)]
+    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
+    with _no_cyclic_gc():
+        return _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs,
+                         host_costs, semantics, (num_stages, micro_batches, chunks))
+
+
+@contextmanager
+def _no_cyclic_gc():
+    """The cyclic garbage collector off while a simulation runs: it builds hundreds of
+    thousands of objects that all stay alive until it ends (ops, units, timelines), which
+    the collector would scan again and again — time that grows faster than the plan.
+    The collector's state is restored after; the few cycles (an op and its mate) are then
+    collected as usual."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
+              semantics, sizes) -> SimulationResult:
+    num_stages, micro_batches, chunks = sizes
+    sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
+    sim.skips = edges
+    if posting is not None:
+        sim.posting = posting
+    if stage_costs:
+        sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
+    if host_costs:
+        sim.host_costs = _cost_table(host_costs, base={})
+    sim.run()
+    if sim.problems:
+        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
+    return sim.result()
 
 
 class _WithSkips:
