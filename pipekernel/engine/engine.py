@@ -328,13 +328,28 @@ class PipelineEngine:
         if rank == 0:
             _partition_log.info("%s", self.partition_report.format())
 
+    def _mesh_unwanted(self) -> str:
+        """Why this engine needs no DeviceMesh (``""``: it does): no FSDP2, no DTensor plan
+        and no plugin of the user's on ``pipekernel_parallelize_stage``."""
+        parallel = self.parallel
+        if parallel.data_parallel_shard > 1 or parallel.tensor_parallel_plan is not None:
+            return ""
+        for impl in self.pm.hook.pipekernel_parallelize_stage.get_hookimpls():
+            plugin = impl.plugin
+            where = getattr(plugin, "__name__", None) or type(plugin).__module__
+            if not str(where).startswith("pipekernel.plugins."):
+                return ""  # a user's parallelizer gets the mesh
+        return ("nothing applies torch parallelism to the stage (data_parallel_shard, "
+                "tensor_parallel_plan or a pipekernel_parallelize_stage plugin builds one)")
+
     def _build_stage(self, module: PipelineModule, micro_batches: int, transport: str) -> None:
         """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
         num_stages = self.num_stages
         #: This rank's groups and the mesh (:mod:`pipekernel.grid.mesh`).
-        self.grid = build_grid(self.topology, self.transport)
+        self.grid = build_grid(self.topology, self.transport, self._mesh_unwanted())
         #: The engine's :class:`~torch.distributed.device_mesh.DeviceMesh` (dims ``("pp",
-        #: "dp_replicate", "dp_shard", "tp")``), or ``None`` (a transport without one).
+        #: "dp_replicate", "dp_shard", "tp")``), or ``None`` (a transport without one, or
+        #: an engine where nothing applies torch parallelism to the stage).
         self.mesh = self.grid.mesh
         #: This rank's :class:`~pipekernel.grid.tensor_parallel.TensorParallelGroup`.
         self.tp_group = tp_group_of(self.grid, self.topology, self.transport)

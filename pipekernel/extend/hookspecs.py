@@ -201,7 +201,10 @@ def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
         ``fully_shard``, ``parallelize_module``); do not replace the object.
     :param mesh: the engine's :class:`~torch.distributed.device_mesh.DeviceMesh` with the
         dims ``("pp", "dp_replicate", "dp_shard", "tp")`` (size-1 dims kept; see
-        :mod:`pipekernel.grid.mesh`), or ``None`` when the transport cannot carry one.
+        :mod:`pipekernel.grid.mesh`), or ``None`` when the transport cannot carry one. It is
+        built when the engine is asked for torch parallelism (``data_parallel_shard``,
+        ``tensor_parallel_plan``) or when a plugin outside ``pipekernel.plugins``
+        implements this hook; otherwise ``None``.
     :param engine: the :class:`pipekernel.PipelineEngine` being built (its topology,
         transport, ``parallel`` options, precision name; no optimizer or runtime yet).
     :returns: ignored.

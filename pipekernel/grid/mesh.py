@@ -121,10 +121,14 @@ def mesh_unavailable(transport: Any) -> str:
     return ""
 
 
-def build_grid(topology: Any, transport: Any) -> Grid:
+def build_grid(topology: Any, transport: Any, unwanted: str = "") -> Grid:
     """Create the mesh and this rank's groups (collective: every rank calls it in the same
-    order as the engine's other groups)."""
-    why = mesh_unavailable(transport)
+    order as the engine's other groups). ``unwanted``: why no mesh is needed (nothing in
+    the stage applies torch parallelism), then only the groups the engine uses are made —
+    a DeviceMesh keeps its process groups referenced for good, so ``destroy_process_group``
+    could not free them and their gloo threads would outlive the engine (the exit abort
+    of ``tests/test_exit.py``)."""
+    why = unwanted or mesh_unavailable(transport)
     if why:
         return Grid(None, _transport_groups(topology, transport), why)
     import torch
