@@ -39,6 +39,10 @@ def torchrun(out: Path, stages: int, replicas: int, kill: str) -> subprocess.Com
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run",
            f"--nproc-per-node={stages * replicas}", "--max-restarts=1",
+           # the agent polls its workers every 0.1 s by default and SIGTERMs the survivors as
+           # soon as it sees the kill: 2 s lets them notice the lost peer and say so first
+           # (CI once saw the 2 x 2 job's survivors killed before any had printed its error)
+           "--monitor-interval=2",
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
            str(HERE / "elastic_job.py"), str(out), str(STEPS), str(SAVE_EVERY), str(stages),
            str(replicas)]
