@@ -45,7 +45,27 @@ def _set_lr(optimizer: torch.optim.Optimizer, lrs: list) -> list:
     return [group["lr"] for group in optimizer.param_groups]
 
 
-class WarmupLR:
+class _Stepped:
+    """What DeepSpeed's iteration-counted schedules share: ``step`` sets ``get_lr()`` on
+    the optimizer; the state is the iteration alone."""
+
+    def get_last_lr(self) -> list:
+        return self._last_lr
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = _set_lr(self.optimizer, self.get_lr())
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_batch_iteration = state["last_batch_iteration"]
+
+
+class WarmupLR(_Stepped):
     """From ``warmup_min_lr`` to ``warmup_max_lr`` (default: the optimizer's lr) over
     ``warmup_num_steps`` steps (at least 2), ``log`` or ``linear``, then flat."""
 
@@ -78,21 +98,6 @@ class WarmupLR:
             return self.min_lrs
         gamma = self._get_gamma()
         return [low + delta * gamma for low, delta in zip(self.min_lrs, self.delta_lrs)]
-
-    def get_last_lr(self) -> list:
-        return self._last_lr
-
-    def step(self, last_batch_iteration: int | None = None) -> None:
-        if last_batch_iteration is None:
-            last_batch_iteration = self.last_batch_iteration + 1
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr = _set_lr(self.optimizer, self.get_lr())
-
-    def state_dict(self) -> dict:
-        return {"last_batch_iteration": self.last_batch_iteration}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_batch_iteration = state["last_batch_iteration"]
 
     def _warmup_gamma(self) -> float:
         if self.warmup_type == _LOG:
@@ -231,7 +236,7 @@ class OneCycle:
         self.last_batch_iteration = state["last_batch_iteration"]
 
 
-class WarmupCosineLR:
+class WarmupCosineLR(_Stepped):
     """Each group's lr times a ratio: from ``warmup_min_ratio`` to 1 over
     ``warmup_num_steps`` steps (at least 2; ``log`` or ``linear``), then a cosine from 1
     down to ``cos_min_ratio`` at ``total_num_steps``, where it stays. Before the first
@@ -276,21 +281,6 @@ class WarmupCosineLR:
             return [0.0 for _ in self.org_lrs]
         ratio = self.get_lr_ratio()
         return [lr * ratio for lr in self.org_lrs]
-
-    def get_last_lr(self) -> list:
-        return self._last_lr
-
-    def step(self, last_batch_iteration: int | None = None) -> None:
-        if last_batch_iteration is None:
-            last_batch_iteration = self.last_batch_iteration + 1
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr = _set_lr(self.optimizer, self.get_lr())
-
-    def state_dict(self) -> dict:
-        return {"last_batch_iteration": self.last_batch_iteration}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.last_batch_iteration = state["last_batch_iteration"]
 
 
 SCHEDULES = {"WarmupLR": WarmupLR, "WarmupDecayLR": WarmupDecayLR, "OneCycle": OneCycle,
