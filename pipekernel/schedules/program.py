@@ -16,7 +16,8 @@ What it holds (the :class:`~pipekernel.schedules.comm.CommPlan` fields are re-ex
 * ``channel_of[i]``: the number of the channel ``stream[i]`` travels on (a remote
   point-to-point instruction), an index into ``channels``, else ``None``;
 * ``last_weight``: the index of the batch's last weight-gradient instruction
-  (``Backward``/``BackwardWeight``), ``-1`` if none; ``last_weight_chunk`` its chunk.
+  (``Backward``/``BackwardWeight``, or a ``ForwardBackward``, whose backward half is a
+  ``Backward``), ``-1`` if none; ``last_weight_chunk`` its chunk.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pipekernel.schedules.comm import CommPlan, plan_communication
-from pipekernel.schedules.instructions import Backward, BackwardWeight, Instruction
+from pipekernel.schedules.instructions import (Backward, BackwardWeight, ForwardBackward,
+                                               Instruction)
 from pipekernel.schedules.skips import add_skip_transfers
 
 __all__ = ["Program", "ChannelSpec", "compile_program", "program_of"]
@@ -122,10 +124,14 @@ def program_of(plan: CommPlan, steps: Any, *, schedule: str, trains: bool, micro
                 channels.append(ChannelSpec(key, plan.peers[at][0], plan.lanes[at]
                                             if plan.lanes else None))
             channel_of[at] = number[key]
-    weights = [i for i, ins in enumerate(plan.stream) if isinstance(ins, (Backward, BackwardWeight))]
+    weights = [i for i, ins in enumerate(plan.stream)
+               if isinstance(ins, (Backward, BackwardWeight, ForwardBackward))]
     last = weights[-1] if weights else -1
+    last_ins = plan.stream[last] if weights else None
+    if isinstance(last_ins, ForwardBackward):
+        last_ins = last_ins.backward
     return Program(schedule=schedule, trains=trains, micro_batches=micro_batches,
                    skips=tuple(skips), num_buffers=num_buffers,
                    steps=tuple(tuple(step) for step in steps), plan=plan,
                    channels=tuple(channels), channel_of=tuple(channel_of), last_weight=last,
-                   last_weight_chunk=plan.stream[last].chunk if weights else None)
+                   last_weight_chunk=last_ins.chunk if last_ins is not None else None)
