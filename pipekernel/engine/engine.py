@@ -652,7 +652,7 @@ class PipelineEngine:
             loaded = self._programs[key] = self._load(compile_program(
                 cls, stage=self.stage, num_stages=self.num_stages,
                 micro_batches=self.micro_batches, chunks=self.chunks,
-                placement=self.placement, skips=self.skip_edges))
+                placement=self.placement, skips=self.skip_edges, paired=self.runtime.pairs))
         return loaded
 
     def _load(self, program: Program) -> LoadedProgram:

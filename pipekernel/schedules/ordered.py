@@ -44,7 +44,7 @@ from pipekernel.schedules.instructions import (
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.base import Schedule
 
-__all__ = ["Op", "OrderedSchedule", "KINDS"]
+__all__ = ["Op", "OrderedSchedule", "KINDS", "unpair"]
 
 #: ``(kind, chunk, micro_batch)`` with kind ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
 Op = tuple[str, int, int]
@@ -139,4 +139,26 @@ def _paired(steps: list[list[Instruction]], order: Sequence[Op],
                     ForwardBackward(f_step[f_at], b_step[b_at]),
                     *f_step[f_at + 1:], *b_step[b_at + 1:]])
         skip = True
+    return out
+
+
+def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
+    """``steps`` with each ``ForwardBackward`` step split back into its forward step and
+    its backward step (each half with its own transfers, the forward's first): what a
+    stage without an overlapping executor runs, the order and the posting of the
+    schedule before it paired (a pure ``steps -> steps`` pass)."""
+    out: list[list[Instruction]] = []
+    for step in steps:
+        at = next((k for k, ins in enumerate(step) if isinstance(ins, ForwardBackward)), None)
+        if at is None:
+            out.append(list(step))
+            continue
+        f, b = step[at].halves
+        fwd = [ins for ins in step[:at] if not isinstance(ins, RecvGrad)]
+        bwd = [ins for ins in step[:at] if isinstance(ins, RecvGrad)]
+        fwd.append(f)
+        bwd.append(b)
+        for ins in step[at + 1:]:
+            (bwd if isinstance(ins, SendGrad) else fwd).append(ins)
+        out += [fwd, bwd]
     return out

@@ -236,6 +236,13 @@ class StageRuntime:
             isa.RecvSkipGrad: self.recv_skip, isa.ForwardBackward: self.forward_backward,
         }
 
+    @property
+    def pairs(self) -> bool:
+        """Whether this stage runs a schedule's ``ForwardBackward`` as one instruction (a
+        model-supplied ``overlapped_forward_backward``); without, the engine splits each
+        pair back into its two steps (:func:`pipekernel.schedules.ordered.unpair`)."""
+        return self._paired.fn is not None
+
     def forward_backward(self, instruction: isa.ForwardBackward) -> None:
         """A paired forward and backward, run by the stage's paired executor."""
         self._paired.run(instruction)
