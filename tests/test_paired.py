@@ -18,7 +18,7 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Forward,
                                                ForwardBackward, parse)
 from pipekernel.schedules.ordered import unpair
 from pipekernel.schedules.program import compile_program
-from pipekernel.stage.paired import sequential
+from pipekernel.stage.paired import PairedExecutor, sequential
 from pipekernel.testing import run_ranks
 
 CONTEXT, STEPS, MICRO = 8, 2, 4
@@ -65,8 +65,10 @@ def _train(fn, experts: int = 0, ep: int = 1) -> tuple[list[float], dict, int]:
     losses = [engine.train_batch(iter(data(s, engine.data_parallel_rank))).item()
               for s in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    lanes = engine.ep_group.lanes
+    distinct = len({id(h) for h in lanes})
     engine.close()
-    return losses, state, len(CALLS)
+    return losses, state, len(CALLS), distinct
 
 
 def _config_errors() -> list[str]:
@@ -122,6 +124,7 @@ def test_overlapped_expert_all_to_all_is_bit_exact_on_pp2_ep2(tmp_path):
     results = run_ranks(_moe_worker, 4, timeout=600)
     for rank, result in enumerate(results):
         assert _same(result["overlap"], result["default"]), rank
+        assert result["overlap"][3] == 2  # one expert process group per chunk of the V
 
 
 def _bad_return(*args):
@@ -145,6 +148,27 @@ def _bad_return_worker() -> str:
 def test_an_executor_returning_something_else_is_a_config_error(tmp_path):
     (text,) = run_ranks(_bad_return_worker, 1, timeout=300)
     assert "returned str, expected (outputs0, loss0)" in text, text
+
+
+def _runtime(model_size=1, shard_size=1, skips=None, params_of=None):
+    from types import SimpleNamespace
+    return SimpleNamespace(stage=1, _skips=skips, _params_of=params_of,
+                           topology=SimpleNamespace(model_size=model_size,
+                                                    shard_size=shard_size))
+
+
+def test_the_executor_refuses_what_it_cannot_run_by_name():
+    PairedExecutor(_runtime(model_size=2), sequential)  # one after the other: any stage
+    with pytest.raises(pk.ConfigError, match="stage 1: 'overlap_all_to_all' runs a pair's "
+                                             "halves at the same time"):
+        PairedExecutor(_runtime(model_size=2), pk.overlap_all_to_all)
+    with pytest.raises(pk.ConfigError, match="tensor-parallel or sharding collectives"):
+        PairedExecutor(_runtime(shard_size=2), pk.overlap_all_to_all)
+    with pytest.raises(pk.ConfigError, match="overlapped_forward_backward with skip "
+                                             "connections"):
+        PairedExecutor(_runtime(skips=object()), sequential)
+    with pytest.raises(pk.ConfigError, match="is a int, not a callable"):
+        PairedExecutor(_runtime(), 3)
 
 
 # -- layer 0: the instruction, the schedule, the program ------------------------------------
