@@ -221,3 +221,39 @@ def test_a_paired_cost_shortens_the_simulated_batch():
     assert faster.makespan < base.makespan
     kinds = {type(i) for row in faster.timeline for _, _, i in row}
     assert ForwardBackward not in kinds  # the timeline shows the halves
+
+
+def _recv_posting(program) -> dict:
+    """Each receive's ``(class, chunk, micro-batch)``: the compute halves run before the
+    point it is posted at, and before the point it is waited at."""
+    halves, before = [], []
+    for ins in program.stream:
+        before.append(len(halves))
+        halves += list(ins.halves) if isinstance(ins, ForwardBackward) else (
+            [ins] if type(ins).__name__ in ("Forward", "Backward", "BackwardInput",
+                                            "BackwardWeight") else [])
+    out = {}
+    for at, index in program.plan.posted_at().items():
+        ins = program.stream[at]
+        if type(ins).__name__.startswith("Recv"):
+            out[(type(ins), ins.chunk, ins.micro_batch)] = (before[index], before[at])
+    return out
+
+
+def test_pairs_post_the_halves_receives_where_the_two_steps_did():
+    """The plan of a paired program posts every receive where the two steps' plan did;
+    a gradient's is waited on (and so may be posted) one compute earlier."""
+    for stages, micro_batches in ((2, 4), (3, 6), (4, 9)):
+        for stage in range(stages):
+            kw = dict(stage=stage, num_stages=stages, micro_batches=micro_batches,
+                      chunks=2, placement="v")
+            paired = _recv_posting(compile_program(DualPipeV, **kw))
+            apart = _recv_posting(compile_program(DualPipeV, paired=False, **kw))
+            assert paired.keys() == apart.keys()
+            for key, (posted, waited) in paired.items():
+                # as the two steps did, or one compute earlier: a pair waits on both
+                # halves' receives before its forward half (DualPipe's order)
+                assert apart[key][0] - 1 <= posted <= apart[key][0], (stage, key)
+                assert apart[key][1] - 1 <= waited <= apart[key][1], (stage, key)
+                if key[0].__name__ == "RecvActivation":
+                    assert (posted, waited) == apart[key]
