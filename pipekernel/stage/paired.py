@@ -37,7 +37,11 @@ dispatch or combine the other computes, and each group still sees the same colle
 in the same order on every member. The results are those of :func:`sequential`, bit for
 bit: nothing is shared between the halves but read-only parameters. It refuses stages
 whose layers issue other collectives during compute (tensor parallelism, ZeRO-3 /
-stage-parallel sharding) and skip connections.
+stage-parallel sharding) and skip connections. On a GPU both threads launch on the
+caller's device and stream (correct whatever the interleaving; the collectives overlap,
+the kernels of one stream do not); it is measured and tested on gloo only so far, and
+NCCL may hang when two communicators' operations meet in different orders on different
+ranks with too few SMs free for both.
 """
 from __future__ import annotations
 
@@ -81,9 +85,13 @@ def overlap_all_to_all(module0: Callable, inputs0: Any, criterion0: Callable | N
         return sequential(module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
                           output_grads1)
     box: dict[str, Any] = {}
+    # the current CUDA device is per thread: the worker computes on the caller's
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
     def forward() -> None:
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             outputs0 = module0(inputs0)
             box["out"] = (outputs0, criterion0(outputs0, labels0)
                           if criterion0 is not None else None)
