@@ -257,3 +257,29 @@ def test_pairs_post_the_halves_receives_where_the_two_steps_did():
                 assert apart[key][1] - 1 <= waited <= apart[key][1], (stage, key)
                 if key[0].__name__ == "RecvActivation":
                     assert (posted, waited) == apart[key]
+
+
+def test_the_default_program_is_dualpipev_before_pairs_answer_for_answer(monkeypatch):
+    """Unpaired, dualpipev's steps give every simulator answer (timeline, grid, waits, the
+    deadlock-free proof under each posting policy) that dualpipev gave before it paired:
+    ``tests/fixtures/dualpipev_unpaired_frozen.json`` holds the frozen grid's dualpipev
+    entries as they were then (tests/test_simulator_frozen.py)."""
+    import json
+    from pathlib import Path
+
+    import test_simulator_frozen as frozen
+    from pipekernel.schedules import BUILTIN_SCHEDULES
+
+    class Unpaired(DualPipeV):
+        def steps(self):
+            return unpair(super().steps())
+
+    monkeypatch.setitem(BUILTIN_SCHEDULES, "dualpipev", Unpaired)
+    before = json.loads((Path(__file__).parent / "fixtures"
+                         / "dualpipev_unpaired_frozen.json").read_text())
+    ran = 0
+    for key, kwargs in frozen.cases():
+        if kwargs["schedule"] == "dualpipev":
+            assert frozen.run_case(kwargs) == before[key], key
+            ran += 1
+    assert ran == len(before)
