@@ -211,7 +211,7 @@ class Prologue(Mirror):
         order: list[Any] = []
         hooks = [] if self.checked else self._watch(order)
         partial = None if self.router is None \
-            else routing.start(inputs, inputs["inputs_embeds"].device)
+            else routing.start(inputs, inputs["inputs_embeds"].device, self.router.masked)
         try:
             _, partial = routing.routed(self.router, 0, self.first, partial,
                                         lambda: self.shell(**inputs, **self.options))

@@ -73,25 +73,39 @@ class RouterAux:
     routers: tuple[tuple[str, ...], ...]
 
 
-def start(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The partial sums before the first layer: zeros, and the attention mask flattened as
-    transformers flattens it (``None``: no mask, every row counts)."""
-    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+def start(inputs: dict[str, Any], device: torch.device, masked: bool = True
+          ) -> dict[str, Any]:
+    """The partial sums before the first layer: none yet, and the attention mask flattened
+    as transformers flattens it (``None``: no mask given, or the forward passes none to its
+    loss: every row counts)."""
+    mask = inputs.get("attention_mask") if masked and isinstance(inputs, dict) else None
     flat = None if mask is None else mask.reshape(-1).to(device=device, dtype=torch.float32)
-    return {"tokens": None, "probs": None, "rows": None, "mask": flat}
+    return {"tokens": None, "probs": None, "rows": None, "mask": _bits(flat)}
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A float32 tensor without gradient as its bits (an int32 view): what a low-precision
+    policy casts on the wire are floats, so counts and the mask arrive exact."""
+    return None if t is None else t.view(torch.int32)
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.view(torch.float32)
 
 
 def accumulate(partial: dict[str, Any], logits: torch.Tensor, router: RouterAux
                ) -> dict[str, Any]:
     """``partial`` plus one router's logits, by transformers' own per-layer reductions
-    (``load_balancing_loss_func``'s loop body)."""
-    num_experts, top_k, flat_mask = router.num_experts, router.top_k, partial["mask"]
+    (``load_balancing_loss_func``'s loop body), in float32. The probability sums carry
+    the gradient (and travel in the wire's dtype, as activations do); the counts and the
+    mask travel as float32 bits."""
+    num_experts, top_k, flat_mask = router.num_experts, router.top_k, _float(partial["mask"])
     device = logits.device
     zeros = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    tokens = zeros if partial["tokens"] is None else partial["tokens"]
+    tokens = zeros if partial["tokens"] is None else _float(partial["tokens"])
     probs = zeros if partial["probs"] is None else partial["probs"]
     rows = torch.zeros((), dtype=torch.float32, device=device) if partial["rows"] is None \
-        else partial["rows"]
+        else _float(partial["rows"])
     routing_weights = torch.nn.functional.softmax(logits, dim=-1)
     _, selected_experts = torch.topk(routing_weights, top_k, dim=-1)
     if flat_mask is None:
@@ -106,15 +120,17 @@ def accumulate(partial: dict[str, Any], logits: torch.Tensor, router: RouterAux
                                                      flat_mask.repeat_interleave(top_k))
         probs = probs + (routing_weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
         rows = rows + flat_mask.sum()
-    return {"tokens": tokens, "probs": probs, "rows": rows, "mask": flat_mask}
+    return {"tokens": _bits(tokens), "probs": probs, "rows": _bits(rows),
+            "mask": partial["mask"]}
 
 
 def aux_value(partial: dict[str, Any], router: RouterAux) -> torch.Tensor | None:
     """transformers' value from the partial sums of every layer (``None``: no router ran)."""
     if partial["probs"] is None:
         return None
-    tokens_per_expert = partial["tokens"] / partial["rows"]
-    router_prob_per_expert = partial["probs"] / partial["rows"]
+    rows = _float(partial["rows"])
+    tokens_per_expert = _float(partial["tokens"]) / rows
+    router_prob_per_expert = partial["probs"].float() / rows
     overall_loss = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
     return overall_loss * router.num_experts
 
