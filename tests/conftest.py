@@ -1,8 +1,17 @@
 """Fixtures shared by several test modules."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+#: what many of the suite's process worlds import again in every rank, imported once by the
+#: fork server that starts them instead (pipekernel.engine.launch.start_context): DTensor
+#: and FSDP2 (~1 s of CPU per rank), transformers' model base (~4 s per rank) and Lightning
+#: (~5 s per rank). Not installed: left out. PIPEKERNEL_PRELOAD= (empty) turns it off.
+os.environ.setdefault("PIPEKERNEL_PRELOAD", "torch.distributed.tensor,torch.distributed.fsdp,"
+                      "transformers.modeling_utils,lightning.pytorch")
 
 
 @pytest.fixture

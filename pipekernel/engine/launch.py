@@ -94,16 +94,34 @@ def start_context() -> Any:
     importing them again per worker (``spawn``): ~2 s of CPU saved per worker, which is
     most of the cost of starting a test's ranks. ``PIPEKERNEL_START_METHOD=spawn`` (or a
     platform without forkserver) starts fresh interpreters as before. The server never
-    touches CUDA, so a forked worker initialises it as a spawned one would."""
+    touches CUDA, so a forked worker initialises it as a spawned one would.
+    ``PIPEKERNEL_PRELOAD`` (comma-separated module names) adds modules for the server to
+    import once, e.g. what every world of a test suite imports again (the tests set it:
+    ``tests/conftest.py``); one that is not installed is left out. It counts only when
+    the server starts (the first launch of the process)."""
     method = os.environ.get("PIPEKERNEL_START_METHOD", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ConfigError(f"PIPEKERNEL_START_METHOD={method!r} is not a start method pipekernel "
                           "uses", hint="set it to 'forkserver' (default) or 'spawn'")
     if method == "forkserver" and "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "pipekernel"])
+        ctx.set_forkserver_preload(["torch", "pipekernel", *_preload()])
         return ctx
     return mp.get_context("spawn")
+
+
+def _preload() -> list[str]:
+    """The installed modules ``PIPEKERNEL_PRELOAD`` names (see :func:`start_context`)."""
+    import importlib.util
+    names = [n.strip() for n in os.environ.get("PIPEKERNEL_PRELOAD", "").split(",")]
+    found = []
+    for name in filter(None, names):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                found.append(name)
+        except (ImportError, ValueError):  # its parent package is not installed
+            pass
+    return found
 
 
 class _LauncherOutput:
