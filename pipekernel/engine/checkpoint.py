@@ -79,6 +79,8 @@ from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _rea
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.nested import map_tensors
 
+from pipekernel.engine import checkpoint_dcp  # noqa: E402 - it imports this module's helpers
+
 __all__ = ["FORMAT_VERSION", "save", "load", "resume", "load_sequential", "read_meta",
            "latest_tag"]
 
@@ -325,6 +327,8 @@ def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
     """
     root = os.fspath(root)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if checkpoint_dcp.wanted(engine):  # sharded stages: torch.distributed.checkpoint
+        return checkpoint_dcp.save(engine, root, tag, client_state)
     rank, transport = engine.rank, engine.transport
     final = os.path.join(root, tag)
     tmp = os.path.join(root, f".tmp-{tag}")
@@ -422,6 +426,12 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
     """
     root = os.fspath(root)
     rank, transport = engine.rank, engine.transport
+    found, error = _attempt(read_meta, root, tag)
+    _agree(transport, error, rank)
+    if checkpoint_dcp.is_dcp(found[1]):  # saved by sharded stages
+        return checkpoint_dcp.load(engine, root, tag, *found)
+    if checkpoint_dcp.wanted(engine):
+        return checkpoint_dcp.load_layer_files(engine, *found)
     local = _local_layers(engine.module, engine.pipeline_module)
     tp_group = getattr(engine, "tp_group", None) or tp.group()
     ep = getattr(engine, "ep_group", None) or expert_parallel.group()
@@ -530,12 +540,15 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
     engine.trained_micro_batches = int(mine.get("data_position",
                                                 meta["global_steps"] * engine.micro_batches))
     if exact:
-        rng = mine["rng"]
-        torch.set_rng_state(rng["cpu"])
-        random.setstate(_python_state(rng["python"]))
-        device = torch.device(engine.transport.device)
-        if "cuda" in rng and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
+        _restore_rng(engine, mine["rng"])
+
+
+def _restore_rng(engine: Any, rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    random.setstate(_python_state(rng["python"]))
+    device = torch.device(engine.transport.device)
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
 
 
 def _python_state(state: Any) -> tuple:
@@ -582,6 +595,9 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
     """
     root = os.fspath(root)
     directory, meta = read_meta(root, tag)
+    if checkpoint_dcp.is_dcp(meta):  # saved by sharded stages: DCP reads whole tensors
+        full = checkpoint_dcp.load_sequential(directory, meta, module)
+        return (full.to(device) if device is not None else full).eval()
     num = len(module.layers)
     if meta["num_layers"] != num:
         _check_model(meta, module, directory, [])
