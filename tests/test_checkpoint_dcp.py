@@ -190,3 +190,39 @@ def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(tmp_path, build_na
                                     else dropout_model(), tag="sharded")
     for name, value in sequential.state_dict().items():
         assert torch.equal(value, saved["weights"][name]), name
+
+
+def hf_worker(directory):
+    torch.set_num_threads(1)
+    import test_hf as t
+
+    import pipekernel.hf as hf
+
+    module = hf.pipeline_module(t.llama(), num_stages=2)
+    engine = pk.PipelineEngine(module, optimizer=t.sgd, micro_batches=t.MICRO_BATCHES,
+                               data_parallel_shard=2, loss_reduction="tokens", timeout=120)
+    engine.train_batch(iter(t.batches(0, engine.data_parallel_rank)))
+    hf.save_pretrained(engine, os.path.join(directory, "hf"))
+    engine.save_checkpoint(os.path.join(directory, "checkpoints"))
+    state = {k.partition(".")[2]: _full(v) for k, v in engine.module.state_dict().items()}
+    engine.close()
+    return state
+
+
+def test_save_pretrained_and_load_sequential_gather_a_sharded_run(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import test_hf as t
+
+    import pipekernel.hf as hf
+
+    results = run_ranks(hf_worker, 4, str(tmp_path))
+    trained = {k: v for result in results for k, v in result.items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    saved = model.state_dict()
+    assert trained and set(trained) <= set(saved)
+    for key, value in trained.items():
+        assert torch.equal(saved[key], value), key
+    whole = pk.load_sequential(str(tmp_path / "checkpoints"), hf.pipeline_module(t.llama()))
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, trained[key.partition(".")[2]]), key
