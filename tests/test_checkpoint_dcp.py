@@ -124,9 +124,9 @@ def _refused(fn):
 
 
 def reshape_worker(root, build_name):
-    """Save at 2 stages x 2 shards (with a DTensor plan: x 2 tp on 4 ranks, 1 x 2 x 2),
-    load at 4 x 1 (4 stages, or 2 x 1 x 2 with the plan), then back through the layer
-    files the unsharded engine writes."""
+    """Save at 2 stages x 2 shards (with a DTensor plan: 1 stage x 2 shards x 2 tp), load
+    at 4 x 1 (4 stages; with the plan 2 x 1 x 2), save there — pipekernel's layer files
+    without a mesh, DCP again with the plan — and load that back at the first layout."""
     torch.set_num_threads(1)
     tp = build_name == "ff"
     build = ff_model if tp else dropout_model
@@ -140,7 +140,7 @@ def reshape_worker(root, build_name):
     plain = _engine(2 if tp else 4, build=build, **extra)
     info = plain.load_checkpoint(root, tag="sharded")
     loaded = _snapshot(plain)
-    plain.save_checkpoint(root, tag="plain")  # pipekernel's layer files without a plan
+    plain.save_checkpoint(root, tag="plain")
     loss = _train(plain, range(K, K + 1))
     plain.close()
 

@@ -24,14 +24,18 @@ cuts its own shards (:func:`pipekernel.grid.tensor_parallel.shard_layer_state`,
 :meth:`pipekernel.grid.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
 tensor-parallel size and any D, with or without ZeRO, and as one plain model.
 
-Why not ``torch.distributed.checkpoint`` (DCP): DCP reshards *tensors* through a
-global plan, but in the files pipekernel never shards a tensor — a layer is whole —
-so resharding is just "each rank reads the layers it holds", which one file per layer
-gives for free, with no planner, no collective at load beyond one agreement, files a
-user can open with ``torch.load`` and no coupling to DCP's changing APIs. DCP would
-also not key optimizer state by a pipeline-independent name without the same mapping
-done here. The trade-off: no parallel writes *within* a layer (a layer is written by
-one rank), which only matters for single layers of many gigabytes.
+Stages with torch parallelism (FSDP2, DTensor plans: an engine with a DeviceMesh) hold
+DTensors, and their checkpoints go through ``torch.distributed.checkpoint`` (DCP) into one
+DCP directory inside the same tag directory, with the same ``meta.json``, rank files,
+``latest`` and guarantees (:mod:`pipekernel.engine.checkpoint_dcp`; :func:`save`,
+:func:`load` and :func:`load_sequential` dispatch on ``meta["format"]``).
+
+Why pipekernel's own files where no tensor is sharded: DCP reshards *tensors* through a
+global plan, but in these files pipekernel never shards a tensor — a layer is whole — so
+resharding is just "each rank reads the layers it holds", which one file per layer gives
+for free, with no planner, no collective at load beyond one agreement, and files a user
+can open with ``torch.load``. The trade-off: no parallel writes *within* a layer (a layer
+is written by one rank), which only matters for single layers of many gigabytes.
 
 What a caller may rely on:
 
@@ -73,9 +77,10 @@ from torch import nn
 
 from pipekernel.grid import expert_parallel
 from pipekernel.grid import tensor_parallel as tp
-from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _read_layer, _read_rank,
-                                         _write_file, latest_tag, layer_file, rank_file,
-                                         read_meta)
+from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
+                                                _fsync_dir, _read_layer, _read_rank,
+                                                _write_file, latest_tag, layer_file,
+                                                rank_file, read_meta)
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.nested import map_tensors
 
@@ -272,7 +277,7 @@ def _meta(engine: Any) -> dict[str, Any]:
     module = engine.pipeline_module
     layers = _layer_meta(module)
     return {
-        "format_version": FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
+        "format_version": LAYER_FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
         "torch_version": torch.__version__,
         "topology": _layout(engine), "schedule": engine.schedule_cls.name,
         "part_stages": list(engine.part_stages), "micro_batches": engine.micro_batches,
