@@ -226,3 +226,35 @@ def test_save_pretrained_and_load_sequential_gather_a_sharded_run(tmp_path):
     whole = pk.load_sequential(str(tmp_path / "checkpoints"), hf.pipeline_module(t.llama()))
     for key, value in whole.state_dict().items():
         assert torch.equal(value, trained[key.partition(".")[2]]), key
+
+
+def failing_worker(root):
+    """Rank 1's DCP write fails (no space) in the second save: every rank raises, and
+    ``latest`` still names the first checkpoint; another model is refused by name."""
+    torch.set_num_threads(1)
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    engine = _engine(1, shard=2)
+    _train(engine, range(1))
+    engine.save_checkpoint(root)
+    _train(engine, range(1, 2))
+    if engine.rank == 1:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        filesystem._FileSystemWriter.write_data = full
+    error = _refused(lambda: engine.save_checkpoint(root))
+    other = _refused(lambda: _engine(1, shard=2, build=ff_model).load_checkpoint(root))
+    return {"error": error, "other": other, "latest": open(os.path.join(root, "latest")).read().strip(),
+            "tags": sorted(os.listdir(root))}
+
+
+def test_a_failed_dcp_write_fails_every_rank_and_keeps_latest(tmp_path):
+    results = run_ranks(failing_worker, 2, str(tmp_path))
+    for result in results:
+        assert result["error"] and "No space left on device" in result["error"], result
+        assert "previous checkpoint and 'latest' are unchanged" in result["error"]
+        assert result["latest"] == "global_step1"
+        assert "global_step2" not in result["tags"]
+        assert "holds a model of 7 layers" in result["other"], result["other"]

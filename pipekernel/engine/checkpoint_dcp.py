@@ -154,6 +154,23 @@ def _meta(engine: Any) -> dict[str, Any]:
     return meta
 
 
+def _dcp(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` (``dcp.save``/``dcp.load``), with DCP's
+    ``CheckpointException`` — a ``BaseException``, raised on every rank — turned into the
+    lowest failing rank's own error (an ``OSError`` stays one, so the message says why:
+    no space, no permission), its rank in the message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call(*args, **kwargs)
+    except CheckpointException as err:
+        rank, (cause, _) = min(err.failures.items())
+        if isinstance(cause, OSError):
+            raise type(cause)(cause.errno, f"{cause.strerror or cause} (on rank {rank})",
+                              cause.filename) from err
+        raise RuntimeError(f"on rank {rank}: {type(cause).__name__}: {cause}") from err
+
+
 # -- save ----------------------------------------------------------------------------------
 
 def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
@@ -190,7 +207,8 @@ def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
     _, error = _ckpt._attempt(write)
     _ckpt._agree(transport, _ckpt._wrap(error, root, "write"), rank)
     # collective, and DCP raises a failure on every rank itself; then one agreement more
-    _, error = _ckpt._attempt(lambda: dcp.save(state, checkpoint_id=os.path.join(tmp, DCP_DIR)))
+    _, error = _ckpt._attempt(lambda: _dcp(dcp.save, state,
+                                           checkpoint_id=os.path.join(tmp, DCP_DIR)))
     _ckpt._agree(transport, _ckpt._wrap(error, root, "write (torch.distributed.checkpoint)"),
                  rank)
     _, error = _ckpt._attempt(lambda: _ckpt._publish(root, tag, tmp, final) if rank == 0
@@ -225,7 +243,7 @@ def _load_tensors(engine: Any, directory: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     state, keys = _state(engine)
-    dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR))
+    _dcp(dcp.load, state, checkpoint_id=os.path.join(directory, DCP_DIR))
     _set_state(engine, state, keys)
 
 
@@ -377,7 +395,8 @@ def load_sequential(directory: str, meta: dict, module: Any) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=os.path.join(directory, DCP_DIR), no_dist=True)
+            _dcp(dcp.load, state, checkpoint_id=os.path.join(directory, DCP_DIR),
+                 no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP raises many types for a bad directory
         raise _read_error(err, directory) from err
     with torch.no_grad():
