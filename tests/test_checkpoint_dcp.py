@@ -75,16 +75,16 @@ def _snapshot(engine):
     return {"weights": weights, "optim": optim}
 
 
-def resume_worker(root):
+def resume_worker(root, precision):
     torch.set_num_threads(1)
-    first = _engine(2, shard=2)
+    first = _engine(2, shard=2, precision=precision)
     losses = _train(first, range(K))
     first.save_checkpoint(root, client_state={"note": first.rank})
     losses += _train(first, range(K, N))  # the run that never stopped
     uninterrupted = _snapshot(first)
     first.close()
 
-    again = _engine(2, shard=2)
+    again = _engine(2, shard=2, precision=precision)
     info = again.resume(root)
     resumed = _train(again, range(info["global_steps"], N))
     return {"losses": losses, "resumed": resumed, "info": {k: info[k] for k in
@@ -93,8 +93,9 @@ def resume_worker(root):
             "steps": again.global_steps, "files": sorted(os.listdir(info["directory"]))}
 
 
-def test_pp2_x_fsdp2_resume_is_bit_exact(tmp_path):
-    results = run_ranks(resume_worker, 4, str(tmp_path))
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_pp2_x_fsdp2_resume_is_bit_exact(tmp_path, precision):
+    results = run_ranks(resume_worker, 4, str(tmp_path), precision)
     for rank, result in enumerate(results):
         assert result["info"] == {"exact": True, "global_steps": K, "client_state":
                                   {"note": rank}, "tag": f"global_step{K}"}

@@ -3,7 +3,8 @@
 An engine whose stages hold torch parallelism — FSDP2 (``data_parallel_shard=N``), a
 DTensor plan (``tensor_parallel_plan=``), a user's ``pipekernel_parallelize_stage`` — has
 DTensor parameters and optimizer state: :func:`pipekernel.engine.checkpoint.save` sends
-it here. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
+it here (:func:`wanted`), and :func:`pipekernel.engine.checkpoint.load` sends every
+checkpoint whose ``meta.json`` says ``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
 ``meta.json``, one ``rank-NNNNN.pt`` per rank, written under ``.tmp-<tag>`` and renamed
 into place when every rank succeeded, then ``latest``; ``resume``, ``keep_last``) and
 puts the tensors in **one DCP directory for the whole job**::
@@ -66,10 +67,16 @@ DCP_DIR = "dcp"
 
 
 def wanted(engine: Any) -> bool:
-    """Whether ``engine`` saves through DCP: it has a DeviceMesh (something applied torch
-    parallelism to its stages — the same on every rank, so no collective is needed)."""
-    grid = getattr(engine, "grid", None)
-    return getattr(grid, "mesh", None) is not None
+    """Whether ``engine`` saves through DCP: some stage holds DTensors or FSDP2 modules.
+    Collective when the engine has a DeviceMesh (one all-reduce of one flag); without one
+    nothing can be sharded by torch and pipekernel's layer files are written."""
+    if getattr(getattr(engine, "grid", None), "mesh", None) is None:
+        return False
+    mine = getattr(engine, "stage_parallel", None) is not None or any(
+        hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
+    flag = torch.tensor([1.0 if mine else 0.0], device=engine.transport.device)
+    engine.transport.all_reduce(flag)
+    return bool(flag.item() > 0)
 
 
 def is_dcp(meta: dict[str, Any]) -> bool:
@@ -260,9 +267,6 @@ def _set_state(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None
     set_state_dict(engine.module, optimizers, model_state_dict=model,
                    optim_state_dict=optim if optimizers else {},
                    options=StateDictOptions(flatten_optimizer_state_dict=True))
-    precision = engine.precision
-    if hasattr(precision, "_pairs"):  # casts that FSDP2 does not hold follow the loaded values
-        precision.load_state_dict(precision.state_dict())
 
 
 def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict) -> dict[str, Any]:
