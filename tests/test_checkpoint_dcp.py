@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from models import adam, mlp_data
+from models import adam, mlp_data, tied_lm, token_data
 from torch import nn
 
 import pipekernel as pk
@@ -56,8 +56,8 @@ def _engine(stages, shard=1, build=dropout_model, **kw):
                              data_parallel_shard=shard, timeout=120, **kw)
 
 
-def _train(engine, steps):
-    return [engine.train_batch(iter(mlp_data(s, engine.data_parallel_rank, MB))).item()
+def _train(engine, steps, data=mlp_data):
+    return [engine.train_batch(iter(data(s, engine.data_parallel_rank, MB))).item()
             for s in steps]
 
 
@@ -75,27 +75,30 @@ def _snapshot(engine):
     return {"weights": weights, "optim": optim}
 
 
-def resume_worker(root, precision):
+def resume_worker(root, precision, model):
     torch.set_num_threads(1)
-    first = _engine(2, shard=2, precision=precision)
-    losses = _train(first, range(K))
+    build, data = {"dropout": (dropout_model, mlp_data), "tied": (tied_lm, token_data)}[model]
+    first = _engine(2, shard=2, build=build, precision=precision)
+    losses = _train(first, range(K), data)
     first.save_checkpoint(root, client_state={"note": first.rank})
-    losses += _train(first, range(K, N))  # the run that never stopped
+    losses += _train(first, range(K, N), data)  # the run that never stopped
     uninterrupted = _snapshot(first)
     first.close()
 
-    again = _engine(2, shard=2, precision=precision)
+    again = _engine(2, shard=2, build=build, precision=precision)
     info = again.resume(root)
-    resumed = _train(again, range(info["global_steps"], N))
+    resumed = _train(again, range(info["global_steps"], N), data)
     return {"losses": losses, "resumed": resumed, "info": {k: info[k] for k in
             ("exact", "global_steps", "client_state", "tag")},
             "uninterrupted": uninterrupted, "after": _snapshot(again),
             "steps": again.global_steps, "files": sorted(os.listdir(info["directory"]))}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_pp2_x_fsdp2_resume_is_bit_exact(tmp_path, precision):
-    results = run_ranks(resume_worker, 4, str(tmp_path), precision)
+@pytest.mark.parametrize("precision, model", [("fp32", "dropout"), ("bf16", "dropout"),
+                                              ("fp32", "tied")])
+def test_pp2_x_fsdp2_resume_is_bit_exact(tmp_path, precision, model):
+    # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key
+    results = run_ranks(resume_worker, 4, str(tmp_path), precision, model)
     for rank, result in enumerate(results):
         assert result["info"] == {"exact": True, "global_steps": K, "client_state":
                                   {"note": rank}, "tag": f"global_step{K}"}
@@ -130,10 +133,11 @@ def reshape_worker(root, build_name):
     without a mesh, DCP again with the plan — and load that back at the first layout."""
     torch.set_num_threads(1)
     tp = build_name == "ff"
-    build = ff_model if tp else dropout_model
+    build, data = {"dropout": (dropout_model, mlp_data), "ff": (ff_model, mlp_data),
+                   "tied": (tied_lm, token_data)}[build_name]
     extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": _plan()} if tp else {}
     sharded = _engine(1 if tp else 2, shard=2, build=build, **extra)
-    _train(sharded, range(K))
+    _train(sharded, range(K), data)
     sharded.save_checkpoint(root, tag="sharded")
     saved = _snapshot(sharded)
     sharded.close()
@@ -142,7 +146,7 @@ def reshape_worker(root, build_name):
     info = plain.load_checkpoint(root, tag="sharded")
     loaded = _snapshot(plain)
     plain.save_checkpoint(root, tag="plain")
-    loss = _train(plain, range(K, K + 1))
+    loss = _train(plain, range(K, K + 1), data)
     plain.close()
 
     back = _engine(1 if tp else 2, shard=2, build=build, **extra)
@@ -177,7 +181,7 @@ def _assert_same(ours, theirs):
                                torch.as_tensor(theirs["optim"][name][key])), (name, key)
 
 
-@pytest.mark.parametrize("build_name", ["dropout", "ff"])
+@pytest.mark.parametrize("build_name", ["dropout", "ff", "tied"])
 def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(tmp_path, build_name):
     results = run_ranks(reshape_worker, 4, str(tmp_path), build_name)
     saved = _merge(results, "saved")
@@ -187,8 +191,8 @@ def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(tmp_path, build_na
         assert result["exact"] is False
         assert all(torch.isfinite(torch.tensor(result["loss"])))
         assert result["zero"] and "zero_stage=0" in result["zero"], result["zero"]
-    sequential = pk.load_sequential(str(tmp_path), ff_model() if build_name == "ff"
-                                    else dropout_model(), tag="sharded")
+    build = {"dropout": dropout_model, "ff": ff_model, "tied": tied_lm}[build_name]
+    sequential = pk.load_sequential(str(tmp_path), build(), tag="sharded")
     for name, value in sequential.state_dict().items():
         assert torch.equal(value, saved["weights"][name]), name
 
