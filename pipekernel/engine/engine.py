@@ -354,7 +354,8 @@ class PipelineEngine:
         self.tp_group = tp_group_of(self.grid, self.topology, self.transport)
         #: This rank's :class:`~pipekernel.grid.expert_parallel.ExpertParallelGroup`.
         self.ep_group = expert_parallel.make_group(self.topology, self.transport,
-                                                   self.parallel.expert_parallel_size)
+                                                   self.parallel.expert_parallel_size,
+                                                   lanes=min(self.chunks, 2))
         positions = parts_of(self.stage, num_stages, self.chunks, self.placement)
         with tp_context(self.tp_group), expert_parallel.context(self.ep_group):
             self.module = module.build_stage(self.stage, self.bounds, positions
@@ -650,7 +651,7 @@ class PipelineEngine:
             loaded = self._programs[key] = self._load(compile_program(
                 cls, stage=self.stage, num_stages=self.num_stages,
                 micro_batches=self.micro_batches, chunks=self.chunks,
-                placement=self.placement, skips=self.skip_edges))
+                placement=self.placement, skips=self.skip_edges, paired=self.runtime.pairs))
         return loaded
 
     def _load(self, program: Program) -> LoadedProgram:
