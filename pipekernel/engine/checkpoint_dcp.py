@@ -133,8 +133,10 @@ def _rename(key: str, layers: dict[str, str], at: int) -> str:
 
 
 def _state(engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
-    """``({checkpoint key: tensor or value}, {checkpoint key: the stage's key})`` of the
-    stage's model and optimizer, from ``get_state_dict`` (DTensors stay sharded)."""
+    """``({checkpoint key: tensor or value}, {the stage's key: checkpoint key})`` of the
+    stage's model and optimizer, from ``get_state_dict`` (DTensors stay sharded); the
+    stage's keys are prefixed ``model.``/``optim.`` too. Keys of a tied weight held twice
+    by one stage collapse into one checkpoint key."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
