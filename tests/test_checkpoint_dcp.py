@@ -77,15 +77,18 @@ def _snapshot(engine):
 
 def resume_worker(root, precision, model):
     torch.set_num_threads(1)
-    build, data = {"dropout": (dropout_model, mlp_data), "tied": (tied_lm, token_data)}[model]
-    first = _engine(2, shard=2, build=build, precision=precision)
+    build, data = {"dropout": (dropout_model, mlp_data), "hsdp": (dropout_model, mlp_data),
+                   "tied": (tied_lm, token_data)}[model]
+    # hsdp: 1 stage x 2 replicas x 2 shards (DCP writes the replicated shards once)
+    stages, kw = (1, {"data_parallel_size": 2}) if model == "hsdp" else (2, {})
+    first = _engine(stages, shard=2, build=build, precision=precision, **kw)
     losses = _train(first, range(K), data)
     first.save_checkpoint(root, client_state={"note": first.rank})
     losses += _train(first, range(K, N), data)  # the run that never stopped
     uninterrupted = _snapshot(first)
     first.close()
 
-    again = _engine(2, shard=2, build=build, precision=precision)
+    again = _engine(stages, shard=2, build=build, precision=precision, **kw)
     info = again.resume(root)
     resumed = _train(again, range(info["global_steps"], N), data)
     return {"losses": losses, "resumed": resumed, "info": {k: info[k] for k in
@@ -95,8 +98,8 @@ def resume_worker(root, precision, model):
 
 
 @pytest.mark.parametrize("precision, model", [("fp32", "dropout"), ("bf16", "dropout"),
-                                              ("fp32", "tied")])
-def test_pp2_x_fsdp2_resume_is_bit_exact(tmp_path, precision, model):
+                                              ("fp32", "tied"), ("fp32", "hsdp")])
+def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(tmp_path, precision, model):
     # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key
     results = run_ranks(resume_worker, 4, str(tmp_path), precision, model)
     for rank, result in enumerate(results):
