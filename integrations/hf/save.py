@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError
+from pipekernel.grid import expert_parallel
 from pipekernel.stage.module import TiedLayerSpec
 
 __all__ = ["save_pretrained", "stage_state"]
@@ -27,7 +28,9 @@ def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
 
     Every rank of the engine calls it (two barriers). Weights are the fp32 masters under
     low precision, else the parameters as they are; the DTensors of sharded stages (FSDP2,
-    a DTensor plan) are gathered whole first (a collective over each stage's mesh).
+    a DTensor plan) are gathered whole first (a collective over each stage's mesh), and so
+    are expert slices (``expert_parallel_size > 1``: a collective over each expert-parallel
+    group), so the files hold every expert.
 
     :param engine: a :class:`~pipekernel.PipelineEngine` over a module from
         :func:`~pipekernel.hf.pipeline_module`.
@@ -52,7 +55,7 @@ def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
     # DTensors (FSDP2, a DTensor plan): every rank of the stage gathers them (collective)
     sharded = any(hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
     writes = engine.data_parallel_rank == 0 and engine.tp_group.rank == 0
-    if writes or sharded:
+    if writes or sharded or engine.ep_group.size > 1:
         state = stage_state(engine)
         if state and writes:
             from safetensors.torch import save_file
@@ -78,7 +81,8 @@ def stage_state(engine: Any) -> dict[str, torch.Tensor]:
     tied = module.tied_stages(engine.bounds, engine.part_stages.__getitem__)
     skip = {str(i) for i, spec in enumerate(module.layers) if isinstance(spec, TiedLayerSpec)
             and tied[spec.key][0] != engine.stage}
-    masters = {name: engine.precision.master(p) for name, p in engine.module.named_parameters()}
+    params = dict(engine.module.named_parameters())
+    masters = {name: engine.precision.master(p) for name, p in params.items()}
     state = {}
     for name, tensor in engine.module.state_dict().items():
         index, _, key = name.partition(".")
@@ -87,6 +91,9 @@ def stage_state(engine: Any) -> dict[str, torch.Tensor]:
         value = masters.get(name, tensor)
         if hasattr(value, "full_tensor"):  # a DTensor: the whole tensor (collective)
             value = value.full_tensor()
+        dim = getattr(params.get(name), "expert_parallel_dim", None)
+        if dim is not None:  # this rank's experts: every expert (collective)
+            value = expert_parallel.gather_slices(value.detach(), dim, engine.ep_group)
         state[key] = value.detach().to("cpu", copy=True).contiguous()
     return _as_hf_writes(module.source.model, state)
 

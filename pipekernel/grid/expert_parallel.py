@@ -55,7 +55,7 @@ import torch
 from pipekernel.errors import ConfigError
 
 __all__ = ["ExpertParallelGroup", "group", "context", "lane", "make_group", "expert_groups", "mark",
-           "is_expert", "check_config", "broadcast_experts",
+           "is_expert", "check_config", "broadcast_experts", "gather_slices",
            "gather_layer_state", "shard_layer_state", "full_shapes", "whole_state_dict"]
 
 
@@ -258,6 +258,12 @@ def _gather(part: torch.Tensor, dim: int, ep: ExpertParallelGroup) -> torch.Tens
 
     whole = funcol.all_gather_tensor(part.contiguous(), dim, ep.handle)
     return funcol.wait_tensor(whole)
+
+
+def gather_slices(part: torch.Tensor, dim: int, ep: ExpertParallelGroup) -> torch.Tensor:
+    """The whole stack of which ``part`` is this rank's slice along ``dim`` (collective over
+    the expert-parallel group; ``part`` itself when it has one member)."""
+    return part if ep.size == 1 else _gather(part, dim, ep)
 
 
 def _expert_params(layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, int]]:

@@ -1,0 +1,129 @@
+"""Expert parallelism on Hugging Face MoE blocks (``expert_parallel_size=2``): a tiny
+Qwen3-MoE (4 experts, top-2, router aux loss on) at PP2 x EP2 on 4 ranks trains one step
+like the unmodified model in one process with gradient accumulation over both replicas'
+micro-batches — loss and every parameter within 1e-5, each rank's expert stacks compared
+with its slice of the reference — under 1f1b and dualpipev; each rank holds 1/E of each
+MoE layer's experts (from the parameter shapes); ``save_pretrained`` writes whole experts
+(the directory loads into ``from_pretrained`` as the reference). Bad input — 2 not dividing
+3 experts, a dense model — is a ConfigError naming it.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hf_families as F  # noqa: E402
+import pipekernel as pk  # noqa: E402
+import pipekernel.hf as hf  # noqa: E402
+from pipekernel.grid import expert_parallel  # noqa: E402
+from pipekernel.testing import assert_parity, run_ranks  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+MICRO_BATCHES, REPLICAS, EXPERTS, COEF = 4, 2, 4, 0.5
+#: (schedule, chunks, partition): two decoder layers per stage / the V's four parts
+CASES = [("1f1b", None, [0, 3, 6]), ("dualpipev", 2, [0, 2, 3, 5, 6])]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def build(**changes):
+    model, why = F.build("qwen3_moe", output_router_logits=True, router_aux_loss_coef=COEF,
+                         **changes)
+    assert model is not None, why
+    return model
+
+
+def items(replica):
+    return [F.batch(100 * replica + m) for m in range(MICRO_BATCHES)]
+
+
+def reference():
+    """The unmodified model, one SGD step accumulating ``loss / (M * D)`` over every
+    replica's micro-batches: ``(mean loss, state_dict)``."""
+    model = build()
+    opt = sgd(model.parameters())
+    model.train()
+    total = 0.0
+    for replica in range(REPLICAS):
+        for b in items(replica):
+            loss = model(**b).loss / (MICRO_BATCHES * REPLICAS)
+            loss.backward()
+            total += loss.item()
+    opt.step()
+    return total, model.state_dict()
+
+
+def train(schedule, chunks, partition, path):
+    module = hf.pipeline_module(build(), num_stages=2, partition=partition)
+    engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=MICRO_BATCHES,
+                               schedule=schedule, chunks=chunks, expert_parallel_size=2,
+                               timeout=60)
+    try:
+        loss = engine.train_batch(iter(items(engine.data_parallel_rank))).item()
+        experts = {n.partition(".")[2] for n, p in engine.module.named_parameters()
+                   if expert_parallel.is_expert(p)}
+        state = {k.partition(".")[2]: v.detach().clone()
+                 for k, v in engine.module.state_dict().items()}
+        if path is not None:
+            hf.save_pretrained(engine, path)
+        return {"loss": loss, "state": state, "experts": experts,
+                "ep_rank": engine.ep_group.rank}
+    finally:
+        engine.close()
+
+
+def refused(**changes):
+    """What ``expert_parallel_size=2`` raises for ``changes`` to the model."""
+    model = build(**changes) if "model" not in changes else changes["model"]
+    module = hf.pipeline_module(model, num_stages=2, partition=[0, 3, 6])
+    try:
+        pk.PipelineEngine(module, optimizer=sgd, micro_batches=2, expert_parallel_size=2,
+                          timeout=60).close()
+    except pk.ConfigError as err:
+        return str(err)
+    return None
+
+
+def _worker(path):
+    torch.set_num_threads(1)
+    runs = [train(*case, path if index == 0 else None) for index, case in enumerate(CASES)]
+    dense, why = F.build("llama")
+    assert dense is not None, why
+    errors = [refused(num_experts=3, num_experts_per_tok=2), refused(model=dense)]
+    return runs, errors
+
+
+def _check(runs, ref_loss, ref_state):
+    covered = set()
+    for run in runs:
+        assert run["experts"], "every stage holds MoE blocks"
+        state, local, rank = run["state"], EXPERTS // 2, run["ep_rank"]
+        expected = {}
+        for key, value in state.items():
+            if key in run["experts"]:  # 1/E of each MoE layer's experts: this rank's slice
+                assert value.shape[0] == local, (key, value.shape)
+                expected[key] = ref_state[key][rank * local:(rank + 1) * local]
+            else:
+                expected[key] = ref_state[key]
+        assert_parity([run["loss"]], [ref_loss], state, expected)
+        covered |= set(state)
+    assert covered == set(ref_state)
+
+
+def test_qwen3_moe_pp2_ep2_trains_like_one_process(tmp_path):
+    results = run_ranks(_worker, 4, str(tmp_path), timeout=300)
+    ref_loss, ref_state = reference()
+    for index, case in enumerate(CASES):
+        _check([runs[index] for runs, _ in results], ref_loss, ref_state)
+    for _, errors in results:
+        assert "does not divide Qwen3MoeForCausalLM's 3 experts in model.layers.0.mlp" \
+               ".experts" in (errors[0] or ""), errors[0]
+        assert "LlamaForCausalLM's decoder layers (model.layers.*) hold no MoE experts " \
+               "module" in (errors[1] or ""), errors[1]
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert_parity([ref_loss], [ref_loss], saved.state_dict(), ref_state)
