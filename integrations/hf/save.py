@@ -55,7 +55,7 @@ def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
     # DTensors (FSDP2, a DTensor plan): every rank of the stage gathers them (collective)
     sharded = any(hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
     writes = engine.data_parallel_rank == 0 and engine.tp_group.rank == 0
-    if writes or sharded or engine.ep_group.size > 1:
+    if writes or sharded or _ep(engine).size > 1:
         state = stage_state(engine)
         if state and writes:
             from safetensors.torch import save_file
@@ -93,9 +93,13 @@ def stage_state(engine: Any) -> dict[str, torch.Tensor]:
             value = value.full_tensor()
         dim = getattr(params.get(name), "expert_parallel_dim", None)
         if dim is not None:  # this rank's experts: every expert (collective)
-            value = expert_parallel.gather_slices(value.detach(), dim, engine.ep_group)
+            value = expert_parallel.gather_slices(value.detach(), dim, _ep(engine))
         state[key] = value.detach().to("cpu", copy=True).contiguous()
     return _as_hf_writes(module.source.model, state)
+
+
+def _ep(engine: Any) -> Any:
+    return getattr(engine, "ep_group", None) or expert_parallel.group()
 
 
 def _as_hf_writes(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
