@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from pipekernel.comm.attempt import store_host
-from pipekernel.errors import ConfigError, PeerAbort, TransportTimeout, describe_where
+from pipekernel.errors import (ConfigError, PeerAbort, TransportError, TransportTimeout,
+                               describe_where)
 
 __all__ = ["AbortBoard", "check_consistency", "all_gather_objects"]
 
@@ -178,3 +179,23 @@ def check_consistency(transport: Any, fields: Mapping[str, Any], what: str = "co
                       rank=transport.rank)
 
 
+def root_cause(err: BaseException, transport: Any, board: AbortBoard, rank: int
+               ) -> BaseException:
+    """A transport failure is usually a symptom (the peer that failed closed its
+    connections): the failure another rank published on ``board``, if any, else ``err``.
+    Most waits check that themselves; sends, collectives and posting errors land here. A
+    device transport's overdue transfer (``transport.failure``) wins over what the host
+    hit after the watch aborted the communicators."""
+    failure = getattr(transport, "failure", None)
+    if failure is not None and failure is not err and not isinstance(err, PeerAbort):
+        return failure
+    if not isinstance(err, TransportError):
+        return err
+    try:
+        board.check()
+    except PeerAbort as abort:
+        abort.add_detail(f"rank {rank} then failed too"
+                         + (f" at {err.instruction}" if err.instruction is not None
+                            else "") + f": {err.message[:200]}")
+        return abort
+    return err

@@ -44,21 +44,18 @@ def check_loss_reduction(value: Any) -> str:
 
 
 class TokenLoss:
-    """Wraps a ``loss_fn`` returning ``(loss_sum, token_count)``: calls return the sum,
-    and the counts of the current batch are kept (as tensors: no device sync).
+    """Wraps a ``loss_fn`` returning ``(loss_sum, token_count)``: calls check that and
+    return ``(loss_sum, count)``, the count a 0-dim float64 tensor (no device sync). It
+    keeps nothing: the stage runtime records each count with its loss in the batch's
+    :class:`~pipekernel.step.optimizer_step.BatchLosses`, which the batch step owns.
 
     :param loss_fn: ``loss_fn(outputs, labels) -> (loss_sum, token_count)``.
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any]) -> None:
         self.loss_fn = loss_fn
-        self.counts: list[torch.Tensor] = []
 
-    def reset(self) -> None:
-        """Forget the counts (at the start of a batch)."""
-        self.counts = []
-
-    def __call__(self, outputs: Any, labels: Any) -> torch.Tensor:
+    def __call__(self, outputs: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
         result = self.loss_fn(outputs, labels)
         if not (isinstance(result, (tuple, list)) and len(result) == 2
                 and isinstance(result[0], torch.Tensor) and result[0].numel() == 1):
@@ -71,14 +68,7 @@ class TokenLoss:
         if count.numel() != 1:
             raise DataError(f"token_count must be one number, got {_describe(count)}",
                             hint="return the number of tokens the loss sum covers")
-        self.counts.append(count.detach().reshape(()).to(torch.float64))
-        return loss_sum
-
-    def local_tokens(self, device: Any) -> torch.Tensor:
-        """This rank's tokens in the current batch (0-dim float64 on ``device``)."""
-        if not self.counts:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack(self.counts).sum().to(device)
+        return loss_sum, count.detach().reshape(()).to(torch.float64)
 
 
 def _describe(obj: Any) -> str:
