@@ -26,6 +26,11 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
   outside the engine) and the split backward (:func:`backward_input`,
   :func:`backward_weight`);
 * nested values: :func:`map_tensors`, :func:`tensors_of`;
+* what hooks and checkpoints read of an engine: :class:`EngineView` (the built engine: the
+  object passed is the :class:`~pipekernel.PipelineEngine`, which implements it),
+  :class:`StageView` (the engine as ``pipekernel_parallelize_stage`` sees it) and
+  :class:`RuntimeView` (the stage runtime: handlers, inputs of a micro-batch) — typed,
+  read-only, each docstring the contract;
 * agreement across ranks: :func:`all_gather_objects`;
 * writing a transport: :data:`TORCH_REDUCE_OPS`, :func:`attempt`, :func:`attempt_prefix`,
   :func:`keyed_store`, :func:`bind_defaults_before_init`;
@@ -61,6 +66,7 @@ from pipekernel.comm.collectives import TORCH_REDUCE_OPS
 from pipekernel.comm.teardown import bind_defaults_before_init
 from pipekernel.engine.faults import all_gather_objects
 from pipekernel.extend.installed import entry_points
+from pipekernel.extend.views import EngineView, RuntimeView, StageView
 from pipekernel.grid.stage_parallel import find as find_stage_parallel
 from pipekernel.nested import map_tensors, tensors_of
 from pipekernel.stage.partitioning import Balance, Memory, Profile
@@ -80,4 +86,5 @@ __all__ = [
     "Precision", "cast_floats", "Balance", "Profile", "Memory", "SkipScope", "backward_input",
     "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "TORCH_REDUCE_OPS",
     "attempt", "attempt_prefix", "keyed_store", "bind_defaults_before_init", "entry_points",
+    "EngineView", "StageView", "RuntimeView",
 ]

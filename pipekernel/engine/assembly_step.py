@@ -16,7 +16,7 @@ import torch
 from pipekernel.engine.assembly import (Assembly, Layout, Options, Parts, Stage,
                                         check_max_grad_norm)
 from pipekernel.engine.parallelize import check_stage_parallel
-from pipekernel.engine.views import Placed
+from pipekernel.extend.views import Placed
 from pipekernel.errors import ConfigError
 from pipekernel.extend.manager import make_precision
 from pipekernel.grid import expert_parallel

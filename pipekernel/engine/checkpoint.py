@@ -77,6 +77,7 @@ from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _rea
                                          _write_file, latest_tag, layer_file, rank_file,
                                          read_meta)
 from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.extend.views import EngineView
 from pipekernel.nested import map_tensors
 
 __all__ = ["FORMAT_VERSION", "save", "load", "resume", "load_sequential", "read_meta",
@@ -189,16 +190,16 @@ def _cpu(obj: Any) -> Any:
     return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
-def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
+def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
     """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
     canonical layers only), with whole tensors: ZeRO-1 shards (a collective
     ``state_dict``) and tensor-parallel shards (gathered) put together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
-    ep = getattr(engine, "ep_group", None) or expert_parallel.group()
+    ep = engine.ep_group
     if engine.data_parallel_rank >= ep.size:  # the first expert-parallel group gathers
         return {}
-    tp_group = getattr(engine, "tp_group", None) or tp.group()
+    tp_group = engine.tp_group
     index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
                 if optimizer is not None else {})
     groups = _group_of(optimizer) if optimizer is not None else {}
@@ -231,7 +232,7 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
+def _rank_payload(engine: EngineView, client_state: Any) -> dict[str, Any]:
     precision_state = dict(engine.precision.state_dict())
     precision_state.pop(_MASTERS, None)  # kept per parameter in the layer files
     scheduler = engine.lr_scheduler
@@ -247,7 +248,7 @@ def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
     })
 
 
-def _layout(engine: Any) -> dict[str, Any]:
+def _layout(engine: EngineView) -> dict[str, Any]:
     topo = engine.topology
     return {"num_stages": engine.num_stages, "data_parallel_size": engine.data_parallel_size,
             "world_size": engine.transport.world_size, "chunks": engine.chunks,
@@ -265,7 +266,7 @@ def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
     return saved == ours
 
 
-def _meta(engine: Any) -> dict[str, Any]:
+def _meta(engine: EngineView) -> dict[str, Any]:
     import pipekernel
     module = engine.pipeline_module
     layers = _layer_meta(module)
@@ -310,7 +311,7 @@ def _publish(root: str, tag: str, tmp: str, final: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
+def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
          client_state: Any = None) -> str:
     """Write a checkpoint of ``engine`` to ``root/tag`` and point ``root/latest`` at it.
 
@@ -404,7 +405,7 @@ def _check_model(meta: dict, module: Any, directory: str,
                     hint="load it with the layer list it was saved from")
 
 
-def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
     """Load checkpoint ``tag`` (default: the one ``root/latest`` names) into ``engine``.
 
     Collective: every rank calls it. Each rank reads the layer files of the layers it
@@ -423,8 +424,8 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
     root = os.fspath(root)
     rank, transport = engine.rank, engine.transport
     local = _local_layers(engine.module, engine.pipeline_module)
-    tp_group = getattr(engine, "tp_group", None) or tp.group()
-    ep = getattr(engine, "ep_group", None) or expert_parallel.group()
+    tp_group = engine.tp_group
+    ep = engine.ep_group
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
@@ -458,7 +459,7 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
             "exact": exact, "meta": meta}
 
 
-def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
+def resume(engine: EngineView, root: str | os.PathLike) -> dict[str, Any] | None:
     """Load the checkpoint ``root/latest`` names if there is one: the one call that makes
     a job (re)started by torchrun, a scheduler or by hand continue where it left off.
 
@@ -488,7 +489,7 @@ def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
     return None if tag is None else load(engine, root, tag)
 
 
-def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
+def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: bool,
            meta: dict) -> None:
     precision, optimizer = engine.precision, engine.optimizer
     masters: dict[str, torch.Tensor] = {}
@@ -500,9 +501,9 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
             if payload is None:
                 continue
             state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
-                                                getattr(engine, "tp_group", None) or tp.group())
+                                                engine.tp_group)
             state, optim = expert_parallel.shard_layer_state(
-                layer, state, optim, getattr(engine, "ep_group", None) or expert_parallel.group())
+                layer, state, optim, engine.ep_group)
             payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)
@@ -525,10 +526,9 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
     scheduler_state = mine.get("lr_scheduler")
     if engine.lr_scheduler is not None and scheduler_state is not None:
         engine.lr_scheduler.load_state_dict(scheduler_state)
-    engine.global_steps = int(meta["global_steps"])
-    engine.skipped_steps = int(meta["skipped_steps"])
-    engine.trained_micro_batches = int(mine.get("data_position",
-                                                meta["global_steps"] * engine.micro_batches))
+    engine.restore_counters(int(meta["global_steps"]), int(meta["skipped_steps"]),
+                            int(mine.get("data_position",
+                                         meta["global_steps"] * engine.micro_batches)))
     if exact:
         rng = mine["rng"]
         torch.set_rng_state(rng["cpu"])

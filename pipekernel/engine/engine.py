@@ -23,7 +23,7 @@ from pipekernel.engine.assembly_step import make_lr_scheduler, make_optimizer
 from pipekernel.engine.faults import AbortBoard, check_consistency, root_cause
 from pipekernel.engine.parallelize import refuse_sharded_checkpoint
 from pipekernel.engine.state import RunState
-from pipekernel.engine.views import Placed
+from pipekernel.extend.views import Placed
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
@@ -251,6 +251,13 @@ class PipelineEngine(Placed):
     last_grad_norm = property(lambda self: self.state.last_grad_norm,
                               doc="Global gradient norm of the last step (before clipping), "
                                   "when clipping.")
+
+    def restore_counters(self, global_steps: int, skipped_steps: int,
+                         trained_micro_batches: int) -> None:
+        """Set the step counters (a checkpoint loader, after loading the state)."""
+        state = self.state
+        state.global_steps, state.skipped_steps = global_steps, skipped_steps
+        state.trained_micro_batches = trained_micro_batches
 
     @property
     def schedule(self) -> str:

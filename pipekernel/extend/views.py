@@ -6,6 +6,11 @@ the engine itself (:class:`~pipekernel.PipelineEngine` implements :class:`Engine
 :class:`~pipekernel.engine.assembly_step.StageBuild` while the stage is being parallelized
 (:class:`StageView`), and the stage runtime (:class:`RuntimeView`): an attribute outside
 these views is internal and may change between versions.
+
+Why the engine itself and not a copy: plugins written before these views read
+``engine.<attr>`` (``engine.transport``, ``engine.grid``, ...); the engine implementing the
+Protocol keeps them working, costs nothing per hook call, and a type checker holds
+plugins that annotate ``engine: EngineView`` to the contract.
 """
 from __future__ import annotations
 
@@ -65,7 +70,8 @@ class StageView(Protocol):
       ``mesh`` (the :class:`~torch.distributed.device_mesh.DeviceMesh` or ``None``),
       ``grid`` (its groups: ``grid.require_mesh(what)``), ``parallel`` (the
       :class:`~pipekernel.grid.parallel.ParallelConfig` of the tensor-parallel, sharding and
-      expert options), ``pm`` (the engine's plugin manager).
+      expert options), ``tp_group`` / ``ep_group`` (this rank's tensor-parallel and
+      expert-parallel groups), ``pm`` (the engine's plugin manager).
 
     Read only: the engine does not expect a plugin to assign any of these.
     """
@@ -91,6 +97,8 @@ class StageView(Protocol):
     mesh: Any
     grid: Any
     parallel: Any
+    tp_group: Any
+    ep_group: Any
     pm: Any
 
     def is_first_stage(self) -> bool: ...
@@ -115,6 +123,9 @@ class EngineView(StageView, Protocol):
     * the kernel: ``instruction_types`` (every instruction class it dispatches) and
       ``position`` (``(schedule step, instruction)`` running now, or ``None``).
 
+    Read only, but for one call: ``restore_counters(global_steps, skipped_steps,
+    trained_micro_batches)``, which a checkpoint loader makes after loading the state.
+
     The hook argument is the :class:`~pipekernel.PipelineEngine` itself (so a plugin that
     reads another attribute still works), but only what is listed here is a contract.
     """
@@ -134,6 +145,9 @@ class EngineView(StageView, Protocol):
     instruction_types: tuple[type, ...]
     position: Any
 
+    def restore_counters(self, global_steps: int, skipped_steps: int,
+                         trained_micro_batches: int) -> None: ...
+
 
 @runtime_checkable
 class RuntimeView(Protocol):
@@ -146,6 +160,8 @@ class RuntimeView(Protocol):
     * ``inputs_of(instruction)``: the inputs the buffer of ``instruction``'s micro-batch
       holds now (``None``: none yet), e.g. to count the samples a stage reads;
     * ``outputs``: the last-stage outputs of the last ``eval_batch(return_outputs=True)``;
+    * ``flush()``: wait for the sends still in flight (before a checkpoint or a collective
+      outside a batch);
     * ``stage``, ``chunks``, ``micro_batches`` (of the running batch), ``transport``.
     """
 
@@ -158,3 +174,5 @@ class RuntimeView(Protocol):
     def handlers(self) -> Mapping[type, Callable[[Any], Any]]: ...
 
     def inputs_of(self, instruction: Any) -> Any: ...
+
+    def flush(self) -> None: ...
