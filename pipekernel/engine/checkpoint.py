@@ -61,7 +61,6 @@ import errno
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 import uuid
@@ -76,6 +75,7 @@ from pipekernel.grid import tensor_parallel as tp
 from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _read_layer, _read_rank,
                                          _write_file, latest_tag, layer_file, rank_file,
                                          read_meta)
+from pipekernel.engine.agreement import check_consistency, raise_on_every_rank
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.views import EngineView
 from pipekernel.nested import map_tensors
@@ -132,36 +132,10 @@ def _layer_meta(module: Any) -> list[dict[str, Any]]:
 
 def _agree(transport: Any, error: BaseException | None, rank: int) -> None:
     """Raise on every rank if any rank has ``error`` (the lowest failing rank's error,
-    with its rank); return normally when all succeeded. Two collectives at most."""
-    world = transport.world_size
-    device = transport.device
-    flags = torch.zeros(world, dtype=torch.float32, device=device)
-    if error is not None:
-        flags[rank] = 1.0
-    transport.all_reduce(flags)
-    failed = [r for r, v in enumerate(flags.cpu().tolist()) if v > 0]
-    if not failed:
-        return
-    first = failed[0]
-    if error is not None and not isinstance(error, PipelineError):
-        error = ConfigError(f"{type(error).__name__}: {error}",
-                            hint="look at this rank's traceback above: its checkpoint step failed "
-                                 "there; every rank stopped with it")
-    if isinstance(error, PipelineError):
-        error.locate(rank=rank)
-    blob = pickle.dumps(error) if rank == first else b""
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    transport.broadcast(size, first)
-    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if rank == first
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-    transport.broadcast(data, first)
-    if error is not None:
-        raise error
-    remote = pickle.loads(bytes(data.cpu().numpy().tobytes()))
-    others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
-    if isinstance(remote, PipelineError):
-        remote.add_detail(f"raised on rank {first}, seen by rank {rank}{others}")
-    raise remote
+    with its rank); return normally when all succeeded
+    (:func:`pipekernel.engine.agreement.raise_on_every_rank`)."""
+    raise_on_every_rank(transport, error, hint="look at this rank's traceback above: its "
+                        "checkpoint step failed there; every rank stopped with it")
 
 
 def _attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
@@ -473,8 +447,6 @@ def resume(engine: EngineView, root: str | os.PathLike) -> dict[str, Any] | None
         must be one directory every rank shares.
     :raises DataError: ``latest`` names a missing or truncated checkpoint.
     """
-    from pipekernel.engine.faults import check_consistency
-
     root = os.fspath(root)
     tag, error = _attempt(lambda: latest_tag(root)
                           if os.path.exists(os.path.join(root, "latest")) else None)

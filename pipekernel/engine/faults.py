@@ -8,7 +8,7 @@ data-alignment fingerprint lives with the stage, :mod:`pipekernel.stage.fingerpr
   :class:`~pipekernel.errors.PeerAbort` naming the failing rank, stage,
   micro-batch and instruction — within about a second, not after the timeout.
   Nothing is read while no wait blocks: the hot path pays nothing.
-* :func:`check_consistency` — one all-reduce of a hash of the fields every rank
+* :func:`check_consistency` (:mod:`pipekernel.engine.agreement`) — one all-reduce of a hash of the fields every rank
   must agree on (schedule, chunks, micro-batches, stages, partition bounds, layer
   count, precision, pipekernel version); only on a mismatch a detailed exchange
   follows, and every rank raises a ``ConfigError`` naming the fields and the
@@ -16,19 +16,15 @@ data-alignment fingerprint lives with the stage, :mod:`pipekernel.stage.fingerpr
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from pipekernel.comm.attempt import store_host
-from pipekernel.errors import (ConfigError, PeerAbort, TransportError, TransportTimeout,
-                               describe_where)
+from pipekernel.engine.agreement import all_gather_objects, check_consistency  # noqa: F401
+from pipekernel.errors import PeerAbort, TransportError, TransportTimeout, describe_where
 
-__all__ = ["AbortBoard", "check_consistency", "all_gather_objects"]
+__all__ = ["AbortBoard", "root_cause", "check_consistency", "all_gather_objects"]
 
 #: the failing rank's location fields an abort record carries (rank aside)
 _LOCATION = ("stage", "train_step", "eval_after", "step", "micro_batch", "instruction")
@@ -122,61 +118,6 @@ def peer_abort(record: Mapping[str, Any], seen_by: int) -> PeerAbort:
                      train_step=record.get("train_step"), eval_after=record.get("eval_after"),
                      micro_batch=record.get("micro_batch"),
                      instruction=record.get("instruction"))
-
-
-def all_gather_objects(transport: Any, obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, by rank, on every rank (collectives only)."""
-    rank, world, device = transport.rank, transport.world_size, transport.device
-    data = pickle.dumps(obj)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    sizes[rank] = len(data)
-    transport.all_reduce(sizes)
-    out = []
-    for src, size in enumerate(sizes.tolist()):
-        if src == rank:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-        transport.broadcast(buf, src)
-        out.append(obj if src == rank else pickle.loads(buf.cpu().numpy().tobytes()))
-    return out
-
-
-def _digest(fields: Mapping[str, Any]) -> int:
-    text = json.dumps(fields, sort_keys=True, default=repr)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-
-
-def check_consistency(transport: Any, fields: Mapping[str, Any], what: str = "configuration"
-                      ) -> None:
-    """Raise ``ConfigError`` on every rank if ranks disagree on any of ``fields``.
-
-    One all-reduce of ``[h, -h]`` with ``max`` (``h`` a 56-bit hash of the
-    fields) tells whether all agree; only then the fields themselves are
-    exchanged, to name what differs and where.
-    """
-    if transport.world_size == 1:
-        return
-    h = _digest(fields)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=transport.device)
-    transport.all_reduce(both, "max")
-    high, low = both.tolist()
-    if high == h and -low == h:
-        return
-    every = all_gather_objects(transport, dict(fields))
-    lines = []
-    for key in sorted({k for f in every for k in f}):
-        values: dict[str, list[int]] = {}
-        for r, f in enumerate(every):
-            values.setdefault(repr(f.get(key, "<missing>")), []).append(r)
-        if len(values) > 1:
-            lines.append(f"{key}: " + "; ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
-                                                 f"{', '.join(map(str, rs))}"
-                                                 for v, rs in values.items()))
-    raise ConfigError(f"the ranks disagree on their {what}:\n    " + "\n    ".join(lines),
-                      hint="construct the engine with the same arguments (and the same "
-                           "pipekernel version) on every rank",
-                      rank=transport.rank)
 
 
 def root_cause(err: BaseException, transport: Any, board: AbortBoard, rank: int

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, DataError
+from pipekernel.nested import describe
 
 __all__ = ["LOSS_REDUCTIONS", "TokenLoss", "check_loss_reduction"]
 
@@ -60,20 +61,12 @@ class TokenLoss:
         if not (isinstance(result, (tuple, list)) and len(result) == 2
                 and isinstance(result[0], torch.Tensor) and result[0].numel() == 1):
             raise DataError(f"with loss_reduction='tokens' loss_fn must return (loss_sum, "
-                            f"token_count), got {_describe(result)}",
+                            f"token_count), got {describe(result)}",
                             hint="return e.g. (F.cross_entropy(logits, labels, "
                                  "reduction='sum', ignore_index=-100), (labels != -100).sum())")
         loss_sum, count = result
         count = torch.as_tensor(count, device=loss_sum.device)
         if count.numel() != 1:
-            raise DataError(f"token_count must be one number, got {_describe(count)}",
+            raise DataError(f"token_count must be one number, got {describe(count)}",
                             hint="return the number of tokens the loss sum covers")
         return loss_sum, count.detach().reshape(()).to(torch.float64)
-
-
-def _describe(obj: Any) -> str:
-    if isinstance(obj, torch.Tensor):
-        return f"tensor{tuple(obj.shape)} {obj.dtype}"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in obj) + ")"
-    return type(obj).__name__

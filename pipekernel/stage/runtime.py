@@ -33,7 +33,7 @@ from pipekernel.stage.skip_routing import SkipRouter, SkipState
 from pipekernel.grid.topology import Topology
 from pipekernel.step.optimizer_step import BatchLosses
 from pipekernel.comm.wire import Channel, flatten
-from pipekernel.nested import map_tensors
+from pipekernel.nested import describe, map_tensors
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -471,13 +471,13 @@ class StageRuntime:
         except Exception as err:
             raise DataError(
                 f"loss_fn(outputs, labels) failed for micro-batch {micro_batch}: "
-                f"{type(err).__name__}: {err} (outputs: {_describe(buffer.outputs)}, "
-                f"labels: {_describe(labels)})",
+                f"{type(err).__name__}: {err} (outputs: {describe(buffer.outputs)}, "
+                f"labels: {describe(labels)})",
                 hint="make the labels from the data iterator match what loss_fn expects"
             ) from err
         loss, tokens = loss if self.tokens else (loss, None)
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise DataError(f"loss_fn returned {_describe(loss)}, expected a scalar tensor",
+            raise DataError(f"loss_fn returned {describe(loss)}, expected a scalar tensor",
                             hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
         return loss.reshape(()), tokens
 
@@ -608,11 +608,3 @@ def _detach_like(obj: Any) -> Any:
     return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
 
 
-def _describe(obj: Any) -> str:
-    if isinstance(obj, torch.Tensor):
-        return f"tensor{tuple(obj.shape)} {obj.dtype}"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in obj) + ")"
-    if isinstance(obj, dict):
-        return "{" + ", ".join(f"{k!r}: {_describe(o)}" for k, o in obj.items()) + "}"
-    return type(obj).__name__
