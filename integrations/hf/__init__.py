@@ -12,14 +12,16 @@ projection by the model's own forward), :mod:`~pipekernel.hf.probe` (what is ref
 time), :mod:`~pipekernel.hf.weights` (each stage's own weights, through transformers' key
 conversion), :mod:`~pipekernel.hf.module` (``pipeline_module``),
 :mod:`~pipekernel.hf.batches` (dict micro-batches), :mod:`~pipekernel.hf.loss` (the shifted
-causal-LM loss), :mod:`~pipekernel.hf.save` (``save_pretrained``). See ``docs/hf.md``.
+causal-LM loss), :mod:`~pipekernel.hf.router` (the MoE router auxiliary loss across stages),
+:mod:`~pipekernel.hf.save` (``save_pretrained``). See ``docs/hf.md``.
 
 Imported only when used; the core never imports it."""
 from pipekernel.hf.batches import split_batch
-from pipekernel.hf.loss import IGNORE_INDEX, causal_lm_loss
+from pipekernel.hf.loss import IGNORE_INDEX, causal_lm_loss, causal_lm_mean_loss
 from pipekernel.hf.module import HFPipelineModule, pipeline_module
 from pipekernel.hf.save import save_pretrained
 from pipekernel.hf.structure import Structure, find_structure
 
-__all__ = ["pipeline_module", "save_pretrained", "causal_lm_loss", "split_batch",
+__all__ = ["pipeline_module", "save_pretrained", "causal_lm_loss", "causal_lm_mean_loss",
+           "split_batch",
            "find_structure", "Structure", "HFPipelineModule", "IGNORE_INDEX"]

@@ -34,6 +34,9 @@ import torch
 from torch import nn
 
 from pipekernel.errors import ConfigError
+from pipekernel.stage.aux_loss import add_aux_loss
+
+from pipekernel.hf import router as routing
 
 __all__ = ["Mirror", "Embed", "Prologue", "Decoder", "Epilogue", "Chain", "embed_tokens"]
 
@@ -170,13 +173,16 @@ class Prologue(Mirror):
     :param children: ``{path: module}`` of the materialised children that run before the
         layers (e.g. learned positions, rotary embeddings).
     :param first: the materialised decoder layer 0 (``{layers}.0``).
+    :param router: the router auxiliary loss to carry (:mod:`pipekernel.hf.router`), or
+        ``None``.
     """
 
     def __init__(self, base: nn.Module, base_path: str, children: dict[str, nn.Module],
                  layers: str, num_layers: int, embed: str, tail: Sequence[str],
-                 first: nn.Module) -> None:
+                 first: nn.Module, router: routing.RouterAux | None = None) -> None:
         super().__init__({**children, f"{layers}.0": first})
         self.__dict__["log"] = log = _Log()
+        self.__dict__["router"], self.__dict__["first"] = router, first
         shell = copy.copy(base)
         shell._modules = dict(base._modules)
         shell._parameters, shell._buffers = dict(base._parameters), dict(base._buffers)
@@ -204,15 +210,21 @@ class Prologue(Mirror):
         self.log.clear()
         order: list[Any] = []
         hooks = [] if self.checked else self._watch(order)
+        partial = None if self.router is None \
+            else routing.start(inputs, inputs["inputs_embeds"].device, self.router.masked)
         try:
-            self.shell(**inputs, **self.options)
+            _, partial = routing.routed(self.router, 0, self.first, partial,
+                                        lambda: self.shell(**inputs, **self.options))
         finally:
             for hook in hooks:
                 hook.remove()
         if not self.checked:
             self._check_order(order)
             self._check_calls()
-        return _pack(self.log.calls, self.log.hidden)
+        out = _pack(self.log.calls, self.log.hidden)
+        if partial is not None:
+            out["router"] = partial
+        return out
 
     def _watch(self, order: list[Any]) -> list[Any]:
         """Hooks noting the order in which the children and the first layer run (``None``)."""
@@ -292,29 +304,43 @@ def _check_carriable(name: str, value: Any) -> None:
 
 
 class Decoder(Mirror):
-    """Decoder layer ``index``, called with the arguments the prologue recorded for it."""
+    """Decoder layer ``index``, called with the arguments the prologue recorded for it;
+    with ``router``, its router logits are added to the partial sums ``x["router"]``."""
 
-    def __init__(self, path: str, module: nn.Module, index: int) -> None:
+    def __init__(self, path: str, module: nn.Module, index: int,
+                 router: routing.RouterAux | None = None) -> None:
         super().__init__({path: module})
-        self.__dict__["target"] = module
+        self.__dict__["target"], self.__dict__["router"] = module, router
         self.index = index
 
     def forward(self, x: dict[str, Any]) -> dict[str, Any]:
         slots, named = x["calls"][self.index]
         values = x["values"]
-        out = self.target(x["hidden"], *(values[i] for i in slots),
-                          **{k: values[i] for k, i in named.items()})
-        return {**x, "hidden": out[0] if isinstance(out, (tuple, list)) else out}
+        out, partial = routing.routed(
+            self.router, self.index, self.target, x.get("router"),
+            lambda: self.target(x["hidden"], *(values[i] for i in slots),
+                                **{k: values[i] for k, i in named.items()}))
+        out = {**x, "hidden": out[0] if isinstance(out, (tuple, list)) else out}
+        if partial is not None:
+            out["router"] = partial
+        return out
 
 
 class Epilogue(Mirror):
-    """The base model's children that run after the layers (the final norm), in order."""
+    """The base model's children that run after the layers (the final norm), in order;
+    with ``router``, the router auxiliary loss of every layer's partial sums is added to
+    the objective here (:func:`pipekernel.add_aux_loss`)."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module],
+                 router: routing.RouterAux | None = None) -> None:
         super().__init__(modules)
-        self.__dict__["steps"] = list(modules.values())
+        self.__dict__["steps"], self.__dict__["router"] = list(modules.values()), router
 
     def forward(self, x: dict[str, Any]) -> torch.Tensor:
+        if self.router is not None and x.get("router") is not None:
+            value = routing.aux_value(x["router"], self.router)
+            if value is not None:
+                add_aux_loss(self.router.coef * value)
         hidden = x["hidden"]
         for module in self.steps:
             hidden = module(hidden)

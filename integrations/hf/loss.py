@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pipekernel.errors import DataError
 
-__all__ = ["IGNORE_INDEX", "causal_lm_loss"]
+__all__ = ["IGNORE_INDEX", "causal_lm_loss", "causal_lm_mean_loss"]
 
 #: Labels with this value take no loss (Hugging Face's and PyTorch's convention).
 IGNORE_INDEX = -100
@@ -34,3 +34,12 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None
     loss_sum = F.cross_entropy(logits, shifted.to(logits.device), ignore_index=IGNORE_INDEX,
                                reduction="sum")
     return loss_sum, (shifted != IGNORE_INDEX).sum()
+
+
+def causal_lm_mean_loss(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """The mean of the shifted token losses of one micro-batch (fp32): the ``loss`` a Hugging
+    Face causal LM's forward returns, which :func:`pipeline_module` uses with a router
+    auxiliary loss (``loss_reduction="mean"``: the mean over micro-batches of the model's
+    own loss, as gradient accumulation of ``model(**batch).loss`` computes it)."""
+    loss_sum, count = causal_lm_loss(logits, labels)
+    return loss_sum / count

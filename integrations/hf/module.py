@@ -18,8 +18,9 @@ from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.hf.batches import split_batch
 from pipekernel.hf.head import Head, TiedHead
 from pipekernel.hf.layers import Chain, Decoder, Embed, Epilogue, Prologue, embed_tokens
-from pipekernel.hf.loss import causal_lm_loss
+from pipekernel.hf.loss import causal_lm_loss, causal_lm_mean_loss
 from pipekernel.hf.probe import check_config, probe
+from pipekernel.hf.router import RouterAux, find_router_aux
 from pipekernel.hf.structure import Structure, find_structure
 from pipekernel.hf.weights import make_source
 
@@ -36,11 +37,14 @@ class HFPipelineModule(PipelineModule):
     :ivar config: the model's ``transformers`` config.
     :ivar structure: the :class:`~pipekernel.hf.structure.Structure` found.
     :ivar source: the weight source (``source.bytes_read``: checkpoint bytes read so far).
+    :ivar router_aux: the router auxiliary loss the layers carry and add
+        (:mod:`pipekernel.hf.router`), ``None`` when the model's forward adds none.
     """
 
     config: Any
     structure: Structure
     source: Any
+    router_aux: RouterAux | None
 
 
 def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
@@ -78,33 +82,38 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     source = make_source(model_or_path)
     structure = find_structure(source.model, layers=layers, tail=tail)
     check_config(source.model)
+    router = find_router_aux(source.model, structure.base, structure.layers,
+                             structure.num_layers)
     if check:
-        chain = _chain(_layer_specs(_Borrowed(source.model), structure))
+        chain = _chain(_layer_specs(_Borrowed(source.model), structure, router))
         probe(source.model, chain, structure.tied, loss="loss_fn" not in options)
-    specs = _layer_specs(source, structure)
-    options.setdefault("loss_fn", causal_lm_loss)
+    specs = _layer_specs(source, structure, router)
+    # with a router aux loss the objective is the model's own per-micro-batch loss, the
+    # token mean plus the aux loss (loss_reduction="mean"; see docs/hf.md)
+    options.setdefault("loss_fn", causal_lm_loss if router is None else causal_lm_mean_loss)
     options.setdefault("batch_fn", split_batch)
     module = HFPipelineModule(specs, num_stages=num_stages, partition=partition, **options)
     module.config, module.structure, module.source = source.config, structure, source
+    module.router_aux = router
     return module
 
 
-def _layer_specs(source: Any, s: Structure) -> list[LayerSpec]:
+def _layer_specs(source: Any, s: Structure, router: RouterAux | None) -> list[LayerSpec]:
     def embed() -> nn.Module:
         return Embed(s.embed, source.build(s.embed))
 
     def prologue(first: nn.Module) -> nn.Module:
         base = source.model.get_submodule(s.base) if s.base else source.model
         return Prologue(base, s.base, {p: source.build(p) for p in s.prologue}, s.layers,
-                        s.num_layers, s.embed, s.tail, first)
+                        s.num_layers, s.embed, s.tail, first, router)
 
     def decoder(j: int) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
             path = f"{s.layers}.{j}"
             module = source.build(path)
-            parts = [prologue(module) if j == 0 else Decoder(path, module, j)]
+            parts = [prologue(module) if j == 0 else Decoder(path, module, j, router)]
             if j == s.num_layers - 1:
-                parts.append(Epilogue({p: source.build(p) for p in s.tail}))
+                parts.append(Epilogue({p: source.build(p) for p in s.tail}, router))
             return Chain(parts) if len(parts) > 1 else parts[0]
         make.__name__ = f"Decoder{j}"
         return make

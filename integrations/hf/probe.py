@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipekernel.errors import ConfigError
+from pipekernel.stage.aux_loss import aux_losses
 
 __all__ = ["probe", "check_config"]
 
@@ -26,23 +27,13 @@ _DOCS = "see docs/hf.md, 'What is refused'"
 
 
 def check_config(model: nn.Module) -> None:
-    """Refuse a config whose training the pipeline does not reproduce, naming the option.
-
-    * ``output_router_logits=True`` (MoE): the forward adds the router's auxiliary
-      load-balancing loss (``router_aux_loss_coef``) to the loss; the pipeline's loss is the
-      causal-LM loss only (router auxiliary losses: issue 30).
-    * ``layerdrop > 0``: layers are skipped at random in training.
+    """Refuse a config whose training the pipeline does not reproduce, naming the option:
+    ``layerdrop > 0`` (layers are skipped at random in training). A router auxiliary loss
+    (``output_router_logits=True``) is :func:`pipekernel.hf.router.find_router_aux`'s.
     """
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = type(model).__name__
-    if getattr(text, "output_router_logits", False):
-        coef = getattr(text, "router_aux_loss_coef", None)
-        raise ConfigError(f"{name} has output_router_logits=True: its forward adds the router "
-                          f"auxiliary loss (router_aux_loss_coef={coef}) to the loss, which the "
-                          "pipeline does not reproduce yet (MoE router aux losses, issue 30)",
-                          hint="set config.output_router_logits=False to train on the causal-LM "
-                               f"loss alone; {_DOCS}")
     for key, value in text.to_dict().items():
         if key.endswith("layerdrop") and isinstance(value, (int, float)) and value > 0:
             raise ConfigError(f"{name} has {key}={value}: its forward skips decoder layers at "
@@ -67,7 +58,7 @@ def probe(model: nn.Module, chain: list, tied: bool, loss: bool = True) -> None:
     was = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), aux_losses() as aux:
             out = None if meta else model(**inputs, labels=ids)
             got = _run(chain, inputs, model, meta)
     finally:
@@ -75,7 +66,7 @@ def probe(model: nn.Module, chain: list, tied: bool, loss: bool = True) -> None:
     if got is not None:
         _compare(model, got, out.logits)
         if loss:
-            _compare_loss(model, out, ids)
+            _compare_loss(model, out, ids, sum(float(a) for a in aux))
 
 
 def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tensor | None:
@@ -96,13 +87,14 @@ def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tenso
     return None if meta else x
 
 
-def _compare_loss(model: nn.Module, out: Any, labels: torch.Tensor) -> None:
-    """The model's own loss is the shifted causal-LM loss the pipeline computes."""
+def _compare_loss(model: nn.Module, out: Any, labels: torch.Tensor, aux: float) -> None:
+    """The model's own loss is the shifted causal-LM loss the pipeline computes (plus the
+    auxiliary losses its layers added, ``aux``)."""
     from pipekernel.hf.loss import causal_lm_loss
     if getattr(out, "loss", None) is None:
         return
     total, count = causal_lm_loss(out.logits, labels)
-    mine, theirs = (total / count).item(), out.loss.float().item()
+    mine, theirs = (total / count).item() + aux, out.loss.float().item()
     if abs(mine - theirs) > 1e-4 * max(1.0, abs(theirs)):
         raise ConfigError(f"{type(model).__name__}.forward's loss ({theirs:.6g} on the probe) is "
                           f"not the shifted causal-LM loss the pipeline computes ({mine:.6g})",
