@@ -8,47 +8,31 @@ hooks and checkpoints get: hooks receive the engine itself, so a plugin reading
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Iterable, Iterator
-from operator import attrgetter
 from typing import Any
 
 import torch
 
 from pipekernel.comm import clusters, teardown  # noqa: F401 - teardown binds at import
-from pipekernel.comm.attempt import attempt_prefix
 from pipekernel.engine.assembly import Assembly, assemble, check_options
 from pipekernel.engine.assembly_step import make_lr_scheduler, make_optimizer
-from pipekernel.engine.faults import AbortBoard, check_consistency, root_cause
+from pipekernel.engine.faults import engine_board, root_cause
+from pipekernel.engine.fields import EngineFields
 from pipekernel.engine.parallelize import refuse_sharded_checkpoint
+from pipekernel.engine.programs import (agree_micro_batches, check_micro_batch_count,
+                                        check_micro_batches, load_program, program_of)
 from pipekernel.engine.state import RunState
-from pipekernel.extend.views import Placed
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.kernel.program import LoadedProgram
-from pipekernel.schedules.program import compile_program
 from pipekernel.stage.module import PipelineModule
-from pipekernel.stage.skip_routing import check_schedules
-from pipekernel.step.grad_reduce import settled_parameters
 
 __all__ = ["PipelineEngine"]
 
 
-def _read(path: str, doc: str | None = None) -> property:
-    """A read-only attribute of the engine: ``path`` in its assembly."""
-    get = attrgetter(path)
-    return property(lambda self: get(self._assembly), doc=doc)
-
-
-def _run_state(name: str, doc: str | None = None) -> property:
-    """An attribute of the engine's run state (checkpoints restore the counters)."""
-    return property(lambda self: getattr(self.state, name),
-                    lambda self, value: setattr(self.state, name, value), doc=doc)
-
-
-class PipelineEngine(Placed):
+class PipelineEngine(EngineFields):
     """Train and evaluate a :class:`PipelineModule` with pipeline × data parallelism.
 
     Every rank of the world constructs the engine with the same arguments.
@@ -171,7 +155,7 @@ class PipelineEngine(Placed):
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
         # a launcher's world (a SLURM step, Ray Train) is joined through torchrun's variables
         world = clusters.export()
-        _check_micro_batch_count(micro_batches, world.rank if world is not None else None)
+        check_micro_batch_count(micro_batches, world.rank if world is not None else None)
         if isinstance(grad_bucket_mb, bool) or not (isinstance(grad_bucket_mb, (int, float))
                                                     and grad_bucket_mb >= 0):
             raise ConfigError(f"grad_bucket_mb must be a number >= 0, got {grad_bucket_mb!r}",
@@ -179,7 +163,7 @@ class PipelineEngine(Placed):
         pm = make_plugin_manager(plugins, autoload=autoload_plugins, disabled=disable_plugins)
         made = make_transport(pm, transport, {"timeout": timeout, **(transport_options or {})})
         #: the first failure of this engine's ranks (see pipekernel.engine.faults)
-        self.abort_board = _abort_board(made)
+        self.abort_board = engine_board(made)
         #: what changes as the engine runs (:class:`~pipekernel.engine.state.RunState`)
         self.state = RunState(micro_batches)
         #: (schedule class, micro-batch count) -> its loaded program: the one cache of them
@@ -205,74 +189,6 @@ class PipelineEngine(Placed):
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
             raise
-
-    # -- what it is built of (read-only; the contract is pipekernel.plugin.EngineView) ---
-    pipeline_module = _read("pipeline_module", "The user's PipelineModule.")
-    pm = _read("pm", "The engine's plugin manager (its own plugins).")
-    transport = _read("transport")
-    precision = _read("precision", "The precision policy.")
-    topology = _read("layout.topology", "This rank's Topology.")
-    schedule_cls, eval_schedule_cls = _read("layout.schedule_cls"), _read("layout.eval_schedule_cls")
-    chunks, placement = _read("layout.chunks"), _read("layout.placement")
-    plan = _read("layout.plan", "The Plan schedule='auto' chose (else None).")
-    part_stages = _read("parts.part_stages", "Which stage holds each part.")
-    bounds = _read("parts.bounds")
-    partition_report = _read("parts.partition_report", "Layers, parameters, cost and memory "
-                             "per stage, and the imbalance (same on every rank).")
-    grid = _read("stage.grid", "This rank's groups and the mesh (pipekernel.grid.mesh).")
-    mesh = _read("stage.mesh", "The DeviceMesh (dims ('pp', 'dp_replicate', 'dp_shard', "
-                 "'tp')), or None (a transport without one, or nothing that needs it).")
-    tp_group, ep_group = _read("stage.tp_group"), _read("stage.ep_group")
-    module = _read("stage.module", "This stage's layers (a StageModule).")
-    skip_router, skip_edges = _read("stage.skip_router"), _read("stage.skip_edges")
-    parallel = _read("options.parallel")
-    nonfinite, check_data_steps = _read("options.nonfinite"), _read("options.check_data_steps")
-    loss_reduction, max_grad_norm = _read("options.loss_reduction"), _read("options.max_grad_norm")
-    grad_bucket_mb = _read("options.grad_bucket_mb")
-    data_group, data_ranks = _read("data_group"), _read("data_ranks")
-    tied_groups, _tied_reducers = _read("tied_groups"), _read("tied_reducers")
-    grad_reducer = _read("grad_reducer", "The data-parallel GradReducer (None without data "
-                         "parallelism).")
-    stage_parallel = _read("stage_parallel", "The StageParallel timing the stage's FSDP2 "
-                           "modules by the schedule, or None.")
-    optimizer, lr_scheduler = _read("optimizer"), _read("lr_scheduler")
-    runtime = _read("runtime", "The stage runtime (a pipekernel.plugin.RuntimeView).")
-    batch_step = _read("batch_step", "The BatchStep: reductions, the optimizer step and the "
-                       "batch loss (the one owner of its losses and token counts).")
-    kernel = _read("kernel")
-
-    # -- what changes as it runs ----------------------------------------------------
-    micro_batches = _run_state("micro_batches", "Micro-batches of the next batch.")
-    global_steps, skipped_steps = _run_state("global_steps"), _run_state("skipped_steps")
-    trained_micro_batches = _run_state("trained_micro_batches", "Micro-batches each replica "
-                                       "trained on so far (the counts may change).")
-    failed = _run_state("failed", "The error that ended the last batch, else None.")
-    last_loss = property(lambda self: self.state.last_loss, doc="The last train_batch's loss.")
-    last_grad_norm = property(lambda self: self.state.last_grad_norm,
-                              doc="Global gradient norm of the last step (before clipping), "
-                                  "when clipping.")
-
-    def restore_counters(self, global_steps: int, skipped_steps: int,
-                         trained_micro_batches: int) -> None:
-        """Set the step counters (a checkpoint loader, after loading the state)."""
-        state = self.state
-        state.global_steps, state.skipped_steps = global_steps, skipped_steps
-        state.trained_micro_batches = trained_micro_batches
-
-    @property
-    def schedule(self) -> str:
-        """The training schedule's name."""
-        return self.schedule_cls.name
-
-    @property
-    def instruction_types(self) -> tuple[type, ...]:
-        """Every instruction class the kernel dispatches."""
-        return tuple(self.kernel.handlers)
-
-    @property
-    def position(self) -> Any:
-        """``(schedule step, instruction)`` the kernel runs now, or ``None``."""
-        return self.kernel.position
 
     def set_optimizer(self, optimizer: Any, lr_scheduler: Any = None) -> None:
         """Replace the optimizer (and LR scheduler) after construction, for hosts that
@@ -303,46 +219,14 @@ class PipelineEngine(Placed):
         self.micro_batches = micro_batches
 
     def _check_micro_batches(self, micro_batches: Any) -> None:
-        _check_micro_batch_count(micro_batches, self.rank, self.stage)
-        for cls in (self.schedule_cls, self.eval_schedule_cls):  # their own clear errors
-            cls(self.num_stages, self.stage, micro_batches, self.chunks)
-        if self.skip_edges and micro_batches not in self.state.skips_proven:
-            # the skips' routing proven for the new count too (once per count)
-            check_schedules([self.schedule_cls, self.eval_schedule_cls], self.num_stages,
-                            micro_batches, self.chunks, self.skip_edges)
-            self.state.skips_proven.add(micro_batches)
-
-    def _agree_micro_batches(self) -> None:
-        """When the count changed since the last batch, check that every rank changed it."""
-        if self.micro_batches == self.state.checked_micro_batches:
-            return
-        check_consistency(self.transport, {"micro_batches": self.micro_batches},
-                          "micro-batch count (set_micro_batches(n) or train_batch(..., "
-                          "micro_batches=n) must change it on every rank for the same batch)")
-        self.state.checked_micro_batches = self.micro_batches
+        check_micro_batches(self, micro_batches)
 
     def _program(self, cls: Any) -> LoadedProgram:
-        """The loaded program of schedule ``cls`` for the current micro-batch count (compiled
-        and loaded once per schedule and count; :mod:`pipekernel.schedules.program`)."""
-        key = (cls, self.micro_batches)
-        loaded = self._programs.get(key)
-        if loaded is None:
-            loaded = self._programs[key] = self._load(compile_program(
-                cls, stage=self.stage, num_stages=self.num_stages,
-                micro_batches=self.micro_batches, chunks=self.chunks,
-                placement=self.placement, skips=self.skip_edges))
-        return loaded
+        """The loaded program of ``cls`` for the current count (:mod:`.programs`)."""
+        return program_of(self, cls)
 
     def _load(self, program: Any) -> LoadedProgram:
-        """``program`` bound to this engine: handlers, channels, settled parameters."""
-        channels, groups = self.runtime.bind(program)
-        settled: tuple = ()
-        if program.last_weight_chunk is not None:
-            module = self.module
-            parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
-            settled = tuple(settled_parameters(program.last_weight_chunk, parts))
-        return LoadedProgram(program, self.kernel.resolve(program.stream), channels, groups,
-                             settled)
+        return load_program(self, program)
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
@@ -355,7 +239,7 @@ class PipelineEngine(Placed):
         self.state.batches_run += 1
         sharded = self.stage_parallel
         try:
-            self._agree_micro_batches()
+            agree_micro_batches(self)
             program = self._program(cls)
             self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
             self.runtime.begin(data_iter, self.micro_batches, program.program.num_buffers, program,
@@ -507,41 +391,3 @@ class PipelineEngine(Placed):
             self.state.unconfigured = True
             self.pm.hook.pipekernel_unconfigure(engine=self)
         self.transport.close()
-
-
-_ENGINES: dict[Any, int] = {}
-
-
-def _check_micro_batch_count(micro_batches: Any, rank: int | None,
-                             stage: int | None = None) -> None:
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
-            or micro_batches < 1:
-        raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
-                          rank=rank, stage=stage,
-                          hint="pass micro_batches=N, the number of micro-batches each "
-                               "train_batch/eval_batch reads from its iterator (e.g. 4; at "
-                               "least the number of stages keeps every stage busy)")
-
-
-def _abort_board(transport: Any) -> AbortBoard:
-    """The engine's board of first failures, checked by every lane of ``transport``."""
-    board = AbortBoard(getattr(transport, "store", None), _board_prefix(transport),
-                       transport.rank)
-    for lane in {id(t): t for t in (transport, getattr(transport, "control", None))
-                 if t is not None}.values():
-        if hasattr(lane, "abort_check"):
-            lane.abort_check = board.check
-    return board
-
-
-def _board_prefix(transport: Any) -> str:
-    """Store keys for one engine: this attempt of the job (see
-    :mod:`pipekernel.comm.attempt`), the ranks the engine spans and how many engines this
-    process built over them before (every rank builds its engines in the same order)."""
-    ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
-        if hasattr(transport, "global_rank") else (transport.world_size,)
-    count = _ENGINES.get(ranks, 0)
-    _ENGINES[ranks] = count + 1
-    name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
-    # keyed by attempt: a restarted job must not read a dead attempt's abort
-    return f"{attempt_prefix()}/engine/{name}/{count}"

@@ -16,15 +16,16 @@ data-alignment fingerprint lives with the stage, :mod:`pipekernel.stage.fingerpr
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
 
-from pipekernel.comm.attempt import store_host
+from pipekernel.comm.attempt import attempt_prefix, store_host
 from pipekernel.engine.agreement import all_gather_objects, check_consistency  # noqa: F401
 from pipekernel.errors import PeerAbort, TransportError, TransportTimeout, describe_where
 
-__all__ = ["AbortBoard", "root_cause", "check_consistency", "all_gather_objects"]
+__all__ = ["AbortBoard", "engine_board", "root_cause", "check_consistency", "all_gather_objects"]
 
 #: the failing rank's location fields an abort record carries (rank aside)
 _LOCATION = ("stage", "train_step", "eval_after", "step", "micro_batch", "instruction")
@@ -140,3 +141,30 @@ def root_cause(err: BaseException, transport: Any, board: AbortBoard, rank: int
                             else "") + f": {err.message[:200]}")
         return abort
     return err
+
+
+_ENGINES: dict[Any, int] = {}
+
+
+def engine_board(transport: Any) -> AbortBoard:
+    """The engine's board of first failures, checked by every lane of ``transport``."""
+    board = AbortBoard(getattr(transport, "store", None), _board_prefix(transport),
+                       transport.rank)
+    for lane in {id(t): t for t in (transport, getattr(transport, "control", None))
+                 if t is not None}.values():
+        if hasattr(lane, "abort_check"):
+            lane.abort_check = board.check
+    return board
+
+
+def _board_prefix(transport: Any) -> str:
+    """Store keys for one engine: this attempt of the job (see
+    :mod:`pipekernel.comm.attempt`), the ranks the engine spans and how many engines this
+    process built over them before (every rank builds its engines in the same order)."""
+    ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
+        if hasattr(transport, "global_rank") else (transport.world_size,)
+    count = _ENGINES.get(ranks, 0)
+    _ENGINES[ranks] = count + 1
+    name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
+    # keyed by attempt: a restarted job must not read a dead attempt's abort
+    return f"{attempt_prefix()}/engine/{name}/{count}"
