@@ -7,6 +7,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from pipekernel.grid import expert_parallel, tensor_parallel
 from pipekernel.stage.moe import MoE
+from pipekernel.stage.paired import overlap_all_to_all
 from pipekernel.engine.checkpoint import load_sequential
 from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
@@ -36,7 +37,7 @@ __all__ = [
     # model
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
     "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
-    "add_aux_loss", "aux_losses", "MoE", "expert_parallel",
+    "add_aux_loss", "aux_losses", "MoE", "expert_parallel", "overlap_all_to_all",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
     # errors

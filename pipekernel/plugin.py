@@ -55,7 +55,7 @@ from pipekernel.schedules import BUILTIN_SCHEDULES, Schedule, SimulationResult, 
 from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
 from pipekernel.schedules.program import Program, compile_program
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
-                                               Instruction, LoadMicroBatch,
+                                               ForwardBackward, Instruction, LoadMicroBatch,
                                                MicroBatchInstruction, OptimizerStep,
                                                RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
                                                ReduceGrads, ReduceTiedGrads, SendActivation,
@@ -85,7 +85,7 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "SkipInstruction", "LoadMicroBatch", "Forward",
     "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ReduceTiedGrads",
-    "ReduceGrads", "OptimizerStep", "MESH_DIMS", "StageParallel", "find_stage_parallel",
+    "ReduceGrads", "OptimizerStep", "ForwardBackward", "MESH_DIMS", "StageParallel", "find_stage_parallel",
     "Precision", "cast_floats", "Balance", "Profile", "Memory", "SkipScope", "backward_input",
     "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "TORCH_REDUCE_OPS",
     "attempt", "attempt_prefix", "keyed_store", "bind_defaults_before_init", "entry_points",

@@ -21,7 +21,9 @@ What it measures, per training step and per rank (hooks
 ``pipekernel_before/after_train_batch`` around each step):
 
 * ``forward_s``, ``backward_s``, ``send_s``, ``load_s``, ``reduce_s``,
-  ``optimizer_s`` and ``instructions`` (seconds per instruction class);
+  ``optimizer_s`` and ``instructions`` (seconds per instruction class); ``paired_s``:
+  the ``ForwardBackward`` pairs a model's ``overlapped_forward_backward`` runs (forward
+  and backward overlapped, one span: in neither ``forward_s`` nor ``backward_s``);
 * ``wait_s``: time blocked in ``RecvActivation``/``RecvGrad`` (and a skip
   connection's ``RecvSkip``/``RecvSkipGrad``) — the bubble inside the schedule;
 * ``drain_s``: time from the end of the last instruction to the end of the step

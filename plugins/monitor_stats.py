@@ -19,6 +19,7 @@ GROUPS = {
     "forward_s": ("Forward",), "backward_s": ("Backward", "BackwardInput", "BackwardWeight"),
     "wait_s": WAITS, "send_s": ("SendActivation", "SendGrad", "SendSkip", "SendSkipGrad"), "load_s": ("LoadMicroBatch",),
     "reduce_s": ("ReduceTiedGrads", "ReduceGrads"), "optimizer_s": ("OptimizerStep",),
+    "paired_s": ("ForwardBackward",),  # a forward and a backward overlapped: one span
 }
 #: Per-rank numbers carried by the per-step all-reduce, before the per-class seconds.
 VECTOR = ("step_s", "drain_s", "peak_memory_mb", "samples", "tokens", "other_instr_s")

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from pipekernel.schedules.instructions import ForwardBackward
+
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
 
 
@@ -33,7 +35,9 @@ def _lines(fn, *args, **kwargs) -> tuple[int, object]:
 
 
 def _instructions(result) -> int:
-    return sum(len(step) for steps in result.steps for step in steps)
+    """Instructions simulated, a ``ForwardBackward`` as its two halves (it runs as both)."""
+    return sum(len(step) + sum(isinstance(i, ForwardBackward) for i in step)
+               for steps in result.steps for step in steps)
 
 
 def _work(cls, stages: int, micro_batches: int) -> tuple[int, int]:

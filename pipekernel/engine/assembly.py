@@ -317,7 +317,8 @@ def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: O
     grid = build_grid(topology, transport, mesh_unwanted(options.parallel, pm))
     tp_group = tp_group_of(grid, topology, transport)
     ep_group = expert_parallel.make_group(topology, transport,
-                                          options.parallel.expert_parallel_size)
+                                          options.parallel.expert_parallel_size,
+                                          lanes=min(chunks, 2))
     positions = parts_of(stage, num_stages, chunks, layout.placement)
     with tp_context(tp_group), expert_parallel.context(ep_group):
         built = module.build_stage(stage, parts.bounds, positions).to(transport.device)

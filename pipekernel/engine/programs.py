@@ -61,7 +61,7 @@ def program_of(engine: Any, cls: Any) -> LoadedProgram:
         loaded = engine._programs[key] = load_program(engine, compile_program(
             cls, stage=engine.stage, num_stages=engine.num_stages,
             micro_batches=engine.micro_batches, chunks=engine.chunks,
-            placement=engine.placement, skips=engine.skip_edges))
+            placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs))
     return loaded
 
 

@@ -29,6 +29,14 @@ parameters get, hence parity with one process (:mod:`pipekernel.step.expert_redu
 (uneven splits; gloo and NCCL support it). The split sizes are host numbers: one host
 synchronisation per MoE layer and forward (:meth:`ExpertParallelGroup.exchange_counts`).
 
+**Lanes.** Each expert-parallel group has two process groups, *lanes*, when the stage
+holds two chunks (the V of ``dualpipev``): a chunk's forward runs in :func:`lane`
+``(chunk)`` (the stage runtime sets it), so its all-to-alls — and their backward, which
+autograd posts on the group the forward used — travel on the lane of the chunk. A
+``ForwardBackward`` pairs two different chunks, so its halves' all-to-alls never share a
+group and may run at the same time (:func:`pipekernel.stage.paired.overlap_all_to_all`):
+each lane sees the same operations in the same order on every member.
+
 **Checkpoints** hold whole expert stacks, as they hold whole tensor-parallel tensors: on
 save the first expert-parallel group gathers every slice (:func:`gather_layer_state`) and
 data-parallel rank 0 writes it; on load each rank cuts its slice
@@ -46,7 +54,7 @@ import torch
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["ExpertParallelGroup", "group", "context", "make_group", "expert_groups", "mark",
+__all__ = ["ExpertParallelGroup", "group", "context", "lane", "make_group", "expert_groups", "mark",
            "is_expert", "check_config", "broadcast_experts",
            "gather_layer_state", "shard_layer_state", "full_shapes", "whole_state_dict"]
 
@@ -66,10 +74,18 @@ class ExpertParallelGroup:
 
     def __init__(self, rank: int = 0, size: int = 1, data_size: int = 1, handle: Any = None,
                  ranks: Sequence[int] = (0,), data_handle: Any = None,
-                 data_ranks: Sequence[int] = (0,)) -> None:
+                 data_ranks: Sequence[int] = (0,), lanes: Sequence[Any] = ()) -> None:
         self.rank, self.size, self.data_size = rank, size, data_size
         self.handle, self.ranks = handle, list(ranks)
         self.data_handle, self.data_ranks = data_handle, list(data_ranks)
+        #: the process groups of the expert-parallel ranks, one per lane (:func:`lane`);
+        #: lane 0 is ``handle``
+        self.lanes: tuple[Any, ...] = (handle, *lanes)
+
+    def lane_handle(self) -> Any:
+        """The process group of the current :func:`lane` (lane ``n`` modulo the lanes)."""
+        lanes = self.lanes
+        return lanes[_LANE.get() % len(lanes)] if len(lanes) > 1 else lanes[0]
 
     @property
     def expert_data_rank(self) -> int:
@@ -84,7 +100,7 @@ class ExpertParallelGroup:
 
         local = counts.numel() // self.size
         got = funcol.all_to_all_single(counts.contiguous(), [local] * self.size,
-                                       [local] * self.size, self.handle)
+                                       [local] * self.size, self.lane_handle())
         return funcol.wait_tensor(got).view(self.size, local)
 
     def all_to_all(self, tensor: torch.Tensor, output_splits: list[int],
@@ -95,7 +111,7 @@ class ExpertParallelGroup:
         from torch.distributed import _functional_collectives as funcol
 
         out = funcol.all_to_all_single_autograd(tensor.contiguous(), output_splits,
-                                                input_splits, self.handle)
+                                                input_splits, self.lane_handle())
         return funcol.wait_tensor(out)
 
     def __repr__(self) -> str:
@@ -106,6 +122,19 @@ class ExpertParallelGroup:
 _TRIVIAL = ExpertParallelGroup()
 _CURRENT: contextvars.ContextVar[ExpertParallelGroup] = contextvars.ContextVar(
     "pipekernel_expert_parallel_group", default=_TRIVIAL)
+_LANE: contextvars.ContextVar[int] = contextvars.ContextVar("pipekernel_expert_lane",
+                                                            default=0)
+
+
+@contextlib.contextmanager
+def lane(number: int) -> Iterator[int]:
+    """Inside the block, expert all-to-alls travel on lane ``number`` (modulo the group's
+    lanes; the stage runtime passes the chunk being computed)."""
+    token = _LANE.set(number)
+    try:
+        yield number
+    finally:
+        _LANE.reset(token)
 
 
 def group() -> ExpertParallelGroup:
@@ -162,14 +191,16 @@ def expert_groups(topology: Any, size: int) -> tuple[list[list[int]], list[list[
     return parallel, data
 
 
-def make_group(topology: Any, transport: Any, size: int) -> ExpertParallelGroup:
+def make_group(topology: Any, transport: Any, size: int, lanes: int = 1) -> ExpertParallelGroup:
     """Create every expert-parallel and expert-data-parallel group of ``topology``
-    (collective: every rank calls it, in the same order) and return this rank's."""
+    (collective: every rank calls it, in the same order) and return this rank's, with
+    ``lanes`` process groups over its expert-parallel ranks (see the module docstring)."""
     if size == 1:
         return _TRIVIAL
     parallel, data = expert_groups(topology, size)
     mine: dict[str, Any] = {}
-    for kind, lists in (("ep", parallel), ("edp", data)):
+    extra = [(f"lane{n}", parallel) for n in range(1, lanes)]
+    for kind, lists in (("ep", parallel), ("edp", data), *extra):
         for ranks in lists:
             member = topology.rank in ranks
             handle = _process_group(transport, ranks, member) if len(ranks) > 1 else None
@@ -177,7 +208,8 @@ def make_group(topology: Any, transport: Any, size: int) -> ExpertParallelGroup:
                 mine[kind] = (handle, ranks)
     (handle, ranks), (data_handle, data_ranks) = mine["ep"], mine["edp"]
     return ExpertParallelGroup(ranks.index(topology.rank), size, topology.data_size, handle,
-                               ranks, data_handle, data_ranks)
+                               ranks, data_handle, data_ranks,
+                               lanes=[mine[f"lane{n}"][0] for n in range(1, lanes)])
 
 
 def _process_group(transport: Any, ranks: list[int], member: bool) -> Any:

@@ -7,9 +7,14 @@ open-source DualPipe repository's ``DualPipeV``, torch's ``ScheduleDualPipeV``)
 needs only one copy of the model: two chunks per rank in the ``"v"`` placement
 (the same as ZB-V: rank ``s`` holds positions ``s`` and ``2 S - 1 - s``).
 
-pipekernel runs each pair as two consecutive steps, the forward first (one
-compute instruction per step, as every schedule). What the pairing buys here is the
-order: in the steady state each rank alternates the two chunks' forward and
+pipekernel runs each pair as one step with one ``ForwardBackward`` instruction
+(receives of both halves, the pair, then both sends — DualPipe's
+``_forward_backward_chunk``), the same pairs as the reference: every pair of phase 4
+and 5 but the first (F chunk 0, B chunk 1) of the last rank, which the reference runs
+apart "to further reduce bubble size". The stage's paired executor
+(:mod:`pipekernel.stage.paired`) runs it: by default the forward then the backward,
+exactly as two steps would; a model may overlap them (DualPipe's
+``overlapped_forward_backward``). Besides the overlap, the pairing orders: in the steady state each rank alternates the two chunks' forward and
 backward, so both of its links carry traffic in both directions all the time, and
 its warm-up and cool-down use the zero-bubble split (``BackwardInput`` /
 ``BackwardWeight``) to fill the bubbles. Rank ``r`` of ``S``, chunks 0 (going
@@ -38,7 +43,7 @@ from collections.abc import Sequence
 from pipekernel.errors import ConfigError
 from pipekernel.schedules.ordered import Op, OrderedSchedule
 
-__all__ = ["DualPipeV", "dualpipev_order"]
+__all__ = ["DualPipeV", "dualpipev_order", "dualpipev_pairs"]
 
 
 class _Order:
@@ -49,6 +54,13 @@ class _Order:
         self.next_f = [0, 0]
         self.next_b = [0, 0]
         self.pending: deque[tuple[int, int]] = deque()
+        self.paired: set[int] = set()  # indices of ops whose F runs with the next op's B
+
+    def pair(self, f_chunk: int, b_chunk: int) -> None:
+        """A forward of ``f_chunk`` and a full backward of ``b_chunk``, as one pair."""
+        self.paired.add(len(self.ops))
+        self.forward(f_chunk)
+        self.backward(b_chunk, split=False)
 
     def forward(self, chunk: int) -> None:
         self.ops.append(("F", chunk, self.next_f[chunk]))
@@ -70,6 +82,16 @@ class _Order:
 def dualpipev_order(num_stages: int, rank: int, micro_batches: int) -> tuple[Op, ...]:
     """Rank ``rank``'s DualPipeV order (see the module docstring); ``micro_batches``
     must be at least ``2 * num_stages``."""
+    return tuple(_build(num_stages, rank, micro_batches).ops)
+
+
+def dualpipev_pairs(num_stages: int, rank: int, micro_batches: int) -> frozenset[int]:
+    """Indices ``i`` of :func:`dualpipev_order` whose forward runs with the backward at
+    ``i + 1`` as one ``ForwardBackward`` (DualPipe's ``_forward_backward_chunk``)."""
+    return frozenset(_build(num_stages, rank, micro_batches).paired)
+
+
+def _build(num_stages: int, rank: int, micro_batches: int) -> _Order:
     S, r, M = num_stages, rank, micro_batches
     o = _Order()
     for _ in range(2 * (S - r - 1)):                 # 1. fill chunk 0
@@ -81,15 +103,16 @@ def dualpipev_order(num_stages: int, rank: int, micro_batches: int) -> tuple[Op,
         o.backward(1, split=True)
         o.weight()
         o.forward(1)
-    for _ in range(M - 2 * S + r + 1):               # 4. the paired steady state
-        o.forward(0)
-        o.backward(1, split=False)
-        o.forward(1)
-        o.backward(0, split=False)
+    for i in range(M - 2 * S + r + 1):               # 4. the paired steady state
+        if i == 0 and r == S - 1:  # as the reference: not overlapped, a smaller bubble
+            o.forward(0)
+            o.backward(1, split=False)
+        else:
+            o.pair(0, 1)
+        o.pair(1, 0)
     for _ in range(S - r - 1):                       # 5. chunk 0's forwards are done
         o.backward(1, split=False)
-        o.forward(1)
-        o.backward(0, split=False)
+        o.pair(1, 0)
     split = False
     half = (r + 1) // 2
     for i in range(r + 1):                           # 6. drain, split from the middle on
@@ -104,7 +127,7 @@ def dualpipev_order(num_stages: int, rank: int, micro_batches: int) -> tuple[Op,
         o.backward(0, split)
     while o.pending:                                 # 8. the remaining W
         o.weight()
-    return tuple(o.ops)
+    return o
 
 
 class DualPipeV(OrderedSchedule):
@@ -132,3 +155,6 @@ class DualPipeV(OrderedSchedule):
 
     def order(self) -> Sequence[Op]:
         return dualpipev_order(self.num_stages, self.stage, self.micro_batches)
+
+    def pairs(self) -> frozenset[int]:
+        return dualpipev_pairs(self.num_stages, self.stage, self.micro_batches)

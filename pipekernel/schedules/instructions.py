@@ -26,7 +26,7 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "LoadMicroBatch", "Forward", "Backward",
     "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "SkipInstruction",
-    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "parse",
+    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "parse",
 ]
 
 
@@ -165,6 +165,51 @@ class RecvSkipGrad(SkipInstruction):
 
 
 @dataclass(frozen=True, slots=True)
+class ForwardBackward(Instruction):
+    """A forward and a backward of *different* parts run as one compute instruction
+    (DualPipe's overlapped pair), so that one's communication can hide behind the
+    other's compute. Emitted by ``dualpipev``'s steady state.
+
+    Roughly: ``forward`` then ``backward`` (each with its own ``buffer``), run by the
+    stage's paired executor (:mod:`pipekernel.stage.paired`): by default one after the
+    other, exactly as the two instructions alone; a model may supply its own
+    ``overlapped_forward_backward``. The step around it holds both halves' transfers::
+
+        [LoadMicroBatch] [RecvActivation] [RecvGrad]  F+B  [SendActivation] [SendGrad]
+
+    ``str()`` joins the halves: ``F4+B1c1``.
+    """
+
+    short: ClassVar[str] = "FB"
+    forward: Forward
+    backward: Backward
+
+    def __post_init__(self) -> None:
+        from pipekernel.errors import ConfigError
+
+        if type(self.forward) is not Forward or type(self.backward) is not Backward:
+            raise ConfigError(
+                f"ForwardBackward pairs a Forward with a Backward, got "
+                f"{type(self.forward).__name__} ({self.forward!r}) and "
+                f"{type(self.backward).__name__} ({self.backward!r})",
+                hint="pass ForwardBackward(Forward(m, buf, chunk), Backward(n, buf, chunk)); "
+                     "split backwards (BackwardInput/BackwardWeight) are not paired")
+        if (self.forward.chunk, self.forward.micro_batch) == (self.backward.chunk,
+                                                              self.backward.micro_batch):
+            raise ConfigError(
+                f"ForwardBackward({self.forward}, {self.backward}) pairs a part with itself",
+                hint="pair the forward of one micro-batch with the backward of another")
+
+    @property
+    def halves(self) -> tuple[Forward, Backward]:
+        """``(forward, backward)``."""
+        return self.forward, self.backward
+
+    def __str__(self) -> str:
+        return f"{self.forward}+{self.backward}"
+
+
+@dataclass(frozen=True, slots=True)
 class ReduceTiedGrads(Instruction):
     """Sum the gradients of tied weights across the stages that hold them."""
 
@@ -195,8 +240,12 @@ _PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?(?:@(\d+))?$")
 def parse(text: str, buffer: int = 0) -> Instruction:
     """Inverse of ``str(instruction)``: ``parse("F3") == Forward(3)``.
 
-    The buffer is not part of the short form; pass it if it matters.
+    The buffer is not part of the short form; pass it if it matters (a
+    ``ForwardBackward``, ``"F4+B1c1"``, gets it in both halves).
     """
+    if "+" in text:
+        first, _, second = text.strip().partition("+")
+        return ForwardBackward(parse(first, buffer), parse(second, buffer))
     match = _PATTERN.match(text.strip())
     cls = _BY_SHORT.get(match.group(1)) if match else None
     if cls is None:

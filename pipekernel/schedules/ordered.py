@@ -23,6 +23,13 @@ turns such an order into steps with the conventions of
   micro_batch)`` takes the lowest free slot at its forward step and frees it
   after its ``Backward`` (or its ``BackwardWeight``), so :meth:`num_buffers` is
   exactly the stage's peak number of live parts.
+* A schedule that pairs a forward with the backward right after it (:meth:`pairs`)
+  gets one step for both, with one ``ForwardBackward`` and both halves' transfers —
+  receives first, in the halves' order, sends after::
+
+    paired step:    [LoadMicroBatch]  [RecvActivation]  [RecvGrad]  ForwardBackward
+                    [SendActivation]  [SendGrad]
+
 * The last step ends with ``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``.
 """
 from __future__ import annotations
@@ -31,12 +38,13 @@ from collections.abc import Sequence
 from functools import cached_property
 
 from pipekernel.schedules.instructions import (
-    Backward, BackwardInput, BackwardWeight, Forward, Instruction, OptimizerStep, RecvGrad,
-    ReduceGrads, ReduceTiedGrads, SendGrad,
+    Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, Instruction,
+    OptimizerStep, RecvGrad, ReduceGrads, ReduceTiedGrads, SendGrad,
 )
+from pipekernel.errors import ScheduleError
 from pipekernel.schedules.base import Schedule
 
-__all__ = ["Op", "OrderedSchedule", "KINDS"]
+__all__ = ["Op", "OrderedSchedule", "KINDS", "unpair"]
 
 #: ``(kind, chunk, micro_batch)`` with kind ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
 Op = tuple[str, int, int]
@@ -50,6 +58,11 @@ class OrderedSchedule(Schedule):
     def order(self) -> Sequence[Op]:
         """This stage's compute operations, in execution order."""
         raise NotImplementedError
+
+    def pairs(self) -> frozenset[int]:
+        """Indices ``i`` of :meth:`order` whose ``F`` runs with the ``B`` at ``i + 1`` as
+        one ``ForwardBackward`` (default: none)."""
+        return frozenset()
 
     # -- steps -----------------------------------------------------------------------
 
@@ -72,6 +85,7 @@ class OrderedSchedule(Schedule):
             steps.append(self._step(kind, chunk, mb, buf))
             if kind in ("B", "W"):
                 free.append(slot.pop((chunk, mb)))
+        steps = _paired(steps, order, self.pairs())
         if steps:
             steps[-1].extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
         return steps, max(size, 1)
@@ -97,3 +111,54 @@ class OrderedSchedule(Schedule):
     def num_buffers(self) -> int:
         """The stage's peak number of live ``(chunk, micro_batch)`` parts."""
         return self._built[1]
+
+
+def _paired(steps: list[list[Instruction]], order: Sequence[Op],
+            pairs: frozenset[int]) -> list[list[Instruction]]:
+    """``steps`` (one per op of ``order``) with each pair's two steps merged into one
+    (see the module docstring)."""
+    if not pairs:
+        return steps
+    out: list[list[Instruction]] = []
+    skip = False
+    for i, step in enumerate(steps):
+        if skip:
+            skip = False
+            continue
+        if i not in pairs:
+            out.append(step)
+            continue
+        if order[i][0] != "F" or i + 1 >= len(order) or order[i + 1][0] != "B":
+            raise ScheduleError(f"pairs() names op {i} ({order[i]}), which is not a forward "
+                                "followed by a full backward",
+                                hint="pair an F with the B right after it in order()")
+        f_step, b_step = step, steps[i + 1]
+        f_at = next(k for k, ins in enumerate(f_step) if type(ins) is Forward)
+        b_at = next(k for k, ins in enumerate(b_step) if type(ins) is Backward)
+        out.append([*f_step[:f_at], *b_step[:b_at],
+                    ForwardBackward(f_step[f_at], b_step[b_at]),
+                    *f_step[f_at + 1:], *b_step[b_at + 1:]])
+        skip = True
+    return out
+
+
+def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
+    """``steps`` with each ``ForwardBackward`` step split back into its forward step and
+    its backward step (each half with its own transfers, the forward's first): what a
+    stage without an overlapping executor runs, the order and the posting of the
+    schedule before it paired (a pure ``steps -> steps`` pass)."""
+    out: list[list[Instruction]] = []
+    for step in steps:
+        at = next((k for k, ins in enumerate(step) if isinstance(ins, ForwardBackward)), None)
+        if at is None:
+            out.append(list(step))
+            continue
+        f, b = step[at].halves
+        fwd = [ins for ins in step[:at] if not isinstance(ins, RecvGrad)]
+        bwd = [ins for ins in step[:at] if isinstance(ins, RecvGrad)]
+        fwd.append(f)
+        bwd.append(b)
+        for ins in step[at + 1:]:
+            (bwd if isinstance(ins, SendGrad) else fwd).append(ins)
+        out += [fwd, bwd]
+    return out

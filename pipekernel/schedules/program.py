@@ -16,7 +16,8 @@ What it holds (the :class:`~pipekernel.schedules.comm.CommPlan` fields are re-ex
 * ``channel_of[i]``: the number of the channel ``stream[i]`` travels on (a remote
   point-to-point instruction), an index into ``channels``, else ``None``;
 * ``last_weight``: the index of the batch's last weight-gradient instruction
-  (``Backward``/``BackwardWeight``), ``-1`` if none; ``last_weight_chunk`` its chunk.
+  (``Backward``/``BackwardWeight``, or a ``ForwardBackward``, whose backward half is a
+  ``Backward``), ``-1`` if none; ``last_weight_chunk`` its chunk.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pipekernel.schedules.comm import CommPlan, plan_communication
-from pipekernel.schedules.instructions import Backward, BackwardWeight, Instruction
+from pipekernel.schedules.instructions import (Backward, BackwardWeight, ForwardBackward,
+                                               Instruction)
+from pipekernel.schedules.ordered import unpair
 from pipekernel.schedules.skips import add_skip_transfers
 
 __all__ = ["Program", "ChannelSpec", "compile_program", "program_of"]
@@ -91,13 +94,18 @@ class Program:
 
 def compile_program(schedule_cls: Any, *, stage: int, num_stages: int, micro_batches: int,
                     chunks: int = 1, placement: str = "loop",
-                    skips: tuple[tuple[int, int], ...] | list = ()) -> Program:
+                    skips: tuple[tuple[int, int], ...] | list = (),
+                    paired: bool = True) -> Program:
     """The :class:`Program` of ``stage`` for ``schedule_cls`` with ``micro_batches``
     micro-batches: the schedule's steps with the skip transfers of ``skips`` (sorted
-    ``(producer, consumer)`` positions) added, and their communication plan."""
+    ``(producer, consumer)`` positions) added, and their communication plan.
+    ``paired=False``: each ``ForwardBackward`` step split back into its two steps
+    (:func:`~pipekernel.schedules.ordered.unpair`), for a stage that runs pairs one half
+    after the other anyway."""
     skips = tuple(tuple(edge) for edge in skips)
     schedule = schedule_cls(num_stages, stage, micro_batches, chunks)
-    steps = add_skip_transfers(schedule.steps(), stage=stage, num_stages=num_stages,
+    steps = schedule.steps() if paired else unpair(schedule.steps())
+    steps = add_skip_transfers(steps, stage=stage, num_stages=num_stages,
                                chunks=chunks, placement=placement, edges=list(skips))
     plan = plan_communication(steps, stage=stage, num_stages=num_stages, chunks=chunks,
                               placement=placement, trains=schedule_cls.trains, skips=skips)
@@ -122,10 +130,14 @@ def program_of(plan: CommPlan, steps: Any, *, schedule: str, trains: bool, micro
                 channels.append(ChannelSpec(key, plan.peers[at][0], plan.lanes[at]
                                             if plan.lanes else None))
             channel_of[at] = number[key]
-    weights = [i for i, ins in enumerate(plan.stream) if isinstance(ins, (Backward, BackwardWeight))]
+    weights = [i for i, ins in enumerate(plan.stream)
+               if isinstance(ins, (Backward, BackwardWeight, ForwardBackward))]
     last = weights[-1] if weights else -1
+    last_ins = plan.stream[last] if weights else None
+    if isinstance(last_ins, ForwardBackward):
+        last_ins = last_ins.backward
     return Program(schedule=schedule, trains=trains, micro_batches=micro_batches,
                    skips=tuple(skips), num_buffers=num_buffers,
                    steps=tuple(tuple(step) for step in steps), plan=plan,
                    channels=tuple(channels), channel_of=tuple(channel_of), last_weight=last,
-                   last_weight_chunk=plan.stream[last].chunk if weights else None)
+                   last_weight_chunk=last_ins.chunk if last_ins is not None else None)

@@ -13,15 +13,19 @@ from typing import NamedTuple
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
-    Backward, BackwardInput, BackwardWeight, Forward, Instruction, LoadMicroBatch,
+    Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, Instruction, LoadMicroBatch,
     MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
     ReduceTiedGrads, SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
 )
 from pipekernel.schedules.comm import peer_of
 from pipekernel.schedules.skips import skip_edge_of
 
-#: Instruction classes that count as compute (in the timeline and the bubble).
+#: Instruction classes that count as compute (in the timeline and the bubble). A
+#: ``ForwardBackward`` is compute too: it runs as its two halves, one after the other on
+#: the timeline, and costs what they cost unless ``costs`` names it (issue 30's paired
+#: cost), then that split over the halves in their ratio.
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+PAIRED = ForwardBackward
 #: Unit costs; every instruction class not listed costs 0.
 DEFAULT_COSTS: Mapping[type, float] = {cls: 1.0 for cls in COMPUTE}
 #: Communication semantics :func:`simulate` understands.
@@ -146,6 +150,7 @@ class Role(NamedTuple):
     writes: bool
     kind: str | None
     handler: object
+    paired: bool = False
 
 
 @lru_cache(maxsize=None)
@@ -157,7 +162,8 @@ def role(cls: type) -> Role:
     return Role(instruction=issubclass(cls, Instruction), micro_batch=is_mb, p2p=p2p,
                 send=issubclass(cls, _SENDS), compute=issubclass(cls, COMPUTE),
                 world=issubclass(cls, WORLD_COLLECTIVES), writes=issubclass(cls, _WRITES),
-                kind=_kind_of_class(cls) if p2p else None, handler=_HANDLERS.get(cls))
+                kind=_kind_of_class(cls) if p2p else None, handler=_HANDLERS.get(cls),
+                paired=issubclass(cls, ForwardBackward))
 
 
 def _kind_of_class(cls: type) -> str:
@@ -264,7 +270,8 @@ class _Simulation:
         flags = {getattr(obj, "trains", None) for obj in objects}
         if flags <= {True, False} and len(flags) == 1:
             return flags.pop()
-        return any(isinstance(i, _BACKWARDS) for st in self.stages for _, i in st.stream)
+        return any(isinstance(i, (*_BACKWARDS, ForwardBackward))
+                   for st in self.stages for _, i in st.stream)
 
     def _peer(self, stage: int, chunk: int, delta: int) -> tuple[int, int] | None:
         """(stage, chunk) of pipeline position ``p + delta``, or None past either end."""
@@ -309,14 +316,31 @@ class _Simulation:
         return _Where((stage, index, instruction))
 
     def _compute_cost(self, stage: int, instruction: Instruction) -> float:
+        if isinstance(instruction, ForwardBackward):
+            return sum(self._pair_costs(stage, instruction))
         table = self.stage_costs.get((stage, getattr(instruction, "chunk", 0)))
         if table is not None and type(instruction) in table:
             return table[type(instruction)]
         return self.costs.get(type(instruction), 0.0)
 
+    def _pair_costs(self, stage: int, pair: ForwardBackward) -> tuple[float, float]:
+        """What each half of ``pair`` occupies: its own cost, or the pair's cost (when
+        ``costs`` names ``ForwardBackward``) split in the halves' ratio."""
+        f, b = (self._compute_cost(stage, half) for half in pair.halves)
+        whole = self.costs.get(ForwardBackward)
+        if whole is None or f + b == 0:
+            return f, b
+        return whole * f / (f + b), whole * b / (f + b)
+
     def _tick(self, stage: int, start: float, instruction: Instruction,
               cost: float | None = None) -> float:
         st = self.stages[stage]
+        if isinstance(instruction, ForwardBackward) and cost is None:
+            f, b = self._pair_costs(stage, instruction)
+            st.timeline += [(start, start + f, instruction.forward),
+                            (start + f, start + f + b, instruction.backward)]
+            st.clock = start + f + b
+            return st.clock
         end = start + (self._compute_cost(stage, instruction) if cost is None else cost)
         if isinstance(instruction, COMPUTE):
             st.timeline.append((start, end, instruction))
@@ -367,6 +391,11 @@ class _Simulation:
             handler(self, stage, where, i, p)
 
     def _run(self, stage: int, where: str, i: Instruction) -> None:
+        if isinstance(i, ForwardBackward):  # its halves, in order, at the pair's place
+            for half in i.halves:
+                if self._in_range(stage, where, half):
+                    self._run(stage, where, half)
+            return
         if not isinstance(i, MicroBatchInstruction):
             return
         p = self.progress.setdefault((stage, i.chunk, i.micro_batch), _Progress())

@@ -10,7 +10,7 @@ from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
 from pipekernel.schedules.sim_deadlock import _DeadlockReport
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
-                                           _Progress, _Simulation, role)
+                                           PAIRED, _Progress, _Simulation, role)
 
 
 # how _advance runs one instruction (_Rendezvous._compile)
@@ -316,7 +316,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                     if cost is None:
                         cost = costs[key] = self._compute_cost(stage, i)
                     out.append((_RUN, cost, r.compute, prepared))
-            elif r.world:
+            elif r.world or r.paired:
                 out.append((_SLOW,))
             else:
                 out.append((_TICK, self._compute_cost(stage, i)))
@@ -396,6 +396,11 @@ class _Rendezvous(_DeadlockReport, _Simulation):
             return True
         if isinstance(i, WORLD_COLLECTIVES):
             return self._collective(stage, self._where(stage, index, i), i)
+        if isinstance(i, PAIRED):  # both halves, then both on the timeline
+            start = st.clock
+            self._run(stage, self._where(stage, index, i), i)
+            self._tick(stage, start, i)
+            return True
         self._tick(stage, st.clock, i)  # ReduceGrads and the rest: a local blocking point
         return True
 

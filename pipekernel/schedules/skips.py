@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
-    Backward, BackwardInput, Forward, Instruction, RecvSkip, RecvSkipGrad, SendSkip,
+    Backward, BackwardInput, Forward, ForwardBackward, Instruction, RecvSkip, RecvSkipGrad, SendSkip,
     SendSkipGrad,
 )
 from pipekernel.schedules.placement import position
@@ -92,6 +92,10 @@ def add_skip_transfers(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     for step in steps:
         new: list[Instruction] = []
         for ins in step:
+            if isinstance(ins, ForwardBackward):  # the halves' transfers around the pair
+                before, after = _pair_skips(ins, mine, into, out_of)
+                new += [*before, ins, *after]
+                continue
             pos = mine.get(getattr(ins, "chunk", -1))
             if pos is None or not isinstance(ins, (Forward, Backward, BackwardInput)):
                 new.append(ins)
@@ -107,3 +111,22 @@ def add_skip_transfers(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
                 new += [SendSkipGrad(m, b, c, p) for p in into.get(pos, ())]
         result.append(new)
     return result
+
+
+def _pair_skips(pair: ForwardBackward, mine: dict[int, int], into: dict[int, list[int]],
+                out_of: dict[int, list[int]]) -> tuple[list[Instruction], list[Instruction]]:
+    """The skip transfers before and after a ``ForwardBackward``: each half's, the
+    forward's first (as the halves' receives and sends are ordered)."""
+    f, b = pair.forward, pair.backward
+    before: list[Instruction] = []
+    after: list[Instruction] = []
+    pos = mine.get(f.chunk)
+    if pos is not None:
+        before += [RecvSkip(f.micro_batch, f.buffer, f.chunk, p) for p in into.get(pos, ())]
+        after += [SendSkip(f.micro_batch, f.buffer, f.chunk, q) for q in out_of.get(pos, ())]
+    pos = mine.get(b.chunk)
+    if pos is not None:
+        before += [RecvSkipGrad(b.micro_batch, b.buffer, b.chunk, q)
+                   for q in out_of.get(pos, ())]
+        after += [SendSkipGrad(b.micro_batch, b.buffer, b.chunk, p) for p in into.get(pos, ())]
+    return before, after

@@ -243,12 +243,23 @@ class PipelineModule:
         enabled and recomputes the run in backward (non-reentrant
         ``torch.utils.checkpoint``, RNG state preserved so dropout matches);
         ``0`` (default) stores every activation.
+    :param overlapped_forward_backward: how a stage runs a ``ForwardBackward`` (the pairs
+        of ``dualpipev``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.
+        :func:`pipekernel.overlap_all_to_all`, which hides expert all-to-alls); a subclass
+        may define it as a method instead. ``None`` (default): the forward, then the
+        backward.
     """
+
+    #: DualPipe's hook (see ``overlapped_forward_backward`` above); ``None``: none.
+    overlapped_forward_backward: Callable[..., Any] | None = None
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
                  num_stages: int | None = None, partition: Any = "parameters",
                  seed: int | None = None, activation_checkpoint_interval: int = 0,
-                 batch_fn: Callable[[Any], Any] | None = None) -> None:
+                 batch_fn: Callable[[Any], Any] | None = None,
+                 overlapped_forward_backward: Callable[..., Any] | None = None) -> None:
+        if overlapped_forward_backward is not None:
+            self.overlapped_forward_backward = overlapped_forward_backward
         self.layers = [layer.layer if isinstance(layer, skips.Skip) else layer
                        for layer in layers]
         #: ``{layer index: (stash names, pop names)}`` for the layers that declare skips.
@@ -378,9 +389,11 @@ class PipelineModule:
                     else:
                         built.append((index, self.build_layer(index), None))
         mine = {index for index, _, _ in built}
-        return StageModule(built, tied, stage, self.activation_checkpoint_interval, parts=sizes,
-                           skip_declarations={i: d for i, d in self.skip_declarations.items()
-                                              if i in mine})
+        module = StageModule(built, tied, stage, self.activation_checkpoint_interval,
+                             parts=sizes, skip_declarations={
+                                 i: d for i, d in self.skip_declarations.items() if i in mine})
+        module.overlapped_forward_backward = self.overlapped_forward_backward
+        return module
 
     def skip_layout(self, bounds: Sequence[int]) -> skips.SkipLayout:
         """Where the skip connections go for part boundaries ``bounds``: the edges

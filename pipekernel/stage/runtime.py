@@ -34,6 +34,8 @@ from pipekernel.grid.topology import Topology
 from pipekernel.step.optimizer_step import BatchLosses
 from pipekernel.comm.wire import Channel, flatten
 from pipekernel.nested import describe, map_tensors
+from pipekernel.grid import expert_parallel
+from pipekernel.stage.paired import PairedExecutor
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -139,6 +141,7 @@ class StageRuntime:
         self.keep_outputs = False
         #: the batch's losses: the batch step's (it clears them), filled here
         self.losses = losses if losses is not None else BatchLosses()
+        self._counts: dict[int, torch.Tensor] = {}  # micro-batch -> its tokens, till recorded
         self.outputs: list[Any] = []
         self.check_data = False
         self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
@@ -147,6 +150,7 @@ class StageRuntime:
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[Any] = []        # handles of sends in flight
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+        self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
 
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
@@ -169,6 +173,7 @@ class StageRuntime:
         self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
         self.outputs, self.labels = [], {}
         self._program, self._at, self._recvs, self._local = program, -1, {}, {}
+        self._counts = {}
 
     def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
         """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
@@ -232,8 +237,19 @@ class StageRuntime:
             isa.RecvActivation: self.recv_activation, isa.SendGrad: self.send_grad,
             isa.RecvGrad: self.recv_grad, isa.SendSkip: self.send_skip,
             isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
-            isa.RecvSkipGrad: self.recv_skip,
+            isa.RecvSkipGrad: self.recv_skip, isa.ForwardBackward: self.forward_backward,
         }
+
+    @property
+    def pairs(self) -> bool:
+        """Whether this stage runs a schedule's ``ForwardBackward`` as one instruction (a
+        model-supplied ``overlapped_forward_backward``); without, the engine splits each
+        pair back into its two steps (:func:`pipekernel.schedules.ordered.unpair`)."""
+        return self._paired.fn is not None
+
+    def forward_backward(self, instruction: isa.ForwardBackward) -> None:
+        """A paired forward and backward, run by the stage's paired executor."""
+        self._paired.run(instruction)
 
     # -- posting by the plan -------------------------------------------------
     def _channel(self, spec: Any) -> Channel:
@@ -374,20 +390,37 @@ class StageRuntime:
             self.labels[instruction.micro_batch] = _to(labels, device)
 
     def forward(self, instruction: isa.Forward) -> None:
+        buffer = self.forward_inputs(instruction)
+        chunk = instruction.chunk
+        with collect_aux() as aux:
+            if self._skips is None:
+                outputs = self.run_part(chunk, buffer.inputs)
+            else:
+                outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
+        self.forward_done(instruction, buffer, outputs, aux)
+
+    def forward_inputs(self, instruction: isa.Forward) -> Buffer:
+        """The buffer of ``instruction``, its inputs there (the paired executor's part)."""
         buffer = self._slot(instruction)
         if buffer.inputs is None:
             raise PipelineError("forward before the inputs arrived",
                                 hint="the schedule must load or receive before Forward")
-        chunk = instruction.chunk
-        last = chunk == self.last_chunk
-        with collect_aux() as aux:
-            if self._skips is None:
-                buffer.outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
-                                                        first=chunk == self.first_chunk,
-                                                        last=last)
-            else:
-                buffer.outputs = self._forward_with_skips(buffer, chunk,
-                                                          instruction.micro_batch)
+        return buffer
+
+    def run_part(self, chunk: int, inputs: Any) -> Any:
+        """``chunk``'s layers on ``inputs`` through the precision policy, its expert
+        all-to-alls on the chunk's lane (:func:`pipekernel.grid.expert_parallel.lane`)."""
+        with expert_parallel.lane(chunk):
+            return self.precision.forward(self.parts[chunk], inputs,
+                                          first=chunk == self.first_chunk,
+                                          last=chunk == self.last_chunk)
+
+    def forward_done(self, instruction: isa.Forward, buffer: Buffer, outputs: Any,
+                     aux: list[torch.Tensor], loss: Any = None) -> None:
+        """What follows a forward: its aux losses kept, on the last position its loss
+        computed (or ``loss``, when a paired executor computed it) and reported."""
+        buffer.outputs = outputs
+        last = instruction.chunk == self.last_chunk
         if aux:
             self._keep_aux(buffer, aux, instruction, last)
         if last:
@@ -395,7 +428,7 @@ class StageRuntime:
                 self.outputs.append(buffer.outputs)
             labels = self.labels.get(instruction.micro_batch)
             if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
-                buffer.loss, tokens = self._loss(buffer, instruction.micro_batch)
+                buffer.loss, tokens = self._loss(buffer, instruction.micro_batch, loss)
                 self.losses.add(buffer.loss.detach(), instruction.micro_batch, tokens)
                 if buffer.aux is not None:  # the objective backwarded here
                     buffer.loss = buffer.loss + buffer.aux.to(buffer.loss.dtype)
@@ -437,9 +470,7 @@ class StageRuntime:
         if buffer.skips is None:
             buffer.skips = SkipState()
         with self._skips.scope(buffer.skips, micro_batch) as scope:
-            outputs = self.precision.forward(self.parts[chunk], buffer.inputs,
-                                             first=chunk == self.first_chunk,
-                                             last=chunk == self.last_chunk)
+            outputs = self.run_part(chunk, buffer.inputs)
         self._skips.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
         return outputs
 
@@ -462,24 +493,40 @@ class StageRuntime:
                      "sampler seed, or shuffle=False); pass check_data_steps=0 to the engine "
                      "to turn this check off")
 
-    def _loss(self, buffer: Buffer, micro_batch: int) -> tuple[torch.Tensor, Any]:
-        """The micro-batch's loss and, under ``loss_reduction="tokens"``, its token count
-        (0-dim float64; else ``None``)."""
+    def _loss(self, buffer: Buffer, micro_batch: int, given: Any = None
+              ) -> tuple[torch.Tensor, Any]:
+        """The micro-batch's loss (``given``: the paired executor's ``loss0``) and, under
+        ``loss_reduction="tokens"``, its token count (0-dim float64; else ``None``)."""
         labels = self.labels.pop(micro_batch, None)
+        if given is not None:
+            given = self._scalar(given, "overlapped_forward_backward's loss0")
+        else:
+            given = self.loss_of(buffer.outputs, labels, micro_batch)
+        return given, self._counts.pop(micro_batch, None)
+
+    def loss_of(self, outputs: Any, labels: Any, micro_batch: int) -> torch.Tensor:
+        """``loss_fn(outputs, labels)``, checked: a 0-dim tensor, failures named. Under
+        ``loss_reduction="tokens"`` the loss sum; its count waits for the micro-batch's
+        record in :attr:`losses`."""
         try:
-            loss = self.loss_fn(buffer.outputs, labels)  # type: ignore[misc]
+            loss = self.loss_fn(outputs, labels)  # type: ignore[misc]
         except Exception as err:
             raise DataError(
                 f"loss_fn(outputs, labels) failed for micro-batch {micro_batch}: "
-                f"{type(err).__name__}: {err} (outputs: {describe(buffer.outputs)}, "
+                f"{type(err).__name__}: {err} (outputs: {describe(outputs)}, "
                 f"labels: {describe(labels)})",
                 hint="make the labels from the data iterator match what loss_fn expects"
             ) from err
-        loss, tokens = loss if self.tokens else (loss, None)
+        if self.tokens:
+            loss, self._counts[micro_batch] = loss
+        return self._scalar(loss, "loss_fn")
+
+    @staticmethod
+    def _scalar(loss: Any, what: str) -> torch.Tensor:
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise DataError(f"loss_fn returned {describe(loss)}, expected a scalar tensor",
+            raise DataError(f"{what} returned {describe(loss)}, expected a scalar tensor",
                             hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
-        return loss.reshape(()), tokens
+        return loss.reshape(())
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
         if self._before_last_backward is not None and self._at == self._program.last_weight:
@@ -490,16 +537,33 @@ class StageRuntime:
             self._after_last_backward()
 
     def backward(self, instruction: isa.Backward) -> None:
+        buffer = self.backward_begin(instruction)
+        loss, outputs, grads = self.backward_roots(instruction, buffer)
+        with expert_parallel.lane(instruction.chunk):
+            if loss is not None:
+                loss.backward()
+            elif outputs:
+                torch.autograd.backward(outputs, grads)
+        self.backward_done(instruction, buffer)
+
+    def backward_begin(self, instruction: isa.Backward) -> Buffer:
+        """The buffer of ``instruction`` (and the reducers told when it is the last)."""
         buffer = self._slot(instruction)
         self._before_weights(instruction)
+        return buffer
+
+    def backward_roots(self, instruction: isa.Backward,
+                       buffer: Buffer) -> tuple[torch.Tensor | None, list, list]:
+        """What the backward starts from: ``(scaled loss, [], [])`` at the last position,
+        else ``(None, outputs, their gradients)``."""
+        if instruction.chunk == self.last_chunk:
+            return self.precision.scale_loss(buffer.loss / self.micro_batches), [], []
+        outputs, grads = self._roots(buffer)
+        return None, outputs, grads
+
+    def backward_done(self, instruction: isa.Backward, buffer: Buffer) -> None:
+        """What follows a backward: the precision's hook, the inputs' gradients kept."""
         chunk = instruction.chunk
-        if chunk == self.last_chunk:
-            scaled = self.precision.scale_loss(buffer.loss / self.micro_batches)
-            scaled.backward()
-        else:
-            outputs, grads = self._roots(buffer)
-            if outputs:
-                torch.autograd.backward(outputs, grads)
         self.precision.after_backward(self.module)
         self._after_weights(instruction)
         if chunk != self.first_chunk:

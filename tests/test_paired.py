@@ -1,0 +1,285 @@
+"""Issue 30 item 3: dualpipev's overlapped pairs as one ``ForwardBackward`` instruction.
+
+A model-supplied ``overlapped_forward_backward`` (DualPipe's contract) is called for every
+pair and its result used; the contract's reference (:func:`sequential`) and the built-in
+overlap of expert all-to-alls (:func:`overlap_all_to_all`) train bit for bit like the
+default (the forward, then the backward: today's program), on the own GPT (PP2) and on the
+own MoE GPT with experts spread over 2 ranks (PP2 x EP2); bad input is a ConfigError."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipekernel as pk
+from pipekernel.apps.gpt import VOCAB, gpt_module
+from pipekernel.schedules import simulate
+from pipekernel.schedules.dualpipe import DualPipeV, dualpipev_order, dualpipev_pairs
+from pipekernel.schedules.instructions import (Backward, BackwardInput, Forward,
+                                               ForwardBackward, parse)
+from pipekernel.schedules.ordered import unpair
+from pipekernel.schedules.program import compile_program
+from pipekernel.stage.paired import PairedExecutor, sequential
+from pipekernel.testing import run_ranks
+
+CONTEXT, STEPS, MICRO = 8, 2, 4
+CALLS: list[tuple[int, int]] = []  # (forward chunk, backward chunk) of each recorded pair
+
+
+def build(experts: int = 0, fn=None, stages: int = 2) -> pk.PipelineModule:
+    module = gpt_module(16, 4, 2, CONTEXT, num_stages=stages, partition="uniform", seed=3,
+                        experts=experts, top_k=2)
+    if fn is not None:
+        module.overlapped_forward_backward = fn
+    return module
+
+
+def data(step: int, replica: int) -> list:
+    g = torch.Generator().manual_seed(100 * step + 11 * replica)
+    ids = torch.randint(0, VOCAB, (MICRO, 2, CONTEXT + 1), generator=g)
+    return [(ids[m, :, :-1], ids[m, :, 1:]) for m in range(MICRO)]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def recording(module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1):
+    """A model's own executor: DualPipe's example, each call recorded."""
+    CALLS.append((module0.chunk, module1.chunk))
+    return sequential(module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                      output_grads1)
+
+
+def detaching(module0, inputs0, criterion0, labels0, module1, loss1, outputs1, output_grads1):
+    """Returns the forward's outputs cut from the graph: if the stage uses what the
+    executor returns, the backward of those parts never reaches their weights."""
+    outputs0, loss0 = sequential(module0, inputs0, criterion0, labels0, module1, loss1,
+                                 outputs1, output_grads1)
+    return outputs0.detach(), loss0
+
+
+def _train(fn, experts: int = 0, ep: int = 1) -> tuple[list[float], dict, int]:
+    CALLS.clear()
+    engine = pk.PipelineEngine(build(experts, fn), optimizer=sgd, micro_batches=MICRO,
+                               schedule="dualpipev", expert_parallel_size=ep, timeout=120)
+    losses = [engine.train_batch(iter(data(s, engine.data_parallel_rank))).item()
+              for s in range(STEPS)]
+    state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    lanes = engine.ep_group.lanes
+    distinct = len({id(h) for h in lanes})
+    engine.close()
+    return losses, state, len(CALLS), distinct
+
+
+def _config_errors() -> list[str]:
+    found = []
+    try:
+        pk.PipelineEngine(build(0, "not a function"), optimizer=sgd, micro_batches=MICRO,
+                          schedule="dualpipev", timeout=60)
+    except pk.ConfigError as err:
+        found.append(str(err))
+    return found
+
+
+def _dense_worker() -> dict:
+    torch.set_num_threads(1)
+    out = {"errors": _config_errors()}
+    for name, fn in (("default", None), ("sequential", sequential),
+                     ("overlap", pk.overlap_all_to_all), ("recording", recording),
+                     ("detaching", detaching)):
+        out[name] = _train(fn)
+    return out
+
+
+def _moe_worker() -> dict:
+    torch.set_num_threads(1)
+    return {name: _train(fn, experts=4, ep=2)
+            for name, fn in (("default", None), ("overlap", pk.overlap_all_to_all))}
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(
+        torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def _pairs_on(rank: int) -> int:
+    return len(dualpipev_pairs(2, rank, MICRO))
+
+
+@pytest.mark.multirank
+def test_paired_executors_train_bit_for_bit_like_the_default_on_the_gpt(tmp_path):
+    results = run_ranks(_dense_worker, 2, timeout=600)
+    for rank, result in enumerate(results):
+        assert len(result["errors"]) == 1
+        assert "overlapped_forward_backward is a str, not a callable" in result["errors"][0]
+        for name in ("sequential", "overlap", "recording"):
+            assert _same(result[name], result["default"]), (rank, name)
+        assert result["recording"][2] == _pairs_on(rank) * STEPS  # called for every pair
+        assert result["default"][2] == 0  # the default never calls one
+        assert not _same(result["detaching"], result["default"])  # its result is used
+
+
+@pytest.mark.multirank
+def test_overlapped_expert_all_to_all_is_bit_exact_on_pp2_ep2(tmp_path):
+    results = run_ranks(_moe_worker, 4, timeout=600)
+    for rank, result in enumerate(results):
+        assert _same(result["overlap"], result["default"]), rank
+        assert result["overlap"][3] == 2  # one expert process group per chunk of the V
+
+
+def _bad_return(*args):
+    return "outputs"
+
+
+def _bad_return_worker() -> str:
+    torch.set_num_threads(1)
+    engine = pk.PipelineEngine(build(0, _bad_return, stages=1), optimizer=sgd,
+                               micro_batches=MICRO, schedule="dualpipev", timeout=60)
+    try:
+        engine.train_batch(iter(data(0, 0)))
+    except pk.PipelineError as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        engine.close()
+    return ""
+
+
+@pytest.mark.multirank
+def test_an_executor_returning_something_else_is_a_config_error(tmp_path):
+    (text,) = run_ranks(_bad_return_worker, 1, timeout=300)
+    assert "returned str, expected (outputs0, loss0)" in text, text
+
+
+def _runtime(model_size=1, shard_size=1, skips=None, params_of=None):
+    from types import SimpleNamespace
+    return SimpleNamespace(stage=1, _skips=skips, _params_of=params_of,
+                           topology=SimpleNamespace(model_size=model_size,
+                                                    shard_size=shard_size))
+
+
+def test_the_executor_refuses_what_it_cannot_run_by_name():
+    PairedExecutor(_runtime(model_size=2), sequential)  # one after the other: any stage
+    with pytest.raises(pk.ConfigError, match="stage 1: 'overlap_all_to_all' runs a pair's "
+                                             "halves at the same time"):
+        PairedExecutor(_runtime(model_size=2), pk.overlap_all_to_all)
+    with pytest.raises(pk.ConfigError, match="tensor-parallel or sharding collectives"):
+        PairedExecutor(_runtime(shard_size=2), pk.overlap_all_to_all)
+    with pytest.raises(pk.ConfigError, match="overlapped_forward_backward with skip "
+                                             "connections"):
+        PairedExecutor(_runtime(skips=object()), sequential)
+    with pytest.raises(pk.ConfigError, match="is a int, not a callable"):
+        PairedExecutor(_runtime(), 3)
+
+
+# -- layer 0: the instruction, the schedule, the program ------------------------------------
+
+def test_forward_backward_round_trips_and_refuses_bad_halves():
+    pair = ForwardBackward(Forward(4, 1, 0), Backward(1, 2, 1))
+    assert str(pair) == "F4+B1c1"
+    assert parse("F4+B1c1") == ForwardBackward(Forward(4), Backward(1, 0, 1))
+    with pytest.raises(pk.ConfigError, match="pairs a Forward with a Backward, got Forward"):
+        ForwardBackward(Forward(0), BackwardInput(1))
+    with pytest.raises(pk.ConfigError, match="pairs a part with itself"):
+        ForwardBackward(Forward(2, 0, 1), Backward(2, 0, 1))
+
+
+def test_dualpipev_pairs_as_deepseek_does_and_unpairs_to_the_two_steps():
+    for stages, micro_batches in ((2, 4), (3, 7), (4, 12)):
+        for rank in range(stages):
+            order = dualpipev_order(stages, rank, micro_batches)
+            pairs = dualpipev_pairs(stages, rank, micro_batches)
+            # phase 4 and 5 pair every F with the B after it, but the last rank's first
+            steady = micro_batches - 2 * stages + rank + 1
+            expected = 2 * steady + (stages - rank - 1) - (rank == stages - 1)
+            assert len(pairs) == expected, (stages, rank)
+            assert all(order[i][0] == "F" and order[i + 1][0] == "B"
+                       and order[i][1] != order[i + 1][1] for i in pairs)
+            steps = DualPipeV(stages, rank, micro_batches).steps()
+            assert sum(isinstance(i, ForwardBackward) for s in steps for i in s) == len(pairs)
+            flat = [i for s in unpair(steps) for i in s]
+            kinds = {"Forward": "F", "Backward": "B", "BackwardInput": "I",
+                     "BackwardWeight": "W"}
+            ops = [(kinds[type(i).__name__], i.chunk, i.micro_batch) for i in flat
+                   if type(i).__name__ in kinds]
+            assert ops == list(order)
+        simulate(DualPipeV, stages, micro_batches, 2)  # the paired steps are proven
+
+
+def test_compile_program_keeps_or_splits_the_pairs():
+    paired = compile_program(DualPipeV, stage=0, num_stages=2, micro_batches=4, chunks=2,
+                             placement="v")
+    apart = compile_program(DualPipeV, stage=0, num_stages=2, micro_batches=4, chunks=2,
+                            placement="v", paired=False)
+    assert any(isinstance(i, ForwardBackward) for i in paired.stream)
+    assert not any(isinstance(i, ForwardBackward) for i in apart.stream)
+    assert len(apart.stream) == len(paired.stream) + _pairs_on(0)
+
+
+def test_a_paired_cost_shortens_the_simulated_batch():
+    base = simulate(DualPipeV, 4, 12, 2)
+    faster = simulate(DualPipeV, 4, 12, 2, costs={ForwardBackward: 1.5})
+    assert faster.makespan < base.makespan
+    kinds = {type(i) for row in faster.timeline for _, _, i in row}
+    assert ForwardBackward not in kinds  # the timeline shows the halves
+
+
+def _recv_posting(program) -> dict:
+    """Each receive's ``(class, chunk, micro-batch)``: the compute halves run before the
+    point it is posted at, and before the point it is waited at."""
+    halves, before = [], []
+    for ins in program.stream:
+        before.append(len(halves))
+        halves += list(ins.halves) if isinstance(ins, ForwardBackward) else (
+            [ins] if type(ins).__name__ in ("Forward", "Backward", "BackwardInput",
+                                            "BackwardWeight") else [])
+    out = {}
+    for at, index in program.plan.posted_at().items():
+        ins = program.stream[at]
+        if type(ins).__name__.startswith("Recv"):
+            out[(type(ins), ins.chunk, ins.micro_batch)] = (before[index], before[at])
+    return out
+
+
+def test_pairs_post_the_halves_receives_where_the_two_steps_did():
+    """The plan of a paired program posts every receive where the two steps' plan did;
+    a gradient's is waited on (and so may be posted) one compute earlier."""
+    for stages, micro_batches in ((2, 4), (3, 6), (4, 9)):
+        for stage in range(stages):
+            kw = dict(stage=stage, num_stages=stages, micro_batches=micro_batches,
+                      chunks=2, placement="v")
+            paired = _recv_posting(compile_program(DualPipeV, **kw))
+            apart = _recv_posting(compile_program(DualPipeV, paired=False, **kw))
+            assert paired.keys() == apart.keys()
+            for key, (posted, waited) in paired.items():
+                # as the two steps did, or one compute earlier: a pair waits on both
+                # halves' receives before its forward half (DualPipe's order)
+                assert apart[key][0] - 1 <= posted <= apart[key][0], (stage, key)
+                assert apart[key][1] - 1 <= waited <= apart[key][1], (stage, key)
+                if key[0].__name__ == "RecvActivation":
+                    assert (posted, waited) == apart[key]
+
+
+def test_the_default_program_is_dualpipev_before_pairs_answer_for_answer(monkeypatch):
+    """Unpaired, dualpipev's steps give every simulator answer (timeline, grid, waits, the
+    deadlock-free proof under each posting policy) that dualpipev gave before it paired:
+    ``tests/fixtures/dualpipev_unpaired_frozen.json`` holds the frozen grid's dualpipev
+    entries as they were then (tests/test_simulator_frozen.py)."""
+    import json
+    from pathlib import Path
+
+    import test_simulator_frozen as frozen
+    from pipekernel.schedules import BUILTIN_SCHEDULES
+
+    class Unpaired(DualPipeV):
+        def steps(self):
+            return unpair(super().steps())
+
+    monkeypatch.setitem(BUILTIN_SCHEDULES, "dualpipev", Unpaired)
+    before = json.loads((Path(__file__).parent / "fixtures"
+                         / "dualpipev_unpaired_frozen.json").read_text())
+    ran = 0
+    for key, kwargs in frozen.cases():
+        if kwargs["schedule"] == "dualpipev":
+            assert frozen.run_case(kwargs) == before[key], key
+            ran += 1
+    assert ran == len(before)
