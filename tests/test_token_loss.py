@@ -108,3 +108,46 @@ def test_a_loss_fn_not_returning_sum_and_count_is_a_data_error(returned):
 def test_unknown_loss_reduction_is_a_config_error():
     with pytest.raises(ConfigError, match="loss_reduction must be one of 'mean', 'tokens'"):
         check_loss_reduction("sum")
+
+
+def _paired_tokens_worker():
+    """The paired executor's criterion0 computes the last stage's loss itself: its token
+    counts must still reach the batch step (the one owner of losses and counts)."""
+    from pipekernel.apps.gpt import VOCAB as GPT_VOCAB, gpt_module
+    from pipekernel.stage.paired import sequential
+
+    torch.set_num_threads(1)
+
+    def gpt_token_sum(logits, labels):
+        flat = labels.reshape(-1)
+        return (nn.functional.cross_entropy(logits.reshape(-1, GPT_VOCAB).float(), flat,
+                                            ignore_index=PAD, reduction="sum"),
+                (flat != PAD).sum())
+
+    out = {}
+    for name, fn in (("default", None), ("sequential", sequential)):
+        module = gpt_module(16, 4, 2, 8, num_stages=2, partition="uniform", seed=3)
+        module.loss_fn = gpt_token_sum
+        if fn is not None:
+            module.overlapped_forward_backward = fn
+        engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=4, schedule="dualpipev",
+                                   loss_reduction="tokens", timeout=120)
+        losses = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(7 + step)
+            ids = torch.randint(0, GPT_VOCAB, (4, 2, 9), generator=g)
+            labels = ids[:, :, 1:].clone()
+            labels[:, :, -(step + 2):] = PAD  # padding: the counts differ per step
+            losses.append(engine.train_batch(iter(
+                [(ids[m, :, :-1], labels[m]) for m in range(4)])).item())
+        out[name] = (losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+        engine.close()
+    return out
+
+
+@pytest.mark.multirank
+def test_paired_executor_keeps_the_token_counts():
+    for result in run_ranks(_paired_tokens_worker, 2, timeout=600):
+        (default, state), (paired, paired_state) = result["default"], result["sequential"]
+        assert default == paired
+        assert all(torch.equal(state[k], paired_state[k]) for k in state)
