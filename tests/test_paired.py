@@ -259,27 +259,24 @@ def test_pairs_post_the_halves_receives_where_the_two_steps_did():
                     assert (posted, waited) == apart[key]
 
 
-def test_the_default_program_is_dualpipev_before_pairs_answer_for_answer(monkeypatch):
-    """Unpaired, dualpipev's steps give every simulator answer (timeline, grid, waits, the
-    deadlock-free proof under each posting policy) that dualpipev gave before it paired:
-    ``tests/fixtures/dualpipev_unpaired_frozen.json`` holds the frozen grid's dualpipev
-    entries as they were then (tests/test_simulator_frozen.py)."""
-    import json
-    from pathlib import Path
-
-    import test_simulator_frozen as frozen
-    from pipekernel.schedules import BUILTIN_SCHEDULES
+def test_the_simulator_runs_pairs_as_the_engine_does():
+    """By default ``simulate`` runs each ``ForwardBackward`` as its two steps, the engine's
+    default program (the frozen grid of tests/test_simulator_frozen.py holds dualpipev's
+    answers from before it paired); ``paired=True``, or a cost for the pair, runs it as one
+    step, which moves the forward's sends after the backward."""
+    from pipekernel.schedules import simulate
+    from pipekernel.schedules.instructions import Backward, Forward, ForwardBackward
 
     class Unpaired(DualPipeV):
         def steps(self):
             return unpair(super().steps())
 
-    monkeypatch.setitem(BUILTIN_SCHEDULES, "dualpipev", Unpaired)
-    before = json.loads((Path(__file__).parent / "fixtures"
-                         / "dualpipev_unpaired_frozen.json").read_text())
-    ran = 0
-    for key, kwargs in frozen.cases():
-        if kwargs["schedule"] == "dualpipev":
-            assert frozen.run_case(kwargs) == before[key], key
-            ran += 1
-    assert ran == len(before)
+    for stages, micro_batches in ((2, 6), (4, 12)):
+        default = simulate(DualPipeV, stages, micro_batches, 2)
+        explicit = simulate(Unpaired, stages, micro_batches, 2, paired=True)
+        assert default.timeline == explicit.timeline and default.waits == explicit.waits
+        together = simulate(DualPipeV, stages, micro_batches, 2, paired=True)
+        assert together.makespan > default.makespan
+        priced = simulate(DualPipeV, stages, micro_batches, 2,
+                          costs={Forward: 1.0, Backward: 1.0, ForwardBackward: 2.0})
+        assert priced.makespan == together.makespan

@@ -78,7 +78,8 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
-from pipekernel.schedules.instructions import Instruction
+from pipekernel.schedules.instructions import ForwardBackward, Instruction
+from pipekernel.schedules.ordered import unpair
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
@@ -97,7 +98,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
              posting: Callable[..., CommPlan] | None = None,
              stage_costs: Mapping[tuple[int, int], Mapping[type, float]] | None = None,
              skips: Sequence[Sequence[int]] = (),
-             host_costs: Mapping[type, float] | None = None) -> SimulationResult:
+             host_costs: Mapping[type, float] | None = None,
+             paired: bool | None = None) -> SimulationResult:
     """Simulate ``schedule`` on every stage of a pipeline and check it.
 
     :param schedule: a :class:`~pipekernel.schedules.base.Schedule` subclass, or
@@ -125,6 +127,12 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         itself spends on a transfer to or from another stage (packing and posting a
         send, unpacking a receive once its data is there): unlike ``costs`` they
         occupy the stage, delaying what it runs next. Local hand-offs cost nothing.
+    :param paired: whether a ``ForwardBackward`` step runs as one overlapped pair (what
+        the engine runs when the model supplies ``overlapped_forward_backward``) or as
+        its two steps, forward then backward (:func:`~pipekernel.schedules.ordered.unpair`:
+        what the engine runs by default). ``None`` (default): paired exactly when
+        ``costs`` or ``stage_costs`` price ``ForwardBackward`` (the overlap you model),
+        so the default answer is the engine's default program.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
         producer (or outside the pipeline); then listing every problem found
@@ -141,18 +149,23 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     if posting is not None and semantics != "rendezvous":
         raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
                           hint="drop posting= or use semantics='rendezvous'")
+    if paired is None:
+        paired = ForwardBackward in (costs or {}) or any(
+            ForwardBackward in table for table in (stage_costs or {}).values())
     return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
-                    stage_costs, skips, host_costs)
+                    stage_costs, skips, host_costs, paired)
 
 
 def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
-             stage_costs, skips, host_costs) -> SimulationResult:
+             stage_costs, skips, host_costs, paired=False) -> SimulationResult:
     """:func:`simulate` once its arguments are checked: the schedule objects, placement and
     skip edges, then the simulation with the collector off."""
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
     edges = check_skip_edges(skips, num_stages * chunks)
+    if not paired:
+        objects = [_Unpaired(obj) for obj in objects]
     if edges:
         objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
                    for s, obj in enumerate(objects)]
@@ -193,6 +206,23 @@ def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_co
     if sim.problems:
         raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
     return sim.result()
+
+
+class _Unpaired:
+    """A stage's schedule object whose ``ForwardBackward`` steps are split back into their
+    forward and backward steps (the engine's default program)."""
+
+    def __init__(self, obj) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+    def steps(self):
+        steps = self._obj.steps()
+        if any(isinstance(i, ForwardBackward) for step in steps for i in step):
+            return unpair(steps)
+        return steps
 
 
 class _WithSkips:
