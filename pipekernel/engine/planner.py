@@ -43,6 +43,7 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
                                      RecvGrad, SendActivation, SendGrad)
 from pipekernel.schedules.placement import locate
 from pipekernel.schedules.simulator import simulate
+from pipekernel.stage.partitioning import format_bytes
 
 __all__ = ["Auto", "auto", "LayerCosts", "Link", "Candidate", "Plan", "search", "plan_module",
            "measure_link", "is_auto"]
@@ -186,7 +187,7 @@ class Plan:
 
     def format(self, top: int | None = None) -> str:
         """The ranked candidates as a text table (the chosen one first, marked ``*``)."""
-        budget = "none" if self.memory_budget is None else _bytes(self.memory_budget)
+        budget = "none" if self.memory_budget is None else format_bytes(self.memory_budget)
         lines = [f"plan: {self.schedule}, chunks {self.chunks}, {self.micro_batches} "
                  f"micro-batches, partition {self.partition} {list(self.bounds)}: predicted "
                  f"{1e3 * self.predicted_step_s:.2f} ms/step (memory budget per stage: {budget})",
@@ -202,7 +203,7 @@ class Plan:
                 self.schedule, self.chunks, self.micro_batches, self.bounds) else " "
             pred = f"{1e3 * c.predicted_step_s:9.2f}" if c.predicted_step_s is not None \
                 else f"{'-':>9}"
-            peak = _bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
+            peak = format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
             note = c.note or ("" if c.fits else "over budget")
             lines.append(f"{mark} {i:>3} {c.schedule:<12} {c.chunks:>6} {c.micro_batches:>5} "
                          f"{c.partition:<9} {pred} {peak:>10}  {note}".rstrip())
@@ -254,8 +255,8 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                           hint="widen pk.auto(schedules=..., chunks=..., micro_batches=...)")
     if not best.fits:
         raise ConfigError(
-            f"schedule='auto': no candidate fits memory_budget={_bytes(memory_budget)} per "
-            f"stage; the smallest needs {_bytes(min(c.peak_bytes for c in ranked if c.peak_bytes))}",
+            f"schedule='auto': no candidate fits memory_budget={format_bytes(memory_budget)} per "
+            f"stage; the smallest needs {format_bytes(min(c.peak_bytes for c in ranked if c.peak_bytes))}",
             hint="raise memory_budget, use more stages, or try more micro-batches / "
                  "activation checkpointing")
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
@@ -519,12 +520,3 @@ def _resize(sample: Any, rows: int) -> Any:
     if isinstance(sample, dict):
         return {key: _resize(value, rows) for key, value in sample.items()}
     return sample
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "none"
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
