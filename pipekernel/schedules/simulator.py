@@ -149,9 +149,7 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     if posting is not None and semantics != "rendezvous":
         raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
                           hint="drop posting= or use semantics='rendezvous'")
-    if paired is None:
-        paired = ForwardBackward in (costs or {}) or any(
-            ForwardBackward in table for table in (stage_costs or {}).values())
+    paired = _priced_pairs(costs, stage_costs) if paired is None else paired
     return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
                     stage_costs, skips, host_costs, paired)
 
@@ -173,6 +171,12 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, post
     with _no_cyclic_gc():
         return _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs,
                          host_costs, semantics, (num_stages, micro_batches, chunks))
+
+
+def _priced_pairs(costs, stage_costs) -> bool:
+    """Whether the costs price ``ForwardBackward`` (the overlap a paired executor buys)."""
+    return ForwardBackward in (costs or {}) or any(
+        ForwardBackward in table for table in (stage_costs or {}).values())
 
 
 @contextmanager
