@@ -434,7 +434,9 @@ class PipelineEngine:
                            num_stages=num_stages, micro_batches=micro_batches, pm=self.pm,
                            transport=self.transport, device=self.transport.device,
                            optimizer=optimizer if callable(optimizer)
-                           and not isinstance(optimizer, torch.optim.Optimizer) else None)
+                           and not isinstance(optimizer, torch.optim.Optimizer) else None,
+                           expert_parallel_size=self.parallel.expert_parallel_size,
+                           topology=self.topology)
         check_consistency(self.transport, plan.fields(), "plan (schedule='auto')")
         if self.transport.rank == 0:
             _plan_log.info("%s", plan.format())
