@@ -119,7 +119,9 @@ def test_the_plan_names_the_all_to_all_share():
                                               balance=balance).format()
 
 
-def test_the_clock_counts_forward_and_backward_all_to_alls_apart(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_the_clock_counts_forward_and_backward_all_to_alls_apart(monkeypatch, device):
     """The group's all-to-all under a fake collective (identity) and a fake clock."""
     from torch.distributed import _functional_collectives as funcol
     monkeypatch.setattr(funcol, "all_to_all_single_autograd",
@@ -128,15 +130,23 @@ def test_the_clock_counts_forward_and_backward_all_to_alls_apart(monkeypatch):
     ticks = iter(range(100))
     clock = expert_parallel.AllToAllClock(lambda: float(next(ticks)))
     group = expert_parallel.ExpertParallelGroup(0, 2, 2)
-    x = torch.ones(4, 3, requires_grad=True)
+    x = torch.ones(4, 3, device=device, requires_grad=True)
     with expert_parallel.timing(clock):
         y = group.all_to_all(x, [2, 2], [2, 2])
         assert clock.forward_s == 1.0 and clock.backward_s == 0.0
         (y * 2).sum().backward()
     assert clock.backward_s == 1.0
-    assert torch.equal(x.grad, torch.full((4, 3), 2.0))
+    assert torch.equal(x.grad.cpu(), torch.full((4, 3), 2.0))
     y = group.all_to_all(x, [2, 2], [2, 2])  # outside timing(): not counted
     assert clock.forward_s == 1.0
+
+
+def test_outside_an_expert_parallel_group_nothing_is_timed():
+    from pipekernel.engine.all_to_all_cost import measure_all_to_all
+    module = gpt_module(16, 2, 2, 8, num_stages=2, seed=3, experts=4, top_k=2)
+    sample = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    measured = measure_all_to_all(module, sample, expert_parallel.ExpertParallelGroup())
+    assert measured == [(0.0, 0.0)] * len(module.layers)
 
 
 def _measured_worker() -> dict:
