@@ -7,8 +7,9 @@ the router's partial sums cross the stage boundary, against the unmodified model
 one process with gradient accumulation: losses and every parameter within 1e-5, and the aux
 part reported apart (``metrics["aux_loss"]``) equal to the model's own ``aux_loss`` times the
 coefficient. DeepSeek-V3's forward adds no router loss: its loss is the causal-LM loss alone,
-as in transformers. A split-backward schedule with activation checkpointing, and the refusal
-of ``loss_reduction="tokens"``, run in the same world.
+as in transformers. DualPipeV, ZBV with activation checkpointing (the aux loss added on a
+chunk before the last), and the refusal of ``loss_reduction="tokens"`` run in the same
+world.
 """
 from __future__ import annotations
 
@@ -24,18 +25,22 @@ from pipekernel.testing import assert_parity, run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.multirank
 
-MICRO_BATCHES = 2
+MICRO_BATCHES = 4  # dualpipev needs 2 x stages
 #: large enough that a missing or wrong aux loss shows far above the tolerance
 COEF = 0.5
 #: (family, schedule, chunks, activation_checkpoint_interval)
 CASES = [("mixtral", "1f1b", None, 0), ("qwen2_moe", "1f1b", None, 0),
          ("qwen3_moe", "1f1b", None, 0), ("deepseek_v3", "1f1b", None, 0),
-         ("gpt_oss", "1f1b", None, 0), ("qwen3_moe", "zbv", 2, 1)]
+         ("gpt_oss", "1f1b", None, 0), ("qwen3_moe", "zbv", 2, 1),
+         ("mixtral", "dualpipev", 2, 0)]
 #: families whose forward adds no router loss (the loss is the token mean alone)
 NO_AUX = {"deepseek_v3"}
 #: layers [embeddings, decoder 0 (+ prologue), 1, 2, 3 (+ final norm), head]: two
 #: decoder layers on each stage
 PARTITION = [0, 3, 6]
+#: zbv's four parts (rank 0: parts 0 and 3, rank 1: parts 1 and 2): the aux loss is added
+#: in part 2, before the head's part, so it rides on that part's output (AttachAux)
+PARTS = [0, 2, 3, 5, 6]
 
 
 def sgd(params):
@@ -79,7 +84,7 @@ class Metrics:
 
 def train(name, schedule, chunks, checkpoint):
     model = build(name)
-    partition = PARTITION if chunks is None else "uniform"
+    partition = PARTITION if chunks is None else PARTS
     # the model's own loss per micro-batch: pipeline_module's default with a router loss
     options = {"loss_fn": hf.causal_lm_mean_loss} if name in NO_AUX else {}
     module = hf.pipeline_module(model, num_stages=2, partition=partition,

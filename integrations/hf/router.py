@@ -173,7 +173,8 @@ def find_router_aux(model: nn.Module, base: str, layers: str, num_layers: int
     (``output_router_logits`` off, or a family whose forward computes no such loss).
 
     :param model: the ``*ForCausalLM`` (any device, meta included).
-    :param base: the base model's path; :param layers: the decoder layers' path.
+    :param base: the base model's path; :param layers: the decoder layers' path;
+        :param num_layers: how many there are.
     :raises ConfigError: the forward adds a router loss this module does not reproduce,
         naming the family and what differs.
     """

@@ -24,14 +24,18 @@ cuts its own shards (:func:`pipekernel.grid.tensor_parallel.shard_layer_state`,
 :meth:`pipekernel.grid.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
 tensor-parallel size and any D, with or without ZeRO, and as one plain model.
 
-Why not ``torch.distributed.checkpoint`` (DCP): DCP reshards *tensors* through a
-global plan, but in the files pipekernel never shards a tensor — a layer is whole —
-so resharding is just "each rank reads the layers it holds", which one file per layer
-gives for free, with no planner, no collective at load beyond one agreement, files a
-user can open with ``torch.load`` and no coupling to DCP's changing APIs. DCP would
-also not key optimizer state by a pipeline-independent name without the same mapping
-done here. The trade-off: no parallel writes *within* a layer (a layer is written by
-one rank), which only matters for single layers of many gigabytes.
+Stages with torch parallelism (FSDP2, DTensor plans: an engine with a DeviceMesh) hold
+DTensors, and their checkpoints go through ``torch.distributed.checkpoint`` (DCP) into one
+DCP directory inside the same tag directory, with the same ``meta.json``, rank files,
+``latest`` and guarantees (:mod:`pipekernel.engine.checkpoint_dcp`; :func:`save`,
+:func:`load` and :func:`load_sequential` dispatch on ``meta["format"]``).
+
+Why pipekernel's own files where no tensor is sharded: DCP reshards *tensors* through a
+global plan, but in these files pipekernel never shards a tensor — a layer is whole — so
+resharding is just "each rank reads the layers it holds", which one file per layer gives
+for free, with no planner, no collective at load beyond one agreement, and files a user
+can open with ``torch.load``. The trade-off: no parallel writes *within* a layer (a layer
+is written by one rank), which only matters for single layers of many gigabytes.
 
 What a caller may rely on:
 
@@ -73,11 +77,14 @@ from torch import nn
 
 from pipekernel.grid import expert_parallel
 from pipekernel.grid import tensor_parallel as tp
-from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _read_layer, _read_rank,
-                                         _write_file, latest_tag, layer_file, rank_file,
-                                         read_meta)
+from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
+                                                _fsync_dir, _read_layer, _read_rank,
+                                                _write_file, latest_tag, layer_file,
+                                                rank_file, read_meta)
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.nested import map_tensors
+
+from pipekernel.engine import checkpoint_dcp  # noqa: E402 - it imports this module's helpers
 
 __all__ = ["FORMAT_VERSION", "save", "load", "resume", "load_sequential", "read_meta",
            "latest_tag"]
@@ -270,7 +277,7 @@ def _meta(engine: Any) -> dict[str, Any]:
     module = engine.pipeline_module
     layers = _layer_meta(module)
     return {
-        "format_version": FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
+        "format_version": LAYER_FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
         "torch_version": torch.__version__,
         "topology": _layout(engine), "schedule": engine.schedule_cls.name,
         "part_stages": list(engine.part_stages), "micro_batches": engine.micro_batches,
@@ -325,6 +332,8 @@ def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
     """
     root = os.fspath(root)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if checkpoint_dcp.wanted(engine):  # sharded stages: torch.distributed.checkpoint
+        return checkpoint_dcp.save(engine, root, tag, client_state)
     rank, transport = engine.rank, engine.transport
     final = os.path.join(root, tag)
     tmp = os.path.join(root, f".tmp-{tag}")
@@ -422,6 +431,12 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
     """
     root = os.fspath(root)
     rank, transport = engine.rank, engine.transport
+    found, error = _attempt(read_meta, root, tag)
+    _agree(transport, error, rank)
+    if checkpoint_dcp.is_dcp(found[1]):  # saved by sharded stages
+        return checkpoint_dcp.load(engine, root, tag, *found)
+    if checkpoint_dcp.wanted(engine):
+        return checkpoint_dcp.load_layer_files(engine, *found)
     local = _local_layers(engine.module, engine.pipeline_module)
     tp_group = getattr(engine, "tp_group", None) or tp.group()
     ep = getattr(engine, "ep_group", None) or expert_parallel.group()
@@ -530,12 +545,15 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
     engine.trained_micro_batches = int(mine.get("data_position",
                                                 meta["global_steps"] * engine.micro_batches))
     if exact:
-        rng = mine["rng"]
-        torch.set_rng_state(rng["cpu"])
-        random.setstate(_python_state(rng["python"]))
-        device = torch.device(engine.transport.device)
-        if "cuda" in rng and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
+        _restore_rng(engine, mine["rng"])
+
+
+def _restore_rng(engine: Any, rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    random.setstate(_python_state(rng["python"]))
+    device = torch.device(engine.transport.device)
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
 
 
 def _python_state(state: Any) -> tuple:
@@ -582,6 +600,9 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
     """
     root = os.fspath(root)
     directory, meta = read_meta(root, tag)
+    if checkpoint_dcp.is_dcp(meta):  # saved by sharded stages: DCP reads whole tensors
+        full = checkpoint_dcp.load_sequential(directory, meta, module)
+        return (full.to(device) if device is not None else full).eval()
     num = len(module.layers)
     if meta["num_layers"] != num:
         _check_model(meta, module, directory, [])

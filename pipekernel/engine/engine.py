@@ -35,8 +35,7 @@ from pipekernel.stage.skip_routing import check_schedules, router_for
 from pipekernel.step.optimizer_step import BatchStep
 from pipekernel.grid.tensor_parallel import context as tp_context
 from pipekernel.grid.mesh import build_grid
-from pipekernel.engine.parallelize import (check_stage_parallel, refuse_sharded_checkpoint,
-                                           tp_group_of)
+from pipekernel.engine.parallelize import check_stage_parallel, tp_group_of
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.grid.topology import Topology
 from pipekernel.grid import expert_parallel
@@ -819,14 +818,12 @@ class PipelineEngine:
         ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
         See :func:`pipekernel.engine.checkpoint.save`."""
         from pipekernel.engine.checkpoint import save
-        refuse_sharded_checkpoint(self, "save_checkpoint")
         return save(self, path, tag, client_state)
 
     def load_checkpoint(self, path: Any, tag: str | None = None) -> dict[str, Any]:
         """Load ``path/tag`` (default ``path/latest``), saved at any pipeline or
         data-parallel degree. Every rank calls it. See :func:`pipekernel.engine.checkpoint.load`."""
         from pipekernel.engine.checkpoint import load
-        refuse_sharded_checkpoint(self, "load_checkpoint")
         return load(self, path, tag)
 
     def resume(self, path: Any) -> dict[str, Any] | None:
@@ -838,7 +835,6 @@ class PipelineEngine:
         restarted after a failure (``torchrun --max-restarts``) loses at most ``k``
         steps. See :func:`pipekernel.engine.checkpoint.resume` and docs/faults.md."""
         from pipekernel.engine.checkpoint import resume
-        refuse_sharded_checkpoint(self, "resume")
         return resume(self, path)
 
     def close(self) -> None:

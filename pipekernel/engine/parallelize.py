@@ -10,7 +10,7 @@ from pipekernel.errors import ConfigError
 from pipekernel.grid import stage_parallel
 from pipekernel.grid.tensor_parallel import TensorParallelGroup, _TRIVIAL
 
-__all__ = ["check_stage_parallel", "refuse_sharded_checkpoint", "tp_group_of"]
+__all__ = ["check_stage_parallel", "tp_group_of"]
 
 
 def tp_group_of(grid: Any, topology: Any, transport: Any) -> TensorParallelGroup:
@@ -70,15 +70,3 @@ def _check_dtensors(engine: Any, driver: Any, where: dict) -> None:
                           hint="add data_parallel_shard (FSDP2 composes with the DTensor "
                                "plan) or run one data-parallel rank per stage", **where)
 
-
-def refuse_sharded_checkpoint(engine: Any, what: str) -> None:
-    """``ConfigError`` for a checkpoint of a stage FSDP2 shards: pipekernel's files hold
-    whole tensors per layer, and sharded stages need ``torch.distributed.checkpoint``
-    (not done yet: issue 28, item 5) rather than DTensors pickled per rank."""
-    if getattr(engine, "stage_parallel", None) is not None:
-        raise ConfigError(f"{what}: stage {engine.stage} is sharded with FSDP2 "
-                          f"(data_parallel_shard), and checkpoints of sharded stages are not "
-                          f"supported yet", hint="train without data_parallel_shard to "
-                          "checkpoint, or save engine.module.state_dict() with "
-                          "torch.distributed.checkpoint yourself",
-                          rank=engine.transport.rank, stage=engine.stage)
