@@ -185,7 +185,8 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
             raise ConfigError(f"chunks={chunks!r} with schedule='auto': the planner "
                               "chooses the chunks", hint="give the chunks to try as "
                               "schedule=pk.auto(chunks=[1, 2])", rank=rank)
-        plan = _auto_plan(module, schedule, num_stages, micro_batches, optimizer, pm, transport)
+        plan = _auto_plan(module, schedule, num_stages, micro_batches, optimizer, pm, transport,
+                          parallel.expert_parallel_size, topology)
         schedule, chunks, micro_batches = plan.schedule, plan.chunks, plan.micro_batches
     schedule_cls = resolve_schedule(pm, schedule)
     chosen = schedule_cls.default_chunks if chunks is None else chunks
@@ -203,12 +204,14 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
 
 
 def _auto_plan(module: PipelineModule, request: Any, num_stages: int, micro_batches: int,
-               optimizer: Any, pm: Any, transport: Any) -> Plan:
+               optimizer: Any, pm: Any, transport: Any, expert_parallel_size: int,
+               topology: Topology) -> Plan:
     """Profile and search (every rank, the same plan; see :mod:`pipekernel.engine.planner`)."""
     plan = plan_module(module, request if isinstance(request, Auto) else Auto(),
                        num_stages=num_stages, micro_batches=micro_batches, pm=pm,
                        transport=transport, device=transport.device,
-                       optimizer=_factory(optimizer))
+                       optimizer=_factory(optimizer),
+                       expert_parallel_size=expert_parallel_size, topology=topology)
     check_consistency(transport, plan.fields(), "plan (schedule='auto')")
     if transport.rank == 0:
         _plan_log.info("%s", plan.format())
