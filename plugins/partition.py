@@ -36,7 +36,8 @@ from torch import nn
 from pipekernel import LayerSpec, PartitionContext, PipelineModule, TiedLayerSpec
 from pipekernel.errors import ConfigError
 from pipekernel.plugin import (Balance, Memory, Profile, SkipScope, backward_input,
-                               backward_weight, hookimpl, map_tensors, tensors_of)
+                               backward_weight, compute_on_one, hookimpl, map_tensors,
+                               tensors_of, tensors_to)
 
 __all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers", "measure_layer_times"]
 
@@ -180,10 +181,6 @@ def _cuts_exhaustive(best: list[float], pw: list[float], pa: list[float], k: flo
 # measuring layers
 # ---------------------------------------------------------------------------
 
-def _to(obj: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device), obj)
-
-
 def _leaf(obj: Any) -> Any:
     """Detached copy of ``obj`` whose float tensors require grad (like a received activation)."""
     return map_tensors(lambda t: t.detach().requires_grad_(True)
@@ -278,7 +275,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     _check_measuring(sample, repeats, warmup)
     device = torch.device(device)
     now = clock or time.perf_counter
-    x = _to(sample, device)
+    x = tensors_to(sample, device)
     seconds: list[float] = []
     forwards: list[float] = []
     static: list[float] = []
@@ -466,45 +463,21 @@ def _meta_static_bytes(module: PipelineModule,
     return out
 
 
-def _agree(context: PartitionContext, compute: Callable[[], tuple], arrays: int = 4) -> tuple:
-    """Run ``compute`` on global rank 0 only and broadcast its ``(bounds, *arrays)``:
-    the boundaries, then ``arrays`` per-layer lists, each of which may be ``None``
-    (here: costs, static bytes, activation bytes, forward seconds, ...).
+def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
+    """Run ``compute`` on global rank 0 only and give its ``(bounds, *arrays)`` to every
+    rank (:func:`pipekernel.plugin.compute_on_one`): the boundaries, then ``arrays``
+    per-layer lists (as many as ``compute`` returns), each of which may be ``None`` (here: costs, static bytes, activation
+    bytes, forward seconds, ...), as ints and floats on every rank.
 
     A failure on rank 0 is reported on every rank.
     """
     transport = context.transport
     if transport is None or transport.world_size == 1:
         return compute()
-    n, stages = len(context.module.layers), context.num_stages
-    base = 1 + arrays + stages + 1  # valid flag, one flag per array, the bounds
-    buf = torch.zeros(base + arrays * n, dtype=torch.float64)
-    error = None
-    if transport.rank == 0:
-        try:
-            bounds, *values = compute()
-            buf[0] = 1.0
-            buf[1 + arrays:base] = torch.tensor(bounds, dtype=torch.float64)
-            for k, v in enumerate(values):
-                buf[1 + k] = v is not None
-                if v is not None:
-                    buf[base + k * n:base + (k + 1) * n] = torch.tensor(v, dtype=torch.float64)
-        except Exception as err:  # tell the others before raising, so nobody waits
-            error = err
-    buf = buf.to(transport.device)
-    transport.broadcast(buf, 0)
-    if error is not None:
-        raise error
-    buf = buf.cpu()
-    if buf[0] != 1.0:
-        method = context.module.partition_method
-        raise ConfigError(f"rank 0 failed to compute the partition {method!r}",
-                          hint="look at rank 0's error: it says what went wrong",
-                          rank=context.rank)
-    bounds = [int(v) for v in buf[1 + arrays:base].tolist()]
-    values = [buf[base + k * n:base + (k + 1) * n].tolist() if buf[1 + k] else None
-              for k in range(arrays)]
-    return (bounds, *values)
+    bounds, *values = compute_on_one(transport, compute, 0, hint="look at rank 0's error: "
+                                     "computing the partition failed there")
+    return ([int(b) for b in bounds],
+            *[None if v is None else [float(x) for x in v] for v in values])
 
 
 # ---------------------------------------------------------------------------
@@ -604,7 +577,7 @@ def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> 
             else (None, None)
         return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
                 outputs)
-    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute, 7)
+    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute)
     context.layer_output_bytes = outputs
     context.layer_costs, context.cost_unit = costs, "seconds"
     context.layer_forward_seconds = forward

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipekernel.errors import ConfigError
+from pipekernel.extend.views import StageView
 from pipekernel.grid import stage_parallel
 from pipekernel.grid.tensor_parallel import TensorParallelGroup, _TRIVIAL
 
@@ -22,7 +23,7 @@ def tp_group_of(grid: Any, topology: Any, transport: Any) -> TensorParallelGroup
                                ranks)
 
 
-def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
+def check_stage_parallel(engine: StageView) -> stage_parallel.StageParallel | None:
     """The driver of the stage's FSDP2 modules (``None``: none), after refusing by name
     what it does not run with: ``data_parallel_shard`` that no plugin applied, precision
     policies other than ``fp32``, ZeRO-1, pipekernel's own tensor parallelism."""
@@ -54,7 +55,7 @@ def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
     return driver
 
 
-def _check_dtensors(engine: Any, driver: Any, where: dict) -> None:
+def _check_dtensors(engine: StageView, driver: Any, where: dict) -> None:
     """DTensor parameters FSDP2 does not manage (a DTensor plan alone) are reduced by no
     one over data-parallel ranks: refuse them there rather than train replicas apart."""
     from pipekernel.grid.mesh import local_share
