@@ -2,11 +2,12 @@
 Qwen3-MoE (4 experts, top-2, router aux loss on) at PP2 x EP2 on 4 ranks trains one step
 like the unmodified model in one process with gradient accumulation over both replicas'
 micro-batches — loss and every parameter within 1e-5, each rank's expert stacks compared
-with its slice of the reference — under 1f1b and dualpipev, and so does DeepSeek-V3 (a
-dense first layer, a shared expert, no router loss in its forward) under 1f1b; each rank
-holds 1/E of each MoE layer's experts (from the parameter shapes); ``save_pretrained``
-writes whole experts (the directory loads into ``from_pretrained`` as the reference). Bad input — 2 not dividing
-3 experts, a dense model — is a ConfigError naming it.
+with its slice of the reference — under 1f1b and dualpipev (clipped: the global norm
+counts each expert once), and so does DeepSeek-V3 (a dense first layer, a shared expert,
+no router loss in its forward) under 1f1b; each rank holds 1/E of each MoE layer's
+experts (from the parameter shapes); ``save_pretrained`` writes whole experts (the
+directory loads into ``from_pretrained`` as the reference). Bad input — 2 not dividing 3
+experts, a dense model — is a ConfigError naming it.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from pipekernel.testing import assert_parity, run_ranks  # noqa: E402
 pytestmark = pytest.mark.multirank
 
 MICRO_BATCHES, REPLICAS, EXPERTS, COEF = 4, 2, 4, 0.5
-#: (family, schedule, chunks, partition): two decoder layers per stage / the V's four parts
-CASES = [("qwen3_moe", "1f1b", None, [0, 3, 6]), ("qwen3_moe", "dualpipev", 2, [0, 2, 3, 5, 6]),
-         ("deepseek_v3", "1f1b", None, [0, 3, 6])]
+#: (family, schedule, chunks, partition, max_grad_norm): two decoder layers per stage / the
+#: V's four parts; the clip (below the step's norm) checks the EP-aware global norm
+CASES = [("qwen3_moe", "1f1b", None, [0, 3, 6], None),
+         ("qwen3_moe", "dualpipev", 2, [0, 2, 3, 5, 6], 0.5),
+         ("deepseek_v3", "1f1b", None, [0, 3, 6], None)]
 
 
 def sgd(params):
@@ -44,9 +47,9 @@ def items(replica):
     return [F.batch(100 * replica + m) for m in range(MICRO_BATCHES)]
 
 
-def reference(family):
+def reference(family, clip):
     """The unmodified model, one SGD step accumulating ``loss / (M * D)`` over every
-    replica's micro-batches: ``(mean loss, state_dict)``."""
+    replica's micro-batches (gradients clipped to ``clip``): ``(mean loss, state_dict)``."""
     model = build(family)
     opt = sgd(model.parameters())
     model.train()
@@ -56,17 +59,19 @@ def reference(family):
             loss = model(**b).loss / (MICRO_BATCHES * REPLICAS)
             loss.backward()
             total += loss.item()
+    if clip is not None:
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), clip) > clip
     opt.step()
     return total, model.state_dict()
 
 
-def train(family, schedule, chunks, partition, path):
+def train(family, schedule, chunks, partition, clip, path):
     # the model's own per-micro-batch loss (pipeline_module's default with a router loss)
     module = hf.pipeline_module(build(family), num_stages=2, partition=partition,
                                 loss_fn=hf.causal_lm_mean_loss)
     engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=MICRO_BATCHES,
                                schedule=schedule, chunks=chunks, expert_parallel_size=2,
-                               timeout=60)
+                               max_grad_norm=clip, timeout=60)
     try:
         loss = engine.train_batch(iter(items(engine.data_parallel_rank))).item()
         experts = {n.partition(".")[2] for n, p in engine.module.named_parameters()
@@ -121,14 +126,14 @@ def _check(runs, ref_loss, ref_state):
 
 def test_qwen3_moe_pp2_ep2_trains_like_one_process(tmp_path):
     results = run_ranks(_worker, 4, str(tmp_path), timeout=300)
-    refs = {family: reference(family) for family in {case[0] for case in CASES}}
+    refs = {(case[0], case[4]): reference(case[0], case[4]) for case in CASES}
     for index, case in enumerate(CASES):
-        _check([runs[index] for runs, _ in results], *refs[case[0]])
+        _check([runs[index] for runs, _ in results], *refs[case[0], case[4]])
     for _, errors in results:
         assert "does not divide Qwen3MoeForCausalLM's 3 experts in model.layers.0.mlp" \
                ".experts" in (errors[0] or ""), errors[0]
         assert "LlamaForCausalLM's decoder layers (model.layers.*) hold no MoE experts " \
                "module" in (errors[1] or ""), errors[1]
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
-    ref_loss, ref_state = refs["qwen3_moe"]
+    ref_loss, ref_state = refs["qwen3_moe", None]
     assert_parity([ref_loss], [ref_loss], saved.state_dict(), ref_state)
