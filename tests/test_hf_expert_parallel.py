@@ -6,7 +6,8 @@ with its slice of the reference — under 1f1b and dualpipev (clipped: the globa
 counts each expert once), and so does DeepSeek-V3 (a dense first layer, a shared expert,
 no router loss in its forward) under 1f1b; each rank holds 1/E of each MoE layer's
 experts (from the parameter shapes); ``save_pretrained`` writes whole experts (the
-directory loads into ``from_pretrained`` as the reference). Bad input — 2 not dividing 3
+directory loads into ``from_pretrained`` as the reference), and so does
+``save_checkpoint`` (``load_checkpoint`` cuts each rank's slice again). Bad input — 2 not dividing 3
 experts, a dense model — is a ConfigError naming it.
 """
 from __future__ import annotations
@@ -78,12 +79,31 @@ def train(family, schedule, chunks, partition, clip, path):
                    if expert_parallel.is_expert(p)}
         state = {k.partition(".")[2]: v.detach().clone()
                  for k, v in engine.module.state_dict().items()}
+        reloaded = None
         if path is not None:
             hf.save_pretrained(engine, path)
+            reloaded = _reload(engine, partition, state, path + "-checkpoint")
         return {"loss": loss, "state": state, "experts": experts,
-                "ep_rank": engine.ep_group.rank}
+                "ep_rank": engine.ep_group.rank, "reloaded": reloaded}
     finally:
         engine.close()
+
+
+def _reload(engine, partition, state, path):
+    """``save_checkpoint`` (whole expert stacks) and ``load_checkpoint`` into a fresh
+    engine (this rank's slice again): whether the state comes back equal."""
+    engine.save_checkpoint(path, tag="ep")
+    again = pk.PipelineEngine(hf.pipeline_module(build(), num_stages=2, partition=partition,
+                                                 loss_fn=hf.causal_lm_mean_loss),
+                              optimizer=sgd, micro_batches=MICRO_BATCHES,
+                              expert_parallel_size=2, timeout=60)
+    try:
+        again.load_checkpoint(path, tag="ep")
+        loaded = {k.partition(".")[2]: v for k, v in again.module.state_dict().items()}
+        return loaded.keys() == state.keys() and all(torch.equal(loaded[k], v)
+                                                     for k, v in state.items())
+    finally:
+        again.close()
 
 
 def refused(**changes):
@@ -129,6 +149,7 @@ def test_qwen3_moe_pp2_ep2_trains_like_one_process(tmp_path):
     refs = {(case[0], case[4]): reference(case[0], case[4]) for case in CASES}
     for index, case in enumerate(CASES):
         _check([runs[index] for runs, _ in results], *refs[case[0], case[4]])
+    assert all(runs[0]["reloaded"] for runs, _ in results)  # engine checkpoints too
     for _, errors in results:
         assert "does not divide Qwen3MoeForCausalLM's 3 experts in model.layers.0.mlp" \
                ".experts" in (errors[0] or ""), errors[0]
