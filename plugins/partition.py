@@ -22,7 +22,6 @@ rank builds the same partition even though timings differ between processes.
 """
 from __future__ import annotations
 
-import copy
 import math
 import re
 import statistics
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipekernel import LayerSpec, PartitionContext, PipelineModule, TiedLayerSpec
+from pipekernel import LayerSpec, PartitionContext, PipelineModule
 from pipekernel.errors import ConfigError
 from pipekernel.plugin import (Balance, Memory, Profile, SkipScope, backward_input,
                                backward_weight, compute_on_one, hookimpl, map_tensors,
@@ -290,7 +289,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     skip_bytes: dict[str, int] = {}
     with torch.random.fork_rng(devices=cuda):  # layer seeding and dropout leave no trace
         for index, spec in enumerate(module.layers):
-            layer, call = _measured_layer(module, index, spec, device, scope)
+            layer, call = module.measured_layer(index, device, scope)
             params = ({p.untyped_storage().data_ptr() for p in layer.parameters()}
                       if isinstance(layer, nn.Module) else set())
             inp = _leaf(x)
@@ -333,28 +332,6 @@ def _check_measuring(sample: Any, repeats: int, warmup: int) -> None:
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
                           hint="use pk.profile(sample, repeats=5, warmup=1)")
-
-
-def _measured_layer(module: PipelineModule, index: int, spec: Any, device: torch.device,
-                    scope: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """Layer ``index`` built on ``device`` (a copy of a user's own module: never stepped
-    or moved) and the call running it on an input, inside the skip ``scope`` if any."""
-    layer = module.build_layer(index)
-    if isinstance(layer, nn.Module):
-        if not isinstance(spec, LayerSpec):
-            layer = copy.deepcopy(layer)
-        layer = layer.to(device)
-    forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
-
-    def run(inp: Any) -> Any:
-        return layer(inp) if forward_fn is None else forward_fn(layer, inp)
-
-    def call(inp: Any) -> Any:
-        if scope is None:
-            return run(inp)
-        with scope:
-            return scope.run(index, run, inp)
-    return layer, call
 
 
 def _first_forward(call: Callable, inp: Any, index: int, spec: Any

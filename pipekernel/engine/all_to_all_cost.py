@@ -18,7 +18,6 @@ On a GPU the clock synchronises the device around each call (see ``AllToAllClock
 """
 from __future__ import annotations
 
-import copy
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -70,28 +69,11 @@ def measure_all_to_all(module: Any, sample: Any, ep_group: expert_parallel.Exper
 
 def _built(module: Any, index: int, device: torch.device,
            scope: Any) -> tuple[Callable[[Any], Any], bool]:
-    """Layer ``index`` built here (a user's own module copied, never moved) and whether it
-    holds expert parameters."""
-    from pipekernel.stage.module import LayerSpec, TiedLayerSpec
-
-    spec = module.layers[index]
-    layer = module.build_layer(index)
-    if isinstance(layer, torch.nn.Module):
-        if not isinstance(spec, LayerSpec):
-            layer = copy.deepcopy(layer)
-        layer = layer.to(device)
+    """Layer ``index`` built here (``PipelineModule.measured_layer``) and whether it holds
+    expert parameters."""
+    layer, run = module.measured_layer(index, device, scope)
     experts = isinstance(layer, torch.nn.Module) and any(
         expert_parallel.is_expert(p) for p in layer.parameters())
-    forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
-
-    def call(inp: Any) -> Any:
-        return layer(inp) if forward_fn is None else forward_fn(layer, inp)
-
-    def run(inp: Any) -> Any:
-        if scope is None:
-            return call(inp)
-        with scope:
-            return scope.run(index, call, inp)
     return run, experts
 
 
