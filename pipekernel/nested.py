@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["map_tensors", "tensors_of"]
+__all__ = ["map_tensors", "tensors_of", "tensors_to", "describe"]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
@@ -37,3 +37,21 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     map_tensors(found.append, obj)
     return found
+
+
+def tensors_to(obj: Any, device: Any) -> Any:
+    """``obj`` with every tensor moved to ``device`` (``Tensor.to``: a no-op where it is)."""
+    return map_tensors(lambda t: t.to(device), obj)
+
+
+def describe(obj: Any) -> str:
+    """A short picture of a nested value for error messages: tensors by shape and dtype,
+    containers by their items, anything else by its type (``(tensor(2, 3) torch.float32,
+    int)``)."""
+    if isinstance(obj, torch.Tensor):
+        return f"tensor{tuple(obj.shape)} {obj.dtype}"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ", ".join(describe(o) for o in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{k!r}: {describe(o)}" for k, o in obj.items()) + "}"
+    return type(obj).__name__

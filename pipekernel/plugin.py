@@ -25,8 +25,15 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
   ``pipekernel.PartitionContext``), :class:`SkipScope` (run layers that stash and pop
   outside the engine) and the split backward (:func:`backward_input`,
   :func:`backward_weight`);
-* nested values: :func:`map_tensors`, :func:`tensors_of`;
-* agreement across ranks: :func:`all_gather_objects`;
+* nested values: :func:`map_tensors`, :func:`tensors_of`, :func:`tensors_to`, :func:`describe`;
+* what hooks and checkpoints read of an engine: :class:`EngineView` (the built engine: the
+  object passed is the :class:`~pipekernel.PipelineEngine`, which implements it),
+  :class:`StageView` (the engine as ``pipekernel_parallelize_stage`` sees it) and
+  :class:`RuntimeView` (the stage runtime: handlers, inputs of a micro-batch) — typed,
+  read-only, each docstring the contract;
+* agreement across ranks: :func:`all_gather_objects`, :func:`broadcast_object`,
+  :func:`compute_on_one` (one rank computes, every rank gets the value or its error),
+  :func:`raise_on_every_rank` (one rank's failure raised on all);
 * writing a transport: :data:`TORCH_REDUCE_OPS`, :func:`attempt`, :func:`attempt_prefix`,
   :func:`keyed_store`, :func:`bind_defaults_before_init`;
 * installed extensions: :func:`entry_points`.
@@ -59,10 +66,12 @@ from pipekernel.testing import check_transport
 from pipekernel.comm.attempt import attempt, attempt_prefix, keyed_store
 from pipekernel.comm.collectives import TORCH_REDUCE_OPS
 from pipekernel.comm.teardown import bind_defaults_before_init
-from pipekernel.engine.faults import all_gather_objects
+from pipekernel.engine.agreement import (all_gather_objects, broadcast_object,
+                                         compute_on_one, raise_on_every_rank)
 from pipekernel.extend.installed import entry_points
+from pipekernel.extend.views import EngineView, RuntimeView, StageView
 from pipekernel.grid.stage_parallel import find as find_stage_parallel
-from pipekernel.nested import map_tensors, tensors_of
+from pipekernel.nested import describe, map_tensors, tensors_of, tensors_to
 from pipekernel.stage.partitioning import Balance, Memory, Profile
 from pipekernel.stage.skips import SkipScope
 from pipekernel.stage.split_backward import backward_input, backward_weight
@@ -80,4 +89,6 @@ __all__ = [
     "Precision", "cast_floats", "Balance", "Profile", "Memory", "SkipScope", "backward_input",
     "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "TORCH_REDUCE_OPS",
     "attempt", "attempt_prefix", "keyed_store", "bind_defaults_before_init", "entry_points",
+    "EngineView", "StageView", "RuntimeView", "broadcast_object", "compute_on_one",
+    "raise_on_every_rank", "tensors_to", "describe",
 ]

@@ -18,7 +18,7 @@ import torch
 from pipekernel.comm.conformance import run_transport_conformance
 from pipekernel.comm.transport import Transport
 from pipekernel.engine.launch import launch
-from pipekernel.nested import map_tensors
+from pipekernel.nested import tensors_to
 from pipekernel.stage.aux_loss import aux_losses
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.stage.module import PipelineModule
@@ -42,7 +42,7 @@ def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any]
     (``pk.add_aux_loss``), as the engine's objective."""
     inputs, labels = item
     if device is not None:
-        inputs, labels = _to(inputs, device), _to(labels, device)
+        inputs, labels = tensors_to(inputs, device), tensors_to(labels, device)  # dicts too
     with aux_losses() as aux:
         loss = loss_fn(stage(inputs), labels)
     if aux:
@@ -50,10 +50,6 @@ def _forward_loss(stage: torch.nn.Module, loss_fn: Callable, item: Sequence[Any]
             raise ValueError("reference_train: aux losses with loss_reduction='tokens'")
         loss = loss + torch.stack([a.float() for a in aux]).sum().to(loss.dtype)
     return loss
-
-
-def _to(obj: Any, device: torch.device | str) -> Any:
-    return map_tensors(lambda t: t.to(device), obj)  # dicts too, as the engine moves them
 
 
 def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.optim.Optimizer],

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipekernel.errors import ConfigError
-from pipekernel.plugin import hookimpl
+from pipekernel.plugin import StageView, hookimpl
 
 #: Precision policies FSDP2 runs under: ``fp32``, and ``bf16`` mapped to FSDP2's
 #: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` — the fp32 shards
@@ -64,7 +64,7 @@ def data_mesh(mesh: Any) -> Any:
     return mesh["dp_shard"]
 
 
-def _check(engine: Any) -> None:
+def _check(engine: StageView) -> None:
     rank = engine.transport.rank
     name = getattr(engine.precision, "name", "fp32")
     if name not in SUPPORTED_PRECISIONS:
@@ -76,7 +76,7 @@ def _check(engine: Any) -> None:
 
 
 @hookimpl(trylast=True)
-def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
+def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: StageView) -> None:
     shard = engine.parallel.data_parallel_shard
     if shard <= 1:
         return

@@ -72,7 +72,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.plugin import LoadMicroBatch, all_gather_objects, hookimpl, tensors_of
+from pipekernel.plugin import (EngineView, LoadMicroBatch, all_gather_objects, hookimpl,
+                               tensors_of)
 
 from pipekernel.plugins.monitor_clock import CudaTimer, HostTimer, make_timer
 from pipekernel.plugins.monitor_positions import PositionBoard, format_positions
@@ -148,7 +149,7 @@ class Monitor:
         #: rank 0: the merged records of the last ``keep_steps`` steps (when sinks are on)
         self.records: deque[dict[str, Any]] = deque(maxlen=keep_steps)
         self._all, self._measured = Totals(), Totals()
-        self.engine: Any = None
+        self.engine: EngineView | None = None  # read through the view only
         self.summaries: list[dict[str, Any]] | None = None  # set by close() (rank 0)
         self.trace_events: list[dict[str, Any]] | None = None  # merged trace, after close()
         self.rank, self.world_size, self.stage = 0, 1, 0
@@ -170,7 +171,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ set-up
     @hookimpl
-    def pipekernel_configure(self, engine: Any) -> None:
+    def pipekernel_configure(self, engine: EngineView) -> None:
         if self.engine is not None and self.engine is not engine:
             raise ConfigError("a Monitor serves one engine; make a new Monitor per engine",
                               hint="pass plugins=[Monitor(...)] with a new Monitor to each "
@@ -180,7 +181,7 @@ class Monitor:
         self.rank, self.world_size = engine.rank, engine.transport.world_size
         self.stage, self.topology = engine.stage, engine.topology
         self._count_inputs = engine.is_first_stage()
-        self._classes = sorted({cls.__name__ for cls in engine.kernel.handlers})
+        self._classes = sorted({cls.__name__ for cls in engine.instruction_types})
         self._cuda = getattr(engine.transport.device, "type", "cpu") == "cuda"
         self._timer = make_timer(engine.transport.device, clock=self._clock)
         self._epoch = self._clock()
@@ -215,7 +216,7 @@ class Monitor:
 
     # ---------------------------------------------------------------- hot path
     @hookimpl
-    def pipekernel_before_train_batch(self, engine: Any) -> None:
+    def pipekernel_before_train_batch(self, engine: EngineView) -> None:
         if self._events:  # instructions since the last step ran outside train_batch (eval)
             self._keep_loose(self._events)
             self._events = []
@@ -262,7 +263,7 @@ class Monitor:
 
     # ------------------------------------------------------------- per step
     @hookimpl
-    def pipekernel_after_train_batch(self, engine: Any, loss: Any, metrics: Mapping) -> None:
+    def pipekernel_after_train_batch(self, engine: EngineView, loss: Any, metrics: Mapping) -> None:
         end_mark = self._timer.mark()
         if self._closed:  # sinks are closed; a new Monitor sees later steps
             self._events = []
@@ -380,7 +381,7 @@ class Monitor:
 
     # ------------------------------------------------------------------ close
     @hookimpl
-    def pipekernel_unconfigure(self, engine: Any) -> None:
+    def pipekernel_unconfigure(self, engine: EngineView) -> None:
         self.close()
 
     def close(self) -> None:
@@ -430,7 +431,7 @@ class Monitor:
         """Where this rank is now: train step, schedule step, instruction and for how long."""
         now = self._clock()
         current, engine = self._current, self.engine
-        kernel_pos = getattr(getattr(engine, "kernel", None), "position", None)
+        kernel_pos = getattr(engine, "position", None)
         pos: dict[str, Any] = {
             "rank": self.rank, "stage": self.stage, "host": socket.gethostname(),
             "pid": os.getpid(), "updated": time.time(),

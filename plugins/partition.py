@@ -22,7 +22,6 @@ rank builds the same partition even though timings differ between processes.
 """
 from __future__ import annotations
 
-import copy
 import math
 import re
 import statistics
@@ -33,10 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipekernel import LayerSpec, PartitionContext, PipelineModule, TiedLayerSpec
+from pipekernel import LayerSpec, PartitionContext, PipelineModule
 from pipekernel.errors import ConfigError
 from pipekernel.plugin import (Balance, Memory, Profile, SkipScope, backward_input,
-                               backward_weight, hookimpl, map_tensors, tensors_of)
+                               backward_weight, compute_on_one, hookimpl, map_tensors,
+                               tensors_of, tensors_to)
 
 __all__ = ["balance", "stage_costs", "stage_layer_costs", "measure_layers", "measure_layer_times"]
 
@@ -180,10 +180,6 @@ def _cuts_exhaustive(best: list[float], pw: list[float], pa: list[float], k: flo
 # measuring layers
 # ---------------------------------------------------------------------------
 
-def _to(obj: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device), obj)
-
-
 def _leaf(obj: Any) -> Any:
     """Detached copy of ``obj`` whose float tensors require grad (like a received activation)."""
     return map_tensors(lambda t: t.detach().requires_grad_(True)
@@ -278,7 +274,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     _check_measuring(sample, repeats, warmup)
     device = torch.device(device)
     now = clock or time.perf_counter
-    x = _to(sample, device)
+    x = tensors_to(sample, device)
     seconds: list[float] = []
     forwards: list[float] = []
     static: list[float] = []
@@ -293,7 +289,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     skip_bytes: dict[str, int] = {}
     with torch.random.fork_rng(devices=cuda):  # layer seeding and dropout leave no trace
         for index, spec in enumerate(module.layers):
-            layer, call = _measured_layer(module, index, spec, device, scope)
+            layer, call = module.measured_layer(index, device, scope)
             params = ({p.untyped_storage().data_ptr() for p in layer.parameters()}
                       if isinstance(layer, nn.Module) else set())
             inp = _leaf(x)
@@ -336,28 +332,6 @@ def _check_measuring(sample: Any, repeats: int, warmup: int) -> None:
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}",
                           hint="use pk.profile(sample, repeats=5, warmup=1)")
-
-
-def _measured_layer(module: PipelineModule, index: int, spec: Any, device: torch.device,
-                    scope: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """Layer ``index`` built on ``device`` (a copy of a user's own module: never stepped
-    or moved) and the call running it on an input, inside the skip ``scope`` if any."""
-    layer = module.build_layer(index)
-    if isinstance(layer, nn.Module):
-        if not isinstance(spec, LayerSpec):
-            layer = copy.deepcopy(layer)
-        layer = layer.to(device)
-    forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
-
-    def run(inp: Any) -> Any:
-        return layer(inp) if forward_fn is None else forward_fn(layer, inp)
-
-    def call(inp: Any) -> Any:
-        if scope is None:
-            return run(inp)
-        with scope:
-            return scope.run(index, run, inp)
-    return layer, call
 
 
 def _first_forward(call: Callable, inp: Any, index: int, spec: Any
@@ -466,45 +440,21 @@ def _meta_static_bytes(module: PipelineModule,
     return out
 
 
-def _agree(context: PartitionContext, compute: Callable[[], tuple], arrays: int = 4) -> tuple:
-    """Run ``compute`` on global rank 0 only and broadcast its ``(bounds, *arrays)``:
-    the boundaries, then ``arrays`` per-layer lists, each of which may be ``None``
-    (here: costs, static bytes, activation bytes, forward seconds, ...).
+def _agree(context: PartitionContext, compute: Callable[[], tuple]) -> tuple:
+    """Run ``compute`` on global rank 0 only and give its ``(bounds, *arrays)`` to every
+    rank (:func:`pipekernel.plugin.compute_on_one`): the boundaries, then ``arrays``
+    per-layer lists (as many as ``compute`` returns), each of which may be ``None`` (here: costs, static bytes, activation
+    bytes, forward seconds, ...), as ints and floats on every rank.
 
     A failure on rank 0 is reported on every rank.
     """
     transport = context.transport
     if transport is None or transport.world_size == 1:
         return compute()
-    n, stages = len(context.module.layers), context.num_stages
-    base = 1 + arrays + stages + 1  # valid flag, one flag per array, the bounds
-    buf = torch.zeros(base + arrays * n, dtype=torch.float64)
-    error = None
-    if transport.rank == 0:
-        try:
-            bounds, *values = compute()
-            buf[0] = 1.0
-            buf[1 + arrays:base] = torch.tensor(bounds, dtype=torch.float64)
-            for k, v in enumerate(values):
-                buf[1 + k] = v is not None
-                if v is not None:
-                    buf[base + k * n:base + (k + 1) * n] = torch.tensor(v, dtype=torch.float64)
-        except Exception as err:  # tell the others before raising, so nobody waits
-            error = err
-    buf = buf.to(transport.device)
-    transport.broadcast(buf, 0)
-    if error is not None:
-        raise error
-    buf = buf.cpu()
-    if buf[0] != 1.0:
-        method = context.module.partition_method
-        raise ConfigError(f"rank 0 failed to compute the partition {method!r}",
-                          hint="look at rank 0's error: it says what went wrong",
-                          rank=context.rank)
-    bounds = [int(v) for v in buf[1 + arrays:base].tolist()]
-    values = [buf[base + k * n:base + (k + 1) * n].tolist() if buf[1 + k] else None
-              for k in range(arrays)]
-    return (bounds, *values)
+    bounds, *values = compute_on_one(transport, compute, 0, hint="look at rank 0's error: "
+                                     "computing the partition failed there")
+    return ([int(b) for b in bounds],
+            *[None if v is None else [float(x) for x in v] for v in values])
 
 
 # ---------------------------------------------------------------------------
@@ -604,7 +554,7 @@ def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> 
             else (None, None)
         return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
                 outputs)
-    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute, 7)
+    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute)
     context.layer_output_bytes = outputs
     context.layer_costs, context.cost_unit = costs, "seconds"
     context.layer_forward_seconds = forward

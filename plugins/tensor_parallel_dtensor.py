@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError
-from pipekernel.plugin import hookimpl
+from pipekernel.plugin import StageView, hookimpl
 
 __all__ = ["HF_STYLES", "hf_plan", "matches", "pipekernel_parallelize_stage"]
 
@@ -111,7 +111,7 @@ def _check_heads(config: Any, size: int, where: dict) -> None:
 
 
 @hookimpl(tryfirst=True)
-def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
+def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: StageView) -> None:
     plan = engine.parallel.tensor_parallel_plan
     if plan is None:
         return

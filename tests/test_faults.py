@@ -445,7 +445,7 @@ def test_a_transport_failure_after_a_published_abort_reports_the_abort():
     import types
 
     from pipekernel.errors import PeerAbort, TransportError
-    from pipekernel.engine.faults import AbortBoard
+    from pipekernel.engine.faults import AbortBoard, root_cause
 
     store = torch.distributed.HashStore()
     failing = AbortBoard(store, "pipekernel/e0", rank=2)
@@ -455,13 +455,13 @@ def test_a_transport_failure_after_a_published_abort_reports_the_abort():
                                transport=None)
     err = TransportError("rank 1 failed to send to rank 2: Connection closed by peer",
                          rank=1, instruction="SEND_F1")
-    cause = pk.PipelineEngine._root_cause(me, err)
+    cause = root_cause(err, me.transport, me.abort_board, me.rank)
     assert isinstance(cause, PeerAbort) and (cause.rank, cause.micro_batch) == (2, 1)
     assert "rank 2 failed first" in str(cause)
     assert "rank 1 then failed too at SEND_F1: rank 1 failed to send to rank 2" in str(cause)
     other = ValueError("not a transport failure")
-    assert pk.PipelineEngine._root_cause(me, other) is other
+    assert root_cause(other, me.transport, me.abort_board, me.rank) is other
     quiet = types.SimpleNamespace(abort_board=AbortBoard(torch.distributed.HashStore(),
                                                          "pipekernel/e0", rank=1), rank=1,
                                   transport=None)
-    assert pk.PipelineEngine._root_cause(quiet, err) is err  # nothing published: itself
+    assert root_cause(err, quiet.transport, quiet.abort_board, quiet.rank) is err  # nothing published: itself

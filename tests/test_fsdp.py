@@ -4,6 +4,8 @@ backward schedules; each rank holds 1/N of its stage; one reduce-scatter per par
 group and batch."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from models import adam, mlp, mlp_data, sgd, tied_lm, token_data
@@ -156,9 +158,9 @@ def test_bad_shard_options_say_how_to_fix():
             ParallelConfig.make(**kwargs)
 
 
-def features_worker(schedule, reshard_after_forward):
+def features_worker(directory, schedule, reshard_after_forward):
     """Split backward, activation checkpointing, a micro-batch count change, eval in
-    between, a skipped non-finite step; and the checkpoint refusal."""
+    between, a skipped non-finite step; then a checkpoint saved and loaded back."""
     torch.set_num_threads(1)
     module = mlp(num_stages=2)
     module.activation_checkpoint_interval = 2
@@ -177,24 +179,27 @@ def features_worker(schedule, reshard_after_forward):
         bad[1] = (bad[1][0] * float("nan"), bad[1][1])
     skipped = engine.train_batch(iter(bad))
     unchanged = all(torch.equal(v, state[k]) for k, v in _full_state(engine).items())
-    try:
-        engine.save_checkpoint("/nonexistent/never-written")
-        refused = None
-    except ConfigError as err:
-        refused = str(err)
+    # a sharded stage checkpoints through torch.distributed.checkpoint
+    # (tests/test_checkpoint_dcp.py): after the count changes and the skipped step it
+    # loads back exactly, counters included
+    root = os.path.join(directory, "checkpoints")
+    engine.save_checkpoint(root)
+    info = engine.load_checkpoint(root)
+    reloaded = all(torch.equal(v, state[k]) for k, v in _full_state(engine).items())
     return {"losses": losses, "evals": evals, "state": state, "skipped": engine.skipped_steps,
             "nan": skipped.item() != skipped.item(), "unchanged": unchanged,
-            "refused": refused}
+            "reloaded": reloaded and info["exact"] and info["skipped_steps"] == 1}
 
 
 COUNTS = [MB, 2, MB]
 
 
 @pytest.mark.parametrize("schedule,reshard", [("zb-h1", False), ("zbv", True)])
-def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(schedule, reshard):
+def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(tmp_path, schedule,
+                                                                       reshard):
     from pipekernel.testing import reference_eval
 
-    results = run_ranks(features_worker, 4, schedule, reshard)
+    results = run_ranks(features_worker, 4, str(tmp_path), schedule, reshard)
     batches = [[mlp_data(step, r, count) for r in range(2)] for step, count in enumerate(COUNTS)]
     ref_losses, ref_state = reference_train(mlp(num_stages=1), adam, batches, COUNTS)
     for result in results:
@@ -202,7 +207,7 @@ def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(schedule,
         for name, value in result["state"].items():
             torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6)
         assert result["skipped"] == 1 and result["nan"] and result["unchanged"]
-        assert "checkpoints of sharded stages are not supported" in result["refused"]
+        assert result["reloaded"]
     # the last eval ran on the final weights
     ref_eval, _ = reference_eval(mlp(num_stages=1), ref_state, mlp_data(100 + len(COUNTS) - 1,
                                                                         0, MB))

@@ -295,7 +295,7 @@ def replay(monitor, clock, result, stage):
     engine = types.SimpleNamespace(
         transport=types.SimpleNamespace(world_size=1, device=torch.device("cpu")), rank=0,
         stage=stage, topology=types.SimpleNamespace(data_rank=0), is_first_stage=lambda: False,
-        kernel=types.SimpleNamespace(handlers={type(i): None for i in stream}))
+        instruction_types=tuple({type(i): None for i in stream}))  # the EngineView field
     monitor.pipekernel_configure(engine)
     monitor.pipekernel_before_train_batch(engine)
     upcoming = next(timed, None)

@@ -73,7 +73,7 @@ def fake_engine():
     return types.SimpleNamespace(
         transport=types.SimpleNamespace(device=torch.device("cpu"), world_size=1), rank=0,
         stage=0, topology=types.SimpleNamespace(data_rank=0), is_first_stage=lambda: False,
-        kernel=types.SimpleNamespace(handlers=handlers), global_steps=0)
+        instruction_types=tuple(handlers), global_steps=0)  # the EngineView fields
 
 
 def test_the_monitor_reports_device_time_when_it_has_the_cuda_timer():

@@ -142,7 +142,7 @@ def test_the_engine_reports_the_overdue_transfer_not_what_the_abort_caused(monke
     anywhere; the rank ends with the transport's TransportTimeout instead."""
     from types import SimpleNamespace
 
-    from pipekernel.engine.engine import PipelineEngine
+    from pipekernel.engine.faults import root_cause
 
     clock = Clock()
     transport, _, _ = fake_nccl(monkeypatch, clock=clock, thread=False, on_stuck=lambda e: None)
@@ -150,10 +150,10 @@ def test_the_engine_reports_the_overdue_transfer_not_what_the_abort_caused(monke
     engine = SimpleNamespace(transport=transport, abort_board=None)
     assert transport.failure is None
     crash = RuntimeError("CUDA error: an illegal memory access was encountered")
-    assert PipelineEngine._root_cause(engine, crash) is crash
+    assert root_cause(crash, engine.transport, engine.abort_board, 0) is crash
     clock.now += 10
     transport._watch.poll()
-    cause = PipelineEngine._root_cause(engine, crash)
+    cause = root_cause(crash, engine.transport, engine.abort_board, 0)
     assert isinstance(cause, TransportTimeout) and cause.peer == 0
 
 

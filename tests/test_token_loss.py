@@ -82,16 +82,20 @@ def test_token_mean_matches_one_process(stages, dp, schedule, max_grad_norm):
     assert len(set(counts)) > 1
 
 
-def test_token_loss_wrapper_keeps_counts_and_returns_the_sum():
+def test_token_loss_wrapper_returns_the_sum_and_the_count_kept_with_the_loss():
+    from pipekernel.step.optimizer_step import BatchLosses
     wrapped = TokenLoss(token_sum)
     logits = torch.randn(2, LENGTH, VOCAB)
     _, labels = padded_data(0, 0, 1, batch=2)[0]
     total, count = token_sum(logits, labels)
-    assert torch.equal(wrapped(logits, labels), total)
-    wrapped(logits, labels)
-    assert float(wrapped.local_tokens("cpu")) == 2 * int(count)
-    wrapped.reset()
-    assert float(wrapped.local_tokens("cpu")) == 0
+    got, tokens = wrapped(logits, labels)
+    assert torch.equal(got, total) and tokens.dtype == torch.float64
+    ledger = BatchLosses()  # the batch's one owner of losses and token counts
+    ledger.add(got, 0, tokens)
+    ledger.add(*wrapped(logits, labels)[:1], 1, wrapped(logits, labels)[1])
+    assert float(ledger.local_tokens("cpu")) == 2 * int(count)
+    ledger.clear()
+    assert float(ledger.local_tokens("cpu")) == 0 and ledger.values == []
 
 
 @pytest.mark.parametrize("returned", [torch.tensor(1.0), (torch.ones(2), 3),
@@ -104,3 +108,46 @@ def test_a_loss_fn_not_returning_sum_and_count_is_a_data_error(returned):
 def test_unknown_loss_reduction_is_a_config_error():
     with pytest.raises(ConfigError, match="loss_reduction must be one of 'mean', 'tokens'"):
         check_loss_reduction("sum")
+
+
+def _paired_tokens_worker():
+    """The paired executor's criterion0 computes the last stage's loss itself: its token
+    counts must still reach the batch step (the one owner of losses and counts)."""
+    from pipekernel.apps.gpt import VOCAB as GPT_VOCAB, gpt_module
+    from pipekernel.stage.paired import sequential
+
+    torch.set_num_threads(1)
+
+    def gpt_token_sum(logits, labels):
+        flat = labels.reshape(-1)
+        return (nn.functional.cross_entropy(logits.reshape(-1, GPT_VOCAB).float(), flat,
+                                            ignore_index=PAD, reduction="sum"),
+                (flat != PAD).sum())
+
+    out = {}
+    for name, fn in (("default", None), ("sequential", sequential)):
+        module = gpt_module(16, 4, 2, 8, num_stages=2, partition="uniform", seed=3)
+        module.loss_fn = gpt_token_sum
+        if fn is not None:
+            module.overlapped_forward_backward = fn
+        engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=4, schedule="dualpipev",
+                                   loss_reduction="tokens", timeout=120)
+        losses = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(7 + step)
+            ids = torch.randint(0, GPT_VOCAB, (4, 2, 9), generator=g)
+            labels = ids[:, :, 1:].clone()
+            labels[:, :, -(step + 2):] = PAD  # padding: the counts differ per step
+            losses.append(engine.train_batch(iter(
+                [(ids[m, :, :-1], labels[m]) for m in range(4)])).item())
+        out[name] = (losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+        engine.close()
+    return out
+
+
+@pytest.mark.multirank
+def test_paired_executor_keeps_the_token_counts():
+    for result in run_ranks(_paired_tokens_worker, 2, timeout=600):
+        (default, state), (paired, paired_state) = result["default"], result["sequential"]
+        assert default == paired
+        assert all(torch.equal(state[k], paired_state[k]) for k in state)

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _write_file, layer_file,
+from pipekernel.engine.checkpoint_files import (LAYER_FORMAT_VERSION, _write_file, layer_file,
                                                 rank_file)
 from pipekernel.errors import ConfigError, DataError
 
@@ -276,7 +276,7 @@ def _rank_payload(first: dict) -> dict:
 
 
 def _meta(first: dict, entries: list[dict], stages: int) -> dict:
-    return {"format_version": FORMAT_VERSION, "pipekernel_version": pk.__version__,
+    return {"format_version": LAYER_FORMAT_VERSION, "pipekernel_version": pk.__version__,
             "torch_version": torch.__version__, "source": "deepspeed " +
             str(first.get("ds_version", "?")),
             # never equal to a running engine's layout: no RNG restore, rank 0's file

@@ -13,9 +13,11 @@ from typing import Any
 
 from torch import nn
 
+from pipekernel.grid import expert_parallel
 from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pipekernel.hf.batches import split_batch
+from pipekernel.hf.experts import check_model, shard_experts
 from pipekernel.hf.head import Head, TiedHead
 from pipekernel.hf.layers import Chain, Decoder, Embed, Epilogue, Prologue, embed_tokens
 from pipekernel.hf.loss import causal_lm_loss, causal_lm_mean_loss
@@ -99,7 +101,11 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
 
 
 def _layer_specs(source: Any, s: Structure, router: RouterAux | None) -> list[LayerSpec]:
+    def check() -> None:  # every stage builds a layer: every rank refuses alike
+        check_model(source.model, s.layers, s.num_layers, expert_parallel.group().size)
+
     def embed() -> nn.Module:
+        check()
         return Embed(s.embed, source.build(s.embed))
 
     def prologue(first: nn.Module) -> nn.Module:
@@ -109,8 +115,10 @@ def _layer_specs(source: Any, s: Structure, router: RouterAux | None) -> list[La
 
     def decoder(j: int) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
+            check()
             path = f"{s.layers}.{j}"
             module = source.build(path)
+            shard_experts(module, path, getattr(source, "config", None))
             parts = [prologue(module) if j == 0 else Decoder(path, module, j, router)]
             if j == s.num_layers - 1:
                 parts.append(Epilogue({p: source.build(p) for p in s.tail}, router))
@@ -119,6 +127,7 @@ def _layer_specs(source: Any, s: Structure, router: RouterAux | None) -> list[La
         return make
 
     def head() -> nn.Module:
+        check()
         return Head(source.model, s.base, s.lm_head, source.build(s.lm_head))
 
     for fn, name in ((embed, "Embed"), (head, "Head")):

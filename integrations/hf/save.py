@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError
+from pipekernel.grid import expert_parallel
 from pipekernel.stage.module import TiedLayerSpec
 
 __all__ = ["save_pretrained", "stage_state"]
@@ -26,28 +27,37 @@ def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
     """Write the pipeline's weights and config to ``path`` in the Hugging Face format.
 
     Every rank of the engine calls it (two barriers). Weights are the fp32 masters under
-    low precision, else the parameters as they are.
+    low precision, else the parameters as they are; the DTensors of sharded stages (FSDP2,
+    a DTensor plan) are gathered whole first (a collective over each stage's mesh), and so
+    are expert slices (``expert_parallel_size > 1``: a collective over each expert-parallel
+    group), so the files hold every expert.
 
     :param engine: a :class:`~pipekernel.PipelineEngine` over a module from
         :func:`~pipekernel.hf.pipeline_module`.
     :returns: ``path`` as a string.
     :raises ConfigError: the engine's module was not made by ``pipeline_module``, or it
-        is tensor parallel.
+        is tensor parallel with pipekernel's own layers (not a DTensor plan).
     """
     module = engine.pipeline_module
     if not hasattr(module, "structure"):
         raise ConfigError("save_pretrained needs an engine over pipekernel.hf.pipeline_module"
                           f"(...), got a {type(module).__name__}", rank=engine.rank,
                           hint="build the module with pipekernel.hf.pipeline_module(model)")
-    if engine.parallel.tensor_parallel_size > 1:
-        raise ConfigError("save_pretrained does not gather tensor-parallel shards",
-                          rank=engine.rank, hint="save with engine.save_checkpoint instead")
+    if engine.parallel.tensor_parallel_size > 1 and engine.parallel.tensor_parallel_plan is None:
+        raise ConfigError("save_pretrained does not gather the shards of pipekernel's own "
+                          "tensor-parallel layers", rank=engine.rank,
+                          hint="save with engine.save_checkpoint instead, or give tensor "
+                               "parallelism as a DTensor plan (tensor_parallel_plan=), whose "
+                               "shards save_pretrained gathers")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     stages = engine.num_stages
-    if engine.data_parallel_rank == 0:
+    # DTensors (FSDP2, a DTensor plan): every rank of the stage gathers them (collective)
+    sharded = any(hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
+    writes = engine.data_parallel_rank == 0 and engine.tp_group.rank == 0
+    if writes or sharded or _ep(engine).size > 1:
         state = stage_state(engine)
-        if state:
+        if state and writes:
             from safetensors.torch import save_file
             save_file(state, os.path.join(path, _shard(engine.stage, stages)),
                       metadata={"format": "pt"})
@@ -71,15 +81,25 @@ def stage_state(engine: Any) -> dict[str, torch.Tensor]:
     tied = module.tied_stages(engine.bounds, engine.part_stages.__getitem__)
     skip = {str(i) for i, spec in enumerate(module.layers) if isinstance(spec, TiedLayerSpec)
             and tied[spec.key][0] != engine.stage}
-    masters = {name: engine.precision.master(p) for name, p in engine.module.named_parameters()}
+    params = dict(engine.module.named_parameters())
+    masters = {name: engine.precision.master(p) for name, p in params.items()}
     state = {}
     for name, tensor in engine.module.state_dict().items():
         index, _, key = name.partition(".")
         if index in skip:
             continue
         value = masters.get(name, tensor)
+        if hasattr(value, "full_tensor"):  # a DTensor: the whole tensor (collective)
+            value = value.full_tensor()
+        dim = getattr(params.get(name), "expert_parallel_dim", None)
+        if dim is not None:  # this rank's experts: every expert (collective)
+            value = expert_parallel.gather_slices(value.detach(), dim, _ep(engine))
         state[key] = value.detach().to("cpu", copy=True).contiguous()
     return _as_hf_writes(module.source.model, state)
+
+
+def _ep(engine: Any) -> Any:
+    return getattr(engine, "ep_group", None) or expert_parallel.group()
 
 
 def _as_hf_writes(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -36,7 +36,7 @@ def whole_grad_norm(engine: Any) -> float | None:
     Collective: every rank calls it, at the step (after the reductions).
     ``None`` under ``loss_reduction="tokens"`` (the gradients are divided by the token
     count only inside the step)."""
-    if engine.token_loss is not None:
+    if engine.loss_reduction == "tokens":
         return None
     local = engine.batch_step._local_grad_norm_sq()  # this rank's share (pipekernel.step)
     vec = torch.zeros(1, dtype=torch.float64, device=engine.transport.device)

@@ -24,14 +24,18 @@ cuts its own shards (:func:`pipekernel.grid.tensor_parallel.shard_layer_state`,
 :meth:`pipekernel.grid.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
 tensor-parallel size and any D, with or without ZeRO, and as one plain model.
 
-Why not ``torch.distributed.checkpoint`` (DCP): DCP reshards *tensors* through a
-global plan, but in the files pipekernel never shards a tensor — a layer is whole —
-so resharding is just "each rank reads the layers it holds", which one file per layer
-gives for free, with no planner, no collective at load beyond one agreement, files a
-user can open with ``torch.load`` and no coupling to DCP's changing APIs. DCP would
-also not key optimizer state by a pipeline-independent name without the same mapping
-done here. The trade-off: no parallel writes *within* a layer (a layer is written by
-one rank), which only matters for single layers of many gigabytes.
+Stages with torch parallelism (FSDP2, DTensor plans: an engine with a DeviceMesh) hold
+DTensors, and their checkpoints go through ``torch.distributed.checkpoint`` (DCP) into one
+DCP directory inside the same tag directory, with the same ``meta.json``, rank files,
+``latest`` and guarantees (:mod:`pipekernel.engine.checkpoint_dcp`; :func:`save`,
+:func:`load` and :func:`load_sequential` dispatch on ``meta["format"]``).
+
+Why pipekernel's own files where no tensor is sharded: DCP reshards *tensors* through a
+global plan, but in these files pipekernel never shards a tensor — a layer is whole — so
+resharding is just "each rank reads the layers it holds", which one file per layer gives
+for free, with no planner, no collective at load beyond one agreement, and files a user
+can open with ``torch.load``. The trade-off: no parallel writes *within* a layer (a layer
+is written by one rank), which only matters for single layers of many gigabytes.
 
 What a caller may rely on:
 
@@ -61,7 +65,6 @@ import errno
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 import uuid
@@ -73,11 +76,16 @@ from torch import nn
 
 from pipekernel.grid import expert_parallel
 from pipekernel.grid import tensor_parallel as tp
-from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, _fsync_dir, _read_layer, _read_rank,
-                                         _write_file, latest_tag, layer_file, rank_file,
-                                         read_meta)
+from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
+                                                _fsync_dir, _read_layer, _read_rank,
+                                                _write_file, latest_tag, layer_file,
+                                                rank_file, read_meta)
+from pipekernel.engine.agreement import check_consistency, raise_on_every_rank
 from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.extend.views import EngineView
 from pipekernel.nested import map_tensors
+
+from pipekernel.engine import checkpoint_dcp  # noqa: E402 - it imports this module's helpers
 
 __all__ = ["FORMAT_VERSION", "save", "load", "resume", "load_sequential", "read_meta",
            "latest_tag"]
@@ -131,36 +139,10 @@ def _layer_meta(module: Any) -> list[dict[str, Any]]:
 
 def _agree(transport: Any, error: BaseException | None, rank: int) -> None:
     """Raise on every rank if any rank has ``error`` (the lowest failing rank's error,
-    with its rank); return normally when all succeeded. Two collectives at most."""
-    world = transport.world_size
-    device = transport.device
-    flags = torch.zeros(world, dtype=torch.float32, device=device)
-    if error is not None:
-        flags[rank] = 1.0
-    transport.all_reduce(flags)
-    failed = [r for r, v in enumerate(flags.cpu().tolist()) if v > 0]
-    if not failed:
-        return
-    first = failed[0]
-    if error is not None and not isinstance(error, PipelineError):
-        error = ConfigError(f"{type(error).__name__}: {error}",
-                            hint="look at this rank's traceback above: its checkpoint step failed "
-                                 "there; every rank stopped with it")
-    if isinstance(error, PipelineError):
-        error.locate(rank=rank)
-    blob = pickle.dumps(error) if rank == first else b""
-    size = torch.tensor([len(blob)], dtype=torch.int64, device=device)
-    transport.broadcast(size, first)
-    data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(device) if rank == first
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-    transport.broadcast(data, first)
-    if error is not None:
-        raise error
-    remote = pickle.loads(bytes(data.cpu().numpy().tobytes()))
-    others = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
-    if isinstance(remote, PipelineError):
-        remote.add_detail(f"raised on rank {first}, seen by rank {rank}{others}")
-    raise remote
+    with its rank); return normally when all succeeded
+    (:func:`pipekernel.engine.agreement.raise_on_every_rank`)."""
+    raise_on_every_rank(transport, error, hint="look at this rank's traceback above: its "
+                        "checkpoint step failed there; every rank stopped with it")
 
 
 def _attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
@@ -189,16 +171,16 @@ def _cpu(obj: Any) -> Any:
     return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
-def _layer_payloads(engine: Any) -> dict[int, dict[str, Any]]:
+def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
     """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
     canonical layers only), with whole tensors: ZeRO-1 shards (a collective
     ``state_dict``) and tensor-parallel shards (gathered) put together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
-    ep = getattr(engine, "ep_group", None) or expert_parallel.group()
+    ep = engine.ep_group
     if engine.data_parallel_rank >= ep.size:  # the first expert-parallel group gathers
         return {}
-    tp_group = getattr(engine, "tp_group", None) or tp.group()
+    tp_group = engine.tp_group
     index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
                 if optimizer is not None else {})
     groups = _group_of(optimizer) if optimizer is not None else {}
@@ -231,7 +213,7 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
+def _rank_payload(engine: EngineView, client_state: Any) -> dict[str, Any]:
     precision_state = dict(engine.precision.state_dict())
     precision_state.pop(_MASTERS, None)  # kept per parameter in the layer files
     scheduler = engine.lr_scheduler
@@ -247,7 +229,7 @@ def _rank_payload(engine: Any, client_state: Any) -> dict[str, Any]:
     })
 
 
-def _layout(engine: Any) -> dict[str, Any]:
+def _layout(engine: EngineView) -> dict[str, Any]:
     topo = engine.topology
     return {"num_stages": engine.num_stages, "data_parallel_size": engine.data_parallel_size,
             "world_size": engine.transport.world_size, "chunks": engine.chunks,
@@ -265,12 +247,12 @@ def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
     return saved == ours
 
 
-def _meta(engine: Any) -> dict[str, Any]:
+def _meta(engine: EngineView) -> dict[str, Any]:
     import pipekernel
     module = engine.pipeline_module
     layers = _layer_meta(module)
     return {
-        "format_version": FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
+        "format_version": LAYER_FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
         "torch_version": torch.__version__,
         "topology": _layout(engine), "schedule": engine.schedule_cls.name,
         "part_stages": list(engine.part_stages), "micro_batches": engine.micro_batches,
@@ -310,7 +292,7 @@ def _publish(root: str, tag: str, tmp: str, final: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
+def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
          client_state: Any = None) -> str:
     """Write a checkpoint of ``engine`` to ``root/tag`` and point ``root/latest`` at it.
 
@@ -325,6 +307,8 @@ def save(engine: Any, root: str | os.PathLike, tag: str | None = None,
     """
     root = os.fspath(root)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    if checkpoint_dcp.wanted(engine):  # sharded stages: torch.distributed.checkpoint
+        return checkpoint_dcp.save(engine, root, tag, client_state)
     rank, transport = engine.rank, engine.transport
     final = os.path.join(root, tag)
     tmp = os.path.join(root, f".tmp-{tag}")
@@ -404,7 +388,7 @@ def _check_model(meta: dict, module: Any, directory: str,
                     hint="load it with the layer list it was saved from")
 
 
-def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
     """Load checkpoint ``tag`` (default: the one ``root/latest`` names) into ``engine``.
 
     Collective: every rank calls it. Each rank reads the layer files of the layers it
@@ -422,9 +406,15 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
     """
     root = os.fspath(root)
     rank, transport = engine.rank, engine.transport
+    found, error = _attempt(read_meta, root, tag)
+    _agree(transport, error, rank)
+    if checkpoint_dcp.is_dcp(found[1]):  # saved by sharded stages
+        return checkpoint_dcp.load(engine, root, tag, *found)
+    if checkpoint_dcp.wanted(engine):
+        return checkpoint_dcp.load_layer_files(engine, *found)
     local = _local_layers(engine.module, engine.pipeline_module)
-    tp_group = getattr(engine, "tp_group", None) or tp.group()
-    ep = getattr(engine, "ep_group", None) or expert_parallel.group()
+    tp_group = engine.tp_group
+    ep = engine.ep_group
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
@@ -458,7 +448,7 @@ def load(engine: Any, root: str | os.PathLike, tag: str | None = None) -> dict[s
             "exact": exact, "meta": meta}
 
 
-def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
+def resume(engine: EngineView, root: str | os.PathLike) -> dict[str, Any] | None:
     """Load the checkpoint ``root/latest`` names if there is one: the one call that makes
     a job (re)started by torchrun, a scheduler or by hand continue where it left off.
 
@@ -472,8 +462,6 @@ def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
         must be one directory every rank shares.
     :raises DataError: ``latest`` names a missing or truncated checkpoint.
     """
-    from pipekernel.engine.faults import check_consistency
-
     root = os.fspath(root)
     tag, error = _attempt(lambda: latest_tag(root)
                           if os.path.exists(os.path.join(root, "latest")) else None)
@@ -488,7 +476,7 @@ def resume(engine: Any, root: str | os.PathLike) -> dict[str, Any] | None:
     return None if tag is None else load(engine, root, tag)
 
 
-def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
+def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: bool,
            meta: dict) -> None:
     precision, optimizer = engine.precision, engine.optimizer
     masters: dict[str, torch.Tensor] = {}
@@ -500,9 +488,9 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
             if payload is None:
                 continue
             state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
-                                                getattr(engine, "tp_group", None) or tp.group())
+                                                engine.tp_group)
             state, optim = expert_parallel.shard_layer_state(
-                layer, state, optim, getattr(engine, "ep_group", None) or expert_parallel.group())
+                layer, state, optim, engine.ep_group)
             payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)
@@ -525,17 +513,19 @@ def _apply(engine: Any, local: list, payloads: dict, mine: dict, exact: bool,
     scheduler_state = mine.get("lr_scheduler")
     if engine.lr_scheduler is not None and scheduler_state is not None:
         engine.lr_scheduler.load_state_dict(scheduler_state)
-    engine.global_steps = int(meta["global_steps"])
-    engine.skipped_steps = int(meta["skipped_steps"])
-    engine.trained_micro_batches = int(mine.get("data_position",
-                                                meta["global_steps"] * engine.micro_batches))
+    engine.restore_counters(int(meta["global_steps"]), int(meta["skipped_steps"]),
+                            int(mine.get("data_position",
+                                         meta["global_steps"] * engine.micro_batches)))
     if exact:
-        rng = mine["rng"]
-        torch.set_rng_state(rng["cpu"])
-        random.setstate(_python_state(rng["python"]))
-        device = torch.device(engine.transport.device)
-        if "cuda" in rng and device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], device)
+        _restore_rng(engine, mine["rng"])
+
+
+def _restore_rng(engine: Any, rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    random.setstate(_python_state(rng["python"]))
+    device = torch.device(engine.transport.device)
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
 
 
 def _python_state(state: Any) -> tuple:
@@ -582,6 +572,9 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
     """
     root = os.fspath(root)
     directory, meta = read_meta(root, tag)
+    if checkpoint_dcp.is_dcp(meta):  # saved by sharded stages: DCP reads whole tensors
+        full = checkpoint_dcp.load_sequential(directory, meta, module)
+        return (full.to(device) if device is not None else full).eval()
     num = len(module.layers)
     if meta["num_layers"] != num:
         _check_model(meta, module, directory, [])

@@ -16,8 +16,13 @@ import torch
 
 from pipekernel.errors import ConfigError, DataError
 
-#: The format this code writes; it reads this version and older.
-FORMAT_VERSION = 1
+#: The newest format this code reads (it reads this version and older) and writes:
+#: 2 is a checkpoint of sharded stages through torch.distributed.checkpoint
+#: (``meta["format"] == "dcp"``, :mod:`pipekernel.engine.checkpoint_dcp`).
+FORMAT_VERSION = 2
+#: The version of checkpoints of layer files (unchanged since 1, so a pipekernel that
+#: predates DCP checkpoints still reads them, and refuses a DCP one as newer).
+LAYER_FORMAT_VERSION = 1
 
 
 def _write_file(path: str, obj: Any) -> None:

@@ -8,7 +8,7 @@ data-alignment fingerprint lives with the stage, :mod:`pipekernel.stage.fingerpr
   :class:`~pipekernel.errors.PeerAbort` naming the failing rank, stage,
   micro-batch and instruction — within about a second, not after the timeout.
   Nothing is read while no wait blocks: the hot path pays nothing.
-* :func:`check_consistency` — one all-reduce of a hash of the fields every rank
+* :func:`check_consistency` (:mod:`pipekernel.engine.agreement`) — one all-reduce of a hash of the fields every rank
   must agree on (schedule, chunks, micro-batches, stages, partition bounds, layer
   count, precision, pipekernel version); only on a mismatch a detailed exchange
   follows, and every rank raises a ``ConfigError`` naming the fields and the
@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from pipekernel.comm.attempt import attempt_prefix, store_host
+from pipekernel.engine.agreement import all_gather_objects, check_consistency  # noqa: F401
+from pipekernel.errors import PeerAbort, TransportError, TransportTimeout, describe_where
 
-from pipekernel.comm.attempt import store_host
-from pipekernel.errors import ConfigError, PeerAbort, TransportTimeout, describe_where
-
-__all__ = ["AbortBoard", "check_consistency", "all_gather_objects"]
+__all__ = ["AbortBoard", "engine_board", "root_cause", "check_consistency", "all_gather_objects"]
 
 #: the failing rank's location fields an abort record carries (rank aside)
 _LOCATION = ("stage", "train_step", "eval_after", "step", "micro_batch", "instruction")
@@ -123,58 +121,50 @@ def peer_abort(record: Mapping[str, Any], seen_by: int) -> PeerAbort:
                      instruction=record.get("instruction"))
 
 
-def all_gather_objects(transport: Any, obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, by rank, on every rank (collectives only)."""
-    rank, world, device = transport.rank, transport.world_size, transport.device
-    data = pickle.dumps(obj)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    sizes[rank] = len(data)
-    transport.all_reduce(sizes)
-    out = []
-    for src, size in enumerate(sizes.tolist()):
-        if src == rank:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8, device=device)
-        transport.broadcast(buf, src)
-        out.append(obj if src == rank else pickle.loads(buf.cpu().numpy().tobytes()))
-    return out
+def root_cause(err: BaseException, transport: Any, board: AbortBoard, rank: int
+               ) -> BaseException:
+    """A transport failure is usually a symptom (the peer that failed closed its
+    connections): the failure another rank published on ``board``, if any, else ``err``.
+    Most waits check that themselves; sends, collectives and posting errors land here. A
+    device transport's overdue transfer (``transport.failure``) wins over what the host
+    hit after the watch aborted the communicators."""
+    failure = getattr(transport, "failure", None)
+    if failure is not None and failure is not err and not isinstance(err, PeerAbort):
+        return failure
+    if not isinstance(err, TransportError):
+        return err
+    try:
+        board.check()
+    except PeerAbort as abort:
+        abort.add_detail(f"rank {rank} then failed too"
+                         + (f" at {err.instruction}" if err.instruction is not None
+                            else "") + f": {err.message[:200]}")
+        return abort
+    return err
 
 
-def _digest(fields: Mapping[str, Any]) -> int:
-    text = json.dumps(fields, sort_keys=True, default=repr)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+_ENGINES: dict[Any, int] = {}
 
 
-def check_consistency(transport: Any, fields: Mapping[str, Any], what: str = "configuration"
-                      ) -> None:
-    """Raise ``ConfigError`` on every rank if ranks disagree on any of ``fields``.
-
-    One all-reduce of ``[h, -h]`` with ``max`` (``h`` a 56-bit hash of the
-    fields) tells whether all agree; only then the fields themselves are
-    exchanged, to name what differs and where.
-    """
-    if transport.world_size == 1:
-        return
-    h = _digest(fields)
-    both = torch.tensor([h, -h], dtype=torch.int64, device=transport.device)
-    transport.all_reduce(both, "max")
-    high, low = both.tolist()
-    if high == h and -low == h:
-        return
-    every = all_gather_objects(transport, dict(fields))
-    lines = []
-    for key in sorted({k for f in every for k in f}):
-        values: dict[str, list[int]] = {}
-        for r, f in enumerate(every):
-            values.setdefault(repr(f.get(key, "<missing>")), []).append(r)
-        if len(values) > 1:
-            lines.append(f"{key}: " + "; ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
-                                                 f"{', '.join(map(str, rs))}"
-                                                 for v, rs in values.items()))
-    raise ConfigError(f"the ranks disagree on their {what}:\n    " + "\n    ".join(lines),
-                      hint="construct the engine with the same arguments (and the same "
-                           "pipekernel version) on every rank",
-                      rank=transport.rank)
+def engine_board(transport: Any) -> AbortBoard:
+    """The engine's board of first failures, checked by every lane of ``transport``."""
+    board = AbortBoard(getattr(transport, "store", None), _board_prefix(transport),
+                       transport.rank)
+    for lane in {id(t): t for t in (transport, getattr(transport, "control", None))
+                 if t is not None}.values():
+        if hasattr(lane, "abort_check"):
+            lane.abort_check = board.check
+    return board
 
 
+def _board_prefix(transport: Any) -> str:
+    """Store keys for one engine: this attempt of the job (see
+    :mod:`pipekernel.comm.attempt`), the ranks the engine spans and how many engines this
+    process built over them before (every rank builds its engines in the same order)."""
+    ranks = tuple(transport.global_rank(r) for r in range(transport.world_size)) \
+        if hasattr(transport, "global_rank") else (transport.world_size,)
+    count = _ENGINES.get(ranks, 0)
+    _ENGINES[ranks] = count + 1
+    name = hashlib.sha1(repr(ranks).encode()).hexdigest()[:10]
+    # keyed by attempt: a restarted job must not read a dead attempt's abort
+    return f"{attempt_prefix()}/engine/{name}/{count}"

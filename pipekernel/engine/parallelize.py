@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from pipekernel.errors import ConfigError
+from pipekernel.extend.views import StageView
 from pipekernel.grid import stage_parallel
 from pipekernel.grid.tensor_parallel import TensorParallelGroup, _TRIVIAL
 
-__all__ = ["check_stage_parallel", "refuse_sharded_checkpoint", "tp_group_of"]
+__all__ = ["check_stage_parallel", "tp_group_of"]
 
 
 def tp_group_of(grid: Any, topology: Any, transport: Any) -> TensorParallelGroup:
@@ -22,7 +23,7 @@ def tp_group_of(grid: Any, topology: Any, transport: Any) -> TensorParallelGroup
                                ranks)
 
 
-def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
+def check_stage_parallel(engine: StageView) -> stage_parallel.StageParallel | None:
     """The driver of the stage's FSDP2 modules (``None``: none), after refusing by name
     what it does not run with: ``data_parallel_shard`` that no plugin applied, precision
     policies other than ``fp32``, ZeRO-1, pipekernel's own tensor parallelism."""
@@ -54,7 +55,7 @@ def check_stage_parallel(engine: Any) -> stage_parallel.StageParallel | None:
     return driver
 
 
-def _check_dtensors(engine: Any, driver: Any, where: dict) -> None:
+def _check_dtensors(engine: StageView, driver: Any, where: dict) -> None:
     """DTensor parameters FSDP2 does not manage (a DTensor plan alone) are reduced by no
     one over data-parallel ranks: refuse them there rather than train replicas apart."""
     from pipekernel.grid.mesh import local_share
@@ -70,15 +71,3 @@ def _check_dtensors(engine: Any, driver: Any, where: dict) -> None:
                           hint="add data_parallel_shard (FSDP2 composes with the DTensor "
                                "plan) or run one data-parallel rank per stage", **where)
 
-
-def refuse_sharded_checkpoint(engine: Any, what: str) -> None:
-    """``ConfigError`` for a checkpoint of a stage FSDP2 shards: pipekernel's files hold
-    whole tensors per layer, and sharded stages need ``torch.distributed.checkpoint``
-    (not done yet: issue 28, item 5) rather than DTensors pickled per rank."""
-    if getattr(engine, "stage_parallel", None) is not None:
-        raise ConfigError(f"{what}: stage {engine.stage} is sharded with FSDP2 "
-                          f"(data_parallel_shard), and checkpoints of sharded stages are not "
-                          f"supported yet", hint="train without data_parallel_shard to "
-                          "checkpoint, or save engine.module.state_dict() with "
-                          "torch.distributed.checkpoint yourself",
-                          rank=engine.transport.rank, stage=engine.stage)

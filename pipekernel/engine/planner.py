@@ -22,6 +22,16 @@ The model behind a prediction (see ``docs/planning.md``):
   half on the sender (packing, writing) and half on the receiver (reading, unpacking):
   many small micro-batches pay for it. On a device transport they are latency, which
   the stages do not wait for unless they need the data;
+* with ``expert_parallel_size > 1``, each layer's expert all-to-alls (dispatch and
+  combine, and their backward) are timed apart on every rank in an expert-parallel
+  group like the engine's (:mod:`pipekernel.engine.all_to_all_cost`; the profile itself
+  runs on rank 0 with every expert local) and add to its forward and backward (the
+  backward's to ``BackwardInput``);
+* a ``ForwardBackward`` (dualpipev's pairs) runs as its two steps unless the model
+  supplies ``overlapped_forward_backward`` (``pk.overlap_all_to_all`` or its own): then
+  it is one step, priced ``F + B - min(a2a(F), compute(B)) - min(a2a(B), compute(F))``
+  (:func:`~pipekernel.engine.all_to_all_cost.pair_cost`), so ``auto`` sees what the
+  overlap hides;
 * the global batch per replica is fixed (``micro_batches × rows of the sample``):
   ``m`` micro-batches each hold ``batch / m`` rows, profiled at that size;
 * a stage's memory is its layers' parameter + gradient + optimizer-state bytes plus
@@ -38,11 +48,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipekernel.engine.all_to_all_cost import overlaps_same_chunk, pair_table
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
                                      RecvGrad, SendActivation, SendGrad)
 from pipekernel.schedules.placement import locate
 from pipekernel.schedules.simulator import simulate
+from pipekernel.stage.partitioning import format_bytes
 
 __all__ = ["Auto", "auto", "LayerCosts", "Link", "Candidate", "Plan", "search", "plan_module",
            "measure_link", "is_auto"]
@@ -113,6 +125,15 @@ class LayerCosts:
     split_s: Sequence[tuple[float, float]] | None = None
     #: bytes of the tensors each layer returns (what crosses a boundary after it)
     output_bytes: Sequence[float] | None = None
+    #: ``(forward, backward)`` seconds of each layer's expert all-to-alls (dispatch and
+    #: combine), measured apart from ``forward_s`` / ``backward_s`` (the compute), which
+    #: they add to; ``None``: no expert parallelism
+    all_to_all_s: Sequence[tuple[float, float]] | None = None
+
+    def all_to_all_share(self) -> tuple[float, float]:
+        """``(all-to-all seconds, all seconds)`` of one micro-batch's forward + backward."""
+        a2a = sum(f + b for f, b in self.all_to_all_s or ())
+        return a2a, sum(self.forward_s) + sum(self.backward_s) + a2a
 
 
 @dataclass(frozen=True)
@@ -178,6 +199,9 @@ class Plan:
     costs: Mapping[int, LayerCosts] = field(repr=False, default_factory=dict)
     #: the transfer model the search used (``None``: transfers free but ``transfer_s``)
     link: Link | None = None
+    #: the name of the model's ``overlapped_forward_backward`` (``""``: none, the pairs
+    #: run as their two steps)
+    executor: str = ""
 
     def fields(self) -> dict[str, Any]:
         """The choice as plain values (every rank must hold the same)."""
@@ -186,7 +210,7 @@ class Plan:
 
     def format(self, top: int | None = None) -> str:
         """The ranked candidates as a text table (the chosen one first, marked ``*``)."""
-        budget = "none" if self.memory_budget is None else _bytes(self.memory_budget)
+        budget = "none" if self.memory_budget is None else format_bytes(self.memory_budget)
         lines = [f"plan: {self.schedule}, chunks {self.chunks}, {self.micro_batches} "
                  f"micro-batches, partition {self.partition} {list(self.bounds)}: predicted "
                  f"{1e3 * self.predicted_step_s:.2f} ms/step (memory budget per stage: {budget})",
@@ -194,6 +218,7 @@ class Plan:
                     f"{1e6 * self.link.byte_s * 2 ** 20:.0f} us per MiB, "
                     f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
                    if self.link is not None else []),
+                 *self._all_to_all_line(),
                  f"  {'#':>3} {'schedule':<12} {'chunks':>6} {'micro':>5} {'partition':<9} "
                  f"{'pred ms':>9} {'peak mem':>10}  note"]
         shown = self.candidates if top is None else self.candidates[:top]
@@ -202,11 +227,21 @@ class Plan:
                 self.schedule, self.chunks, self.micro_batches, self.bounds) else " "
             pred = f"{1e3 * c.predicted_step_s:9.2f}" if c.predicted_step_s is not None \
                 else f"{'-':>9}"
-            peak = _bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
+            peak = format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
             note = c.note or ("" if c.fits else "over budget")
             lines.append(f"{mark} {i:>3} {c.schedule:<12} {c.chunks:>6} {c.micro_batches:>5} "
                          f"{c.partition:<9} {pred} {peak:>10}  {note}".rstrip())
         return "\n".join(lines)
+
+    def _all_to_all_line(self) -> list[str]:
+        costs = self.costs.get(self.micro_batches)
+        if costs is None or not costs.all_to_all_s:
+            return []
+        a2a, total = costs.all_to_all_share()
+        pairs = (f"dualpipev's pairs overlapped by {self.executor}" if self.executor
+                 else "pairs run as their two steps (no overlapped_forward_backward)")
+        return [f"  expert all-to-all: {1e3 * a2a:.2f} of {1e3 * total:.2f} ms forward + "
+                f"backward per micro-batch ({100 * a2a / total if total else 0:.0f}%); {pairs}"]
 
 
 Balancer = Callable[[Sequence[float], int], Sequence[int]]
@@ -215,7 +250,8 @@ Balancer = Callable[[Sequence[float], int], Sequence[int]]
 def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[str, Any], *,
            balance: Balancer, chunks: Sequence[int] = (1, 2),
            memory_budget: float | None = None, transfer_s: float = 0.0,
-           split_overhead: float = 1.0, link: Link | None = None) -> Plan:
+           split_overhead: float = 1.0, link: Link | None = None,
+           executor: Callable[..., Any] | None = None) -> Plan:
     """Simulate every candidate under ``costs`` and pick the fastest that fits.
 
     :param costs: ``{micro-batch count: per-layer costs of one such micro-batch}``.
@@ -228,6 +264,10 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
     :param split_overhead: split backward time over full backward time.
     :param link: the transport's cost per transfer by size (``None``: free); the bytes
         of a boundary come from ``costs[m].output_bytes``.
+    :param executor: the model's ``overlapped_forward_backward`` (``None``: none): a
+        ``ForwardBackward`` then runs as one step, priced by
+        :func:`~pipekernel.engine.all_to_all_cost.pair_cost` (its halves' all-to-alls
+        hidden under each other's compute); without one it runs as its two steps.
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
     found, streams = [], {}
@@ -244,7 +284,8 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                 if key is not None:
                     streams[key] = f"{name} (chunks {c})"
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
-                                     memory_budget, (transfer_s, split_overhead, link))
+                                     memory_budget, (transfer_s, split_overhead, link,
+                                                     executor))
     ranked = tuple(sorted(found, key=Candidate.rank_key))
     best = ranked[0] if ranked else None
     if best is None or best.predicted_step_s is None:
@@ -254,13 +295,14 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                           hint="widen pk.auto(schedules=..., chunks=..., micro_batches=...)")
     if not best.fits:
         raise ConfigError(
-            f"schedule='auto': no candidate fits memory_budget={_bytes(memory_budget)} per "
-            f"stage; the smallest needs {_bytes(min(c.peak_bytes for c in ranked if c.peak_bytes))}",
+            f"schedule='auto': no candidate fits memory_budget={format_bytes(memory_budget)} per "
+            f"stage; the smallest needs {format_bytes(min(c.peak_bytes for c in ranked if c.peak_bytes))}",
             hint="raise memory_budget, use more stages, or try more micro-batches / "
                  "activation checkpointing")
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
                 best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
-                dict(costs), link)
+                dict(costs), link,
+                getattr(executor, "__name__", type(executor).__name__) if executor else "")
 
 
 def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
@@ -275,7 +317,7 @@ def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
 
 def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num_stages: int,
                 balance: Balancer, budget: float | None,
-                model: tuple[float, float, Link | None]) -> list[Candidate]:
+                model: tuple) -> list[Candidate]:
     """The candidates of one (schedule, chunks, micro-batches): one per distinct partition."""
     parts = num_stages * chunks
     if parts > len(costs.forward_s):
@@ -286,7 +328,8 @@ def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num
         in_flight = [o.num_buffers() for o in objects]
     except PipelineError as err:
         return [Candidate(name, chunks, m, "-", note=err.message.split("\n")[0])]
-    time_w = [f + b for f, b in zip(costs.forward_s, costs.backward_s)]
+    a2a = costs.all_to_all_s or [(0.0, 0.0)] * len(costs.forward_s)
+    time_w = [f + b + af + ab for f, b, (af, ab) in zip(costs.forward_s, costs.backward_s, a2a)]
     mean_in_flight = sum(in_flight) / (len(in_flight) * chunks)
     memory_w = [s + mean_in_flight * a for s, a in zip(costs.static_bytes,
                                                          costs.activation_bytes)]
@@ -303,10 +346,11 @@ def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num
 
 def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tuple[int, ...],
               costs: LayerCosts, num_stages: int, budget: float | None,
-              model: tuple[float, float, Link | None]) -> Candidate:
-    transfer_s, split, link = model
+              model: tuple) -> Candidate:
+    transfer_s, split, link, executor = model
     placement = getattr(cls, "placement", "loop")
-    table: dict[tuple[int, int], dict[type, float]] = {}
+    table: dict[tuple[int, ...], dict[type, float]] = {}
+    parts: dict[tuple[int, int], tuple[float, float, float, float]] = {}
     static = [0.0] * num_stages
     act = [0.0] * num_stages
     for p in range(num_stages * chunks):
@@ -317,7 +361,11 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
             i, w = (sum(pair[k] for pair in costs.split_s[lo:hi]) for k in (0, 1))
         else:
             i = w = split * b / 2
-        table[(stage, chunk)] = {Forward: f, Backward: b, BackwardInput: i, BackwardWeight: w}
+        # the all-to-alls add to the compute; their backward is on the input-gradient path
+        fa, ba = (sum(pair[k] for pair in (costs.all_to_all_s or ())[lo:hi]) for k in (0, 1))
+        parts[(stage, chunk)] = (f, fa, b, ba)
+        table[(stage, chunk)] = {Forward: f + fa, Backward: b + ba, BackwardInput: i + ba,
+                                 BackwardWeight: w}
         static[stage] += sum(costs.static_bytes[lo:hi])
         act[stage] += sum(costs.activation_bytes[lo:hi]) / chunks
     transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
@@ -333,9 +381,11 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
         else:
             transfers[SendActivation] += seconds
             transfers[SendGrad] += seconds
+    if executor is not None:
+        table.update(pair_table(parts, overlaps_same_chunk(executor)))
     try:
         result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table,
-                          host_costs=host)
+                          host_costs=host, paired=executor is not None)
     except PipelineError as err:
         return Candidate(name, chunks, m, label, bounds, note=err.message.split("\n")[0])
     stage_bytes = tuple(static[s] + result.buffers[s] * act[s] for s in range(num_stages))
@@ -373,7 +423,8 @@ def _counts(request: Auto, micro_batches: int, rows: int) -> list[int]:
 
 
 def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: int, pm: Any,
-                transport: Any = None, device: Any = None, optimizer: Any = None) -> Plan:
+                transport: Any = None, device: Any = None, optimizer: Any = None,
+                expert_parallel_size: int = 1, topology: Any = None) -> Plan:
     """Profile ``module``'s layers for each candidate micro-batch size and :func:`search`.
 
     Every rank of ``transport`` must call it at the same point (the profile is measured
@@ -381,6 +432,10 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     costs and the same plan).
 
     :param micro_batches: the engine's count; the sample is one micro-batch of it.
+    :param expert_parallel_size: the engine's ``E``; above 1 (with ``topology``, the
+        engine's), every rank also times its expert-parallel layers' all-to-alls
+        (:func:`~pipekernel.engine.all_to_all_cost.measure_all_to_all`) into
+        ``LayerCosts.all_to_all_s``.
     """
     from pipekernel.stage.partitioning import Balance, PartitionContext, Profile
     from pipekernel.extend.manager import registered_schedules
@@ -393,16 +448,12 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
         from pipekernel.engine.faults import check_consistency
         check_consistency(transport, {"sample rows": rows, "micro-batch counts": counts},
                           "schedule='auto' request")
-    costs = {}
-    for n in counts:
-        context = PartitionContext(module=module, num_stages=1, transport=transport,
-                                   device=device, rank=getattr(transport, "rank", 0),
-                                   micro_batches=n, optimizer=optimizer)
-        pm.hook.pipekernel_partition(
-            method=Profile(_resize(sample, total // n), request.repeats, request.warmup,
-                           split_backward=True),
-            layers=module.layers, num_stages=1, context=context)
-        costs[n] = _layer_costs(context)
+    ep_group = None
+    if expert_parallel_size > 1 and topology is not None and transport is not None:
+        from pipekernel.engine.all_to_all_cost import planner_group
+        ep_group = planner_group(topology, transport, expert_parallel_size)
+    costs = {n: _profile(module, request, _resize(sample, total // n), n, pm,
+                         (transport, device, optimizer, ep_group)) for n in counts}
     table = registered_schedules(pm)
     names = request.schedules or [k for k, cls in table.items() if getattr(cls, "trains", True)]
     unknown = [k for k in names if k not in table]
@@ -428,7 +479,36 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     return search(costs, num_stages, {k: table[k] for k in names}, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
-                  link=link)
+                  link=link, executor=getattr(module, "overlapped_forward_backward", None))
+
+
+def _profile(module: Any, request: Auto, sample: Any, n: int, pm: Any, where: tuple) -> LayerCosts:
+    """The layer costs of one micro-batch ``sample`` (``n`` per batch), all-to-alls included."""
+    from pipekernel.stage.partitioning import PartitionContext, Profile
+
+    transport, device, optimizer, ep_group = where
+    context = PartitionContext(module=module, num_stages=1, transport=transport,
+                               device=device, rank=getattr(transport, "rank", 0),
+                               micro_batches=n, optimizer=optimizer)
+    pm.hook.pipekernel_partition(
+        method=Profile(sample, request.repeats, request.warmup, split_backward=True),
+        layers=module.layers, num_stages=1, context=context)
+    return _with_all_to_all(_layer_costs(context), module, sample, ep_group, transport, device,
+                            request)
+
+
+def _with_all_to_all(costs: LayerCosts, module: Any, sample: Any, ep_group: Any, transport: Any,
+                     device: Any, request: Auto) -> LayerCosts:
+    """``costs`` with the expert all-to-alls measured on ``ep_group`` (none: unchanged)."""
+    if ep_group is None:
+        return costs
+    import dataclasses
+
+    from pipekernel.engine.all_to_all_cost import measure_all_to_all
+    measured = measure_all_to_all(module, sample, ep_group, transport=transport,
+                                  device=device or "cpu", repeats=request.repeats,
+                                  warmup=request.warmup)
+    return dataclasses.replace(costs, all_to_all_s=measured)
 
 
 def measure_link(transport: Any, nbytes: float, *, repeats: int = 10, warmup: int = 2,
@@ -519,12 +599,3 @@ def _resize(sample: Any, rows: int) -> Any:
     if isinstance(sample, dict):
         return {key: _resize(value, rows) for key, value in sample.items()}
     return sample
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "none"
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from pipekernel.schedules.instructions import Instruction
     from pipekernel.comm.transport import Transport
+    from pipekernel.extend.views import EngineView, RuntimeView, StageView
 
 hookspec = pluggy.HookspecMarker("pipekernel")
 hookimpl = pluggy.HookimplMarker("pipekernel")
@@ -140,7 +141,8 @@ def pipekernel_register_schedules() -> Mapping[str, Callable[..., Any]]:
 
 
 @hookspec
-def pipekernel_register_instructions(runtime: Any) -> Mapping[type, Callable[[Instruction], Any]]:
+def pipekernel_register_instructions(runtime: RuntimeView
+                                    ) -> Mapping[type, Callable[[Instruction], Any]]:
     """Contribute instruction types and their handlers.
 
     Called once per engine, when the kernel's dispatch table is filled; every
@@ -149,7 +151,8 @@ def pipekernel_register_instructions(runtime: Any) -> Mapping[type, Callable[[In
     handler).
 
     :param runtime: the :class:`pipekernel.stage.runtime.StageRuntime` of this rank:
-        buffers, module, transport, topology. Handlers usually close over it.
+        buffers, module, transport, topology. Handlers usually close over it. Its
+        contract is :class:`pipekernel.plugin.RuntimeView`; the rest is internal.
     :returns: ``{instruction class: handler(instruction)}``; the handler's
         return value is ignored.
 
@@ -184,7 +187,7 @@ def pipekernel_list_names(kind: str) -> Sequence[str]:
 
 
 @hookspec
-def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
+def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: StageView) -> None:
     """Apply torch's own parallelism to this rank's stage, in place.
 
     Called once per engine, on every rank, after the stage's layers are built and
@@ -205,8 +208,9 @@ def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: Any) -> None:
         built when the engine is asked for torch parallelism (``data_parallel_shard``,
         ``tensor_parallel_plan``) or when a plugin outside ``pipekernel.plugins``
         implements this hook; otherwise ``None``.
-    :param engine: the :class:`pipekernel.PipelineEngine` being built (its topology,
-        transport, ``parallel`` options, precision name; no optimizer or runtime yet).
+    :param engine: the engine being built, as a :class:`pipekernel.plugin.StageView`
+        (place, layout, ``parallel`` options, precision, transport, grid and mesh, this
+        stage's module; no optimizer, runtime or counters yet).
     :returns: ignored.
 
     Use in plugins
@@ -276,13 +280,14 @@ def pipekernel_after_instruction(instruction: Instruction, stage: int, seconds: 
 
 
 @hookspec
-def pipekernel_after_train_batch(engine: Any, loss: Any, metrics: Mapping[str, Any]) -> None:
+def pipekernel_after_train_batch(engine: EngineView, loss: Any,
+                                 metrics: Mapping[str, Any]) -> None:
     """Called on every rank after ``train_batch`` finished.
 
     Called once per ``train_batch``, after the optimizer step; every
     implementation is called.
 
-    :param engine: the :class:`pipekernel.PipelineEngine`.
+    :param engine: this rank's engine, read through :class:`pipekernel.plugin.EngineView`.
     :param loss: the 0-dim loss tensor (same value on every rank).
     :param metrics: ``{"step": int, "seconds": float, "skipped": bool, ...}``;
         plugins may read it, other plugins may have added keys.
@@ -300,14 +305,16 @@ def pipekernel_after_train_batch(engine: Any, loss: Any, metrics: Mapping[str, A
 
 
 @hookspec
-def pipekernel_configure(engine: Any) -> None:
+def pipekernel_configure(engine: EngineView) -> None:
     """The engine is built: everything a plugin may want to look at exists.
 
     Called once per engine, on every rank, at the end of
     ``PipelineEngine.__init__`` (module, transport, topology, optimizer,
     runtime and kernel are all set; no batch has run yet).
 
-    :param engine: the :class:`pipekernel.PipelineEngine` of this rank.
+    :param engine: this rank's engine, read through :class:`pipekernel.plugin.EngineView`
+        (the object is the :class:`pipekernel.PipelineEngine`; what the view lists is the
+        contract).
 
     Use in plugins
     ==============
@@ -319,14 +326,16 @@ def pipekernel_configure(engine: Any) -> None:
 
 
 @hookspec
-def pipekernel_unconfigure(engine: Any) -> None:
+def pipekernel_unconfigure(engine: EngineView) -> None:
     """The engine is closing.
 
     Called once, on every rank, from ``PipelineEngine.close()`` after in-flight
     sends finished and *before* the transport is released, so collectives over
     ``engine.transport`` still work.
 
-    :param engine: the :class:`pipekernel.PipelineEngine` of this rank.
+    :param engine: this rank's engine, read through :class:`pipekernel.plugin.EngineView`
+        (the object is the :class:`pipekernel.PipelineEngine`; what the view lists is the
+        contract).
 
     Use in plugins
     ==============
@@ -335,13 +344,13 @@ def pipekernel_unconfigure(engine: Any) -> None:
 
 
 @hookspec
-def pipekernel_before_train_batch(engine: Any) -> None:
+def pipekernel_before_train_batch(engine: EngineView) -> None:
     """Called on every rank when ``train_batch`` starts, before any instruction runs.
 
     Instructions seen between this hook and :func:`pipekernel_after_train_batch`
     belong to one training step; ``eval_batch`` does not call it.
 
-    :param engine: the :class:`pipekernel.PipelineEngine`.
+    :param engine: this rank's engine, read through :class:`pipekernel.plugin.EngineView`.
     :returns: ignored.
 
     Use in plugins

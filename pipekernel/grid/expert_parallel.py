@@ -29,6 +29,10 @@ parameters get, hence parity with one process (:mod:`pipekernel.step.expert_redu
 (uneven splits; gloo and NCCL support it). The split sizes are host numbers: one host
 synchronisation per MoE layer and forward (:meth:`ExpertParallelGroup.exchange_counts`).
 
+**Profiling.** Inside :func:`timing` every all-to-all adds its wall seconds to an
+:class:`AllToAllClock` (forward and backward apart): how the planner measures an
+expert-parallel layer's all-to-all cost (:mod:`pipekernel.engine.all_to_all_cost`).
+
 **Lanes.** Each expert-parallel group has two process groups, *lanes*, when the stage
 holds two chunks (the V of ``dualpipev``): a chunk's forward runs in :func:`lane`
 ``(chunk)`` (the stage runtime sets it), so its all-to-alls — and their backward, which
@@ -54,8 +58,8 @@ import torch
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["ExpertParallelGroup", "group", "context", "lane", "make_group", "expert_groups", "mark",
-           "is_expert", "check_config", "broadcast_experts",
+__all__ = ["ExpertParallelGroup", "AllToAllClock", "timing", "group", "context", "lane", "make_group", "expert_groups", "mark",
+           "is_expert", "check_config", "broadcast_experts", "gather_slices",
            "gather_layer_state", "shard_layer_state", "full_shapes", "whole_state_dict"]
 
 
@@ -99,9 +103,14 @@ class ExpertParallelGroup:
         from torch.distributed import _functional_collectives as funcol
 
         local = counts.numel() // self.size
+        clock = _TIMING.get()
+        start = clock.start(counts) if clock is not None else 0.0
         got = funcol.all_to_all_single(counts.contiguous(), [local] * self.size,
                                        [local] * self.size, self.lane_handle())
-        return funcol.wait_tensor(got).view(self.size, local)
+        got = funcol.wait_tensor(got).view(self.size, local)
+        if clock is not None:
+            clock.stop(got, start, "forward")
+        return got
 
     def all_to_all(self, tensor: torch.Tensor, output_splits: list[int],
                    input_splits: list[int]) -> torch.Tensor:
@@ -110,9 +119,17 @@ class ExpertParallelGroup:
         gradients back the same way)."""
         from torch.distributed import _functional_collectives as funcol
 
+        clock = _TIMING.get()
+        if clock is not None:  # profiling: the backward's all-to-all lies between the marks
+            tensor = _Mark.apply(tensor, clock, False)
+            start = clock.start(tensor)
         out = funcol.all_to_all_single_autograd(tensor.contiguous(), output_splits,
                                                 input_splits, self.lane_handle())
-        return funcol.wait_tensor(out)
+        out = funcol.wait_tensor(out)
+        if clock is not None:
+            clock.stop(out, start, "forward")
+            out = _Mark.apply(out, clock, True)
+        return out
 
     def __repr__(self) -> str:
         return (f"ExpertParallelGroup(rank={self.rank}, size={self.size}, ranks={self.ranks}, "
@@ -124,6 +141,76 @@ _CURRENT: contextvars.ContextVar[ExpertParallelGroup] = contextvars.ContextVar(
     "pipekernel_expert_parallel_group", default=_TRIVIAL)
 _LANE: contextvars.ContextVar[int] = contextvars.ContextVar("pipekernel_expert_lane",
                                                             default=0)
+
+
+class AllToAllClock:
+    """Wall seconds spent inside expert all-to-alls while :func:`timing` is open: the
+    dispatch and combine (and the token counts' exchange) in ``forward_s``, their
+    backward (autograd's all-to-all of the gradients) in ``backward_s``.
+
+    It is the wall time a rank spends in the call, waiting for its peers included: on a
+    host transport (gloo) what the all-to-all costs the stage. On a GPU the device is
+    synchronised around each call, which serialises what NCCL would overlap (CUDA events
+    would time it better); it is a profiling tool, never on the training path.
+
+    :param now: seconds now (default :func:`time.perf_counter`; tests inject one).
+    """
+
+    def __init__(self, now: Any = None) -> None:
+        import time
+
+        self.now = now or time.perf_counter
+        self.forward_s = 0.0
+        self.backward_s = 0.0
+        self._backward_start: list[float] = []
+
+    def start(self, tensor: torch.Tensor) -> float:
+        _sync(tensor)
+        return self.now()
+
+    def stop(self, tensor: torch.Tensor, start: float, kind: str) -> None:
+        _sync(tensor)
+        setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + self.now() - start)
+
+
+def _sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward starts (after the all-to-all: ``after``) or stops (before
+    it) the clock of the backward's all-to-all, which autograd runs between the two."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, clock: AllToAllClock, after: bool) -> torch.Tensor:
+        ctx.clock, ctx.after = clock, after
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        clock = ctx.clock
+        if ctx.after:
+            clock._backward_start.append(clock.start(grad))
+        elif clock._backward_start:
+            clock.stop(grad, clock._backward_start.pop(), "backward")
+        return grad, None, None
+
+
+_TIMING: contextvars.ContextVar[AllToAllClock | None] = contextvars.ContextVar(
+    "pipekernel_expert_all_to_all_timing", default=None)
+
+
+@contextlib.contextmanager
+def timing(clock: AllToAllClock | None = None) -> Iterator[AllToAllClock]:
+    """Inside the block, every expert all-to-all adds its wall seconds to the returned
+    :class:`AllToAllClock` (the planner's profile of expert-parallel layers)."""
+    clock = clock or AllToAllClock()
+    token = _TIMING.set(clock)
+    try:
+        yield clock
+    finally:
+        _TIMING.reset(token)
 
 
 @contextlib.contextmanager
@@ -258,6 +345,12 @@ def _gather(part: torch.Tensor, dim: int, ep: ExpertParallelGroup) -> torch.Tens
 
     whole = funcol.all_gather_tensor(part.contiguous(), dim, ep.handle)
     return funcol.wait_tensor(whole)
+
+
+def gather_slices(part: torch.Tensor, dim: int, ep: ExpertParallelGroup) -> torch.Tensor:
+    """The whole stack of which ``part`` is this rank's slice along ``dim`` (collective over
+    the expert-parallel group; ``part`` itself when it has one member)."""
+    return part if ep.size == 1 else _gather(part, dim, ep)
 
 
 def _expert_params(layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, int]]:

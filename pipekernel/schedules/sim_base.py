@@ -221,8 +221,10 @@ class _Simulation:
     """What both semantics share: setup, instruction checks, buffers, final checks."""
 
     semantics = ""
-    #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's ``stage_costs``)
-    stage_costs: dict[tuple[int, int], dict[type, float]] = {}
+    #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's
+    #: ``stage_costs``), and ``{(stage, forward chunk, backward chunk): {ForwardBackward:
+    #: cost}}`` pricing a stage's pairs of those chunks
+    stage_costs: dict[tuple[int, ...], dict[type, float]] = {}
     #: ``{class: seconds}`` a transfer occupies its stage (simulate's ``host_costs``)
     host_costs: dict[type, float] = {}
     #: the skip edges (simulate's ``skips``), sorted
@@ -324,10 +326,14 @@ class _Simulation:
         return self.costs.get(type(instruction), 0.0)
 
     def _pair_costs(self, stage: int, pair: ForwardBackward) -> tuple[float, float]:
-        """What each half of ``pair`` occupies: its own cost, or the pair's cost (when
-        ``costs`` names ``ForwardBackward``) split in the halves' ratio."""
+        """What each half of ``pair`` occupies: its own cost, or the pair's cost split in
+        the halves' ratio: ``stage_costs[(stage, forward chunk, backward chunk)]``'s
+        ``ForwardBackward`` where given, else ``costs``' (when it names one)."""
         f, b = (self._compute_cost(stage, half) for half in pair.halves)
-        whole = self.costs.get(ForwardBackward)
+        table = self.stage_costs.get((stage, pair.forward.chunk, pair.backward.chunk))
+        whole = table.get(ForwardBackward) if table is not None else None
+        if whole is None:
+            whole = self.costs.get(ForwardBackward)
         if whole is None or f + b == 0:
             return f, b
         return whole * f / (f + b), whole * b / (f + b)

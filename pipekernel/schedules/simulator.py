@@ -96,7 +96,7 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
              chunks: int = 1, costs: Mapping[type, float] | None = None,
              semantics: str = "rendezvous",
              posting: Callable[..., CommPlan] | None = None,
-             stage_costs: Mapping[tuple[int, int], Mapping[type, float]] | None = None,
+             stage_costs: Mapping[tuple[int, ...], Mapping[type, float]] | None = None,
              skips: Sequence[Sequence[int]] = (),
              host_costs: Mapping[type, float] | None = None,
              paired: bool | None = None) -> SimulationResult:
@@ -113,7 +113,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         their transfer and do not occupy either stage.
     :param stage_costs: ``{(stage, chunk): {instruction class: duration}}``: compute
         costs of one stage's chunk (e.g. measured, for a partition whose stages
-        differ), overriding ``costs`` for the classes listed there.
+        differ), overriding ``costs`` for the classes listed there; a key ``(stage,
+        forward chunk, backward chunk)`` with ``{ForwardBackward: duration}`` prices
+        that stage's pairs of those chunks, ahead of ``costs``.
     :param semantics: ``"rendezvous"`` (default) or ``"buffered"``; see the
         module docstring.
     :param posting: rendezvous only: the function that computes each stage's
@@ -140,18 +142,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         the grid so far, missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
-    if semantics not in SEMANTICS:
-        raise ConfigError(f"simulate: unknown semantics {semantics!r}",
-                          hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
-    if host_costs and semantics != "rendezvous":
-        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
-                          hint="drop host_costs= or use semantics='rendezvous'")
-    if posting is not None and semantics != "rendezvous":
-        raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
-                          hint="drop posting= or use semantics='rendezvous'")
-    if paired is None:
-        paired = ForwardBackward in (costs or {}) or any(
-            ForwardBackward in table for table in (stage_costs or {}).values())
+    _check_semantics(semantics, host_costs, posting)
+    paired = _priced_pairs(costs, stage_costs) if paired is None else paired
     return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
                     stage_costs, skips, host_costs, paired)
 
@@ -173,6 +165,12 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, post
     with _no_cyclic_gc():
         return _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs,
                          host_costs, semantics, (num_stages, micro_batches, chunks))
+
+
+def _priced_pairs(costs, stage_costs) -> bool:
+    """Whether the costs price ``ForwardBackward`` (the overlap a paired executor buys)."""
+    return ForwardBackward in (costs or {}) or any(
+        ForwardBackward in table for table in (stage_costs or {}).values())
 
 
 @contextmanager
@@ -238,6 +236,18 @@ class _WithSkips:
         stage, num_stages, chunks, placement, edges = self._args
         return add_skip_transfers(self._obj.steps(), stage=stage, num_stages=num_stages,
                                   chunks=chunks, placement=placement, edges=edges)
+
+
+def _check_semantics(semantics: str, host_costs: object, posting: object) -> None:
+    if semantics not in SEMANTICS:
+        raise ConfigError(f"simulate: unknown semantics {semantics!r}",
+                          hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
+    if host_costs and semantics != "rendezvous":
+        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
+                          hint="drop host_costs= or use semantics='rendezvous'")
+    if posting is not None and semantics != "rendezvous":
+        raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
+                          hint="drop posting= or use semantics='rendezvous'")
 
 
 def _check_sizes(num_stages: int, micro_batches: int, chunks: int) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, DataError
+from pipekernel.nested import describe
 
 __all__ = ["LOSS_REDUCTIONS", "TokenLoss", "check_loss_reduction"]
 
@@ -44,46 +45,28 @@ def check_loss_reduction(value: Any) -> str:
 
 
 class TokenLoss:
-    """Wraps a ``loss_fn`` returning ``(loss_sum, token_count)``: calls return the sum,
-    and the counts of the current batch are kept (as tensors: no device sync).
+    """Wraps a ``loss_fn`` returning ``(loss_sum, token_count)``: calls check that and
+    return ``(loss_sum, count)``, the count a 0-dim float64 tensor (no device sync). It
+    keeps nothing: the stage runtime records each count with its loss in the batch's
+    :class:`~pipekernel.step.optimizer_step.BatchLosses`, which the batch step owns.
 
     :param loss_fn: ``loss_fn(outputs, labels) -> (loss_sum, token_count)``.
     """
 
     def __init__(self, loss_fn: Callable[[Any, Any], Any]) -> None:
         self.loss_fn = loss_fn
-        self.counts: list[torch.Tensor] = []
 
-    def reset(self) -> None:
-        """Forget the counts (at the start of a batch)."""
-        self.counts = []
-
-    def __call__(self, outputs: Any, labels: Any) -> torch.Tensor:
+    def __call__(self, outputs: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
         result = self.loss_fn(outputs, labels)
         if not (isinstance(result, (tuple, list)) and len(result) == 2
                 and isinstance(result[0], torch.Tensor) and result[0].numel() == 1):
             raise DataError(f"with loss_reduction='tokens' loss_fn must return (loss_sum, "
-                            f"token_count), got {_describe(result)}",
+                            f"token_count), got {describe(result)}",
                             hint="return e.g. (F.cross_entropy(logits, labels, "
                                  "reduction='sum', ignore_index=-100), (labels != -100).sum())")
         loss_sum, count = result
         count = torch.as_tensor(count, device=loss_sum.device)
         if count.numel() != 1:
-            raise DataError(f"token_count must be one number, got {_describe(count)}",
+            raise DataError(f"token_count must be one number, got {describe(count)}",
                             hint="return the number of tokens the loss sum covers")
-        self.counts.append(count.detach().reshape(()).to(torch.float64))
-        return loss_sum
-
-    def local_tokens(self, device: Any) -> torch.Tensor:
-        """This rank's tokens in the current batch (0-dim float64 on ``device``)."""
-        if not self.counts:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack(self.counts).sum().to(device)
-
-
-def _describe(obj: Any) -> str:
-    if isinstance(obj, torch.Tensor):
-        return f"tensor{tuple(obj.shape)} {obj.dtype}"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in obj) + ")"
-    return type(obj).__name__
+        return loss_sum, count.detach().reshape(()).to(torch.float64)

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -320,6 +321,30 @@ class PipelineModule:
         if seed is not None:
             seed_generators(seed)
         return layer.build()
+
+    def measured_layer(self, index: int, device: Any, scope: Any = None) -> tuple[Any, Any]:
+        """Layer ``index`` built on ``device`` for measuring it (a user's own module is
+        copied: the model itself is never moved or stepped) and the call running it on
+        an input, its ``forward_fn`` for a tied layer, inside the skip ``scope``
+        (a :class:`~pipekernel.stage.skips.SkipScope`) if any. What the partitioner and the
+        planner's measurements run."""
+        spec = self.layers[index]
+        layer = self.build_layer(index)
+        if isinstance(layer, nn.Module):
+            if not isinstance(spec, LayerSpec):
+                layer = copy.deepcopy(layer)
+            layer = layer.to(device)
+        forward_fn = spec.forward_fn if isinstance(spec, TiedLayerSpec) else None
+
+        def run(inp: Any) -> Any:
+            return layer(inp) if forward_fn is None else forward_fn(layer, inp)
+
+        def call(inp: Any) -> Any:
+            if scope is None:
+                return run(inp)
+            with scope:
+                return scope.run(index, run, inp)
+        return layer, call
 
     def parameter_counts(self) -> list[int]:
         """Parameters per layer, counted on the meta device (nothing is allocated)."""

@@ -214,7 +214,7 @@ class PartitionReport:
                      f"{'memory':>10}")
         for s in self.stages:
             cost = "-" if s.cost is None else f"{s.cost:.6g}"
-            mem = "-" if s.memory_bytes is None else _bytes(s.memory_bytes)
+            mem = "-" if s.memory_bytes is None else format_bytes(s.memory_bytes)
             lines.append(f"{s.stage:>5} {f'{s.first_layer}-{s.last_layer}':>11} "
                          f"{s.parameters:>12,} {cost:>14} {mem:>10}")
         summary = "imbalance (max/mean): cost " + _fmt(self.imbalance)
@@ -244,12 +244,15 @@ def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f}{unit}" if unit != "B" else f"{int(n)}B"
-        n /= 1024
-    return f"{n:.1f}GiB"
+def format_bytes(n: float | None) -> str:
+    """``n`` bytes for people: ``"12.6 KiB"``, ``"688 B"``; ``"none"`` for ``None`` (the one
+    format of partition reports, plans and memory budgets)."""
+    if n is None:
+        return "none"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _describe(method: Any) -> str:

@@ -33,7 +33,7 @@ from pipekernel.stage.skip_routing import SkipRouter, SkipState
 from pipekernel.grid.topology import Topology
 from pipekernel.step.optimizer_step import BatchLosses
 from pipekernel.comm.wire import Channel, flatten
-from pipekernel.nested import map_tensors
+from pipekernel.nested import describe, map_tensors
 from pipekernel.grid import expert_parallel
 from pipekernel.stage.paired import PairedExecutor
 
@@ -110,9 +110,12 @@ class StageRuntime:
                  before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
                  wire: Any = None, skips: SkipRouter | None = None,
-                 params_of: Callable[[list], list] | None = None) -> None:
+                 params_of: Callable[[list], list] | None = None,
+                 losses: BatchLosses | None = None, tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
-        self.loss_fn, self.precision = loss_fn, precision
+        self.tokens = tokens and loss_fn is not None
+        self.loss_fn = TokenLoss(loss_fn) if self.tokens else loss_fn  # type: ignore[arg-type]
+        self.precision = precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
         num_stages = topology.pipe_size
         self.positions = [position(self.stage, c, num_stages, placement) for c in range(chunks)]
@@ -136,7 +139,9 @@ class StageRuntime:
         self.micro_batches = 1
         self.compute_loss = True
         self.keep_outputs = False
-        self.losses = BatchLosses()  # this batch's, returned by end()
+        #: the batch's losses: the batch step's (it clears them), filled here
+        self.losses = losses if losses is not None else BatchLosses()
+        self._counts: dict[int, torch.Tensor] = {}  # micro-batch -> its tokens, till recorded
         self.outputs: list[Any] = []
         self.check_data = False
         self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
@@ -150,26 +155,25 @@ class StageRuntime:
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
               program: LoadedProgram | None = None, *, compute_loss: bool = True,
-              keep_outputs: bool = False, check_data: bool = False,
-              losses: BatchLosses | None = None) -> None:
+              keep_outputs: bool = False, check_data: bool = False) -> None:
         """Start a batch that runs ``program.stream`` (loaded by the engine once per schedule
         and count, with :meth:`bind`).
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
         (see :func:`pipekernel.stage.fingerprint.fingerprint`); every rank of a pipeline must pass
-        the same value. The losses computed go into ``losses`` (a fresh
-        :class:`~pipekernel.step.optimizer_step.BatchLosses` if ``None``), which
-        :meth:`end` returns.
+        the same value. The losses computed go into :attr:`losses` (the
+        :class:`~pipekernel.step.optimizer_step.BatchLosses` given at construction, which
+        the batch step clears at the start of each batch), which :meth:`end` returns.
         """
         self.flush()
         self.check_data, self._fingerprints = check_data, {}
         self.data_iter, self.micro_batches = data_iter, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
         self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
-        self.losses = losses if losses is not None else BatchLosses()
         self.outputs, self.labels = [], {}
         self._program, self._at, self._recvs, self._local = program, -1, {}, {}
+        self._counts = {}
 
     def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
         """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
@@ -424,8 +428,8 @@ class StageRuntime:
                 self.outputs.append(buffer.outputs)
             labels = self.labels.get(instruction.micro_batch)
             if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
-                buffer.loss = self._loss(buffer, instruction.micro_batch, loss)
-                self.losses.add(buffer.loss.detach(), instruction.micro_batch)
+                buffer.loss, tokens = self._loss(buffer, instruction.micro_batch, loss)
+                self.losses.add(buffer.loss.detach(), instruction.micro_batch, tokens)
                 if buffer.aux is not None:  # the objective backwarded here
                     buffer.loss = buffer.loss + buffer.aux.to(buffer.loss.dtype)
             if self.check_data:
@@ -437,7 +441,7 @@ class StageRuntime:
         reported with the batch's losses, and their gradient made part of this stage's
         backward — added to the loss on the chunk computing it, else attached to the
         chunk's output. Nothing of it travels to another stage."""
-        if isinstance(self.loss_fn, TokenLoss):
+        if self.tokens:
             raise ConfigError(
                 f"an auxiliary loss (pk.add_aux_loss) with loss_reduction='tokens' on stage "
                 f"{self.stage}, micro-batch {instruction.micro_batch}: the token mean "
@@ -489,29 +493,38 @@ class StageRuntime:
                      "sampler seed, or shuffle=False); pass check_data_steps=0 to the engine "
                      "to turn this check off")
 
-    def _loss(self, buffer: Buffer, micro_batch: int, given: Any = None) -> torch.Tensor:
+    def _loss(self, buffer: Buffer, micro_batch: int, given: Any = None
+              ) -> tuple[torch.Tensor, Any]:
+        """The micro-batch's loss (``given``: the paired executor's ``loss0``) and, under
+        ``loss_reduction="tokens"``, its token count (0-dim float64; else ``None``)."""
         labels = self.labels.pop(micro_batch, None)
         if given is not None:
-            return self._scalar(given, "overlapped_forward_backward's loss0")
-        return self.loss_of(buffer.outputs, labels, micro_batch)
+            given = self._scalar(given, "overlapped_forward_backward's loss0")
+        else:
+            given = self.loss_of(buffer.outputs, labels, micro_batch)
+        return given, self._counts.pop(micro_batch, None)
 
     def loss_of(self, outputs: Any, labels: Any, micro_batch: int) -> torch.Tensor:
-        """``loss_fn(outputs, labels)``, checked: a 0-dim tensor, failures named."""
+        """``loss_fn(outputs, labels)``, checked: a 0-dim tensor, failures named. Under
+        ``loss_reduction="tokens"`` the loss sum; its count waits for the micro-batch's
+        record in :attr:`losses`."""
         try:
             loss = self.loss_fn(outputs, labels)  # type: ignore[misc]
         except Exception as err:
             raise DataError(
                 f"loss_fn(outputs, labels) failed for micro-batch {micro_batch}: "
-                f"{type(err).__name__}: {err} (outputs: {_describe(outputs)}, "
-                f"labels: {_describe(labels)})",
+                f"{type(err).__name__}: {err} (outputs: {describe(outputs)}, "
+                f"labels: {describe(labels)})",
                 hint="make the labels from the data iterator match what loss_fn expects"
             ) from err
+        if self.tokens:
+            loss, self._counts[micro_batch] = loss
         return self._scalar(loss, "loss_fn")
 
     @staticmethod
     def _scalar(loss: Any, what: str) -> torch.Tensor:
         if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise DataError(f"{what} returned {_describe(loss)}, expected a scalar tensor",
+            raise DataError(f"{what} returned {describe(loss)}, expected a scalar tensor",
                             hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
         return loss.reshape(())
 
@@ -659,11 +672,3 @@ def _detach_like(obj: Any) -> Any:
     return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
 
 
-def _describe(obj: Any) -> str:
-    if isinstance(obj, torch.Tensor):
-        return f"tensor{tuple(obj.shape)} {obj.dtype}"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ", ".join(_describe(o) for o in obj) + ")"
-    if isinstance(obj, dict):
-        return "{" + ", ".join(f"{k!r}: {_describe(o)}" for k, o in obj.items()) + "}"
-    return type(obj).__name__

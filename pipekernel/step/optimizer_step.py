@@ -5,9 +5,10 @@ on every rank.
 
 :class:`BatchStep` serves the step's instructions (``ReduceTiedGrads``, ``ReduceGrads``,
 ``OptimizerStep``) in the kernel's dispatch table like the runtime's handlers serve the
-others; the engine builds it once and hands it each batch's :class:`BatchLosses`, which the
-stage runtime fills (and returns when the batch ends). Nothing here reads the engine or
-the runtime.
+others. It owns the batch's :class:`BatchLosses` (losses, auxiliary losses and token
+counts): one object made with the step, cleared by :meth:`BatchStep.begin`, filled by the
+stage runtime (which holds the same object from construction) and read here, for the step
+and the batch's loss. Nothing here reads the engine or the runtime.
 """
 from __future__ import annotations
 
@@ -29,22 +30,39 @@ __all__ = ["BatchStep", "BatchLosses"]
 
 class BatchLosses:
     """The losses one rank computed in one batch, in the order computed: ``values`` (0-dim
-    tensors, detached) and ``micro_batches`` (which micro-batch each is), and the same
+    tensors, detached) and ``micro_batches`` (which micro-batch each is), the token count
+    of each under ``loss_reduction="tokens"`` (``tokens``, 0-dim float64), and the same
     for the auxiliary losses its chunks added (``aux_values``, ``aux_micro_batches``; one
     sum per chunk forward, any stage: :mod:`pipekernel.stage.aux_loss`). The stage
     runtime appends; :class:`BatchStep` reads (empty on stages that compute no loss)."""
 
-    __slots__ = ("values", "micro_batches", "aux_values", "aux_micro_batches")
+    __slots__ = ("values", "micro_batches", "tokens", "aux_values", "aux_micro_batches")
 
     def __init__(self) -> None:
         self.values: list[torch.Tensor] = []
         self.micro_batches: list[int] = []
+        self.tokens: list[torch.Tensor] = []
         self.aux_values: list[torch.Tensor] = []
         self.aux_micro_batches: list[int] = []
 
-    def add(self, loss: torch.Tensor, micro_batch: int) -> None:
+    def clear(self) -> None:
+        """Forget the last batch's (in place: the runtime holds this object)."""
+        for values in (self.values, self.micro_batches, self.tokens, self.aux_values,
+                       self.aux_micro_batches):
+            values.clear()
+
+    def add(self, loss: torch.Tensor, micro_batch: int,
+            tokens: torch.Tensor | None = None) -> None:
         self.values.append(loss)
         self.micro_batches.append(micro_batch)
+        if tokens is not None:
+            self.tokens.append(tokens)
+
+    def local_tokens(self, device: Any) -> torch.Tensor:
+        """This rank's tokens in the batch (0-dim float64 on ``device``)."""
+        if not self.tokens:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(self.tokens).sum().to(device)
 
     def add_aux(self, aux: torch.Tensor, micro_batch: int) -> None:
         self.aux_values.append(aux)
@@ -66,7 +84,8 @@ class BatchStep:
     :param grad_reducer: the data-parallel ``GradReducer`` or ``None``.
     :param max_grad_norm: clip to this global norm, or ``None``.
     :param nonfinite: ``"error"`` or ``"skip"`` (see the engine).
-    :param token_loss: the ``TokenLoss`` of ``loss_reduction="tokens"``, or ``None``.
+    :param tokens: ``loss_reduction="tokens"``: the losses come with token counts, the
+        gradients and the loss are divided by the batch's tokens.
     :param expert_parallel: the :class:`~pipekernel.grid.expert_parallel.ExpertParallelGroup`
         when experts are spread over replicas (``None``: every replica holds every parameter).
     """
@@ -74,30 +93,30 @@ class BatchStep:
     def __init__(self, *, module: Any, precision: Any, optimizer: Any, lr_scheduler: Any,
                  transport: Any, topology: Any, tied_groups: dict, tied_reducers: dict,
                  grad_reducer: Any, max_grad_norm: float | None, nonfinite: str,
-                 token_loss: Any, expert_parallel: Any = None) -> None:
+                 tokens: bool = False, expert_parallel: Any = None) -> None:
         self.module, self.precision, self.optimizer = module, precision, optimizer
         self.lr_scheduler, self.transport, self.topology = lr_scheduler, transport, topology
         self.tied_groups, self._tied_reducers = tied_groups, tied_reducers
         self.grad_reducer, self.max_grad_norm = grad_reducer, max_grad_norm
-        self.nonfinite, self.token_loss = nonfinite, token_loss
+        self.nonfinite, self.tokens = nonfinite, tokens
         self.expert_parallel = expert_parallel
         self.rank, self.stage, self.num_stages = topology.rank, topology.stage, topology.pipe_size
         #: Global gradient norm of the last step (before clipping), when clipping.
         self.last_grad_norm: float | None = None
         self.last_aux_loss: float | None = None
         self._last_step_taken = True
+        #: the batch's losses and token counts, owned here (see :class:`BatchLosses`)
         self.losses = BatchLosses()
         self.micro_batches, self.global_steps = 1, 0
         #: the step's read statistics, for the batch's loss (pipekernel/step/stats.py)
         self._read_stats: tuple[StepStats, list[float]] | None = None
 
-    def begin(self, micro_batches: int, global_steps: int) -> BatchLosses:
-        """Start a batch of ``micro_batches`` after ``global_steps`` steps; returns the
-        fresh :class:`BatchLosses` the runtime fills for it."""
+    def begin(self, micro_batches: int, global_steps: int) -> None:
+        """Start a batch of ``micro_batches`` after ``global_steps`` steps: clear
+        :attr:`losses` (the runtime fills them)."""
         self.micro_batches, self.global_steps = micro_batches, global_steps
-        self.losses = BatchLosses()
+        self.losses.clear()
         self._read_stats = None
-        return self.losses
 
     @property
     def last_step_taken(self) -> bool:
@@ -119,9 +138,8 @@ class BatchStep:
     def on_optimizer_step(self, instruction: isa.OptimizerStep) -> None:
         self._optimizer_step()
 
-    def mean_loss(self, losses: BatchLosses, training: bool = False) -> torch.Tensor:
-        """The batch's loss from what the runtime returned (see :meth:`_mean_loss`)."""
-        self.losses = losses
+    def mean_loss(self, training: bool = False) -> torch.Tensor:
+        """The batch's loss from :attr:`losses` (see :meth:`_mean_loss`)."""
         return self._mean_loss(training)
 
     # -- reductions and the step ------------------------------------------------
@@ -152,7 +170,7 @@ class BatchStep:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         found_inf = self.precision.unscale_(params)  # a device flag, a bool or None
         clip = self.max_grad_norm is not None
-        skip_bad, tokens = self.nonfinite == "skip", self.token_loss is not None
+        skip_bad, tokens = self.nonfinite == "skip", self.tokens
         overflow = skipped = False
         scale = 1.0  # gradients are divided by the tokens per micro-batch and replica
         if found_inf is not None or clip or skip_bad or tokens:
@@ -201,8 +219,8 @@ class BatchStep:
                           flags=training and self.nonfinite == "error")
         stats.put_losses(losses, micro_batches, self.rank)
         stats.put_aux(self.losses.aux_values, self.losses.aux_micro_batches, self.rank)
-        if self.token_loss is not None:
-            stats.put(stats.TOKENS, self.token_loss.local_tokens(stats.vec.device))
+        if self.tokens:
+            stats.put(stats.TOKENS, self.losses.local_tokens(stats.vec.device))
         return stats
 
     def _local_grad_norm_sq(self) -> torch.Tensor | None:
@@ -280,7 +298,7 @@ class BatchStep:
         #: The batch's auxiliary loss (part of the returned loss), or ``None`` when no
         #: stage added one (:mod:`pipekernel.stage.aux_loss`).
         self.last_aux_loss = aux_sum / copies if values[stats.AUX_COUNT] > 0 else None
-        if self.token_loss is None:
+        if not self.tokens:
             # float32 as the losses (the reference's division)
             loss = torch.tensor(loss_sum, dtype=torch.float32) / copies
             if self.last_aux_loss is not None:

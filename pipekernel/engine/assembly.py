@@ -1,0 +1,336 @@
+"""Building an engine: functions from explicit inputs to one frozen :class:`Assembly`.
+
+:func:`assemble` runs the phases in the order every rank must run them (each may
+communicate, and collectives pair up by order): check the options, choose the layout
+(topology, schedule, chunks, placement; the planner's with ``schedule="auto"``), agree on
+the configuration, partition, build the stage, then the step (:mod:`.assembly_step`:
+groups, parameter sync, torch parallelism, reducers, optimizer) and the kernel. Each phase
+takes what it reads as arguments and returns a frozen value; nothing here holds the
+engine. The engine (:mod:`pipekernel.engine.engine`) keeps the result and reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipekernel.comm.transport import require_lanes
+from pipekernel.engine.faults import check_consistency
+from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
+from pipekernel.errors import ConfigError
+from pipekernel.extend.manager import resolve_schedule
+from pipekernel.grid import expert_parallel
+from pipekernel.grid.mesh import build_grid
+from pipekernel.grid.parallel import ParallelConfig
+from pipekernel.grid.tensor_parallel import context as tp_context
+from pipekernel.grid.topology import Topology
+from pipekernel.engine.parallelize import tp_group_of
+from pipekernel.schedules.comm import lanes_needed
+from pipekernel.schedules.placement import check_placement, locate, parts_of
+from pipekernel.stage.loss import check_loss_reduction
+from pipekernel.stage.module import PipelineModule
+from pipekernel.stage.partitioning import PartitionContext, PartitionReport
+from pipekernel.stage.skip_routing import check_schedules, router_for
+
+__all__ = ["Options", "Layout", "Parts", "Stage", "Assembly", "assemble", "check_options",
+           "choose_layout", "agree", "partition", "build_stage", "require_layout_lanes"]
+
+_partition_log = logging.getLogger("pipekernel.partition")
+_plan_log = logging.getLogger("pipekernel.plan")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The constructor's options that outlive construction, checked."""
+
+    schedule: Any
+    eval_schedule: str
+    chunks: int | None
+    data_parallel_size: int | None
+    transport: str
+    precision: str
+    precision_options: dict
+    nonfinite: str
+    check_data_steps: int
+    loss_reduction: str
+    grad_bucket_mb: float
+    max_grad_norm: float | None
+    lr_scheduler: Any
+    parallel: ParallelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits and what it runs: the topology, the schedules, the chunks and
+    their placement, the micro-batch count (the planner may choose it) and the plan."""
+
+    topology: Topology
+    schedule_cls: Any
+    eval_schedule_cls: Any
+    chunks: int
+    placement: str
+    micro_batches: int
+    plan: Plan | None
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The partition: the stage holding each part, the bounds and their report."""
+
+    part_stages: list[int]
+    bounds: list[int]
+    partition_report: PartitionReport
+
+
+@dataclass(frozen=True)
+class Stage:
+    """This rank's stage: groups and mesh, its layers and its skip routing."""
+
+    grid: Any
+    mesh: Any
+    tp_group: Any
+    ep_group: Any
+    module: Any
+    skip_router: Any
+    skip_edges: list
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """Everything one engine is built of (:func:`assemble`), read-only.
+
+    ``optimizer`` and ``lr_scheduler`` change only through
+    :meth:`~pipekernel.PipelineEngine.set_optimizer`, which makes a new assembly.
+    """
+
+    pipeline_module: PipelineModule
+    pm: Any
+    transport: Any
+    options: Options
+    layout: Layout
+    parts: Parts
+    stage: Stage
+    precision: Any
+    data_group: Any
+    data_ranks: list[int]
+    tied_groups: dict[str, tuple[Any, list[int]]]
+    tied_reducers: dict[str, Any]
+    grad_reducer: Any
+    stage_parallel: Any
+    optimizer: Any
+    lr_scheduler: Any
+    runtime: Any
+    batch_step: Any
+    kernel: Any
+
+    def replace(self, **changes: Any) -> Assembly:
+        return dataclasses.replace(self, **changes)
+
+
+def assemble(module: PipelineModule, optimizer: Any, micro_batches: int, options: Options,
+             pm: Any, transport: Any) -> Assembly:
+    """Build every part of an engine over ``transport`` (collective: every rank, same
+    arguments). The stage-parallel hook sees a :class:`~.assembly_step.StageBuild`."""
+    from pipekernel.engine.assembly_step import build_step
+
+    layout = choose_layout(module, optimizer, micro_batches, options, pm, transport)
+    agree(module, layout, options, transport)
+    parts = partition(module, optimizer, layout, pm, transport)
+    stage = build_stage(module, layout, parts, options, pm, transport)
+    return build_step(module, optimizer, options, pm, transport, layout, parts, stage)
+
+
+def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
+                  max_grad_norm: float | None, **rest: Any) -> Options:
+    """The options, refused by name when wrong."""
+    if nonfinite not in ("error", "skip"):
+        raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}",
+                          hint="pass nonfinite='error' (stop on a NaN/inf loss) or "
+                               "nonfinite='skip' (skip that step)")
+    if not isinstance(check_data_steps, int) or check_data_steps < 0:
+        raise ConfigError(f"check_data_steps must be an int >= 0, got {check_data_steps!r}",
+                          hint="pass check_data_steps=N, the number of first batches whose "
+                               "labels are checked (0: off)")
+    return Options(nonfinite=nonfinite, check_data_steps=check_data_steps,
+                   loss_reduction=check_loss_reduction(loss_reduction),
+                   max_grad_norm=max_grad_norm, **rest)
+
+
+def check_max_grad_norm(max_grad_norm: Any) -> None:
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and max_grad_norm > 0):
+        raise ConfigError(f"max_grad_norm must be a positive number or None, "
+                          f"got {max_grad_norm!r}", hint="e.g. max_grad_norm=1.0")
+
+
+def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
+                  options: Options, pm: Any, transport: Any) -> Layout:
+    """The topology, the schedule (the planner's with ``"auto"``), chunks and placement;
+    the micro-batch count (the planner may choose it)."""
+    world, rank = transport.world_size, transport.rank
+    parallel, schedule, chunks = options.parallel, options.schedule, options.chunks
+    tp, shard = parallel.tensor_parallel_size, parallel.data_parallel_shard
+    num_stages = module.num_stages or world // ((options.data_parallel_size or 1) * shard * tp)
+    topology = Topology.from_world(world, rank, num_stages, options.data_parallel_size, tp,
+                                   parallel.rank_order, shard)
+    expert_parallel.check_config(parallel.expert_parallel_size, topology.data_size,
+                                 tensor_parallel_size=tp, zero_stage=parallel.zero_stage,
+                                 rank=rank)
+    plan = None
+    if is_auto(schedule):
+        if chunks is not None:
+            raise ConfigError(f"chunks={chunks!r} with schedule='auto': the planner "
+                              "chooses the chunks", hint="give the chunks to try as "
+                              "schedule=pk.auto(chunks=[1, 2])", rank=rank)
+        plan = _auto_plan(module, schedule, num_stages, micro_batches, optimizer, pm, transport,
+                          parallel.expert_parallel_size, topology)
+        schedule, chunks, micro_batches = plan.schedule, plan.chunks, plan.micro_batches
+    schedule_cls = resolve_schedule(pm, schedule)
+    chosen = schedule_cls.default_chunks if chunks is None else chunks
+    if not isinstance(chosen, int) or isinstance(chosen, bool) or chosen < 1:
+        raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
+                          hint="e.g. chunks=2 with schedule='interleaved'")
+    placement = schedule_cls.placement
+    schedule_cls(num_stages, 0, micro_batches, chosen)  # its own clear errors
+    if chosen > 1:
+        check_placement(placement, chosen)
+    if not hasattr(transport, "open_lanes"):  # fail before partitioning
+        require_layout_lanes(transport, options.transport, num_stages, chosen, placement, [])
+    eval_cls = eval_schedule_for(resolve_schedule(pm, options.eval_schedule), placement, chosen)
+    return Layout(topology, schedule_cls, eval_cls, chosen, placement, micro_batches, plan)
+
+
+def _auto_plan(module: PipelineModule, request: Any, num_stages: int, micro_batches: int,
+               optimizer: Any, pm: Any, transport: Any, expert_parallel_size: int,
+               topology: Topology) -> Plan:
+    """Profile and search (every rank, the same plan; see :mod:`pipekernel.engine.planner`)."""
+    plan = plan_module(module, request if isinstance(request, Auto) else Auto(),
+                       num_stages=num_stages, micro_batches=micro_batches, pm=pm,
+                       transport=transport, device=transport.device,
+                       optimizer=_factory(optimizer),
+                       expert_parallel_size=expert_parallel_size, topology=topology)
+    check_consistency(transport, plan.fields(), "plan (schedule='auto')")
+    if transport.rank == 0:
+        _plan_log.info("%s", plan.format())
+    return plan
+
+
+def _factory(optimizer: Any) -> Any:
+    """``optimizer`` when it is a factory (not a built optimizer), else ``None``."""
+    return optimizer if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer) \
+        else None
+
+
+def eval_schedule_for(cls: Any, placement: str, chunks: int) -> Any:
+    """The evaluation schedule for a model split by ``placement`` into ``chunks`` per stage."""
+    if getattr(cls, "placement", "loop") == placement and chunks <= cls.max_chunks:
+        return cls
+    adapt = getattr(cls, "for_placement", None)
+    if adapt is None:
+        raise ConfigError(f"eval schedule {cls.name!r} cannot run a model placed {placement!r} "
+                          f"with {chunks} chunks per stage",
+                          hint="use eval_schedule='inference' (it follows any placement)")
+    return adapt(placement)
+
+
+def require_layout_lanes(transport: Any, name: str, num_stages: int, chunks: int,
+                         placement: str, skips: list) -> None:
+    """Open (or check) the transport's lanes for this pipeline's layout: one per
+    channel at each rank (:mod:`pipekernel.schedules.lanes`)."""
+    needed = lanes_needed(num_stages=num_stages, chunks=chunks, placement=placement,
+                          skips=skips)
+    layout = (f"{num_stages} stage(s) x {chunks} chunk(s) ({placement!r} "
+              f"placement)" + (f" with skip edges {list(skips)}" if skips else ""))
+    require_lanes(transport, needed, name=name, layout=layout, rank=transport.rank)
+
+
+def agree(module: PipelineModule, layout: Layout, options: Options, transport: Any) -> None:
+    """Check that every rank got the same configuration (one all-gather), before anything
+    that depends on it communicates."""
+    partition = module.partition_method
+    fields = {"pipekernel version": version(), "world size": transport.world_size,
+              "stages": layout.topology.pipe_size,
+              "data parallel size": layout.topology.data_size,
+              "schedule": layout.schedule_cls.name, "eval schedule": options.eval_schedule,
+              "chunks": layout.chunks, "micro_batches": layout.micro_batches,
+              "precision": options.precision, "layers": len(module.layers),
+              "partition": partition if isinstance(partition, (str, list, tuple))
+              else type(partition).__name__,
+              "nonfinite": options.nonfinite, "check_data_steps": options.check_data_steps,
+              "loss_reduction": options.loss_reduction, **options.parallel.fields(),
+              "skip connections": sorted(module.skip_names.items())}
+    check_consistency(transport, fields)
+
+
+def version() -> str:
+    try:
+        from importlib.metadata import version as installed
+        return installed("pipekernel")
+    except Exception:
+        return "unknown"
+
+
+def partition(module: PipelineModule, optimizer: Any, layout: Layout, pm: Any,
+              transport: Any) -> Parts:
+    """Split the layers into parts (every rank the same bounds) and report it."""
+    num_stages, chunks = layout.topology.pipe_size, layout.chunks
+    micro_batches = layout.micro_batches
+    # every rank partitions here, before any group exists: plugins may broadcast
+    in_flight = [layout.schedule_cls(num_stages, s, micro_batches, chunks).num_buffers()
+                 for s in range(num_stages)]
+    num_parts = num_stages * chunks
+    part_stages = [locate(p, num_stages, layout.placement)[0] for p in range(num_parts)]
+    context = PartitionContext(
+        module=module, num_stages=num_parts, transport=transport, device=transport.device,
+        rank=transport.rank, micro_batches=micro_batches,
+        in_flight=[in_flight[s] for s in part_stages], optimizer=_factory(optimizer))
+    bounds = list(layout.plan.bounds) if layout.plan is not None else \
+        module.partition(num_parts, pm, context)
+    check_consistency(transport, {"partition bounds": list(bounds)},
+                      "partition (a method that measures, e.g. profile, must "
+                      "broadcast its result)")
+    report = PartitionReport.build(module, bounds, context)
+    if transport.rank == 0:
+        _partition_log.info("%s", report.format())
+    return Parts(part_stages, bounds, report)
+
+
+def mesh_unwanted(parallel: ParallelConfig, pm: Any) -> str:
+    """Why this engine needs no DeviceMesh (``""``: it does): no FSDP2, no DTensor plan
+    and no plugin of the user's on ``pipekernel_parallelize_stage``."""
+    if parallel.data_parallel_shard > 1 or parallel.tensor_parallel_plan is not None:
+        return ""
+    for impl in pm.hook.pipekernel_parallelize_stage.get_hookimpls():
+        plugin = impl.plugin
+        where = getattr(plugin, "__name__", None) or type(plugin).__module__
+        if not str(where).startswith("pipekernel.plugins."):
+            return ""  # a user's parallelizer gets the mesh
+    return ("nothing applies torch parallelism to the stage (data_parallel_shard, "
+            "tensor_parallel_plan or a pipekernel_parallelize_stage plugin builds one)")
+
+
+def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: Options,
+                pm: Any, transport: Any) -> Stage:
+    """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
+    topology, chunks = layout.topology, layout.chunks
+    num_stages, stage = topology.pipe_size, topology.stage
+    grid = build_grid(topology, transport, mesh_unwanted(options.parallel, pm))
+    tp_group = tp_group_of(grid, topology, transport)
+    ep_group = expert_parallel.make_group(topology, transport,
+                                          options.parallel.expert_parallel_size,
+                                          lanes=min(chunks, 2))
+    positions = parts_of(stage, num_stages, chunks, layout.placement)
+    with tp_context(tp_group), expert_parallel.context(ep_group):
+        built = module.build_stage(stage, parts.bounds, positions).to(transport.device)
+    router = router_for(module, parts.bounds, built, positions, stage)
+    edges = router.edges if router is not None else []
+    # after the agreement: opening lanes is collective, every rank opens as many
+    require_layout_lanes(transport, options.transport, num_stages, chunks, layout.placement,
+                         edges)
+    if edges:
+        check_schedules([layout.schedule_cls, layout.eval_schedule_cls], num_stages,
+                        layout.micro_batches, chunks, edges)
+    return Stage(grid, grid.mesh, tp_group, ep_group, built, router, edges)

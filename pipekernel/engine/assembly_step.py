@@ -1,0 +1,241 @@
+"""Building an engine, second half: the step's parts and the kernel.
+
+After :mod:`pipekernel.engine.assembly` built the stage: the precision policy, the process
+groups (every rank creates every group, in the same order), the parameter sync, torch
+parallelism through the hook ``pipekernel_parallelize_stage`` (which sees a
+:class:`StageBuild`), the gradient reducers, the optimizer and LR scheduler, then the stage
+runtime, the batch step and the kernel over both's handlers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipekernel.engine.assembly import (Assembly, Layout, Options, Parts, Stage,
+                                        check_max_grad_norm)
+from pipekernel.engine.parallelize import check_stage_parallel
+from pipekernel.extend.views import Placed
+from pipekernel.errors import ConfigError
+from pipekernel.extend.manager import make_precision
+from pipekernel.grid import expert_parallel
+from pipekernel.grid.partitioned import ActivationPartitioner
+from pipekernel.grid.tensor_parallel import sharded_dim
+from pipekernel.kernel.loop import Kernel
+from pipekernel.stage.module import PipelineModule
+from pipekernel.stage.runtime import StageRuntime
+from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
+from pipekernel.step.grad_reduce import GradReducer
+from pipekernel.step.optimizer_step import BatchStep
+
+__all__ = ["StageBuild", "build_step", "make_optimizer", "make_lr_scheduler"]
+
+
+@dataclass(frozen=True)
+class StageBuild(Placed):
+    """What the hook ``pipekernel_parallelize_stage`` gets as ``engine``: the engine being
+    built once its stage exists (a :class:`pipekernel.plugin.StageView`; the optimizer,
+    the runtime and the counters do not exist yet)."""
+
+    pipeline_module: PipelineModule
+    pm: Any
+    transport: Any
+    topology: Any
+    parallel: Any
+    grid: Any
+    mesh: Any
+    module: Any
+    precision: Any
+    tp_group: Any
+    ep_group: Any
+    schedule_cls: Any
+    eval_schedule_cls: Any
+    chunks: int
+    placement: str
+    micro_batches: int
+    bounds: list[int]
+    part_stages: list[int]
+
+    @property
+    def schedule(self) -> str:
+        return self.schedule_cls.name
+
+
+def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any,
+               transport: Any, layout: Layout, parts: Parts, stage: Stage) -> Assembly:
+    """Precision, groups, reducers, optimizer and LR scheduler; the runtime and kernel."""
+    precision = make_precision(pm, options.precision, dict(options.precision_options))
+    check_max_grad_norm(options.max_grad_norm)
+    topology = layout.topology
+    data_group, data_ranks = stage.grid.data  # replicas x shards
+    tied_groups = make_tied_groups(module, parts, topology, transport)
+    sync_parameters(stage, tied_groups, topology, transport, data_group, data_ranks)
+    build = StageBuild(module, pm, transport, topology, options.parallel, stage.grid,
+                       stage.mesh, stage.module, precision, stage.tp_group, stage.ep_group,
+                       layout.schedule_cls, layout.eval_schedule_cls, layout.chunks,
+                       layout.placement, layout.micro_batches, parts.bounds, parts.part_stages)
+    # before the precision and the optimizer see the parameters (FSDP2, DTensor)
+    pm.hook.pipekernel_parallelize_stage(module=stage.module, mesh=stage.mesh, engine=build)
+    stage_parallel = check_stage_parallel(build)
+    precision.prepare(stage.module)  # after the sync: casts and masters start equal
+    tied_reducers, grad_reducer = make_reducers(  # after prepare: they need the masters
+        stage, precision, tied_groups, topology, transport, data_group, stage_parallel,
+        options.grad_bucket_mb)
+    built = make_optimizer(optimizer, build, data_group)
+    scheduler = make_lr_scheduler(options.lr_scheduler, built)
+    runtime, batch_step, kernel = build_kernel(
+        module, options, layout, stage, precision, transport, pm,
+        backward_callbacks(grad_reducer, stage_parallel),
+        dict(optimizer=built, lr_scheduler=scheduler, tied_groups=tied_groups,
+             tied_reducers=tied_reducers, grad_reducer=grad_reducer))
+    return Assembly(module, pm, transport, options, layout, parts, stage, precision,
+                    data_group, data_ranks, tied_groups, tied_reducers, grad_reducer,
+                    stage_parallel, built, scheduler, runtime, batch_step, kernel)
+
+
+def make_tied_groups(module: PipelineModule, parts: Parts, topology: Any,
+                     transport: Any) -> dict[str, tuple[Any, list[int]]]:
+    """Create every tied group on every rank, in the same order (a transport requirement);
+    this rank's ``{key: (group, ranks)}``."""
+    groups: dict[str, tuple[Any, list[int]]] = {}
+    tied = module.tied_stages(parts.bounds, parts.part_stages.__getitem__)
+    for key, stages in sorted(tied.items()):
+        if len(stages) < 2:
+            continue
+        for ranks in topology.stage_groups(stages):
+            group = transport.new_group(ranks)
+            if topology.rank in ranks:
+                groups[key] = (group, ranks)
+    return groups
+
+
+def sync_parameters(stage: Stage, tied_groups: dict, topology: Any, transport: Any,
+                    data_group: Any, data_ranks: list[int]) -> None:
+    """Make tied copies and replicas start identical (matters when no seed is given)."""
+    module, ep, tp = stage.module, stage.ep_group, stage.tp_group
+    with torch.no_grad():
+        for key, (group, ranks) in tied_groups.items():
+            for p in module.tied_modules[key].parameters():
+                transport.broadcast(p.data, ranks[0], group)
+        if topology.data_size > 1:
+            for p in module.parameters():
+                if ep.size == 1 or not expert_parallel.is_expert(p):
+                    transport.broadcast(p.data, data_ranks[0], data_group)
+        if ep.size > 1:  # experts differ over the data-parallel group
+            expert_parallel.broadcast_experts(
+                transport, [p for p in module.parameters() if expert_parallel.is_expert(p)], ep)
+        if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
+            for p in module.parameters():
+                if sharded_dim(p) is None:
+                    transport.broadcast(p.data, tp.ranks[0], tp.handle)
+
+
+def make_reducers(stage: Stage, precision: Any, tied_groups: dict, topology: Any,
+                  transport: Any, data_group: Any, sharded: Any, bucket_mb: float
+                  ) -> tuple[dict[str, GradReducer], Any]:
+    """One :class:`GradReducer` per tied group (a sum over stages, no overlap) and one
+    over the data-parallel replicas (an average, overlapped with the backward; tied
+    weights wait for the tied sum; ``None`` without data parallelism)."""
+    module, master, ep = stage.module, precision.master, stage.ep_group
+    tied_reducers = {
+        key: GradReducer(module.tied_modules[key].parameters(), transport, group, len(ranks),
+                         0, master=master, average=False)
+        for key, (group, ranks) in tied_groups.items()}
+    if topology.data_size <= 1:
+        return tied_reducers, None
+    named = [(name, p) for name, p in module.named_parameters()
+             if sharded is None or not sharded.managed(p)]  # FSDP2 reduces those
+    experts: list = []
+    if ep.size > 1:  # experts: their own group (grid/expert_parallel.py)
+        experts = [(n, p) for n, p in named if expert_parallel.is_expert(p)]
+        named = [(n, p) for n, p in named if not expert_parallel.is_expert(p)]
+    tied = [p for key in tied_groups for p in module.tied_modules[key].parameters()]
+    if not any(p.requires_grad for _, p in named + experts):
+        return tied_reducers, None
+    bucket = int(bucket_mb * 2 ** 20)
+    reducer: Any = GradReducer([p for _, p in named], transport, data_group, topology.data_size,
+                               bucket, master=master, late=tied, names=[n for n, _ in named])
+    if ep.size > 1:
+        reducer = ReducerPair(reducer, ExpertGradReducer(
+            [p for _, p in experts], transport, ep, bucket, master, [n for n, _ in experts]))
+    return tied_reducers, reducer
+
+
+def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
+    """What the runtime calls around the stage's last backward of the batch."""
+    callbacks: dict[str, Any] = {}
+    if sharded is not None:  # FSDP2's reduce-scatters, once per batch
+        callbacks = {"after_last_backward": sharded.after_last_backward,
+                     "params_of": sharded.autograd_params}
+    if reducer is None or reducer.bucket_bytes <= 0:
+        return callbacks
+    if sharded is not None:
+        def after() -> None:
+            sharded.after_last_backward()
+            reducer.backward_done()
+    else:
+        after = reducer.backward_done
+    return {**callbacks, "after_last_backward": after,
+            "before_last_backward": lambda settled: reducer.arm(final=settled)}
+
+
+def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage: Stage,
+                 precision: Any, transport: Any, pm: Any, callbacks: dict[str, Any],
+                 step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
+    """The stage runtime, the batch step (the one owner of the batch's losses and token
+    counts) and the kernel over both's handlers."""
+    topology = layout.topology
+    batch_step = BatchStep(
+        module=stage.module, precision=precision, transport=transport, topology=topology,
+        max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite,
+        tokens=options.loss_reduction == "tokens" and module.loss_fn is not None,
+        expert_parallel=stage.ep_group if stage.ep_group.size > 1 else None, **step)
+    runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
+                           chunks=layout.chunks, placement=layout.placement,
+                           wire=ActivationPartitioner(stage.tp_group)
+                           if options.parallel.partitions else None,
+                           skips=stage.skip_router, losses=batch_step.losses,
+                           tokens=batch_step.tokens, **callbacks)
+    handlers = {**runtime.handlers(), **batch_step.handlers()}
+    for extra in pm.hook.pipekernel_register_instructions(runtime=runtime):
+        handlers.update(extra or {})
+    kernel = Kernel(handlers, hook=pm.hook, rank=transport.rank, stage=topology.stage,
+                    enter=runtime.enter)
+    return runtime, batch_step, kernel
+
+
+def make_lr_scheduler(lr_scheduler: Any, optimizer: Any) -> Any:
+    """``lr_scheduler(optimizer)`` for a factory, else ``lr_scheduler`` itself."""
+    return (lr_scheduler(optimizer) if callable(lr_scheduler)
+            and not hasattr(lr_scheduler, "step") else lr_scheduler)
+
+
+def make_optimizer(optimizer: Any, where: Any, data_group: Any) -> torch.optim.Optimizer | None:
+    """The stage's optimizer from a factory or a built optimizer (``where``: a
+    :class:`StageBuild` or the engine: module, precision, parallel, topology, transport)."""
+    precision, topology = where.precision, where.topology
+    params = list(precision.optimizer_parameters(where.module))
+    if isinstance(optimizer, torch.optim.Optimizer):
+        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not given <= {id(p) for p in params}:
+            raise ConfigError(
+                f"the optimizer was built over tensors that stage {where.stage} does not "
+                f"train with precision {precision.name!r} (low-precision policies "
+                f"step fp32 master copies, made when the engine starts)",
+                hint="pass a factory: optimizer=lambda params: torch.optim.AdamW(params, ...)",
+                rank=where.rank, stage=where.stage)
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None and where.parallel.zero_stage:
+            raise ConfigError("zero_stage=1 needs an optimizer factory, got a built optimizer",
+                              hint="pass optimizer=lambda params: torch.optim.AdamW(params, "
+                                   "...): ZeRO-1 builds it over this replica's shard")
+        return optimizer
+    if callable(optimizer) and where.parallel.zero_stage and topology.data_size > 1:
+        from pipekernel.grid.zero import ZeroOptimizer
+        return ZeroOptimizer(params, optimizer, where.transport, data_group,
+                             topology.data_rank, topology.data_size)
+    if callable(optimizer):
+        return optimizer(params)
+    raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",
+                      hint="pass optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)")

@@ -1,0 +1,414 @@
+"""Checkpoints of sharded stages through ``torch.distributed.checkpoint`` (DCP).
+
+An engine whose stages hold torch parallelism — FSDP2 (``data_parallel_shard=N``), a
+DTensor plan (``tensor_parallel_plan=``), a user's ``pipekernel_parallelize_stage`` — has
+DTensor parameters and optimizer state: :func:`pipekernel.engine.checkpoint.save` sends
+it here (:func:`wanted`), and :func:`pipekernel.engine.checkpoint.load` sends every
+checkpoint whose ``meta.json`` says ``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
+``meta.json``, one ``rank-NNNNN.pt`` per rank, written under ``.tmp-<tag>`` and renamed
+into place when every rank succeeded, then ``latest``; ``resume``, ``keep_last``) and
+puts the tensors in **one DCP directory for the whole job**::
+
+    root/global_step12/
+      meta.json          "format": "dcp", the layout (stages x replicas x shards x tp)
+      rank-00001.pt      RNG, precision, LR scheduler, counters, client_state (as always)
+      dcp/               DCP's files: .metadata and one __R_0.distcp per writing rank
+                         keys "model.{layer}.{name}", "optim.state.{layer}.{name}.{key}",
+                         "optim.param_groups.{layer}.{name}.{hyperparameter}"
+
+Why one directory and not one per stage: the keys are pipeline-independent already (a
+global layer index, a tied weight under its first layer), so DCP's global plan does the
+whole mapping — each writer saves its local shards once (replicas and the copies of tied
+weights on several stages deduplicated by DCP), and a loading rank at *any* stages x
+shards x tp layout reads the pieces of the keys it holds, from whichever files hold
+them. Per-stage directories would tie the files to the partitioning, and loading at
+another number of stages would have to open several directories and map keys itself.
+
+The model and optimizer go through
+``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` with
+``flatten_optimizer_state_dict=True``: optimizer state *and* param-group hyperparameters
+keyed per parameter name, as pipekernel's own format keys them — a param group is a
+per-stage list, which a job-wide DCP key could not hold.
+
+Same layout (stages, replicas, shards, tp, schedule placement, chunks, bounds): every
+tensor is restored bit for bit and every rank its RNG, so training continues exactly.
+Another layout: weights and optimizer state are exact (DCP reshards every DTensor);
+later steps agree to round-off. A DCP checkpoint also loads into an engine without any
+torch parallelism (the tensors read whole), :func:`pipekernel.load_sequential` reads
+it in one process, and :func:`pipekernel.hf.save_pretrained` gathers full tensors.
+
+What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
+tensor-parallel layers, ZeRO-1 and expert parallelism shard tensors outside DTensor,
+and precision policies that keep fp32 masters outside the module (``fp16``, ``bf16``
+on parameters FSDP2 does not manage) hold optimizer state DCP's ``get_state_dict``
+cannot name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+
+from pipekernel.engine import checkpoint as _ckpt
+from pipekernel.engine.checkpoint_files import FORMAT_VERSION, rank_file
+from pipekernel.errors import ConfigError, DataError
+
+__all__ = ["DCP_DIR", "FORMAT", "check_engine", "is_dcp", "load", "load_sequential", "save",
+           "wanted"]
+
+#: The ``"format"`` of a DCP checkpoint's ``meta.json`` (absent: pipekernel's layer files).
+FORMAT = "dcp"
+#: The subdirectory of a checkpoint holding DCP's files.
+DCP_DIR = "dcp"
+
+
+def wanted(engine: Any) -> bool:
+    """Whether ``engine`` saves through DCP: some stage holds DTensors or FSDP2 modules.
+    Collective when the engine has a DeviceMesh (one all-reduce of one flag); without one
+    nothing can be sharded by torch and pipekernel's layer files are written."""
+    if getattr(getattr(engine, "grid", None), "mesh", None) is None:
+        return False
+    mine = getattr(engine, "stage_parallel", None) is not None or any(
+        hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
+    flag = torch.tensor([1.0 if mine else 0.0], device=engine.transport.device)
+    engine.transport.all_reduce(flag)
+    return bool(flag.item() > 0)
+
+
+def is_dcp(meta: dict[str, Any]) -> bool:
+    """Whether checkpoint metadata ``meta`` is of a DCP checkpoint."""
+    return meta.get("format") == FORMAT
+
+
+def layout(engine: Any) -> dict[str, Any]:
+    """The layout a DCP checkpoint records: pipekernel's, with the shard count."""
+    return {**_ckpt._layout(engine), "data_parallel_shard": engine.parallel.data_parallel_shard}
+
+
+def check_engine(engine: Any, what: str) -> None:
+    """``ConfigError`` naming the fix when ``engine`` shards or keeps state in a way DCP's
+    state-dict API cannot map (see the module docstring)."""
+    parallel, where = engine.parallel, {"rank": engine.rank, "stage": engine.stage}
+    if parallel.tensor_parallel_size > 1 and parallel.tensor_parallel_plan is None:
+        raise ConfigError(f"{what}: pipekernel's own tensor-parallel layers "
+                          f"(tensor_parallel_size={parallel.tensor_parallel_size} without a "
+                          f"plan) hold plain shards DCP cannot map to a DTensor checkpoint",
+                          hint="give tensor parallelism as a DTensor plan "
+                               "(tensor_parallel_plan=...), or load with "
+                               "tensor_parallel_size=1", **where)
+    if parallel.zero_stage:
+        raise ConfigError(f"{what}: ZeRO-1 (zero_stage={parallel.zero_stage}) shards the "
+                          f"optimizer state outside DTensor, which a DCP checkpoint cannot "
+                          f"map", hint="load with zero_stage=0, or shard with "
+                                       "data_parallel_shard=N (FSDP2) instead", **where)
+    if parallel.expert_parallel_size > 1:
+        raise ConfigError(f"{what}: expert parallelism (expert_parallel_size="
+                          f"{parallel.expert_parallel_size}) shards experts outside DTensor, "
+                          f"which a DCP checkpoint cannot map",
+                          hint="load with expert_parallel_size=1", **where)
+    if getattr(engine.precision, "_pairs", None):
+        raise ConfigError(f"{what}: precision={engine.precision.name!r} keeps fp32 masters "
+                          f"outside the module (here for parameters FSDP2 does not shard, "
+                          f"e.g. tied layers), whose optimizer state DCP's get_state_dict "
+                          f"cannot name", hint="use precision='fp32', or 'bf16' on stages "
+                                               "FSDP2 shards whole (no tied layers)", **where)
+
+
+# -- names: a stage's keys <-> the checkpoint's (canonical layer) keys ------------------------
+
+def _canonical_layer(engine: Any) -> dict[str, str]:
+    """The stage's registered layer name -> the canonical global layer it is saved under."""
+    return {name: str(index)
+            for name, index, _ in _ckpt._local_layers(engine.module, engine.pipeline_module)}
+
+
+def _rename(key: str, layers: dict[str, str], at: int) -> str:
+    parts = key.split(".")
+    parts[at] = layers.get(parts[at], parts[at])
+    return ".".join(parts)
+
+
+def _state(engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """``({checkpoint key: tensor or value}, {the stage's key: checkpoint key})`` of the
+    stage's model and optimizer, from ``get_state_dict`` (DTensors stay sharded); the
+    stage's keys are prefixed ``model.``/``optim.`` too. Keys of a tied weight held twice
+    by one stage collapse into one checkpoint key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    optimizers = [engine.optimizer] if engine.optimizer is not None else []
+    model, optim = get_state_dict(engine.module, optimizers, options=options)
+    layers = _canonical_layer(engine)
+    state: dict[str, Any] = {}
+    keys: dict[str, str] = {}
+    for prefix, part, at in (("model", model, 0), ("optim", optim, 1)):
+        for key, value in part.items():
+            name = f"{prefix}.{_rename(key, layers, at)}"
+            state[name] = value
+            keys[f"{prefix}.{key}"] = name
+    return state, keys
+
+
+def _meta(engine: Any) -> dict[str, Any]:
+    meta = _ckpt._meta(engine)
+    for entry in meta["layers"]:
+        entry.pop("file", None)  # the tensors are in dcp/, not in layer files
+    meta.update(format=FORMAT, format_version=FORMAT_VERSION, topology=layout(engine),
+                files=sorted([f"{DCP_DIR}/.metadata"]
+                             + [rank_file(r) for r in range(engine.transport.world_size)]))
+    return meta
+
+
+def _dcp(call: Any, *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)`` (``dcp.save``/``dcp.load``), with DCP's
+    ``CheckpointException`` — a ``BaseException``, raised on every rank — turned into the
+    lowest failing rank's own error (an ``OSError`` stays one, so the message says why:
+    no space, no permission), its rank in the message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call(*args, **kwargs)
+    except CheckpointException as err:
+        rank, (cause, _) = min(err.failures.items())
+        if isinstance(cause, OSError):
+            raise type(cause)(cause.errno, f"{cause.strerror or cause} (on rank {rank})",
+                              cause.filename) from err
+        raise RuntimeError(f"on rank {rank}: {type(cause).__name__}: {cause}") from err
+
+
+# -- save ----------------------------------------------------------------------------------
+
+def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
+    """:func:`pipekernel.engine.checkpoint.save` of an engine that :func:`wanted` DCP:
+    the same contract (collective, atomic, ``latest``, an error on every rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank, transport = engine.rank, engine.transport
+    final, tmp = os.path.join(root, tag), os.path.join(root, f".tmp-{tag}")
+
+    def prepare() -> tuple[dict, dict, bytes | None]:
+        _ckpt._check_tag(tag)
+        check_engine(engine, "save_checkpoint")
+        engine.runtime.flush()
+        state, _ = _state(engine)
+        mine = _ckpt._rank_payload(engine, client_state)
+        meta = json.dumps(_meta(engine), indent=1).encode() if rank == 0 else None
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.lexists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, DCP_DIR))
+        return state, mine, meta
+
+    prepared, error = _ckpt._attempt(prepare)
+    _ckpt._agree(transport, _ckpt._wrap(error, root, "prepare"), rank)
+    state, mine, meta = prepared
+
+    def write() -> None:
+        if meta is not None:
+            _ckpt._write_file(os.path.join(tmp, "meta.json"), meta)
+        _ckpt._write_file(os.path.join(tmp, rank_file(rank)), mine)
+
+    _, error = _ckpt._attempt(write)
+    _ckpt._agree(transport, _ckpt._wrap(error, root, "write"), rank)
+    # collective, and DCP raises a failure on every rank itself; then one agreement more
+    _, error = _ckpt._attempt(lambda: _dcp(dcp.save, state,
+                                           checkpoint_id=os.path.join(tmp, DCP_DIR)))
+    _ckpt._agree(transport, _ckpt._wrap(error, root, "write (torch.distributed.checkpoint)"),
+                 rank)
+    _, error = _ckpt._attempt(lambda: _ckpt._publish(root, tag, tmp, final) if rank == 0
+                              else None)
+    _ckpt._agree(transport, _ckpt._wrap(error, root, "publish"), rank)
+    return final
+
+
+# -- load ----------------------------------------------------------------------------------
+
+def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
+    return {"data_parallel_shard": 1, **saved} == ours
+
+
+def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
+    """This rank's file (its own at the same layout, rank 0's otherwise), after checking
+    that the model is the checkpoint's (shapes are the whole tensors')."""
+    local = _ckpt._local_layers(engine.module, engine.pipeline_module)
+    canonical: dict[int, Any] = {}
+    for _, index, layer in local:
+        if _ckpt._has_state(layer):
+            canonical.setdefault(index, layer)
+    _ckpt._check_model(meta, engine.pipeline_module, directory, sorted(canonical.items()),
+                       lambda layer: {k: list(v.shape) for k, v in layer.state_dict().items()})
+    exact = _same_layout(meta["topology"], layout(engine))
+    return _ckpt._read_rank(directory, engine.rank if exact else 0), exact
+
+
+def _load_tensors(engine: Any, directory: str) -> None:
+    """DCP reads the checkpoint into this rank's state (its DTensors' local shards, whole
+    tensors elsewhere), which ``set_state_dict`` then puts into the stage and optimizer."""
+    import torch.distributed.checkpoint as dcp
+
+    state, keys = _state(engine)
+    _dcp(dcp.load, state, checkpoint_id=os.path.join(directory, DCP_DIR))
+    _set_state(engine, state, keys)
+
+
+def _set_state(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None:
+    """``set_state_dict`` of ``state`` (checkpoint keys; ``keys``: :func:`_state`'s map)
+    into the stage and its optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    model = {key[len("model."):]: state[name] for key, name in keys.items()
+             if key.startswith("model.")}
+    optim = {key[len("optim."):]: state[name] for key, name in keys.items()
+             if key.startswith("optim.")}
+    optimizers = [engine.optimizer] if engine.optimizer is not None else []
+    set_state_dict(engine.module, optimizers, model_state_dict=model,
+                   optim_state_dict=optim if optimizers else {},
+                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict) -> dict[str, Any]:
+    """:func:`pipekernel.engine.checkpoint.load` of a DCP checkpoint (``meta`` read from
+    ``directory``), into an engine of any layout DCP maps: the same contract."""
+    rank, transport = engine.rank, engine.transport
+
+    def read() -> tuple[dict, bool]:
+        check_engine(engine, "load_checkpoint")
+        return _read(engine, directory, meta)
+
+    result, error = _ckpt._attempt(read)
+    _ckpt._agree(transport, error, rank)
+    mine, exact = result
+    # collective (DCP agrees on its read plan and raises on every rank itself)
+    _, error = _ckpt._attempt(_load_tensors, engine, directory)
+    _ckpt._agree(transport, _read_error(error, directory), rank)
+    _, error = _ckpt._attempt(_apply_counters, engine, mine, exact, meta)
+    _ckpt._agree(transport, error, rank)
+    _ckpt._log.info("rank %d loaded DCP checkpoint %s (step %d%s)", rank, directory,
+                    meta["global_steps"], "" if exact else ", another layout")
+    return {"directory": directory, "tag": os.path.basename(directory),
+            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+            "data_position": engine.trained_micro_batches,
+            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}
+
+
+def _read_error(error: BaseException | None, directory: str) -> BaseException | None:
+    if error is None or isinstance(error, (ConfigError, DataError)):
+        return error
+    return DataError(f"cannot read the DCP checkpoint {directory}/{DCP_DIR}: "
+                     f"{type(error).__name__}: {error}",
+                     hint="the checkpoint is incomplete or of another model; load an older "
+                          "tag (engine.load_checkpoint(root, tag=...))")
+
+
+def _apply_counters(engine: Any, mine: dict, exact: bool, meta: dict) -> None:
+    """What the rank file holds: precision state (not its masters), LR scheduler,
+    counters, and the RNG states when the layout is the one saved."""
+    precision_state = {k: v for k, v in mine.get("precision", {}).items()
+                       if k != _ckpt._MASTERS}
+    if precision_state:
+        engine.precision.load_state_dict(precision_state)
+    scheduler_state = mine.get("lr_scheduler")
+    if engine.lr_scheduler is not None and scheduler_state is not None:
+        engine.lr_scheduler.load_state_dict(scheduler_state)
+    engine.global_steps = int(meta["global_steps"])
+    engine.skipped_steps = int(meta["skipped_steps"])
+    engine.trained_micro_batches = int(mine.get("data_position",
+                                                meta["global_steps"] * engine.micro_batches))
+    if exact:
+        _ckpt._restore_rng(engine, mine["rng"])
+
+
+# -- pipekernel's layer files into sharded stages ----------------------------------------------
+
+def _from_layer_files(key: str, payloads: dict[int, dict]) -> Any:
+    """The value of checkpoint key ``key`` (``model.{layer}.{name}``,
+    ``optim.state.{layer}.{name}.{k}``, ``optim.param_groups.{layer}.{name}.{k}``) in
+    pipekernel's layer files (``None``: not there)."""
+    parts = key.split(".")
+    if parts[0] == "model":
+        return payloads.get(int(parts[1]), {}).get("state", {}).get(".".join(parts[2:]))
+    field = {"state": "optimizer", "param_groups": "param_groups"}[parts[1]]
+    sub, name = ".".join(parts[3:-1]), parts[-1]
+    return payloads.get(int(parts[2]), {}).get(field, {}).get(sub, {}).get(name)
+
+
+def load_layer_files(engine: Any, directory: str, meta: dict) -> dict[str, Any]:
+    """Load a checkpoint of pipekernel's layer files (saved without sharding) into an
+    engine with sharded stages: each rank reads the whole tensors of its layers and
+    ``set_state_dict(full_state_dict=True)`` cuts its shards. The layout differs from the
+    saved one by construction, so RNG states are not restored."""
+    rank, transport = engine.rank, engine.transport
+
+    def read() -> tuple[dict, dict]:
+        check_engine(engine, "load_checkpoint")
+        mine, _ = _read(engine, directory, meta)
+        local = _ckpt._local_layers(engine.module, engine.pipeline_module)
+        needed = sorted({index for _, index, layer in local if _ckpt._has_state(layer)})
+        return mine, {i: _ckpt._read_layer(directory, meta, i) for i in needed}
+
+    result, error = _ckpt._attempt(read)
+    _ckpt._agree(transport, error, rank)
+    mine, payloads = result
+    _, error = _ckpt._attempt(_set_full, engine, payloads)
+    _ckpt._agree(transport, error, rank)
+    _, error = _ckpt._attempt(_apply_counters, engine, mine, False, meta)
+    _ckpt._agree(transport, error, rank)
+    return {"directory": directory, "tag": os.path.basename(directory),
+            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+            "data_position": engine.trained_micro_batches,
+            "client_state": mine.get("client_state"), "exact": False, "meta": meta}
+
+
+def _set_full(engine: Any, payloads: dict[int, dict]) -> None:
+    """Each sharded tensor of the stage cut from the whole one read (every rank has it:
+    ``distribute_tensor(src_data_rank=None)`` slices locally, no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state, keys = _state(engine)
+    for name, template in state.items():
+        value = _from_layer_files(name, payloads)
+        if value is None:
+            continue  # a parameter the saved optimizer had not stepped: keep the fresh state
+        if isinstance(template, DTensor):
+            value = distribute_tensor(value.to(template.device, template.dtype),
+                                      template.device_mesh, template.placements,
+                                      src_data_rank=None)
+        elif torch.is_tensor(template) and torch.is_tensor(value):
+            value = value.to(template.device, template.dtype)
+        state[name] = value
+    _set_state(engine, state, keys)
+
+
+# -- one process --------------------------------------------------------------------------
+
+def load_sequential(directory: str, meta: dict, module: Any) -> torch.nn.Module:
+    """The whole model of a DCP checkpoint as one stage (see
+    :func:`pipekernel.engine.checkpoint.load_sequential`), read in this process alone."""
+    import torch.distributed.checkpoint as dcp
+
+    num = len(module.layers)
+    full = module.build_stage(0, [0, num])
+    layers = [(index, layer) for name, index, layer in _ckpt._local_layers(full, module)
+              if int(name) == index and _ckpt._has_state(layer)]
+    _ckpt._check_model(meta, module, directory, layers)
+    state = {f"model.{index}.{key}": value for index, layer in layers
+             for key, value in layer.state_dict().items()}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            _dcp(dcp.load, state, checkpoint_id=os.path.join(directory, DCP_DIR),
+                 no_dist=True)
+    except Exception as err:  # noqa: BLE001 - DCP raises many types for a bad directory
+        raise _read_error(err, directory) from err
+    with torch.no_grad():
+        for index, layer in layers:
+            prefix = f"model.{index}."
+            layer.load_state_dict({k[len(prefix):]: v for k, v in state.items()
+                                   if k.startswith(prefix)})
+    return full
+

@@ -1,0 +1,77 @@
+"""The engine's programs, one per (schedule, micro-batch count): compiled and loaded once
+(:mod:`pipekernel.schedules.program`, :class:`~pipekernel.kernel.program.LoadedProgram`) in
+the engine's one cache (``engine._programs``), and the checks a new count passes first.
+The functions read the engine's documented attributes and its ``state``."""
+from __future__ import annotations
+
+from typing import Any
+
+from pipekernel.engine.agreement import check_consistency
+from pipekernel.errors import ConfigError
+from pipekernel.kernel.program import LoadedProgram
+from pipekernel.schedules.program import compile_program
+from pipekernel.stage.skip_routing import check_schedules
+from pipekernel.step.grad_reduce import settled_parameters
+
+__all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batches",
+           "program_of", "load_program"]
+
+
+def check_micro_batch_count(micro_batches: Any, rank: int | None,
+                            stage: int | None = None) -> None:
+    """``ConfigError`` unless ``micro_batches`` is a positive int."""
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
+            or micro_batches < 1:
+        raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
+                          rank=rank, stage=stage,
+                          hint="pass micro_batches=N, the number of micro-batches each "
+                               "train_batch/eval_batch reads from its iterator (e.g. 4; at "
+                               "least the number of stages keeps every stage busy)")
+
+
+def check_micro_batches(engine: Any, micro_batches: Any) -> None:
+    """Refuse a count that is not a positive int or that a schedule refuses; prove the skip
+    routing for a new count (once per count)."""
+    check_micro_batch_count(micro_batches, engine.rank, engine.stage)
+    for cls in (engine.schedule_cls, engine.eval_schedule_cls):  # their own clear errors
+        cls(engine.num_stages, engine.stage, micro_batches, engine.chunks)
+    if engine.skip_edges and micro_batches not in engine.state.skips_proven:
+        # the skips' routing proven for the new count too (once per count)
+        check_schedules([engine.schedule_cls, engine.eval_schedule_cls], engine.num_stages,
+                        micro_batches, engine.chunks, engine.skip_edges)
+        engine.state.skips_proven.add(micro_batches)
+
+
+def agree_micro_batches(engine: Any) -> None:
+    """When the count changed since the last batch, check that every rank changed it."""
+    if engine.micro_batches == engine.state.checked_micro_batches:
+        return
+    check_consistency(engine.transport, {"micro_batches": engine.micro_batches},
+                      "micro-batch count (set_micro_batches(n) or train_batch(..., "
+                      "micro_batches=n) must change it on every rank for the same batch)")
+    engine.state.checked_micro_batches = engine.micro_batches
+
+
+def program_of(engine: Any, cls: Any) -> LoadedProgram:
+    """The loaded program of schedule ``cls`` for the current micro-batch count (compiled
+    and loaded once per schedule and count; :mod:`pipekernel.schedules.program`)."""
+    key = (cls, engine.micro_batches)
+    loaded = engine._programs.get(key)
+    if loaded is None:
+        loaded = engine._programs[key] = load_program(engine, compile_program(
+            cls, stage=engine.stage, num_stages=engine.num_stages,
+            micro_batches=engine.micro_batches, chunks=engine.chunks,
+            placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs))
+    return loaded
+
+
+def load_program(engine: Any, program: Any) -> LoadedProgram:
+    """``program`` bound to this engine: handlers, channels, settled parameters."""
+    channels, groups = engine.runtime.bind(program)
+    settled: tuple = ()
+    if program.last_weight_chunk is not None:
+        module = engine.module
+        parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
+        settled = tuple(settled_parameters(program.last_weight_chunk, parts))
+    return LoadedProgram(program, engine.kernel.resolve(program.stream), channels, groups,
+                         settled)

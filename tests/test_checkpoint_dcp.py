@@ -1,0 +1,268 @@
+"""Checkpoints of sharded stages through torch.distributed.checkpoint (issue 28, item 5):
+PP2 x FSDP2 saved at step k and resumed trains on bit-exactly like the run that never
+stopped; the checkpoint loads at another layout (pp x dp_shard x tp) with its optimizer
+state, in one process (load_sequential), and from pipekernel's own layer files; a layout
+DCP cannot map is refused by name. One 4-rank process world per test, several engines in
+it."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from models import adam, mlp_data, tied_lm, token_data
+from torch import nn
+
+import pipekernel as pk
+from pipekernel.errors import ConfigError
+from pipekernel.testing import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+MB, K, N = 2, 2, 4  # micro-batches; save after step K; N steps in all
+
+
+def dropout_model(num_stages=None):
+    layers = [pk.LayerSpec(nn.Linear, 8, 16), pk.LayerSpec(nn.Dropout, 0.3),
+              pk.LayerSpec(nn.Linear, 16, 16), torch.tanh, pk.LayerSpec(nn.Linear, 16, 16),
+              pk.LayerSpec(nn.Dropout, 0.3), pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="type:Linear", seed=7)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
+def ff_model(num_stages=None):
+    layers = [pk.LayerSpec(nn.Linear, 8, 16), *[pk.LayerSpec(FeedForward) for _ in range(2)],
+              pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="uniform", seed=11)
+
+
+def _plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+
+
+def _engine(stages, shard=1, build=dropout_model, **kw):
+    return pk.PipelineEngine(build(num_stages=stages), optimizer=adam, micro_batches=MB,
+                             data_parallel_shard=shard, timeout=120, **kw)
+
+
+def _train(engine, steps, data=mlp_data):
+    return [engine.train_batch(iter(data(s, engine.data_parallel_rank, MB))).item()
+            for s in steps]
+
+
+def _full(value):
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+
+
+def _snapshot(engine):
+    """Whole weights and optimizer state by global name (DTensors gathered: collective)."""
+    weights = {k: _full(v) for k, v in engine.module.state_dict().items()}
+    optim = {}
+    for name, param in engine.module.named_parameters():
+        state = engine.optimizer.state.get(param, {})
+        optim[name] = {k: _full(v) if torch.is_tensor(v) else v for k, v in state.items()}
+    return {"weights": weights, "optim": optim}
+
+
+def resume_worker(root, precision, model):
+    torch.set_num_threads(1)
+    build, data = {"dropout": (dropout_model, mlp_data), "hsdp": (dropout_model, mlp_data),
+                   "tied": (tied_lm, token_data)}[model]
+    # hsdp: 1 stage x 2 replicas x 2 shards (DCP writes the replicated shards once)
+    stages, kw = (1, {"data_parallel_size": 2}) if model == "hsdp" else (2, {})
+    first = _engine(stages, shard=2, build=build, precision=precision, **kw)
+    losses = _train(first, range(K), data)
+    first.save_checkpoint(root, client_state={"note": first.rank})
+    losses += _train(first, range(K, N), data)  # the run that never stopped
+    uninterrupted = _snapshot(first)
+    first.close()
+
+    again = _engine(stages, shard=2, build=build, precision=precision, **kw)
+    info = again.resume(root)
+    resumed = _train(again, range(info["global_steps"], N), data)
+    return {"losses": losses, "resumed": resumed, "info": {k: info[k] for k in
+            ("exact", "global_steps", "client_state", "tag")},
+            "uninterrupted": uninterrupted, "after": _snapshot(again),
+            "steps": again.global_steps, "files": sorted(os.listdir(info["directory"]))}
+
+
+@pytest.mark.parametrize("precision, model", [("fp32", "dropout"), ("bf16", "dropout"),
+                                              ("fp32", "tied"), ("fp32", "hsdp")])
+def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(tmp_path, precision, model):
+    # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key
+    results = run_ranks(resume_worker, 4, str(tmp_path), precision, model)
+    for rank, result in enumerate(results):
+        assert result["info"] == {"exact": True, "global_steps": K, "client_state":
+                                  {"note": rank}, "tag": f"global_step{K}"}
+        assert result["steps"] == N
+        assert result["resumed"] == result["losses"][K:]  # bit for bit, dropout included
+        for part in ("weights", "optim"):
+            ours, theirs = result["after"][part], result["uninterrupted"][part]
+            assert ours.keys() == theirs.keys() and ours
+            for name in ours:
+                if part == "weights":
+                    assert torch.equal(ours[name], theirs[name]), name
+                else:
+                    assert ours[name].keys() == theirs[name].keys()
+                    for key in ours[name]:
+                        assert torch.equal(torch.as_tensor(ours[name][key]),
+                                           torch.as_tensor(theirs[name][key])), (name, key)
+    assert results[0]["files"] == ["dcp", "meta.json", *[f"rank-{r:05d}.pt" for r in range(4)]]
+    assert (tmp_path / "latest").read_text().strip() == f"global_step{K}"
+
+
+def _refused(fn):
+    try:
+        fn()
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def reshape_worker(root, build_name):
+    """Save at 2 stages x 2 shards (with a DTensor plan: 1 stage x 2 shards x 2 tp), load
+    at 4 x 1 (4 stages; with the plan 2 x 1 x 2), save there — pipekernel's layer files
+    without a mesh, DCP again with the plan — and load that back at the first layout."""
+    torch.set_num_threads(1)
+    tp = build_name == "ff"
+    build, data = {"dropout": (dropout_model, mlp_data), "ff": (ff_model, mlp_data),
+                   "tied": (tied_lm, token_data)}[build_name]
+    extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": _plan()} if tp else {}
+    sharded = _engine(1 if tp else 2, shard=2, build=build, **extra)
+    _train(sharded, range(K), data)
+    sharded.save_checkpoint(root, tag="sharded")
+    saved = _snapshot(sharded)
+    sharded.close()
+
+    plain = _engine(2 if tp else 4, build=build, **extra)
+    info = plain.load_checkpoint(root, tag="sharded")
+    loaded = _snapshot(plain)
+    plain.save_checkpoint(root, tag="plain")
+    loss = _train(plain, range(K, K + 1), data)
+    plain.close()
+
+    back = _engine(1 if tp else 2, shard=2, build=build, **extra)
+    back.load_checkpoint(root, tag="plain")
+    returned = _snapshot(back)
+    back.close()
+    zero = _refused(lambda: pk.PipelineEngine(build(num_stages=2), optimizer=adam,
+                                              micro_batches=MB, data_parallel_size=2,
+                                              zero_stage=1, timeout=120)
+                    .load_checkpoint(root, tag="sharded"))
+    return {"saved": saved, "loaded": loaded, "returned": returned, "exact": info["exact"],
+            "loss": loss, "zero": zero}
+
+
+def _merge(results, key):
+    out = {"weights": {}, "optim": {}}
+    for result in results:
+        for part in out:
+            out[part].update(result[key][part])
+    return out
+
+
+def _assert_same(ours, theirs):
+    assert ours["weights"].keys() == theirs["weights"].keys()
+    for name, value in ours["weights"].items():
+        assert torch.equal(value, theirs["weights"][name]), name
+    assert ours["optim"].keys() == theirs["optim"].keys()
+    for name, state in ours["optim"].items():
+        assert state.keys() == theirs["optim"][name].keys() and state, name
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value),
+                               torch.as_tensor(theirs["optim"][name][key])), (name, key)
+
+
+@pytest.mark.parametrize("build_name", ["dropout", "ff", "tied"])
+def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(tmp_path, build_name):
+    results = run_ranks(reshape_worker, 4, str(tmp_path), build_name)
+    saved = _merge(results, "saved")
+    _assert_same(_merge(results, "loaded"), saved)
+    _assert_same(_merge(results, "returned"), saved)
+    for result in results:
+        assert result["exact"] is False
+        assert all(torch.isfinite(torch.tensor(result["loss"])))
+        assert result["zero"] and "zero_stage=0" in result["zero"], result["zero"]
+    build = {"dropout": dropout_model, "ff": ff_model, "tied": tied_lm}[build_name]
+    sequential = pk.load_sequential(str(tmp_path), build(), tag="sharded")
+    for name, value in sequential.state_dict().items():
+        assert torch.equal(value, saved["weights"][name]), name
+
+
+def hf_worker(directory):
+    torch.set_num_threads(1)
+    import test_hf as t
+
+    import pipekernel.hf as hf
+
+    module = hf.pipeline_module(t.llama(), num_stages=2)
+    engine = pk.PipelineEngine(module, optimizer=t.sgd, micro_batches=t.MICRO_BATCHES,
+                               data_parallel_shard=2, loss_reduction="tokens", timeout=120)
+    engine.train_batch(iter(t.batches(0, engine.data_parallel_rank)))
+    hf.save_pretrained(engine, os.path.join(directory, "hf"))
+    engine.save_checkpoint(os.path.join(directory, "checkpoints"))
+    state = {k.partition(".")[2]: _full(v) for k, v in engine.module.state_dict().items()}
+    engine.close()
+    return state
+
+
+def test_save_pretrained_and_load_sequential_gather_a_sharded_run(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import test_hf as t
+
+    import pipekernel.hf as hf
+
+    results = run_ranks(hf_worker, 4, str(tmp_path))
+    trained = {k: v for result in results for k, v in result.items()}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    saved = model.state_dict()
+    assert trained and set(trained) <= set(saved)
+    for key, value in trained.items():
+        assert torch.equal(saved[key], value), key
+    whole = pk.load_sequential(str(tmp_path / "checkpoints"), hf.pipeline_module(t.llama()))
+    for key, value in whole.state_dict().items():
+        assert torch.equal(value, trained[key.partition(".")[2]]), key
+
+
+def failing_worker(root):
+    """Rank 1's DCP write fails (no space) in the second save: every rank raises, and
+    ``latest`` still names the first checkpoint; another model is refused by name."""
+    torch.set_num_threads(1)
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    engine = _engine(1, shard=2)
+    _train(engine, range(1))
+    engine.save_checkpoint(root)
+    _train(engine, range(1, 2))
+    if engine.rank == 1:
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        filesystem._FileSystemWriter.write_data = full
+    error = _refused(lambda: engine.save_checkpoint(root))
+    other = _refused(lambda: _engine(1, shard=2, build=ff_model).load_checkpoint(root))
+    return {"error": error, "other": other, "latest": open(os.path.join(root, "latest")).read().strip(),
+            "tags": sorted(os.listdir(root))}
+
+
+def test_a_failed_dcp_write_fails_every_rank_and_keeps_latest(tmp_path):
+    results = run_ranks(failing_worker, 2, str(tmp_path))
+    for result in results:
+        assert result["error"] and "No space left on device" in result["error"], result
+        assert "previous checkpoint and 'latest' are unchanged" in result["error"]
+        assert result["latest"] == "global_step1"
+        assert "global_step2" not in result["tags"]
+        assert "holds a model of 7 layers" in result["other"], result["other"]
