@@ -286,11 +286,11 @@ def _stop_workers(procs: list[Any], results: Any, interrupt: BaseException) -> L
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
-    print(f"pipekernel: stopping {len(procs)} workers (Ctrl-C again to kill them at once)",
-          file=sys.stderr, flush=True)
     first = None
     deadline = time.monotonic() + 5.0
-    try:
+    try:  # the announcement inside: a second Ctrl-C can land as soon as its line is out
+        print(f"pipekernel: stopping {len(procs)} workers (Ctrl-C again to kill them at once)",
+              file=sys.stderr, flush=True)
         while time.monotonic() < deadline and (any(p.is_alive() for p in procs)
                                                or not results.empty()):
             try:
