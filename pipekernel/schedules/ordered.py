@@ -39,7 +39,8 @@ from functools import cached_property
 
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, Instruction,
-    OptimizerStep, RecvGrad, ReduceGrads, ReduceTiedGrads, SendGrad,
+    LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
+    SendActivation, SendGrad,
 )
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.base import Schedule
@@ -91,19 +92,35 @@ class OrderedSchedule(Schedule):
         return steps, max(size, 1)
 
     def _step(self, kind: str, chunk: int, mb: int, buf: int) -> list[Instruction]:
-        pos, last = self.position_of(chunk), self.last_position
-        step: list[Instruction] = []
+        loads, recv_act, send_act, recv_grad, send_grad = self._ends(chunk)
         if kind == "F":
-            step = self.chunk_forward_step(chunk, mb, buf)
-        elif kind in ("B", "I"):
-            if pos < last:
-                step.append(RecvGrad(mb, buf, chunk))
-            step.append(_COMPUTE[kind](mb, buf, chunk))
-            if pos > 0:
-                step.append(SendGrad(mb, buf, chunk))
-        else:
-            step.append(BackwardWeight(mb, buf, chunk))
+            if type(self).chunk_forward_step is not Schedule.chunk_forward_step:
+                return self.chunk_forward_step(chunk, mb, buf)  # a subclass's own
+            step: list[Instruction] = [LoadMicroBatch(mb, buf, chunk)] if loads else []
+            if recv_act:
+                step.append(RecvActivation(mb, buf, chunk))
+            step.append(Forward(mb, buf, chunk))
+            if send_act:
+                step.append(SendActivation(mb, buf, chunk))
+            return step
+        if kind == "W":
+            return [BackwardWeight(mb, buf, chunk)]
+        step = [RecvGrad(mb, buf, chunk)] if recv_grad else []
+        step.append(_COMPUTE[kind](mb, buf, chunk))
+        if send_grad:
+            step.append(SendGrad(mb, buf, chunk))
         return step
+
+    def _ends(self, chunk: int) -> tuple[bool, bool, bool, bool, bool]:
+        """Per chunk, once: whether its forward loads, receives and sends activations, and
+        its backward receives and sends gradients (what :meth:`_step` emits around the
+        compute; the same for every micro-batch)."""
+        ends = self.__dict__.setdefault("_chunk_ends", {})
+        found = ends.get(chunk)
+        if found is None:
+            pos, last = self.position_of(chunk), self.last_position
+            found = ends[chunk] = (self.loads(chunk), pos > 0, pos < last, pos < last, pos > 0)
+        return found
 
     def steps(self) -> list[list[Instruction]]:
         return [list(step) for step in self._built[0]]
