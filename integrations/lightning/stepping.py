@@ -38,7 +38,7 @@ def whole_grad_norm(engine: Any) -> float | None:
     count only inside the step)."""
     if engine.loss_reduction == "tokens":
         return None
-    local = engine.batch_step._local_grad_norm_sq()  # this rank's share (pipekernel.step)
+    local = engine.batch_step.local_grad_norm_sq()  # this rank's share (pipekernel.step)
     vec = torch.zeros(1, dtype=torch.float64, device=engine.transport.device)
     if local is not None:
         vec[0] = local

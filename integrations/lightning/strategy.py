@@ -461,9 +461,8 @@ class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
         pipelined step for this one stops within a second, not after the timeout."""
         super().on_exception(exception)
         engine = self.engine
-        if engine is not None and self._engine_open and engine.failed is None:
-            engine.failed = exception  # close() then waits on no peer
-            engine.abort_board.publish(exception)
+        if engine is not None and self._engine_open:
+            engine.abort(exception)  # close() then waits on no peer
 
     def teardown(self) -> None:
         super().teardown()

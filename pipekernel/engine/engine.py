@@ -376,6 +376,16 @@ class PipelineEngine(EngineFields):
         from pipekernel.engine.checkpoint import resume
         return resume(self, path)
 
+    def abort(self, error: BaseException) -> None:
+        """Mark this rank failed with ``error`` (raised outside the engine: the caller's
+        own code, a framework callback) and tell the other ranks through the abort board,
+        so a peer waiting on this rank in a pipelined step stops within a second instead
+        of at the transport's timeout. After it, :meth:`close` waits on no peer. A rank
+        that already failed keeps its first error (the call does nothing)."""
+        if self.failed is None:
+            self.failed = error
+            self.abort_board.publish(error)
+
     def close(self) -> None:
         """Wait for in-flight sends, let plugins finish (``pipekernel_unconfigure``,
         collectives still allowed) and release the transport. After a failed batch

@@ -184,7 +184,7 @@ class BatchStep:
             stats = self._step_stats(training=True)
             stats.put(stats.OVERFLOW, found_inf)
             if clip:
-                stats.put(stats.NORM_SQ, self._local_grad_norm_sq())
+                stats.put(stats.NORM_SQ, self.local_grad_norm_sq())
             if skip_bad:
                 stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]
                                                     + self.losses.aux_values))
@@ -223,7 +223,7 @@ class BatchStep:
             stats.put(stats.TOKENS, self.losses.local_tokens(stats.vec.device))
         return stats
 
-    def _local_grad_norm_sq(self) -> torch.Tensor | None:
+    def local_grad_norm_sq(self) -> torch.Tensor | None:
         """This rank's share of the global squared gradient norm (0-dim float64 on the
         device, ``None`` for nothing): one replica counts (gradients are equal after the
         data-parallel reduction), a tied weight counts on the first stage holding it only,
