@@ -10,7 +10,7 @@ from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
 from pipekernel.schedules.comm import CommPlan, plan_communication
 from pipekernel.schedules.sim_deadlock import _DeadlockReport
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
-                                           PAIRED, _Progress, _Simulation, role)
+                                           PAIRED, _Progress, _Simulation, _Where, role)
 
 
 # how _advance runs one instruction (_Rendezvous._compile)
@@ -20,14 +20,16 @@ _RUN, _SEND, _RECV, _TICK, _SLOW = "run", "send", "recv", "tick", "slow"
 class _Op:
     """One posted (or to be posted) point-to-point operation."""
 
-    __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done")
+    __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done",
+                 "cost_send", "cost_recv")
 
     def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
-                 ins: Instruction) -> None:
+                 ins: Instruction, send: bool) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
-        self.lane = lane
-        self.send = role(type(ins)).send
+        self.lane, self.send = lane, send
         self.mate = self.unit = self.done = None  # unit: set when posted
+        # the transfer's duration: its two ends' costs, added in this order (set when matched)
+        self.cost_send = self.cost_recv = 0.0
 
     def name(self) -> str:
         return f"stage {self.rank}'s {self.ins}"
@@ -111,10 +113,13 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                     key = ((op.rank, op.peer, op.lane) if op.send
                            else (op.peer, op.rank, op.lane))
                     (sends if op.send else recvs).setdefault(key, []).append(op)
+        costs = self.costs
         for key in sorted(set(sends) | set(recvs), key=repr):
             out, into = sends.get(key, []), recvs.get(key, [])
             for send, recv in zip(out, into):
                 send.mate, recv.mate = recv, send
+                send.cost_send = recv.cost_send = costs.get(type(send.ins), 0.0)
+                send.cost_recv = recv.cost_recv = costs.get(type(recv.ins), 0.0)
                 self._check_pair(send, recv)
             for send in out[len(into):]:
                 self.problems.append(
@@ -169,7 +174,8 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 if at != g and role(type(ins)).send:
                     self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
                                          "posting plan posts a send before its data exists")
-                op = _Op(stage, peers[at][0], lanes[at], at, stream[at][0], ins)
+                op = _Op(stage, peers[at][0], lanes[at], at, stream[at][0], ins,
+                         role(type(ins)).send)
                 op_at[at] = op
                 if g in groups:
                     groups[g].append(op)
@@ -180,7 +186,8 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 ins = stream[i][1]
                 self.problems.append(f"{self._where(stage, stream[i][0], ins)}: the posting "
                                      "plan never posts it")
-                op = _Op(stage, plan.peers[i][0], lane(i), i, stream[i][0], ins)
+                op = _Op(stage, plan.peers[i][0], lane(i), i, stream[i][0], ins,
+                         role(type(ins)).send)
                 op_at[i] = op
                 groups.setdefault(i, []).append(op)
         return _by_lane(groups, n), op_at
@@ -202,56 +209,59 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     # -- transfers ---------------------------------------------------------------------
 
-    def _post(self, stage: int, at: float) -> None:
-        """Post the group planned at the current instruction."""
+    def _post(self, stage: int, pc: int, at: float) -> None:
+        """Post the group planned at stream index ``pc``."""
         todo: list[_Op] = []
-        queues, last_end = self.queues[stage], self.last_end[stage]
-        for lane, ops in self.groups[stage][self.stages[stage].pc]:
+        queues, last_end, posted = self.queues[stage], self.last_end[stage], 0
+        for lane, ops in self.groups[stage][pc]:
             queue = queues.get(lane)
             if queue is None:
                 queue = queues[lane] = deque()
             unit = _Unit(ops, at, queue)
             for op in ops:
                 op.unit = unit
-            self.pending[stage] += len(ops)
+            posted += len(ops)
             queue.append(unit)
             if len(queue) == 1:  # it heads its lane: it may progress from now on
                 unit.active = True
-                unit.start = max(at, last_end.get(lane, 0.0))
+                free = last_end.get(lane, 0.0)
+                unit.start = at if at >= free else free
                 todo.extend(ops)
+        self.pending[stage] += posted
         if todo:
             self._progress(todo)
 
-    def _activate(self, stage: int, lane: int | None, unit: _Unit) -> None:
-        """``unit`` heads its lane's queue: it may progress from now on."""
-        unit.active = True
-        unit.start = max(unit.post, self.last_end[stage].get(lane, 0.0))
-
     def _progress(self, todo: list[_Op]) -> None:
-        """Complete every transfer that can complete now, and what that unblocks."""
+        """Complete every transfer that can complete now, and what that unblocks: a
+        transfer starts when both its units head their lanes and takes both ends' costs;
+        a unit done hands its lane to the next one (which starts no earlier than it
+        ends)."""
+        pending, last_end = self.pending, self.last_end
         while todo:
             op = todo.pop()
             mate = op.mate
-            if op.done is not None or mate is None or mate.unit is None:
+            if op.done is not None or mate is None:
                 continue
-            if not (op.unit.active and mate.unit.active):
+            unit, other = op.unit, mate.unit
+            if other is None or not (unit.active and other.active):
                 continue
-            send, recv = (op, mate) if op.send else (mate, op)
-            t = (max(op.unit.start, mate.unit.start) + self.costs.get(type(send.ins), 0.0)
-                 + self.costs.get(type(recv.ins), 0.0))
+            a, b = unit.start, other.start
+            t = (a if a >= b else b) + op.cost_send + op.cost_recv
             op.done = mate.done = t
-            for o in (op, mate):
-                unit = o.unit
-                self.pending[o.rank] -= 1
-                unit.end = max(unit.end, t)
-                unit.left -= 1
-                if unit.left == 0:
-                    queue = unit.queue
+            for o, u in ((op, unit), (mate, other)):
+                pending[o.rank] -= 1
+                if t > u.end:
+                    u.end = t
+                u.left -= 1
+                if u.left == 0:
+                    queue = u.queue
                     queue.popleft()
-                    self.last_end[o.rank][o.lane] = unit.end
+                    end = last_end[o.rank][o.lane] = u.end
                     if queue:
                         following = queue[0]
-                        self._activate(o.rank, o.lane, following)
+                        following.active = True
+                        post = following.post
+                        following.start = post if post >= end else end
                         todo.extend(following.ops)
 
     # -- the event loop ----------------------------------------------------------------
@@ -269,13 +279,16 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self._check_complete()
 
     def _compile(self, stage: int) -> list[tuple]:
-        """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, cost,
-        on the timeline, prepared)`` for a compute or other micro-batch instruction,
-        ``(_SEND, prepared)`` / ``(_RECV, op, host cost, prepared)`` for a transfer to or
-        from another stage, ``(_TICK, cost)`` for a local blocking point, and ``(_SLOW,)``
-        for the rest (collectives, hand-offs, anything with a problem to report), which
-        :meth:`_execute` runs as it always did. Everything here is fixed before the batch
-        starts (the stream, the peers, the costs), so the answers are the same."""
+        """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, index,
+        instruction, progress, writes a buffer, handler, cost, on the timeline)`` for a
+        compute or other micro-batch instruction, ``(_SEND, index, instruction, progress,
+        writes, handler, None, 0.0)`` / ``(_RECV, index, instruction, progress, writes, handler, op,
+        host cost)`` for a transfer to or from another stage, ``(_TICK, index,
+        instruction, cost)`` for a local blocking point, and ``(_SLOW, index,
+        instruction)`` for the rest (collectives, hand-offs, anything with a problem to
+        report), which :meth:`_execute` runs as it always did. Everything here is fixed
+        before the batch starts (the stream, the peers, the costs), so the answers are the
+        same as looking them up per instruction."""
         out: list[tuple] = []
         ops, host, progress = self.op_at[stage], self.host_costs, self.progress
         remote: dict[tuple, bool] = {}  # (class, chunk, skip peer) -> talks to another stage
@@ -283,93 +296,93 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         limit = self.stages[stage].num_buffers
         limit = 1 << 62 if limit is None else limit
         micro_batches, chunks = self.M, self.C
-        for pc, (_, i) in enumerate(self.stages[stage].stream):
+        for pc, (index, i) in enumerate(self.stages[stage].stream):
             cls = type(i)
             r = role(cls)
-            if r.micro_batch:
-                chunk = i.chunk
-                if not (0 <= i.micro_batch < micro_batches and 0 <= chunk < chunks
-                        and 0 <= i.buffer < limit):  # _in_range would report it
-                    out.append((_SLOW,))
-                    continue
-                key = (stage, chunk, i.micro_batch)  # what _run looks up (_prepared)
-                p = progress.get(key)
-                if p is None:
-                    p = progress[key] = _Progress()
-                prepared = (p, r.writes, r.handler)
-                if r.p2p:
-                    key = (cls, chunk, getattr(i, "peer", None))
-                    far = remote.get(key)
-                    if far is None:
-                        peer = self._peer_of(stage, i)
-                        far = remote[key] = peer is not None and peer[0] != stage
-                    op = ops.get(pc) if far else None
-                    if op is None:
-                        out.append((_SLOW,))
-                    elif op.send:
-                        out.append((_SEND, prepared))
-                    else:
-                        out.append((_RECV, op, host.get(cls, 0.0), prepared))
-                else:
-                    key = (cls, chunk)
-                    cost = costs.get(key)
-                    if cost is None:
-                        cost = costs[key] = self._compute_cost(stage, i)
-                    out.append((_RUN, cost, r.compute, prepared))
-            elif r.world or r.paired:
-                out.append((_SLOW,))
+            if not r.micro_batch:
+                out.append((_SLOW, index, i) if r.world or r.paired
+                           else (_TICK, index, i, self._compute_cost(stage, i)))
+                continue
+            chunk = i.chunk
+            if not (0 <= i.micro_batch < micro_batches and 0 <= chunk < chunks
+                    and 0 <= i.buffer < limit):  # _in_range would report it
+                out.append((_SLOW, index, i))
+                continue
+            key = (stage, chunk, i.micro_batch)  # what _run looks up (_prepared)
+            p = progress.get(key)
+            if p is None:
+                p = progress[key] = _Progress()
+            if not r.p2p:
+                key = (cls, chunk)
+                cost = costs.get(key)
+                if cost is None:
+                    cost = costs[key] = self._compute_cost(stage, i)
+                out.append((_RUN, index, i, p, r.writes, r.handler, cost, r.compute))
+                continue
+            key = (cls, chunk, getattr(i, "peer", None))
+            far = remote.get(key)
+            if far is None:
+                peer = self._peer_of(stage, i)
+                far = remote[key] = peer is not None and peer[0] != stage
+            op = ops.get(pc) if far else None
+            if op is None:
+                out.append((_SLOW, index, i))
+            elif op.send:
+                out.append((_SEND, index, i, p, r.writes, r.handler, None, 0.0))
             else:
-                out.append((_TICK, self._compute_cost(stage, i)))
+                out.append((_RECV, index, i, p, r.writes, r.handler, op, host.get(cls, 0.0)))
         return out
 
     def _advance(self, stage: int) -> bool:
         """Run ``stage`` until it blocks or finishes; ``True`` if anything happened.
 
         What :meth:`_execute` does, with what it looks up found once (:meth:`_compile`):
-        the one loop every instruction of the batch goes through."""
+        the one loop every instruction of the batch goes through (what
+        :meth:`_run_prepared` does, inline)."""
         st, moved = self.stages[stage], False
-        stream, n, groups = st.stream, len(st.stream), self.groups[stage]
+        n, groups = len(st.stream), self.groups[stage]
         code, send_host = self.code[stage], self.send_host[stage]
-        run = self._run_prepared
-        while st.pc < n:
-            pc = st.pc
-            if self.posted_upto[stage] < pc:
-                self.posted_upto[stage] = pc
+        timeline, write = st.timeline, self._write_buffer
+        pc = st.pc
+        fresh = self.posted_upto[stage] < pc  # resumed at an instruction not posted yet
+        while pc < n:
+            if fresh:
                 if send_host:  # a send is packed before its group leaves
                     st.clock += send_host[pc]
                 if groups[pc]:
-                    self._post(stage, st.clock)
+                    self._post(stage, pc, st.clock)
                 moved = True
             how = code[pc]
             kind = how[0]
-            if kind is _RUN:
-                index, instruction = stream[pc]
-                start = st.clock
-                run(stage, index, instruction, how[3])
-                end = start + how[1]
-                if how[2]:
-                    st.timeline.append((start, end, instruction))
-                st.clock = end
-            elif kind is _RECV:
-                done = how[1].done
-                if done is None:
+            if kind is _TICK:
+                st.clock = st.clock + how[3]
+            elif kind is _SLOW:
+                st.pc = pc  # _execute and the deadlock report read it
+                if not self._execute(stage, pc, how[1], how[2]):
+                    self.posted_upto[stage] = pc
                     return moved
-                clock = st.clock
-                start = max(clock, done)
-                st.wait += start - clock
-                st.clock = start + how[2]
-                index, instruction = stream[pc]
-                run(stage, index, instruction, how[3])
-            elif kind is _SEND:
-                index, instruction = stream[pc]
-                run(stage, index, instruction, how[1])
-            elif kind is _TICK:
-                st.clock = st.clock + how[1]
-            else:
-                index, instruction = stream[pc]
-                if not self._execute(stage, pc, index, instruction):
-                    return moved
-            st.pc, moved = pc + 1, True
+            else:  # _RUN (x: cost, y: on the timeline), _SEND, _RECV (x: op, y: host cost)
+                _, index, ins, p, writes, handler, x, y = how
+                if kind is _RECV:
+                    done = x.done
+                    if done is None:
+                        st.pc = self.posted_upto[stage] = pc
+                        return moved
+                    clock = st.clock
+                    start = clock if clock >= done else done
+                    st.wait += start - clock
+                    st.clock = start + y
+                start, where = st.clock, _Where((stage, index, ins))
+                if writes:
+                    write(stage, where, ins)
+                if handler is not None:
+                    handler(self, stage, where, ins, p)
+                if kind is _RUN:
+                    st.clock = end = start + x
+                    if y:
+                        timeline.append((start, end, ins))
+            pc, moved, fresh = pc + 1, True, True
+        st.pc = self.posted_upto[stage] = pc
         return self._finish(stage) or moved
 
     def _send_host_cost(self, stage: int, i: Instruction) -> float:
