@@ -98,7 +98,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
             if len(st.stream) == sum(map(len, self.steps[s])):  # nothing but instructions
-                steps = [list(step) for step in self.steps[s]]
+                steps = self.steps[s]  # tuples: a posting policy only reads them
             else:
                 steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
             extra = {"skips": self.skips} if self.skips else {}

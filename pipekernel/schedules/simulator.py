@@ -79,7 +79,7 @@ from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import ForwardBackward, Instruction
-from pipekernel.schedules.ordered import unpair
+from pipekernel.schedules.ordered import OrderedSchedule, unpair
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
@@ -217,7 +217,11 @@ class _Unpaired:
         return getattr(self._obj, name)
 
     def steps(self):
-        steps = self._obj.steps()
+        obj = self._obj
+        steps = obj.steps()
+        if isinstance(obj, OrderedSchedule) and type(obj).steps is OrderedSchedule.steps \
+                and not obj.pairs():
+            return steps  # its own steps() pairs nothing: no step to look through
         if any(isinstance(i, ForwardBackward) for step in steps for i in step):
             return unpair(steps)
         return steps
