@@ -268,15 +268,29 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     def run(self) -> None:
         self._setup()
-        while not all(self.finished):
-            moved = False
-            for s in range(self.S):
-                if not self.finished[s] and self._advance(s):
-                    moved = True
-            if not moved:
-                self._report_deadlock()
-                return
-        self._check_complete()
+        try:
+            while not all(self.finished):
+                moved = False
+                for s in range(self.S):
+                    if not self.finished[s] and self._advance(s):
+                        moved = True
+                if not moved:
+                    self._report_deadlock()
+                    return
+            self._check_complete()
+        finally:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        """Break the cycles between the ops and their units and mates, once nothing reads
+        them: reference counting then frees them as the simulation ends, instead of the
+        cyclic collector (off while it runs) scanning them all when it is back on."""
+        for ops in self.op_at:
+            for op in ops.values():
+                op.mate = op.unit = None
+        for queues in self.queues:
+            queues.clear()
+        self.groups = self.code = []
 
     def _compile(self, stage: int) -> list[tuple]:
         """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, index,
