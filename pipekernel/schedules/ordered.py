@@ -94,7 +94,7 @@ class OrderedSchedule(Schedule):
     def _step(self, kind: str, chunk: int, mb: int, buf: int) -> list[Instruction]:
         loads, recv_act, send_act, recv_grad, send_grad = self._ends(chunk)
         if kind == "F":
-            if type(self).chunk_forward_step is not Schedule.chunk_forward_step:
+            if self._own_forward_step:
                 return self.chunk_forward_step(chunk, mb, buf)  # a subclass's own
             step: list[Instruction] = [LoadMicroBatch(mb, buf, chunk)] if loads else []
             if recv_act:
@@ -111,15 +111,24 @@ class OrderedSchedule(Schedule):
             step.append(SendGrad(mb, buf, chunk))
         return step
 
+    @cached_property
+    def _chunk_ends(self) -> dict[int, tuple[bool, bool, bool, bool, bool]]:
+        return {}
+
+    @cached_property
+    def _own_forward_step(self) -> bool:
+        """Whether a subclass gives its own ``chunk_forward_step`` (asked once)."""
+        return type(self).chunk_forward_step is not Schedule.chunk_forward_step
+
     def _ends(self, chunk: int) -> tuple[bool, bool, bool, bool, bool]:
         """Per chunk, once: whether its forward loads, receives and sends activations, and
         its backward receives and sends gradients (what :meth:`_step` emits around the
         compute; the same for every micro-batch)."""
-        ends = self.__dict__.setdefault("_chunk_ends", {})
-        found = ends.get(chunk)
+        found = self._chunk_ends.get(chunk)
         if found is None:
             pos, last = self.position_of(chunk), self.last_position
-            found = ends[chunk] = (self.loads(chunk), pos > 0, pos < last, pos < last, pos > 0)
+            found = self._chunk_ends[chunk] = (self.loads(chunk), pos > 0, pos < last,
+                                               pos < last, pos > 0)
         return found
 
     def steps(self) -> list[list[Instruction]]:

@@ -146,9 +146,9 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                                 hint="a posting= function must plan the steps it is given",
                                 stage=stage)
         peers, local, chunks = plan.peers, plan.local, self.C
-        remote = [i for i, (_, ins) in enumerate(stream)
-                  if role(type(ins)).p2p and 0 <= ins.chunk < chunks
-                  and peers[i] is not None and not local[i]]
+        remote = [i for i, ((_, ins), peer, here) in enumerate(zip(stream, peers, local))
+                  if peer is not None and not here  # most are None: tested first
+                  and role(type(ins)).p2p and 0 <= ins.chunk < chunks]
         lanes = tuple(getattr(plan, "lanes", ()) or ())
         if len(lanes) != n:
             lanes = (None,) * n
