@@ -185,3 +185,58 @@ def test_the_profile_of_a_pp2_ep2_model_holds_its_all_to_all_and_a_dense_one_non
     assert "expert all-to-all:" in text and "overlapped by overlap_all_to_all" in text
     dense, _, _ = results[0][0]
     assert dense == [(0.0, 0.0)] * len(dense)
+
+
+def _failing_measurement_worker() -> str:
+    """Rank 1 fails inside the measurement, at the first layer with experts (after
+    building it, before its all-to-alls); rank 0 then waits in that layer's all-to-all."""
+    import pipekernel.engine.all_to_all_cost as cost
+
+    torch.set_num_threads(1)
+    rank = int(__import__("os").environ["RANK"])
+    real = cost._built
+
+    def built(module, index, device, scope):
+        run, experts = real(module, index, device, scope)
+        if experts and rank == 1:
+            raise RuntimeError(f"injected failure measuring layer {index}")
+        return run, experts
+
+    cost._built = built
+    sample = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    module = gpt_module(16, 2, 2, 8, num_stages=1, seed=3, experts=4, top_k=2)
+    try:
+        pk.PipelineEngine(module, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          micro_batches=2, data_parallel_size=2, expert_parallel_size=2,
+                          timeout=900,  # the transport's: far beyond run_ranks' below
+                          schedule=pk.auto(sample=sample, schedules=["1f1b"],
+                                           micro_batches=[2], repeats=1, warmup=0,
+                                           measure_link=False))
+    except Exception as err:  # noqa: BLE001 - what each rank saw, for the test
+        seen = f"{type(err).__name__}: {err}"
+    else:
+        seen = "no error"
+    # the failing rank stays alive until the other has its error (a process that exits
+    # closes its connections, which would release the other's wait without any abort)
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+    store = distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("measurement-test/seen", "1")
+    else:
+        store.wait(["measurement-test/seen"], timedelta(seconds=600))
+    return seen
+
+
+@pytest.mark.multirank
+def test_a_rank_failing_in_the_measurement_stops_the_others_at_once():
+    """The failing rank's error reaches the other through the engine's abort board: it
+    stops waiting in the all-to-all with a PeerAbort naming rank 1, long before the
+    transport's 900 s timeout (run_ranks gives up after 240 s: a hang fails the test)."""
+    waiting, failing = run_ranks(_failing_measurement_worker, 2, timeout=240)
+    assert failing.startswith("RuntimeError: injected failure measuring layer"), failing
+    assert waiting.startswith("PeerAbort: "), waiting
+    assert "rank 1 failed first with RuntimeError: injected failure measuring layer" \
+        in waiting, waiting
+    assert "rank 0 was measuring the expert all-to-alls" in waiting, waiting

@@ -1,4 +1,5 @@
-"""Issue 30 item 3: dualpipev's overlapped pairs as one ``ForwardBackward`` instruction.
+"""Issue 30 item 3: dualpipev's (and zbv's) overlapped pairs as one ``ForwardBackward``
+instruction.
 
 A model-supplied ``overlapped_forward_backward`` (DualPipe's contract) is called for every
 pair and its result used; the contract's reference (:func:`sequential`) and the built-in
@@ -18,6 +19,7 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Forward,
                                                ForwardBackward, parse)
 from pipekernel.schedules.ordered import unpair
 from pipekernel.schedules.program import compile_program
+from pipekernel.schedules.zero_bubble import ZBV
 from pipekernel.stage.paired import PairedExecutor, sequential
 from pipekernel.testing import run_ranks
 
@@ -33,10 +35,10 @@ def build(experts: int = 0, fn=None, stages: int = 2) -> pk.PipelineModule:
     return module
 
 
-def data(step: int, replica: int) -> list:
+def data(step: int, replica: int, micro: int = MICRO) -> list:
     g = torch.Generator().manual_seed(100 * step + 11 * replica)
-    ids = torch.randint(0, VOCAB, (MICRO, 2, CONTEXT + 1), generator=g)
-    return [(ids[m, :, :-1], ids[m, :, 1:]) for m in range(MICRO)]
+    ids = torch.randint(0, VOCAB, (micro, 2, CONTEXT + 1), generator=g)
+    return [(ids[m, :, :-1], ids[m, :, 1:]) for m in range(micro)]
 
 
 def sgd(params):
@@ -58,11 +60,12 @@ def detaching(module0, inputs0, criterion0, labels0, module1, loss1, outputs1, o
     return outputs0.detach(), loss0
 
 
-def _train(fn, experts: int = 0, ep: int = 1) -> tuple[list[float], dict, int]:
+def _train(fn, experts: int = 0, ep: int = 1, schedule: str = "dualpipev",
+           micro: int = MICRO) -> tuple[list[float], dict, int]:
     CALLS.clear()
-    engine = pk.PipelineEngine(build(experts, fn), optimizer=sgd, micro_batches=MICRO,
-                               schedule="dualpipev", expert_parallel_size=ep, timeout=120)
-    losses = [engine.train_batch(iter(data(s, engine.data_parallel_rank))).item()
+    engine = pk.PipelineEngine(build(experts, fn), optimizer=sgd, micro_batches=micro,
+                               schedule=schedule, expert_parallel_size=ep, timeout=120)
+    losses = [engine.train_batch(iter(data(s, engine.data_parallel_rank, micro))).item()
               for s in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     lanes = engine.ep_group.lanes
@@ -280,3 +283,119 @@ def test_the_simulator_runs_pairs_as_the_engine_does():
         priced = simulate(DualPipeV, stages, micro_batches, 2,
                           costs={Forward: 1.0, Backward: 1.0, ForwardBackward: 2.0})
         assert priced.makespan == together.makespan
+
+
+# -- zbv: pairs where its plan puts a forward and the other chunk's backward side by side --
+
+ZBV_MICRO = 8
+_KINDS = {"Forward": "F", "Backward": "B", "BackwardInput": "I", "BackwardWeight": "W"}
+
+
+def _ops(steps) -> list:
+    return [(_KINDS[type(i).__name__], i.chunk, i.micro_batch) for s in steps for i in s
+            if type(i).__name__ in _KINDS]
+
+
+def _zbv_pairs_on(rank: int, stages: int = 2, micro_batches: int = ZBV_MICRO) -> int:
+    return len(ZBV(stages, rank, micro_batches).pairs())
+
+
+def test_zbv_pairs_a_forward_with_the_other_chunks_backward_and_keeps_its_plan_apart():
+    for stages, micro_batches, expected in ((2, 8, (0, 3)), (4, 8, (0, 3, 3, 2)),
+                                            (4, 16, (0, 11, 8, 7))):
+        for rank in range(stages):
+            zbv = ZBV(stages, rank, micro_batches)
+            order, pairs, plan = list(zbv.order()), zbv.pairs(), list(zbv.plan_order())
+            assert len(pairs) == expected[rank], (stages, rank, sorted(pairs))
+            for i in pairs:  # a forward, then a full backward of the other chunk
+                (f, fc, fm), (b, bc, bm) = order[i], order[i + 1]
+                assert (f, b) == ("F", "B") and fc != bc and fm != bm, (stages, rank, i)
+            steps = zbv.steps()
+            fb = [i for s in steps for i in s if isinstance(i, ForwardBackward)]
+            assert [(p.forward.chunk, p.forward.micro_batch, p.backward.chunk,
+                     p.backward.micro_batch) for p in fb] == [
+                (order[i][1], order[i][2], order[i + 1][1], order[i + 1][2])
+                for i in sorted(pairs)]
+            assert _ops(unpair(steps)) == order
+            # every part's backward: the pair's B, or the plan's I and W; nothing else moved
+            merged = {(c, m) for k, c, m in order if k == "B"}
+            assert [op for op in order if op[0] != "W"] == [
+                ("B", c, m) if k == "I" and (c, m) in merged else (k, c, m)
+                for k, c, m in plan if k != "W"]
+            assert sorted(op for op in plan if op[0] != "W" or (op[1], op[2]) not in merged) \
+                == sorted(("I" if k == "B" else k, c, m) for k, c, m in order)
+            # without an overlapping executor a stage runs the plan, I and W apart
+            apart = zbv.unpaired_steps()
+            assert _ops(apart) == plan
+            assert not any(isinstance(i, (Backward, ForwardBackward)) for s in apart for i in s)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_zbv_paired_plans_are_proven_and_need_no_more_buffers(stages):
+    for micro_batches in range(1, 13):
+        together = simulate(ZBV, stages, micro_batches, 2, paired=True)
+        declared = tuple(ZBV(stages, s, micro_batches).num_buffers() for s in range(stages))
+        assert all(a <= b for a, b in zip(together.buffers, declared)), (micro_batches,)
+        apart = simulate(ZBV, stages, micro_batches, 2)
+        assert apart.buffers == declared
+        if any(ZBV(stages, s, micro_batches).pairs() for s in range(stages)):
+            # the halves one after the other hold the forward's sends: slower, as dualpipev
+            assert together.makespan > apart.makespan
+            priced = simulate(ZBV, stages, micro_batches, 2,
+                              costs={ForwardBackward: 1.0})  # an overlap cheaper than F alone
+            assert priced.makespan < together.makespan
+
+
+@pytest.mark.exhaustive
+def test_zbv_paired_plans_are_proven_at_every_size():
+    for stages in range(2, 9):
+        for micro_batches in range(1, 33):
+            simulate(ZBV, stages, micro_batches, 2, paired=True)
+
+
+def test_compile_program_keeps_zbvs_pairs_or_runs_its_plan():
+    kw = dict(stage=1, num_stages=2, micro_batches=ZBV_MICRO, chunks=2, placement="v")
+    paired = compile_program(ZBV, **kw)
+    apart = compile_program(ZBV, paired=False, **kw)
+    assert sum(isinstance(i, ForwardBackward) for i in paired.stream) == _zbv_pairs_on(1)
+    assert [str(i) for i in apart.stream] == [
+        str(i) for s in ZBV(2, 1, ZBV_MICRO).unpaired_steps() for i in s]
+    assert paired.num_buffers == apart.num_buffers
+
+
+def _zbv_worker() -> dict:
+    torch.set_num_threads(1)
+    return {name: _train(fn, schedule="zbv", micro=ZBV_MICRO)[:3]
+            for name, fn in (("default", None), ("sequential", sequential),
+                             ("overlap", pk.overlap_all_to_all), ("recording", recording))}
+
+
+@pytest.mark.multirank
+def test_zbv_paired_executors_train_bit_for_bit_like_its_plan(tmp_path):
+    """The default runs zbv's plan (I and W apart), as before it paired, which
+    tests/test_parity_schedules.py holds to one process; a model's executor runs the pairs
+    (the forward, then a full backward) and trains bit for bit the same."""
+    results = run_ranks(_zbv_worker, 2, timeout=600)
+    assert _zbv_pairs_on(1) > 0
+    for rank, result in enumerate(results):
+        for name in ("sequential", "overlap", "recording"):
+            assert _same(result[name], result["default"]), (rank, name)
+        assert result["recording"][2] == _zbv_pairs_on(rank) * STEPS  # once per pair
+        assert result["default"][2] == 0
+
+
+def _moe_zbv_worker() -> dict:
+    torch.set_num_threads(1)
+    return {name: _train(fn, experts=4, ep=2, schedule="zbv", micro=ZBV_MICRO)
+            for name, fn in (("default", None), ("overlap", pk.overlap_all_to_all),
+                             ("recording", recording))}
+
+
+@pytest.mark.multirank
+def test_zbv_overlapped_expert_all_to_all_is_bit_exact_on_pp2_ep2(tmp_path):
+    results = run_ranks(_moe_zbv_worker, 4, timeout=600)
+    for rank, result in enumerate(results):
+        assert _same(result["overlap"], result["default"]), rank
+        assert result["overlap"][3] == 2  # one expert process group per chunk of the V
+    # stage 1 (ranks 2 and 3 under PP2 x EP2: the expert axis inside the stage) pairs
+    assert sorted(r["recording"][2] for r in results) == [0, 0] + [_zbv_pairs_on(1) * STEPS] * 2

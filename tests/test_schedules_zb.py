@@ -78,8 +78,8 @@ def test_every_size_simulates_with_exact_buffers_and_ordered_pairs():
                          for s in range(stages))
         assert result.buffers == declared, (cls.name, stages, micro_batches, chunks)
         sent, received = _pair_orders(cls, stages, micro_batches, chunks)
-        if cls is DualPipeV:
-            # its pairs send a forward's activation and another micro-batch's gradient to
+        if cls in (DualPipeV, ZBV):
+            # their pairs send a forward's activation and another micro-batch's gradient to
             # the same rank in either order: each kind has its own lane (the engine
             # requires the transport's lanes), so the order holds per kind
             sent, received = _by_kind(sent), _by_kind(received)
@@ -148,8 +148,10 @@ def test_conventions_loads_steps_and_tail():
                     if isinstance(i, (RecvGrad, SendGrad)):
                         assert isinstance(halves[-1], (Backward, BackwardInput))
             if cls not in (Interleaved1F1B, DualPipeV):  # DualPipeV mixes B with I/W
-                flat = [i for step in steps for i in step]
-                assert not any(isinstance(i, Backward) for i in flat)
+                # zbv's pairs hold a full B; its plan, run without a paired executor, none
+                plain = schedule.unpaired_steps() if cls is ZBV else steps
+                flat = [i for step in plain for i in step]
+                assert not any(isinstance(i, (Backward, ForwardBackward)) for i in flat)
 
 
 def test_zbv_turn_of_the_v_is_a_local_hand_off():

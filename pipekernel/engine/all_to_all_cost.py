@@ -12,18 +12,24 @@ inside the all-to-alls (forward, and their backward between two autograd marks).
 0's medians are broadcast, so every rank plans with the same numbers.
 
 Collective: every rank of the transport calls it at the same point with the same sample
-(each expert-parallel group exchanges within itself, all at once). A layer without
+(each expert-parallel group exchanges within itself, all at once); under an engine, a
+rank that fails during it stops the others at once (:func:`_watched`). A layer without
 expert parameters (``pk.expert_parallel.mark``) is not timed: its all-to-all cost is 0.
 On a GPU the clock synchronises the device around each call (see ``AllToAllClock``).
 """
 from __future__ import annotations
 
+import contextvars
+import math
 import statistics
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from pipekernel.comm.transport import wait_sliced
+from pipekernel.errors import PeerAbort, PipelineError
 from pipekernel.grid import expert_parallel
 from pipekernel.nested import map_tensors, tensors_of
 
@@ -46,14 +52,25 @@ def measure_all_to_all(module: Any, sample: Any, ep_group: expert_parallel.Exper
     follow ``warmup`` untimed ones, at least one: the members enter a layer's first
     all-to-all at different times (each builds the layer first)."""
     device = torch.device(device)
-    x = map_tensors(lambda t: t.to(device), sample)
-    out: list[tuple[float, float]] = []
-    cuda = [device.index or 0] if device.type == "cuda" else []
     scope = None
     if module.skip_declarations:  # as the layer profile runs them (plugins/partition.py)
         from pipekernel.stage.skips import SkipScope
         scope = SkipScope(module.skip_declarations, where="the all-to-all measurement",
                           replay=True, keep=_leaf)
+
+    def measure() -> list[tuple[float, float]]:
+        return _measured(module, sample, ep_group, device, scope, (repeats, warmup, clock))
+
+    return _agree(_watched(measure, transport), transport)
+
+
+def _measured(module: Any, sample: Any, ep_group: expert_parallel.ExpertParallelGroup,
+              device: torch.device, scope: Any, timing: tuple) -> list[tuple[float, float]]:
+    """:func:`measure_all_to_all`'s layer-by-layer runs, before the agreement."""
+    repeats, warmup, clock = timing
+    x = map_tensors(lambda t: t.to(device), sample)
+    out: list[tuple[float, float]] = []
+    cuda = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), expert_parallel.context(ep_group):
         for index in range(len(module.layers)):
             run, experts = _built(module, index, device, scope)
@@ -64,7 +81,50 @@ def measure_all_to_all(module: Any, sample: Any, ep_group: expert_parallel.Exper
                 out.append((0.0, 0.0))
             with torch.no_grad():
                 x = run(_leaf(x))
-    return _agree(out, transport)
+    return out
+
+
+def _watched(measure: Callable[[], list], transport: Any) -> list:
+    """``measure()``, run on a helper thread while this one waits for it and reads the
+    engine's abort board (``transport.abort_check``, :mod:`pipekernel.engine.faults`)
+    between slices of ``transport.abort_interval`` seconds.
+
+    The all-to-alls wait inside torch's functional collectives, where no board is read:
+    a rank that failed during the measurement (its engine publishes the error) would
+    leave the others waiting there until the process groups' timeout. Watched, they raise
+    the failing rank's :class:`~pipekernel.errors.PeerAbort` at once (the helper, still
+    blocked, ends with the groups). Without a board (no engine) it runs here."""
+    check = getattr(transport, "abort_check", None) if transport is not None else None
+    if check is None:
+        return measure()
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    # the current CUDA device is per thread: the helper measures on the caller's
+    cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def work() -> None:
+        try:
+            if cuda is not None:
+                torch.cuda.set_device(cuda)
+            box["out"] = measure()
+        except BaseException as err:  # re-raised by the caller
+            box["err"] = err
+        finally:
+            done.set()
+
+    threading.Thread(target=contextvars.copy_context().run, args=(work,), daemon=True,
+                     name="pipekernel-all-to-all-measurement").start()
+    try:
+        wait_sliced(done.wait, math.inf, check, getattr(transport, "abort_interval", 0.5))
+        if "err" in box and not isinstance(box["err"], PipelineError):
+            check()  # a backend's words (a closed connection): another rank's failure first
+    except PeerAbort as abort:
+        abort.add_detail(f"rank {transport.rank} was measuring the expert all-to-alls "
+                         "(schedule='auto')")
+        raise
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _built(module: Any, index: int, device: torch.device,

@@ -110,8 +110,8 @@ class AbortBoard:
 def peer_abort(record: Mapping[str, Any], seen_by: int) -> PeerAbort:
     where = describe_where({k: record.get(k) for k in _LOCATION})
     message = record["message"] if record.get("lost") else (
-        f"rank {record['rank']} failed first ({where}) with {record['type']}: "
-        f"{record['message']}")
+        f"rank {record['rank']} failed first{f' ({where})' if where else ''} with "
+        f"{record['type']}: {record['message']}")
     hint = record.get("hint") or f"look at rank {record['rank']}'s log and traceback"
     return PeerAbort(message, hint=f"rank {record['rank']}: {hint}",
                      error_type=record["type"], seen_by=seen_by, rank=record["rank"],

@@ -27,7 +27,7 @@ The model behind a prediction (see ``docs/planning.md``):
   group like the engine's (:mod:`pipekernel.engine.all_to_all_cost`; the profile itself
   runs on rank 0 with every expert local) and add to its forward and backward (the
   backward's to ``BackwardInput``);
-* a ``ForwardBackward`` (dualpipev's pairs) runs as its two steps unless the model
+* a ``ForwardBackward`` (the pairs of dualpipev and zbv) runs as its two steps unless the model
   supplies ``overlapped_forward_backward`` (``pk.overlap_all_to_all`` or its own): then
   it is one step, priced ``F + B - min(a2a(F), compute(B)) - min(a2a(B), compute(F))``
   (:func:`~pipekernel.engine.all_to_all_cost.pair_cost`), so ``auto`` sees what the
@@ -238,7 +238,7 @@ class Plan:
         if costs is None or not costs.all_to_all_s:
             return []
         a2a, total = costs.all_to_all_share()
-        pairs = (f"dualpipev's pairs overlapped by {self.executor}" if self.executor
+        pairs = (f"pairs overlapped by {self.executor}" if self.executor
                  else "pairs run as their two steps (no overlapped_forward_backward)")
         return [f"  expert all-to-all: {1e3 * a2a:.2f} of {1e3 * total:.2f} ms forward + "
                 f"backward per micro-batch ({100 * a2a / total if total else 0:.0f}%); {pairs}"]

@@ -34,8 +34,8 @@ synchronisation per MoE layer and forward (:meth:`ExpertParallelGroup.exchange_c
 expert-parallel layer's all-to-all cost (:mod:`pipekernel.engine.all_to_all_cost`).
 
 **Lanes.** Each expert-parallel group has two process groups, *lanes*, when the stage
-holds two chunks (the V of ``dualpipev``): a chunk's forward runs in :func:`lane`
-``(chunk)`` (the stage runtime sets it), so its all-to-alls — and their backward, which
+holds two chunks (the V of ``dualpipev`` and ``zbv``): a chunk's forward runs in
+:func:`lane` ``(chunk)`` (the stage runtime sets it), so its all-to-alls — and their backward, which
 autograd posts on the group the forward used — travel on the lane of the chunk. A
 ``ForwardBackward`` pairs two different chunks, so its halves' all-to-alls never share a
 group and may run at the same time (:func:`pipekernel.stage.paired.overlap_all_to_all`):

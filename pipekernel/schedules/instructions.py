@@ -168,7 +168,9 @@ class RecvSkipGrad(SkipInstruction):
 class ForwardBackward(Instruction):
     """A forward and a backward of *different* parts run as one compute instruction
     (DualPipe's overlapped pair), so that one's communication can hide behind the
-    other's compute. Emitted by ``dualpipev``'s steady state.
+    other's compute. Emitted by ``dualpipev``'s steady state, and by ``zbv`` where its plan
+    puts a forward beside the other chunk's backward
+    (:func:`~pipekernel.schedules.zero_bubble.pair_forwards`).
 
     Roughly: ``forward`` then ``backward`` (each with its own ``buffer``), run by the
     stage's paired executor (:mod:`pipekernel.stage.paired`): by default one after the

@@ -45,7 +45,7 @@ from pipekernel.schedules.instructions import (
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.base import Schedule
 
-__all__ = ["Op", "OrderedSchedule", "KINDS", "unpair"]
+__all__ = ["Op", "OrderedSchedule", "KINDS", "unpair", "unpaired_steps"]
 
 #: ``(kind, chunk, micro_batch)`` with kind ``"F"``, ``"B"``, ``"I"`` or ``"W"``.
 Op = tuple[str, int, int]
@@ -69,7 +69,11 @@ class OrderedSchedule(Schedule):
 
     @cached_property
     def _built(self) -> tuple[list[list[Instruction]], int]:
-        order = list(self.order())
+        return self._build(list(self.order()), self.pairs())
+
+    def _build(self, order: list[Op], pairs: frozenset[int]
+               ) -> tuple[list[list[Instruction]], int]:
+        """The steps of ``order`` with ``pairs`` merged, and their number of buffers."""
         free: list[int] = []
         size = 0
         slot: dict[tuple[int, int], int] = {}
@@ -86,7 +90,7 @@ class OrderedSchedule(Schedule):
             steps.append(self._step(kind, chunk, mb, buf))
             if kind in ("B", "W"):
                 free.append(slot.pop((chunk, mb)))
-        steps = _paired(steps, order, self.pairs())
+        steps = _paired(steps, order, pairs)
         if steps:
             steps[-1].extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
         return steps, max(size, 1)
@@ -133,6 +137,15 @@ class OrderedSchedule(Schedule):
 
     def steps(self) -> list[list[Instruction]]:
         return [list(step) for step in self._built[0]]
+
+    def unpaired_steps(self) -> list[list[Instruction]]:
+        """The steps a stage runs when it runs each pair as its two steps (no overlapping
+        executor): by default :func:`unpair` of :meth:`steps` (its steps themselves when
+        it pairs nothing). A schedule whose pairs change its order (``zbv``) returns the
+        order it would run without them."""
+        if type(self).steps is OrderedSchedule.steps and not self.pairs():
+            return self.steps()  # nothing paired: no step to look through
+        return unpair(self.steps())
 
     def num_buffers(self) -> int:
         """The stage's peak number of live ``(chunk, micro_batch)`` parts."""
@@ -188,3 +201,16 @@ def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
             (bwd if isinstance(ins, SendGrad) else fwd).append(ins)
         out += [fwd, bwd]
     return out
+
+
+def unpaired_steps(schedule: object) -> list[list[Instruction]]:
+    """What ``schedule`` runs on a stage without an overlapping executor: its own
+    ``unpaired_steps()`` when it has one (:meth:`OrderedSchedule.unpaired_steps`), else
+    :func:`unpair` of its ``steps()`` (any object with ``steps()``)."""
+    own = getattr(schedule, "unpaired_steps", None)
+    if callable(own):
+        return own()
+    steps = schedule.steps()  # type: ignore[attr-defined]
+    if any(isinstance(i, ForwardBackward) for step in steps for i in step):
+        return unpair(steps)
+    return [list(step) for step in steps]

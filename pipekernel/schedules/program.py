@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from pipekernel.schedules.comm import CommPlan, plan_communication
 from pipekernel.schedules.instructions import (Backward, BackwardWeight, ForwardBackward,
                                                Instruction)
-from pipekernel.schedules.ordered import unpair
+from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.skips import add_skip_transfers
 
 __all__ = ["Program", "ChannelSpec", "compile_program", "program_of"]
@@ -99,12 +99,13 @@ def compile_program(schedule_cls: Any, *, stage: int, num_stages: int, micro_bat
     """The :class:`Program` of ``stage`` for ``schedule_cls`` with ``micro_batches``
     micro-batches: the schedule's steps with the skip transfers of ``skips`` (sorted
     ``(producer, consumer)`` positions) added, and their communication plan.
-    ``paired=False``: each ``ForwardBackward`` step split back into its two steps
-    (:func:`~pipekernel.schedules.ordered.unpair`), for a stage that runs pairs one half
-    after the other anyway."""
+    ``paired=False``: what the schedule runs without an overlapping executor
+    (:func:`~pipekernel.schedules.ordered.unpaired_steps`: each ``ForwardBackward`` step
+    split back into its two steps, or, for ``zbv``, its plan without pairs), for a stage
+    that runs pairs one half after the other anyway."""
     skips = tuple(tuple(edge) for edge in skips)
     schedule = schedule_cls(num_stages, stage, micro_batches, chunks)
-    steps = schedule.steps() if paired else unpair(schedule.steps())
+    steps = schedule.steps() if paired else unpaired_steps(schedule)
     steps = add_skip_transfers(steps, stage=stage, num_stages=num_stages,
                                chunks=chunks, placement=placement, edges=list(skips))
     plan = plan_communication(steps, stage=stage, num_stages=num_stages, chunks=chunks,

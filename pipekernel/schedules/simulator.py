@@ -79,7 +79,7 @@ from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import ForwardBackward, Instruction
-from pipekernel.schedules.ordered import OrderedSchedule, unpair
+from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
@@ -131,10 +131,11 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         occupy the stage, delaying what it runs next. Local hand-offs cost nothing.
     :param paired: whether a ``ForwardBackward`` step runs as one overlapped pair (what
         the engine runs when the model supplies ``overlapped_forward_backward``) or as
-        its two steps, forward then backward (:func:`~pipekernel.schedules.ordered.unpair`:
-        what the engine runs by default). ``None`` (default): paired exactly when
-        ``costs`` or ``stage_costs`` price ``ForwardBackward`` (the overlap you model),
-        so the default answer is the engine's default program.
+        its two steps, forward then backward
+        (:func:`~pipekernel.schedules.ordered.unpaired_steps`: what the engine runs by
+        default; for ``zbv``, its plan without pairs). ``None`` (default): paired exactly
+        when ``costs`` or ``stage_costs`` price ``ForwardBackward`` (the overlap you
+        model), so the default answer is the engine's default program.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
         producer (or outside the pipeline); then listing every problem found
@@ -208,7 +209,8 @@ def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_co
 
 class _Unpaired:
     """A stage's schedule object whose ``ForwardBackward`` steps are split back into their
-    forward and backward steps (the engine's default program)."""
+    forward and backward steps, or its own unpaired steps (the engine's default program:
+    :func:`~pipekernel.schedules.ordered.unpaired_steps`)."""
 
     def __init__(self, obj) -> None:
         self._obj = obj
@@ -217,14 +219,7 @@ class _Unpaired:
         return getattr(self._obj, name)
 
     def steps(self):
-        obj = self._obj
-        steps = obj.steps()
-        if isinstance(obj, OrderedSchedule) and type(obj).steps is OrderedSchedule.steps \
-                and not obj.pairs():
-            return steps  # its own steps() pairs nothing: no step to look through
-        if any(isinstance(i, ForwardBackward) for step in steps for i in step):
-            return unpair(steps)
-        return steps
+        return unpaired_steps(self._obj)
 
 
 class _WithSkips:

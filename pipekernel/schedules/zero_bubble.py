@@ -46,18 +46,47 @@ limit at position 0 keeps the plan from ever being stuck: a stage that lacks a
 slot for a forward of an admitted micro-batch always holds a pending ``W``.
 ``zbv`` caps ``min(2 S, 2 M)`` parts of half a stage each — the activation
 memory of 1F1B's first stage, on every rank.
+
+**zbv's pairs** (issue 30: one ``ForwardBackward`` for a paired executor, as
+``dualpipev``'s). The plan has no full backward, so :func:`pair_forwards` makes them
+where the plan puts a forward of one chunk right before a backward-input of the other
+chunk, with at most weight passes between: that I becomes a full ``B`` (its ``W``
+dropped from later in the order), the pair ``(F, B)`` is one step, and the weight
+passes that stood between go just before it. Only weight passes move, and they touch
+no transfer, so every send and receive keeps its place in each lane's order; what the
+pair changes is what any ``ForwardBackward`` changes (both halves' receives before
+the forward, its sends after the backward). The pairs are those ``dualpipev`` makes:
+a forward and a backward of *different chunks* (so of different micro-batches). Two
+parts of one chunk are never paired: the forward's activation goes to the very peer
+the backward's gradient comes from, and where that peer runs its forward first the
+pair waits on a gradient that waits on its own activation — a deadlock the simulator
+finds at ``S = 3, M = 2`` already. Nor are they
+useful: :func:`~pipekernel.stage.paired.overlap_all_to_all` overlaps only two chunks'
+lanes. The warm-up holds no such neighbours; how many pairs the steady state has
+depends on the sizes (at ``S = 2``: from ``M = 4``, on rank 1; at ``S = 4``: from
+``M = 7``; rank 0, which computes the loss, has none in the sizes tested).
+
+Without an overlapping executor a stage runs the plan itself, unpaired
+(:meth:`ZBV.unpaired_steps`: ``I`` and ``W`` apart, exactly as before pairs existed).
+With one it runs the paired plan, which gives up part of the zero-bubble property (a
+merged ``W`` no longer fills a bubble, and each pair holds the forward's sends until
+after its backward): only an overlap that makes the pair cheaper than ``F + B`` buys
+that back; ``simulate(ZBV, ..., paired=True)`` (or a ``ForwardBackward`` cost) measures
+the paired plan. The simulator proves the paired plans for ``2 <= S <= 8`` stages and
+``1 <= M <= 32`` micro-batches (tests/test_paired.py); other sizes are not proven.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from pipekernel.errors import ScheduleError
+from pipekernel.schedules.instructions import Instruction
 from pipekernel.schedules.ordered import Op, OrderedSchedule
 from pipekernel.schedules.placement import locate, position
 
-__all__ = ["ZBH1", "ZBH2", "ZBV", "plan", "handcrafted"]
+__all__ = ["ZBH1", "ZBH2", "ZBV", "plan", "handcrafted", "pair_forwards"]
 
 
 @lru_cache(maxsize=256)
@@ -193,6 +222,34 @@ class _ListScheduler:
                 self.wire.setdefault((s, peer), deque()).append((kind, dst, mb))
 
 
+@lru_cache(maxsize=256)
+def pair_forwards(order: tuple[Op, ...]) -> tuple[tuple[Op, ...], frozenset[int]]:
+    """``order`` (a ``zbv`` plan) with its pairs made, and the indices of their forwards
+    (see the module docstring): each ``F`` followed, after weight passes only, by an
+    ``I`` of the other chunk pairs with it, the ``I`` made a full ``B``, its ``W``
+    dropped, the weight passes between moved before the ``F``."""
+    out: list[Op] = []
+    pairs: set[int] = set()
+    merged: set[tuple[int, int]] = set()  # (chunk, micro_batch) whose W went into a B
+    i = 0
+    while i < len(order):
+        op = order[i]
+        j = i + 1
+        while op[0] == "F" and j < len(order) and order[j][0] == "W":
+            j += 1
+        if op[0] == "F" and j < len(order) and order[j][0] == "I" and order[j][1] != op[1]:
+            out.extend(w for w in order[i + 1:j] if (w[1], w[2]) not in merged)
+            pairs.add(len(out))
+            out += [op, ("B", order[j][1], order[j][2])]
+            merged.add((order[j][1], order[j][2]))
+            i = j + 1
+            continue
+        if not (op[0] == "W" and (op[1], op[2]) in merged):
+            out.append(op)
+        i += 1
+    return tuple(out), frozenset(pairs)
+
+
 def handcrafted(micro_batches: int, warmup: int, cap: int) -> tuple[Op, ...]:
     """One stage's order of a one-chunk zero-bubble schedule (``zb-h1``, ``zb-h2``).
 
@@ -280,6 +337,10 @@ class ZBV(_ZeroBubble):
     ``s`` (chunk 0) and ``2 S - 1 - s`` (chunk 1), so rank 0 loads the inputs and
     computes the loss, and the turn of the V (``S - 1 -> S``) is a local hand-off
     on the last rank. Each rank holds at most ``min(2 S, 2 M)`` parts.
+
+    :meth:`steps` pair a forward with a full backward of the other chunk where the plan
+    puts them side by side (``ForwardBackward``, for a paired executor; see the module
+    docstring); :meth:`unpaired_steps`, what a stage runs without one, are the plan.
     """
 
     name = "zbv"
@@ -292,3 +353,28 @@ class ZBV(_ZeroBubble):
     def caps(self) -> tuple[int, ...]:
         S, M = self.num_stages, self.micro_batches
         return tuple(min(2 * S, 2 * M) for s in range(S))
+
+    def plan_order(self) -> Sequence[Op]:
+        """The zero-bubble plan of this stage (:func:`plan`), without pairs."""
+        return super().order()
+
+    def order(self) -> Sequence[Op]:
+        """The plan with its pairs made (:func:`pair_forwards`)."""
+        return pair_forwards(tuple(self.plan_order()))[0]
+
+    def pairs(self) -> frozenset[int]:
+        return pair_forwards(tuple(self.plan_order()))[1]
+
+    @cached_property
+    def _plan_built(self) -> tuple[list[list[Instruction]], int]:
+        return self._build(list(self.plan_order()), frozenset())
+
+    def unpaired_steps(self) -> list[list[Instruction]]:
+        """The plan itself, ``I`` and ``W`` apart (the pairs' ``W`` back where the plan
+        put them): what a stage runs without an overlapping executor."""
+        return [list(step) for step in self._plan_built[0]]
+
+    def num_buffers(self) -> int:
+        """The plan's peak of live parts: the paired order frees each part as early or
+        earlier (a pair's ``B`` frees it at once, moved weight passes run earlier)."""
+        return self._plan_built[1]

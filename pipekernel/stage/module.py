@@ -245,7 +245,7 @@ class PipelineModule:
         ``torch.utils.checkpoint``, RNG state preserved so dropout matches);
         ``0`` (default) stores every activation.
     :param overlapped_forward_backward: how a stage runs a ``ForwardBackward`` (the pairs
-        of ``dualpipev``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.
+        of ``dualpipev`` and ``zbv``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.
         :func:`pipekernel.overlap_all_to_all`, which hides expert all-to-alls); a subclass
         may define it as a method instead. ``None`` (default): the forward, then the
         backward.

@@ -1,5 +1,5 @@
 """The paired executor: how a stage runs a ``ForwardBackward`` (the overlapped pairs of
-``dualpipev``), and :func:`overlap_all_to_all`, the built-in overlap for expert-parallel
+``dualpipev`` and ``zbv``), and :func:`overlap_all_to_all`, the built-in overlap for expert-parallel
 layers.
 
 **The contract** is DeepSeek DualPipe's ``overlapped_forward_backward``, adapted to
