@@ -32,6 +32,17 @@ What a caller may rely on:
   The factory must build one parameter group (it sees 1-D pieces, so grouping by
   shape or name is not possible).
 
+Why ZeRO-1 stays beside FSDP2 (issue 28, item 4): ``data_parallel_shard=N`` (FSDP2)
+shards parameters and gradients too and is the path when a stage's parameters and
+gradients do not fit; ZeRO-1 serves the case where they fit and only the optimizer state
+is too big, at a fraction of FSDP2's step time. Measured by
+``benchmarks/parallel_memory.py`` (``benchmarks/RESULTS.md``, "Per-rank state and step
+time": 8 x Linear(256, 256), fp32 AdamW, gloo, the idle 2-core CPU machine): ZeRO-1's
+step is 0.91-1.44x plain DP at D = 2 and 1.18x at D = 4, FSDP2's 3.99-5.96x and 4.42x
+even gathering once per batch; per rank ZeRO-1 holds 0.750 / 0.625 of the parameters +
+gradients + state at D = 2 / 4, FSDP2 0.500 / 0.250. FSDP2 has no mode that shards only
+the optimizer state. Not measured: GPUs and NCCL, where the balance may differ.
+
 Why not ``torch.distributed.optim.ZeroRedundancyOptimizer``: it assigns *whole
 parameters* to ranks (a model dominated by one embedding saves nothing at D=2),
 wants an optimizer class rather than pipekernel's factory, talks to
