@@ -7,6 +7,8 @@
                                          [--py-spy PATH]
     python benchmarks/profile_engines.py --from DIR    # re-classify a run's files, no run
 
+It needs py-spy, which the project does not depend on: ``pip install py-spy`` (0.4.3 used).
+
 The model, data, and the way each engine is built and stepped are those of
 ``benchmarks/vs_torch.py`` (imported, not copied): 2 gloo processes, 2 stages, 8 micro-batches
 of 4 sequences, AdamW, fp32, one thread per process. Each engine runs in processes of its
