@@ -109,18 +109,38 @@ class _Rendezvous(_DeadlockReport, _Simulation):
             self.groups.append(groups)
             self.op_at.append(op_at)
             for group in groups:
-                for op in (op for _, ops in group for op in ops):
-                    key = ((op.rank, op.peer, op.lane) if op.send
-                           else (op.peer, op.rank, op.lane))
-                    (sends if op.send else recvs).setdefault(key, []).append(op)
-        costs = self.costs
+                if not group:
+                    continue
+                for _, ops in group:
+                    for op in ops:
+                        if op.send:
+                            sends.setdefault((s, op.peer, op.lane), []).append(op)
+                        else:
+                            recvs.setdefault((op.peer, s, op.lane), []).append(op)
+        self._match(sends, recvs)
+        self.code = [self._compile(s) for s in range(n_stages)]
+        self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
+                          if self.host_costs else None for s, st in enumerate(self.stages)]
+
+    def _match(self, sends: dict[tuple, list[_Op]], recvs: dict[tuple, list[_Op]]) -> None:
+        """Pair each (sender, receiver, lane)'s sends and receives in posting order, each
+        pair given its cost, and report what does not match."""
+        costs, targets = self.costs, {}  # (stage, class, chunk, skip peer) -> peer chunk
         for key in sorted(set(sends) | set(recvs), key=repr):
             out, into = sends.get(key, []), recvs.get(key, [])
             for send, recv in zip(out, into):
                 send.mate, recv.mate = recv, send
-                send.cost_send = recv.cost_send = costs.get(type(send.ins), 0.0)
-                send.cost_recv = recv.cost_recv = costs.get(type(recv.ins), 0.0)
-                self._check_pair(send, recv)
+                si, ri = send.ins, recv.ins
+                cs, cr = type(si), type(ri)
+                send.cost_send = recv.cost_send = costs.get(cs, 0.0)
+                send.cost_recv = recv.cost_recv = costs.get(cr, 0.0)
+                where = (send.rank, cs, si.chunk, getattr(si, "peer", None))
+                target = targets.get(where)
+                if target is None:
+                    target = targets[where] = self._peer_of(send.rank, si)[1]
+                if not (si.micro_batch == ri.micro_batch and target == ri.chunk
+                        and role(cs).kind == role(cr).kind):
+                    self._check_pair(send, recv)  # reports the mismatch
             for send in out[len(into):]:
                 self.problems.append(
                     f"{send.where()}: the {_kind(send.ins)} of micro-batch "
@@ -132,9 +152,6 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 self.problems.append(
                     f"{recv.where()}: nothing is ever sent to it (stage {recv.peer} posts only "
                     f"{len(out)} send(s) to stage {recv.rank})")
-        self.code = [self._compile(s) for s in range(n_stages)]
-        self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
-                          if self.host_costs else None for s, st in enumerate(self.stages)]
 
     def _place_posts(self, stage: int, plan: CommPlan) -> tuple[list[list[_Op]], dict[int, _Op]]:
         """Turn ``plan.posts`` (stream indices) into ops by stream index, checking the plan
