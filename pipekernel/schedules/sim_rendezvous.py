@@ -169,45 +169,48 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         lanes = tuple(getattr(plan, "lanes", ()) or ())
         if len(lanes) != n:
             lanes = (None,) * n
-
-        def lane(i: int) -> int | None:
-            return lanes[i]
-
         is_remote = set(remote)
         groups: dict[int, list[_Op]] = {}
         op_at: dict[int, _Op] = {}
         for g, group in enumerate(plan.posts):
             for at in group:
-                ins = stream[at][1] if isinstance(at, int) and 0 <= at < n else at
-                problem = ("is not a stream index (CommPlan.posts holds the indices of the "
-                           "instructions posted)" if not isinstance(at, int)
-                           else "is not a point-to-point instruction to another stage"
-                           if at not in is_remote else "is posted twice" if at in op_at
-                           else "runs before that" if at < g else None)
-                if problem is not None:
-                    self.problems.append(f"stage {stage}: the posting plan posts {ins} (stream "
-                                         f"index {at}) at stream index {g}, but it {problem}")
-                    continue
-                if at != g and role(type(ins)).send:
-                    self.problems.append(f"{self._where(stage, stream[at][0], ins)}: the "
-                                         "posting plan posts a send before its data exists")
-                op = _Op(stage, peers[at][0], lanes[at], at, stream[at][0], ins,
-                         role(type(ins)).send)
-                op_at[at] = op
-                if g in groups:
-                    groups[g].append(op)
+                if isinstance(at, int) and at >= g and at in is_remote and at not in op_at:
+                    step, ins = stream[at]  # a well-formed post (nearly all of them)
+                    send = role(type(ins)).send
+                    if send and at != g:
+                        self.problems.append(f"{self._where(stage, step, ins)}: the posting "
+                                             "plan posts a send before its data exists")
+                    op = op_at[at] = _Op(stage, peers[at][0], lanes[at], at, step, ins, send)
+                    if g in groups:
+                        groups[g].append(op)
+                    else:
+                        groups[g] = [op]
                 else:
-                    groups[g] = [op]
+                    self._bad_post(stage, g, at, is_remote, op_at)
         for i in remote:
             if i not in op_at:  # a plan that forgot it: post it at its index
-                ins = stream[i][1]
-                self.problems.append(f"{self._where(stage, stream[i][0], ins)}: the posting "
+                step, ins = stream[i]
+                self.problems.append(f"{self._where(stage, step, ins)}: the posting "
                                      "plan never posts it")
-                op = _Op(stage, plan.peers[i][0], lane(i), i, stream[i][0], ins,
-                         role(type(ins)).send)
-                op_at[i] = op
+                op = op_at[i] = _Op(stage, peers[i][0], lanes[i], i, step, ins,
+                                    role(type(ins)).send)
                 groups.setdefault(i, []).append(op)
         return _by_lane(groups, n), op_at
+
+    def _bad_post(self, stage: int, g: int, at: object, is_remote: set[int],
+                  op_at: dict[int, _Op]) -> None:
+        """Report a post of the plan at stream index ``g`` that is not a remote transfer's
+        first post at or after its place (it is then left out)."""
+        stream = self.stages[stage].stream
+        n = len(stream)
+        ins = stream[at][1] if isinstance(at, int) and 0 <= at < n else at
+        problem = ("is not a stream index (CommPlan.posts holds the indices of the "
+                   "instructions posted)" if not isinstance(at, int)
+                   else "is not a point-to-point instruction to another stage"
+                   if at not in is_remote else "is posted twice" if at in op_at
+                   else "runs before that")
+        self.problems.append(f"stage {stage}: the posting plan posts {ins} (stream "
+                             f"index {at}) at stream index {g}, but it {problem}")
 
     def _check_pair(self, send: _Op, recv: _Op) -> None:
         s, r = send.ins, recv.ins
