@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 
+import models
 import pytest
 import torch
-from models import adam, mlp_data, tied_lm, token_data
+from models import adam, ff_plan, mlp_data, tied_lm, token_data
 from torch import nn
 
 import pipekernel as pk
@@ -30,25 +31,8 @@ def dropout_model(num_stages=None):
                              partition="type:Linear", seed=7)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim=16, hidden=32):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, h):
-        return h + self.fc2(torch.tanh(self.fc1(h)))
-
-
 def ff_model(num_stages=None):
-    layers = [pk.LayerSpec(nn.Linear, 8, 16), *[pk.LayerSpec(FeedForward) for _ in range(2)],
-              pk.LayerSpec(nn.Linear, 16, 4)]
-    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
-                             partition="uniform", seed=11)
-
-
-def _plan():
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    return {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+    return models.ff_model(num_stages, depth=2, seed=11)
 
 
 def _engine(stages, shard=1, build=dropout_model, **kw):
@@ -138,7 +122,7 @@ def reshape_worker(root, build_name):
     tp = build_name == "ff"
     build, data = {"dropout": (dropout_model, mlp_data), "ff": (ff_model, mlp_data),
                    "tied": (tied_lm, token_data)}[build_name]
-    extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": _plan()} if tp else {}
+    extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": ff_plan()} if tp else {}
     sharded = _engine(1 if tp else 2, shard=2, build=build, **extra)
     _train(sharded, range(K), data)
     sharded.save_checkpoint(root, tag="sharded")
