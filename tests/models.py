@@ -179,6 +179,34 @@ MODELS = {"mlp": (mlp, mlp_data), "masked": (masked, mlp_data), "dicts": (dicts,
           "varlen": (tied_lm, lambda s, r, m: token_data(s, r, m, vary=True))}
 
 
+class FeedForward(nn.Module):
+    """A residual two-layer block whose ``fc1`` / ``fc2`` take a column / row tensor-parallel
+    plan (:func:`ff_plan`)."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, h):
+        return h + self.fc2(torch.tanh(self.fc1(h)))
+
+
+def ff_model(num_stages=None, hidden=32, depth=4, seed=4321):
+    """``depth`` :class:`FeedForward` blocks between an 8 -> 16 input and a 16 -> 4 head
+    (inputs and labels of :func:`mlp_data`)."""
+    layers = [pk.LayerSpec(nn.Linear, 8, 16),
+              *[pk.LayerSpec(FeedForward, 16, hidden) for _ in range(depth)],
+              pk.LayerSpec(nn.Linear, 16, 4)]
+    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
+                             partition="uniform", seed=seed)
+
+
+def ff_plan(extra=None):
+    """The DTensor plan of :func:`ff_model`'s blocks (plus ``extra`` entries)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel(), **(extra or {})}
+
+
 def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 

@@ -7,6 +7,15 @@ every case of that world size not yet run, one after another in one world, and k
 answers for the others' tests. Each test still asserts its own case and fails by itself:
 a case that raises on a rank is reported by its test with that rank's traceback (a case
 that fails may leave its world's later cases failing too; the first failure is the cause).
+
+The cases of a world share its process group and torch's caches: DTensor caches sharding
+decisions by mesh *equality*, so a later case's DTensors may run on the groups of an
+earlier case's equal mesh. Those groups stay alive (over the same ranks), which is why a
+case must not destroy the process group it found (a case that fails does, below: the
+world's later DTensor cases then fail too). A case that expects a refusal
+(:func:`refused`) leaves the world as the refusal left it, so declare such cases after
+the module's other cases of their world size: what a refused engine built can only meet
+other refusals, which fail loudly if it does.
 """
 from __future__ import annotations
 
@@ -72,6 +81,21 @@ class Sweep:
                 raise AssertionError(f"case {case.name} failed on rank {rank} "
                                      f"(world of {case.nprocs}):\n{value}")
         return [value for _, value in outcome]
+
+
+def refused(build: Callable[[], Any]) -> str | None:
+    """The text of the ``ConfigError`` that ``build()`` raises (``None``: it returned).
+
+    The process group and whatever the refused engine made over it (groups, a mesh) are
+    left as they are: destroying them would break the world's later cases (see the module
+    docstring). Every rank of a refusal test must get the error, at the same point."""
+    from pipekernel.errors import ConfigError
+
+    try:
+        build()
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def _run_cases(cases: list[tuple[Callable[..., Any], tuple]]) -> list[tuple[bool, Any]]:

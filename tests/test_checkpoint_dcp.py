@@ -2,24 +2,44 @@
 PP2 x FSDP2 saved at step k and resumed trains on bit-exactly like the run that never
 stopped; the checkpoint loads at another layout (pp x dp_shard x tp) with its optimizer
 state, in one process (load_sequential), and from pipekernel's own layer files; a layout
-DCP cannot map is refused by name. One 4-rank process world per test, several engines in
-it."""
+DCP cannot map is refused by name. The 4-rank cases run one after another in one process
+world (tests/sweep.py), several engines in each case."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
+import models
 import pytest
 import torch
-from models import adam, mlp_data, tied_lm, token_data
+from models import adam, ff_plan, mlp_data, tied_lm, token_data
+from sweep import Sweep, refused
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.errors import ConfigError
 from pipekernel.testing import run_ranks
 
 pytestmark = pytest.mark.multirank
 
 MB, K, N = 2, 2, 4  # micro-batches; save after step K; N steps in all
+SWEEP = Sweep()  # the 4-rank cases below, in one world
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    """The directory under which each case saves, in the folder its name says."""
+    return tmp_path_factory.mktemp("dcp")
+
+
+@pytest.fixture(scope="module")
+def world(roots):
+    """``world(case)``: ``case``'s results by rank; its first argument, the name of its
+    folder, becomes that folder (made under :func:`roots`) when the world starts."""
+    def prepare(args):
+        folder = roots / args[0]
+        folder.mkdir()
+        return (str(folder), *args[1:])
+    return lambda case: SWEEP.results(case, prepare=prepare)
 
 
 def dropout_model(num_stages=None):
@@ -30,25 +50,8 @@ def dropout_model(num_stages=None):
                              partition="type:Linear", seed=7)
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim=16, hidden=32):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, h):
-        return h + self.fc2(torch.tanh(self.fc1(h)))
-
-
 def ff_model(num_stages=None):
-    layers = [pk.LayerSpec(nn.Linear, 8, 16), *[pk.LayerSpec(FeedForward) for _ in range(2)],
-              pk.LayerSpec(nn.Linear, 16, 4)]
-    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
-                             partition="uniform", seed=11)
-
-
-def _plan():
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    return {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}
+    return models.ff_model(num_stages, depth=2, seed=11)
 
 
 def _engine(stages, shard=1, build=dropout_model, **kw):
@@ -97,11 +100,17 @@ def resume_worker(root, precision, model):
             "steps": again.global_steps, "files": sorted(os.listdir(info["directory"]))}
 
 
-@pytest.mark.parametrize("precision, model", [("fp32", "dropout"), ("bf16", "dropout"),
-                                              ("fp32", "tied"), ("fp32", "hsdp")])
-def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(tmp_path, precision, model):
+RESUMES = {(precision, model): SWEEP.case(f"resume-{precision}-{model}", 4, resume_worker,
+                                          f"resume-{precision}-{model}", precision, model)
+           for precision, model in [("fp32", "dropout"), ("bf16", "dropout"),
+                                    ("fp32", "tied"), ("fp32", "hsdp")]}
+
+
+@pytest.mark.parametrize("precision, model", list(RESUMES))
+def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(world, roots, precision, model):
     # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key
-    results = run_ranks(resume_worker, 4, str(tmp_path), precision, model)
+    case = RESUMES[precision, model]
+    results = world(case)
     for rank, result in enumerate(results):
         assert result["info"] == {"exact": True, "global_steps": K, "client_state":
                                   {"note": rank}, "tag": f"global_step{K}"}
@@ -119,15 +128,7 @@ def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(tmp_path, precision, model):
                         assert torch.equal(torch.as_tensor(ours[name][key]),
                                            torch.as_tensor(theirs[name][key])), (name, key)
     assert results[0]["files"] == ["dcp", "meta.json", *[f"rank-{r:05d}.pt" for r in range(4)]]
-    assert (tmp_path / "latest").read_text().strip() == f"global_step{K}"
-
-
-def _refused(fn):
-    try:
-        fn()
-    except ConfigError as err:
-        return str(err)
-    return None
+    assert (roots / case.args[0] / "latest").read_text().strip() == f"global_step{K}"
 
 
 def reshape_worker(root, build_name):
@@ -138,7 +139,7 @@ def reshape_worker(root, build_name):
     tp = build_name == "ff"
     build, data = {"dropout": (dropout_model, mlp_data), "ff": (ff_model, mlp_data),
                    "tied": (tied_lm, token_data)}[build_name]
-    extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": _plan()} if tp else {}
+    extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": ff_plan()} if tp else {}
     sharded = _engine(1 if tp else 2, shard=2, build=build, **extra)
     _train(sharded, range(K), data)
     sharded.save_checkpoint(root, tag="sharded")
@@ -156,10 +157,12 @@ def reshape_worker(root, build_name):
     back.load_checkpoint(root, tag="plain")
     returned = _snapshot(back)
     back.close()
-    zero = _refused(lambda: pk.PipelineEngine(build(num_stages=2), optimizer=adam,
-                                              micro_batches=MB, data_parallel_size=2,
-                                              zero_stage=1, timeout=120)
-                    .load_checkpoint(root, tag="sharded"))
+    # every rank refuses after the load's agreement on the error, so the world's next case
+    # finds its collectives in step (tests/sweep.py)
+    zero = refused(lambda: pk.PipelineEngine(build(num_stages=2), optimizer=adam,
+                                             micro_batches=MB, data_parallel_size=2,
+                                             zero_stage=1, timeout=120)
+                   .load_checkpoint(root, tag="sharded"))
     return {"saved": saved, "loaded": loaded, "returned": returned, "exact": info["exact"],
             "loss": loss, "zero": zero}
 
@@ -184,9 +187,14 @@ def _assert_same(ours, theirs):
                                torch.as_tensor(theirs["optim"][name][key])), (name, key)
 
 
-@pytest.mark.parametrize("build_name", ["dropout", "ff", "tied"])
-def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(tmp_path, build_name):
-    results = run_ranks(reshape_worker, 4, str(tmp_path), build_name)
+RESHAPES = {name: SWEEP.case(f"reshape-{name}", 4, reshape_worker, f"reshape-{name}", name)
+            for name in ("dropout", "ff", "tied")}
+
+
+@pytest.mark.parametrize("build_name", list(RESHAPES))
+def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(world, roots, build_name):
+    case = RESHAPES[build_name]
+    results = world(case)
     saved = _merge(results, "saved")
     _assert_same(_merge(results, "loaded"), saved)
     _assert_same(_merge(results, "returned"), saved)
@@ -195,7 +203,7 @@ def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(tmp_path, build_na
         assert all(torch.isfinite(torch.tensor(result["loss"])))
         assert result["zero"] and "zero_stage=0" in result["zero"], result["zero"]
     build = {"dropout": dropout_model, "ff": ff_model, "tied": tied_lm}[build_name]
-    sequential = pk.load_sequential(str(tmp_path), build(), tag="sharded")
+    sequential = pk.load_sequential(str(roots / case.args[0]), build(), tag="sharded")
     for name, value in sequential.state_dict().items():
         assert torch.equal(value, saved["weights"][name]), name
 
@@ -217,14 +225,19 @@ def hf_worker(directory):
     return state
 
 
-def test_save_pretrained_and_load_sequential_gather_a_sharded_run(tmp_path):
+HF = SWEEP.case("hf", 4, hf_worker, "hf") if all(
+    importlib.util.find_spec(name) for name in ("transformers", "safetensors")) else None
+
+
+def test_save_pretrained_and_load_sequential_gather_a_sharded_run(world, roots):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     import test_hf as t
 
     import pipekernel.hf as hf
 
-    results = run_ranks(hf_worker, 4, str(tmp_path))
+    results = world(HF)
+    tmp_path = roots / HF.args[0]
     trained = {k: v for result in results for k, v in result.items()}
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     saved = model.state_dict()
@@ -252,8 +265,8 @@ def failing_worker(root):
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
         filesystem._FileSystemWriter.write_data = full
-    error = _refused(lambda: engine.save_checkpoint(root))
-    other = _refused(lambda: _engine(1, shard=2, build=ff_model).load_checkpoint(root))
+    error = refused(lambda: engine.save_checkpoint(root))
+    other = refused(lambda: _engine(1, shard=2, build=ff_model).load_checkpoint(root))
     return {"error": error, "other": other, "latest": open(os.path.join(root, "latest")).read().strip(),
             "tags": sorted(os.listdir(root))}
 

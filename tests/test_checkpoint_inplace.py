@@ -12,10 +12,11 @@ import os
 
 import pytest
 import torch
+from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.testing import assert_parity, reference_train, run_ranks
+from pipekernel.testing import assert_parity, reference_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -100,11 +101,16 @@ def pipeline_worker(interval, schedule):
     return int(os.environ["RANK"]), losses, state
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-@pytest.mark.parametrize("interval", [1, 2])
+SWEEP = Sweep()  # the four cases below in one world of 2 ranks
+PIPELINES = {(interval, schedule): SWEEP.case(f"interval-{interval}-{schedule}", 2,
+                                              pipeline_worker, interval, schedule)
+             for schedule in ("1f1b", "zb-h1") for interval in (1, 2)}
+
+
+@pytest.mark.parametrize("interval,schedule", list(PIPELINES))
 def test_two_stages_checkpointed_equal_one_process_plain(interval, schedule):
     losses, params = one_process(0)
-    results = run_ranks(pipeline_worker, 2, interval, schedule)
+    results = SWEEP.results(PIPELINES[interval, schedule])
     seen = set()
     for _, stage_losses, state in results:
         assert_parity(stage_losses, losses, state, params, rtol=1e-6, atol=1e-7)

@@ -1,52 +1,34 @@
 """DTensor tensor parallelism inside each stage (issue 28): a ``parallelize_module`` plan
 over ``mesh["tp"]`` trains like one process, alone (PP2 x TP2) and under FSDP2 (FSDP2 x TP2
-on one stage); bad plans fail before the first step."""
+on one stage); bad plans fail before the first step. The multi-rank cases run in one
+world per world size (tests/sweep.py)."""
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
-from models import mlp_data, sgd
-from torch import nn
+from models import ff_model, ff_plan, mlp_data, sgd
+from sweep import Sweep, refused
 
 import pipekernel as pk
-from pipekernel.errors import ConfigError
-from pipekernel.testing import reference_train, run_ranks
+from pipekernel.testing import reference_train
 
 MB, STEPS = 2, 3
+SWEEP = Sweep()  # the cases below: one world of 4 ranks, one of 2
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim=16, hidden=32):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def forward(self, h):
-        return h + self.fc2(torch.tanh(self.fc1(h)))
+def _engine(stages, shard, hidden=32, extra=None):
+    return pk.PipelineEngine(ff_model(stages, hidden), optimizer=sgd, micro_batches=MB,
+                             tensor_parallel_size=2, tensor_parallel_plan=ff_plan(extra),
+                             data_parallel_shard=shard, max_grad_norm=0.5, timeout=120)
 
 
-def ff_model(num_stages=None, hidden=32):
-    layers = [pk.LayerSpec(nn.Linear, 8, 16),
-              *[pk.LayerSpec(FeedForward, 16, hidden) for _ in range(4)],
-              pk.LayerSpec(nn.Linear, 16, 4)]
-    return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), num_stages=num_stages,
-                             partition="uniform", seed=4321)
-
-
-def _plan(extra=None):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    return {"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel(), **(extra or {})}
-
-
-def tp_worker(stages, shard, hidden=32, extra=None):
+def tp_worker(stages, shard):
     torch.set_num_threads(1)
     from torch.distributed.tensor import DTensor
 
-    try:
-        engine = pk.PipelineEngine(ff_model(stages, hidden), optimizer=sgd, micro_batches=MB,
-                                   tensor_parallel_size=2, tensor_parallel_plan=_plan(extra),
-                                   data_parallel_shard=shard, max_grad_norm=0.5, timeout=120)
-    except ConfigError as err:
-        return {"error": str(err)}
+    engine = _engine(stages, shard)
     losses = [engine.train_batch(iter(mlp_data(s, engine.data_parallel_rank, MB))).item()
               for s in range(STEPS)]
     state = {}
@@ -64,7 +46,6 @@ def _check(results, replicas):
         ff_model(1), sgd, batches, MB,
         hook=lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
     for result in results:
-        assert "error" not in result, result.get("error")
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
         for name, value in result["state"].items():
             torch.testing.assert_close(value, ref_state[name], rtol=1e-5, atol=1e-6)
@@ -72,32 +53,46 @@ def _check(results, replicas):
     assert len({round(r["norm"], 6) for r in results}) == 1
 
 
+PP2_X_TP2 = SWEEP.case("pp2-tp2", 4, tp_worker, 2, 1)
+FSDP2_X_TP2 = SWEEP.case("fsdp2-tp2", 4, tp_worker, 1, 2)
+
+
 def test_pp2_x_tp2_with_a_dtensor_plan_matches_one_process():
-    results = run_ranks(tp_worker, 4, 2, 1)
+    results = SWEEP.results(PP2_X_TP2)
     _check(results, replicas=1)
     for result in results:  # each tp rank holds half of every fc1 (32 -> 16 rows)
         assert result["fc1_local"] and all(shape == (16, 16) for shape in result["fc1_local"])
 
 
 def test_fsdp2_x_tp2_on_one_stage_matches_one_process():
-    results = run_ranks(tp_worker, 4, 1, 2)
+    results = SWEEP.results(FSDP2_X_TP2)
     _check(results, replicas=2)
     for result in results:  # 2-D: rows over tp, then over dp_shard
         assert result["fc1_local"] and all(shape == (8, 16) for shape in result["fc1_local"])
 
 
-@pytest.mark.parametrize("hidden,extra,words", [
-    (32, "typo", "match no module on any stage"),
-    (33, None, "out_features=33, which tensor_parallel_size=2 does not divide"),
-])
-def test_bad_plans_fail_before_the_first_step(hidden, extra, words):
+def refused_worker(stages, shard, hidden=32, typo=False):
+    """The refusal's text, ``None`` when the engine built. ``typo``: a plan entry that
+    matches no module. In the world of 4 ranks it runs last: a refusal leaves its world
+    as it is (tests/sweep.py)."""
+    torch.set_num_threads(1)
     from torch.distributed.tensor.parallel import ColwiseParallel
-    extra = {"*.fc3": ColwiseParallel()} if extra == "typo" else None
-    for result in run_ranks(tp_worker, 2, 1, 1, hidden, extra):
-        if "error" in result:
-            assert words in result["error"]
-        else:
-            pytest.fail(f"no error on a rank: {result}")
+
+    extra = {"*.fc3": ColwiseParallel()} if typo else None
+    return refused(lambda: _engine(stages, shard, hidden, extra))
+
+
+BAD_PLANS = [(SWEEP.case("typo", 2, refused_worker, 1, 1, 32, True),
+              "match no module on any stage"),
+             (SWEEP.case("hidden-33", 2, refused_worker, 1, 1, 33),
+              "out_features=33, which tensor_parallel_size=2 does not divide")]
+
+
+@pytest.mark.parametrize("case,words", BAD_PLANS, ids=["typo", "33"])
+def test_bad_plans_fail_before_the_first_step(case, words):
+    for message in SWEEP.results(case):
+        assert message is not None, "no error on a rank"
+        assert words in message
 
 
 def hf_tp_worker():
@@ -119,11 +114,15 @@ def hf_tp_worker():
     return losses, state, sharded
 
 
+HF_LLAMA = SWEEP.case("hf-llama", 4, hf_tp_worker) \
+    if importlib.util.find_spec("transformers") else None
+
+
 def test_pp2_x_tp2_on_an_unmodified_hf_llama_with_its_own_plan():
     pytest.importorskip("transformers")
     import test_hf as t
 
-    results = run_ranks(hf_tp_worker, 4, timeout=600)
+    results = SWEEP.results(HF_LLAMA)
     ref_losses, ref_model = t.reference("llama", 1)
     for losses, state, sharded in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
@@ -134,7 +133,10 @@ def test_pp2_x_tp2_on_an_unmodified_hf_llama_with_its_own_plan():
                                for n in sharded)
 
 
+# 2 replicas x TP2 on one stage: DTensor gradients that nothing would average
+NO_FSDP = SWEEP.case("replicas-without-fsdp", 4, refused_worker, 1, 1)
+
+
 def test_a_dtensor_plan_with_replicas_but_no_fsdp_is_refused():
-    # 2 replicas x TP2 on one stage: DTensor gradients that nothing would average
-    for result in run_ranks(tp_worker, 4, 1, 1):
-        assert "only FSDP2 reduces DTensor gradients" in result.get("error", "")
+    for message in SWEEP.results(NO_FSDP):
+        assert message is not None and "only FSDP2 reduces DTensor gradients" in message

@@ -1,20 +1,34 @@
 """FSDP2 inside each pipeline stage (issue 28): ``data_parallel_shard=N`` trains like one
 process accumulating every data-parallel rank's micro-batches, under plain and split
 backward schedules; each rank holds 1/N of its stage; one reduce-scatter per parameter
-group and batch."""
+group and batch. Every multi-rank case runs in one world of 4 ranks (tests/sweep.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
 import torch
 from models import adam, mlp, mlp_data, sgd, tied_lm, token_data
+from sweep import Sweep, refused
 
 import pipekernel as pk
 from pipekernel.errors import ConfigError
-from pipekernel.testing import reference_train, run_ranks
+from pipekernel.testing import reference_train
 
 MB, STEPS = 4, 3
+SWEEP = Sweep()  # every multi-rank case below, in one world of 4 ranks
+DIR = "<a directory of the case's own>"  # a case argument, made when the world starts
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """``world(case)``: ``case``'s results by rank (the world runs on first use, each case
+    that saves a checkpoint given a directory of its own)."""
+    def prepare(args):
+        return tuple(str(tmp_path_factory.mktemp("fsdp")) if isinstance(a, str) and a == DIR
+                     else a for a in args)
+    return lambda case: SWEEP.results(case, prepare=prepare)
 
 
 def _full_state(engine):
@@ -26,7 +40,9 @@ def _full_state(engine):
     return out
 
 
-def _count_reduce_scatters():
+@contextlib.contextmanager
+def _counting_reduce_scatters():
+    """``[count]`` of the reduce-scatters started inside (the case after it counts anew)."""
     import torch.distributed as dist
 
     name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") \
@@ -39,14 +55,22 @@ def _count_reduce_scatters():
         return original(*args, **kwargs)
 
     setattr(dist, name, counting)
-    return counts
+    try:
+        yield counts
+    finally:
+        setattr(dist, name, original)
 
 
-def fsdp_worker(stages, shard, schedule, model="mlp", kw=None):
+def fsdp_worker(stages, shard, schedule, model="mlp", kw=()):
+    """``kw``: extra engine options as ``(name, value)`` pairs (hashable, as a case's
+    arguments must be)."""
     torch.set_num_threads(1)
-    counts = _count_reduce_scatters()
+    with _counting_reduce_scatters() as counts:
+        return _fsdp_train(counts, stages, shard, schedule, model, dict(kw))
+
+
+def _fsdp_train(counts, stages, shard, schedule, model, kw):
     build, data = {"mlp": (mlp, mlp_data), "tied": (tied_lm, token_data)}[model]
-    kw = dict(kw or {})
     optimizer = {"adam": adam, "sgd": sgd}[kw.pop("optimizer", "adam")]
     engine = pk.PipelineEngine(build(num_stages=stages), optimizer=optimizer, micro_batches=MB,
                                schedule=schedule, data_parallel_shard=shard, timeout=120, **kw)
@@ -71,10 +95,10 @@ def fsdp_worker(stages, shard, schedule, model="mlp", kw=None):
             "norm": engine.last_grad_norm}
 
 
-def _reference(model, replicas, kw=None):
+def _reference(model, replicas, kw=()):
     build, data = {"mlp": (mlp, mlp_data), "tied": (tied_lm, token_data)}[model]
     batches = [[data(step, r, MB) for r in range(replicas)] for step in range(STEPS)]
-    kw, hook = kw or {}, None
+    kw, hook = dict(kw), None
     if kw.get("max_grad_norm"):
         def hook(model):
             torch.nn.utils.clip_grad_norm_(model.parameters(), kw["max_grad_norm"])
@@ -82,7 +106,7 @@ def _reference(model, replicas, kw=None):
     return reference_train(build(num_stages=1), optimizer, batches, MB, hook=hook)
 
 
-def _check_parity(results, model, replicas, kw=None):
+def _check_parity(results, model, replicas, kw=()):
     ref_losses, ref_state = _reference(model, replicas, kw)
     for result in results:
         assert result["losses"] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
@@ -91,9 +115,13 @@ def _check_parity(results, model, replicas, kw=None):
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_pp2_x_fsdp2_matches_one_process(schedule):
-    results = run_ranks(fsdp_worker, 4, 2, 2, schedule)
+PP2_X_FSDP2 = {schedule: SWEEP.case(f"pp2-fsdp2-{schedule}", 4, fsdp_worker, 2, 2, schedule)
+               for schedule in ("1f1b", "zbv")}
+
+
+@pytest.mark.parametrize("schedule", list(PP2_X_FSDP2))
+def test_pp2_x_fsdp2_matches_one_process(world, schedule):
+    results = world(PP2_X_FSDP2[schedule])
     _check_parity(results, "mlp", replicas=2)
     for rank, result in enumerate(results):
         assert result["mesh"] == (("pp", "dp_replicate", "dp_shard", "tp"), (2, 1, 2, 1))
@@ -107,12 +135,15 @@ def test_pp2_x_fsdp2_matches_one_process(schedule):
         assert result["reduce_scatters"] == [result["groups"]] * STEPS
 
 
-def test_fsdp_with_replicas_is_hsdp_and_clips_over_dtensors():
-    # SGD: linear in the gradient, so the comparison is of the clipped gradients
-    # themselves (AdamW's normalisation magnifies the rounding of near-zero ones)
-    kw = {"max_grad_norm": 0.05, "optimizer": "sgd"}
-    results = run_ranks(fsdp_worker, 4, 1, 2, "1f1b", "mlp", kw)
-    _check_parity(results, "mlp", replicas=4, kw=kw)
+# SGD: linear in the gradient, so the comparison is of the clipped gradients themselves
+# (AdamW's normalisation magnifies the rounding of near-zero ones)
+HSDP_KW = (("max_grad_norm", 0.05), ("optimizer", "sgd"))
+HSDP = SWEEP.case("hsdp-clipped", 4, fsdp_worker, 1, 2, "1f1b", "mlp", HSDP_KW)
+
+
+def test_fsdp_with_replicas_is_hsdp_and_clips_over_dtensors(world):
+    results = world(HSDP)
+    _check_parity(results, "mlp", replicas=4, kw=HSDP_KW)
     norms = {round(r["norm"], 6) for r in results}
     assert len(norms) == 1 and norms.pop() > 0.05  # the same norm everywhere, and it clipped
     for result in results:
@@ -120,31 +151,14 @@ def test_fsdp_with_replicas_is_hsdp_and_clips_over_dtensors():
         assert result["local"] * 2 == result["full"]
 
 
-def test_tied_layers_stay_replicated_and_match_one_process():
-    results = run_ranks(fsdp_worker, 4, 2, 2, "1f1b", "tied")
+TIED = SWEEP.case("tied", 4, fsdp_worker, 2, 2, "1f1b", "tied")
+
+
+def test_tied_layers_stay_replicated_and_match_one_process(world):
+    results = world(TIED)
     _check_parity(results, "tied", replicas=2)
     for result in results:
         assert 0 < result["local"] < result["full"]
-
-
-def bad_shard_worker(kwargs):
-    torch.set_num_threads(1)
-    try:
-        pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=2, timeout=60,
-                          **kwargs)
-    except ConfigError as err:
-        return str(err)
-    return None
-
-
-@pytest.mark.parametrize("kwargs,words", [
-    ({"data_parallel_shard": 3}, "data_parallel_shard=3 does not divide"),
-    ({"data_parallel_shard": 2, "precision": "fp16"}, "precision='fp16'"),
-    ({"data_parallel_shard": 2, "disable_plugins": ["fsdp"]}, "no plugin applied FSDP2"),
-])
-def test_bad_fsdp_configs_fail_before_the_first_step(kwargs, words):
-    for message in run_ranks(bad_shard_worker, 4, kwargs):
-        assert message is not None and words in message
 
 
 def test_bad_shard_options_say_how_to_fix():
@@ -192,14 +206,17 @@ def features_worker(directory, schedule, reshard_after_forward):
 
 
 COUNTS = [MB, 2, MB]
+FEATURES = {(schedule, reshard): SWEEP.case(f"features-{schedule}", 4, features_worker, DIR,
+                                            schedule, reshard)
+            for schedule, reshard in [("zb-h1", False), ("zbv", True)]}
 
 
-@pytest.mark.parametrize("schedule,reshard", [("zb-h1", False), ("zbv", True)])
-def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(tmp_path, schedule,
+@pytest.mark.parametrize("schedule,reshard", list(FEATURES))
+def test_fsdp_split_backward_checkpointing_count_changes_eval_and_skip(world, schedule,
                                                                        reshard):
     from pipekernel.testing import reference_eval
 
-    results = run_ranks(features_worker, 4, str(tmp_path), schedule, reshard)
+    results = world(FEATURES[schedule, reshard])
     batches = [[mlp_data(step, r, count) for r in range(2)] for step, count in enumerate(COUNTS)]
     ref_losses, ref_state = reference_train(mlp(num_stages=1), adam, batches, COUNTS)
     for result in results:
@@ -272,12 +289,40 @@ def bf16_worker():
                                        for p in g["params"]} == {id(p) for p in params}}
 
 
-def test_bf16_under_fsdp2_tracks_fp32():
-    results = run_ranks(bf16_worker, 4)
-    ref_losses, ref_state = _reference("mlp", 2, {"optimizer": "sgd"})
+BF16 = SWEEP.case("bf16", 4, bf16_worker)
+
+
+def test_bf16_under_fsdp2_tracks_fp32(world):
+    results = world(BF16)
+    ref_losses, ref_state = _reference("mlp", 2, (("optimizer", "sgd"),))
     for result in results:
         assert result["fp32_shards"] and result["optimizer_steps_shards"]
         assert result["losses"] == pytest.approx(ref_losses, rel=2e-2)
         assert result["losses"][1:] != pytest.approx(ref_losses[1:], rel=1e-6)  # bf16 ran
         for name, value in result["state"].items():
             torch.testing.assert_close(value, ref_state[name], rtol=5e-2, atol=1e-2)
+
+
+def bad_shard_worker(kwargs):
+    """The refusal's text. Declared last: a refusal leaves its world as it is
+    (tests/sweep.py)."""
+    torch.set_num_threads(1)
+    return refused(lambda: pk.PipelineEngine(mlp(num_stages=2), optimizer=adam,
+                                             micro_batches=2, timeout=60, **dict(kwargs)))
+
+
+BAD_SHARDS = [
+    (SWEEP.case("shard-3-of-4", 4, bad_shard_worker, (("data_parallel_shard", 3),)),
+     "data_parallel_shard=3 does not divide"),
+    (SWEEP.case("shard-fp16", 4, bad_shard_worker,
+                (("data_parallel_shard", 2), ("precision", "fp16"))), "precision='fp16'"),
+    (SWEEP.case("shard-no-plugin", 4, bad_shard_worker,
+                (("data_parallel_shard", 2), ("disable_plugins", ("fsdp",)))),
+     "no plugin applied FSDP2"),
+]
+
+
+@pytest.mark.parametrize("case,words", BAD_SHARDS, ids=[c.name for c, _ in BAD_SHARDS])
+def test_bad_fsdp_configs_fail_before_the_first_step(world, case, words):
+    for message in world(case):
+        assert message is not None and words in message
