@@ -137,9 +137,30 @@ class StageParallel:
             state._root_post_backward_final_callback()
         self._training = False
 
+    def close(self) -> None:
+        """Let go of the process groups FSDP2's mesh infos hold (at the engine's close,
+        after :meth:`pipekernel.grid.mesh.Grid.close` destroyed them): gloo joins a
+        group's threads only when its last reference goes, and the engine may outlive
+        its close. The modules cannot communicate afterwards."""
+        for group in self.groups:
+            holders = [group, *group.fsdp_params]
+            for holder in holders:
+                for name in ("mesh_info", "post_forward_mesh_info"):
+                    _drop_groups(getattr(holder, name, None))
+
     def end_batch(self, trains: bool) -> None:
         """After a batch: an evaluation leaves the parameters gathered; reshard them."""
         if not trains:
             for root in self.roots:
                 root.reshard()
 
+
+
+def _drop_groups(info: Any) -> None:
+    """Set every process group an FSDP2 mesh info holds (``shard_process_group``,
+    ``replicate_process_group``, ...) to ``None``."""
+    import torch.distributed as dist
+
+    for name, value in list(getattr(info, "__dict__", {}).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(info, name, None)
