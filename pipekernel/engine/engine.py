@@ -117,7 +117,9 @@ class PipelineEngine(EngineFields):
         data-parallel rank (replicas x shards), each reading its own micro-batches.
     :param reshard_after_forward: with ``data_parallel_shard``, free each layer's gathered
         parameters after its forward and gather them again for its backward (less memory,
-        two all-gathers per micro-batch); default ``False``: gathered once per batch.
+        two all-gathers per micro-batch, each started ahead: by the previous layer, or
+        after the previous compute instruction for the next chunk the program runs);
+        default ``False``: gathered once per batch.
     :param tensor_parallel_plan: a ``parallelize_module`` plan (``{module-name pattern:
         ParallelStyle}``, names relative to the stage, whose children are the global layer
         indices: ``{"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}``) applied to
