@@ -8,7 +8,8 @@ the stage holding parameters) becomes one FSDP2 parameter group, then the stage 
 (the root). The engine times it by the schedule (:mod:`pipekernel.grid.stage_parallel`):
 one all-gather per layer and batch (``reshard_after_forward=False``, the default; ``True``
 frees each layer's gathered parameters after every forward and gathers them again for its
-backward), one reduce-scatter per layer and batch after the stage's last backward.
+backward, each all-gather started ahead: see ``StageParallel.prefetch``), one
+reduce-scatter per layer and batch after the stage's last backward.
 
 What stays as it was:
 

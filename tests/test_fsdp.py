@@ -303,6 +303,85 @@ def test_bf16_under_fsdp2_tracks_fp32(world):
             torch.testing.assert_close(value, ref_state[name], rtol=5e-2, atol=1e-2)
 
 
+# -- reshard_after_forward=True: all-gathers issued ahead by the program -----------------
+
+def _classify_all_gathers():
+    """Count FSDP2's all-gathers by who started them: a parameter group's own pre-forward
+    or pre-backward (``on_demand``: the compute waits for it) or anyone earlier
+    (``ahead``: the previous layer's prefetch, the runtime after the previous compute)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    counts = {"ahead": 0, "on_demand": 0}
+    inside: list = []
+    unshard = FSDPParamGroup.unshard
+
+    def counting(self, async_op=False):
+        idle = self._all_gather_result is None and not self.is_unsharded
+        out = unshard(self, async_op)
+        if idle and self._all_gather_result is not None:
+            counts["on_demand" if inside and inside[-1] is self else "ahead"] += 1
+        return out
+
+    def within(original):
+        def hook(self, *args, **kwargs):
+            inside.append(self)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside.pop()
+        return hook
+
+    saved = {name: getattr(FSDPParamGroup, name)
+             for name in ("unshard", "pre_forward", "pre_backward")}
+    FSDPParamGroup.unshard = counting
+    FSDPParamGroup.pre_forward = within(FSDPParamGroup.pre_forward)
+    FSDPParamGroup.pre_backward = within(FSDPParamGroup.pre_backward)
+
+    def restore():  # the world runs other cases after this one (tests/sweep.py)
+        for name, method in saved.items():
+            setattr(FSDPParamGroup, name, method)
+    return counts, restore
+
+
+def prefetch_worker(schedule):
+    torch.set_num_threads(1)
+    counts, restore = _classify_all_gathers()
+    try:
+        engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=MB,
+                                   schedule=schedule, data_parallel_shard=2,
+                                   reshard_after_forward=True, timeout=120)
+        losses, per_batch = [], []
+        for step in range(STEPS):
+            before = dict(counts)
+            losses.append(engine.train_batch(iter(mlp_data(step, engine.data_parallel_rank,
+                                                           MB))).item())
+            per_batch.append({k: counts[k] - before[k] for k in counts})
+        result = {"losses": losses, "state": _full_state(engine), "per_batch": per_batch,
+                  "chunks": engine.chunks}
+        return result
+    finally:
+        restore()
+
+
+PREFETCH = {schedule: SWEEP.case(f"prefetch-{schedule}", 4, prefetch_worker, schedule)
+            for schedule in ("interleaved", "zbv", "dualpipev")}
+
+
+@pytest.mark.parametrize("schedule", list(PREFETCH))
+def test_reshard_after_forward_prefetches_the_next_chunk_and_matches_one_process(world,
+                                                                                 schedule):
+    results = world(PREFETCH[schedule])
+    _check_parity(results, "mlp", replicas=2)
+    for result in results:
+        assert result["chunks"] == 2
+        for counts in result["per_batch"]:
+            # only the batch's first all-gather waits: every other one (the next layer's,
+            # the next chunk's first layer for a forward, its last for a backward) was
+            # started before the compute that needs it
+            assert counts["on_demand"] == 1, result["per_batch"]
+            assert counts["ahead"] > 2 * MB, result["per_batch"]
+
+
 def bad_shard_worker(kwargs):
     """The refusal's text. Declared last: a refusal leaves its world as it is
     (tests/sweep.py)."""

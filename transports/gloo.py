@@ -179,7 +179,11 @@ class TorchDistributedTransport:
         self._waiter_thread: _Waiter | None = None
         self.group = group
         self._groups: dict[tuple[int, ...], Any] = {}
-        self._texts: dict[tuple[str, Any], str] = {}  # (collective, group) -> its words
+        # group -> collective -> its words; weak, so that a group destroyed elsewhere (a
+        # closed engine's mesh) is freed and gloo joins its threads
+        self._texts: weakref.WeakKeyDictionary[Any, dict[str, str]] = \
+            weakref.WeakKeyDictionary()
+        self._world_texts: dict[str, str] = {}
         self._owns_group = not dist.is_initialized()
         if group is not None and self._owns_group:
             raise ConfigError("transport option group= needs an initialised process group",
@@ -292,11 +296,11 @@ class TorchDistributedTransport:
 
     def _finish_text(self, what: str, group: Any) -> str:
         """How a wait for a collective names it (once per kind and group, not per call)."""
-        key = (what, group)
-        text = self._texts.get(key)
+        texts = self._world_texts if group is None else self._texts.setdefault(group, {})
+        text = texts.get(what)
         if text is None:
             ranks = dist.get_process_group_ranks(group) if group is not None else None
-            text = self._texts[key] = (f"finish a {what} over ranks {ranks} with"
+            text = texts[what] = (f"finish a {what} over ranks {ranks} with"
                                        if ranks is not None else f"finish a {what} with")
         return text
 

@@ -78,6 +78,10 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     # before the precision and the optimizer see the parameters (FSDP2, DTensor)
     pm.hook.pipekernel_parallelize_stage(module=stage.module, mesh=stage.mesh, engine=build)
     stage_parallel = check_stage_parallel(build)
+    if stage_parallel is not None:  # prefetch by the program, chunk by chunk
+        part = getattr(stage.module, "part", None)
+        stage_parallel.plan_chunks([part(c) if part is not None else stage.module
+                                    for c in range(layout.chunks)])
     precision.prepare(stage.module)  # after the sync: casts and masters start equal
     tied_reducers, grad_reducer = make_reducers(  # after prepare: they need the masters
         stage, precision, tied_groups, topology, transport, data_group, stage_parallel,
@@ -167,7 +171,7 @@ def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
     callbacks: dict[str, Any] = {}
     if sharded is not None:  # FSDP2's reduce-scatters, once per batch
         callbacks = {"after_last_backward": sharded.after_last_backward,
-                     "params_of": sharded.autograd_params}
+                     "params_of": sharded.autograd_params, "prefetch": sharded.prefetch}
     if reducer is None or reducer.bucket_bytes <= 0:
         return callbacks
     if sharded is not None:

@@ -117,7 +117,9 @@ class PipelineEngine(EngineFields):
         data-parallel rank (replicas x shards), each reading its own micro-batches.
     :param reshard_after_forward: with ``data_parallel_shard``, free each layer's gathered
         parameters after its forward and gather them again for its backward (less memory,
-        two all-gathers per micro-batch); default ``False``: gathered once per batch.
+        two all-gathers per micro-batch, each started ahead: by the previous layer, or
+        after the previous compute instruction for the next chunk the program runs);
+        default ``False``: gathered once per batch.
     :param tensor_parallel_plan: a ``parallelize_module`` plan (``{module-name pattern:
         ParallelStyle}``, names relative to the stage, whose children are the global layer
         indices: ``{"*.fc1": ColwiseParallel(), "*.fc2": RowwiseParallel()}``) applied to
@@ -396,4 +398,26 @@ class PipelineEngine(EngineFields):
         if not self.state.unconfigured:
             self.state.unconfigured = True
             self.pm.hook.pipekernel_unconfigure(engine=self)
+        self._release_mesh()
         self.transport.close()
+
+    def _release_mesh(self) -> None:
+        """Destroy the mesh's process groups (local: no peer waited on) and let go of
+        them everywhere the engine holds one, so that gloo joins their threads now even
+        if this engine object lives on (:func:`pipekernel.grid.mesh.release_mesh`)."""
+        if self.grid.mesh is None:
+            return
+        from pipekernel.grid.mesh import drop_destroyed
+
+        self.grid.close()
+        if self.stage_parallel is not None:
+            self.stage_parallel.close()
+        drop_destroyed(self.tp_group, self.grad_reducer, self.optimizer,
+                       *self._tied_reducers.values())
+        if self.data_group is not None and not self._world_has(self.data_group):
+            self._assembly = self._assembly.replace(data_group=None)
+
+    @staticmethod
+    def _world_has(group: Any) -> bool:
+        from torch.distributed import distributed_c10d as c10d
+        return group in c10d._world.pg_map

@@ -29,6 +29,11 @@ The mesh needs torch process groups: it is built when the transport spans the wh
 other transport (``cupy-nccl``, a transport over a subgroup, a test double) ``Grid.mesh``
 is ``None``, the groups come from ``transport.new_group`` as before, and whatever needs
 the mesh (FSDP2, DTensor plans) refuses with a :class:`~pipekernel.errors.ConfigError`.
+Nor is it built when nothing in the stage applies torch parallelism (:func:`build_grid`).
+
+At the engine's close the mesh's groups are destroyed and freed (:meth:`Grid.close`,
+:func:`release_mesh`): none stays registered in ``torch.distributed``, no gloo thread of
+theirs outlives the engine, and a later engine in the same world builds a mesh of its own.
 """
 from __future__ import annotations
 
@@ -37,8 +42,9 @@ from typing import Any
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["MESH_DIMS", "Grid", "build_grid", "local_share", "mesh_ranks",
-           "mesh_unavailable"]
+__all__ = ["MESH_DIMS", "Grid", "build_grid", "local_share", "mesh_groups", "mesh_ranks",
+           "mesh_unavailable", "release_mesh", "forget_meshes",
+           "drop_destroyed"]
 
 #: The named dims of ``engine.mesh``, outermost first.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -92,6 +98,16 @@ class Grid:
         """The data-parallel group (replicas x shards of this rank's stage position)."""
         return self.groups["dp"]
 
+    def close(self) -> None:
+        """Destroy every process group the mesh created (its dims', the flattened
+        ``"dp"``) and drop this grid's references to them (local, no collective; see
+        :func:`release_mesh`). The groups from ``transport.new_group`` (no mesh) are the
+        transport's. Afterwards ``mesh`` is ``None`` and ``groups`` empty."""
+        mesh, self.mesh, self.groups = self.mesh, None, {}
+        if mesh is not None:
+            release_mesh(mesh)
+            self.why_no_mesh = "the engine was closed"
+
     def require_mesh(self, what: str, rank: int | None = None) -> Any:
         """The mesh, or a ``ConfigError`` saying why there is none and what needs it."""
         if self.mesh is None:
@@ -100,6 +116,78 @@ class Grid:
                               hint="use transport='gloo' or 'nccl' over the whole job (no "
                                    "transport_options group=)", rank=rank)
         return self.mesh
+
+
+def mesh_groups(mesh: Any) -> list[Any]:
+    """The process groups ``mesh`` holds (its root's registry: every dim's group and every
+    flattened dim's), the default group included where a dim spans the world."""
+    root = mesh._get_root_mesh()
+    found: dict[int, Any] = {}
+    for one in (root, *root._flatten_mapping.values()):
+        for group in getattr(one, "_pg_registry", {}).values():
+            found.setdefault(id(group), group)
+    return list(found.values())
+
+
+def release_mesh(mesh: Any) -> None:
+    """Destroy the process groups ``mesh`` created and empty its registries.
+
+    A ``DeviceMesh`` outlives its engine: DTensor's sharding-propagation cache keeps the
+    specs of the ops it ran, and each spec its mesh. ``destroy_process_group`` only
+    unregisters a group, and gloo joins a group's threads when its last reference goes,
+    so the mesh must let go of the groups too: its registry (``_pg_registry``, where it
+    and its slices and flattened meshes look their groups up) is emptied. The default
+    group (a dim that spans the world) is left to whoever created it (the transport or
+    the host)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    default = c10d._get_default_group() if dist.is_initialized() else None
+    for group in mesh_groups(mesh):
+        if group is not default and group in c10d._world.pg_map:
+            dist.destroy_process_group(group)
+    root = mesh._get_root_mesh()
+    for one in (root, *root._flatten_mapping.values()):
+        getattr(one, "_pg_registry", {}).clear()
+    forget_meshes()
+
+
+def drop_destroyed(*holders: Any, names: tuple[str, ...] = ("handle", "group")) -> None:
+    """Set each of ``holders``' attributes ``names`` that holds a destroyed process group
+    (no longer registered in ``torch.distributed``) to ``None``: the engine's reducers and
+    groups let go of the mesh's groups at close (see :func:`release_mesh`)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    for holder in holders:
+        for name in names:
+            value = getattr(holder, name, None)
+            if isinstance(value, dist.ProcessGroup) and value not in c10d._world.pg_map:
+                setattr(holder, name, None)
+
+
+def forget_meshes() -> None:
+    """Empty DTensor's caches keyed by specs (sharding propagation, Python and C++;
+    redistribution plans; mesh topologies): a ``DeviceMesh`` compares equal to another of
+    the same ranks and dim names, so a later engine's DTensors would be handed the
+    outputs cached for a closed engine's mesh, whose groups are gone. Costs the other
+    live meshes' cache entries only (they are worked out again)."""
+    try:
+        from torch.distributed.tensor import debug
+        from torch.distributed.tensor import _redistribute as redistribute
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # pragma: no cover - a torch without these (nothing cached)
+        return
+    clears = [getattr(debug, "_clear_sharding_prop_cache", None),
+              getattr(getattr(redistribute, "_gen_transform_infos", None), "cache_clear", None),
+              getattr(redistribute, "clear_redistribute_planner_cache", None),
+              getattr(MeshTopoInfo.build_from_mesh, "cache_clear", None),
+              getattr(getattr(ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                      "cache_clear", None)]
+    for clear in clears:
+        if clear is not None:
+            clear()
 
 
 def mesh_unavailable(transport: Any) -> str:
@@ -124,10 +212,15 @@ def mesh_unavailable(transport: Any) -> str:
 def build_grid(topology: Any, transport: Any, unwanted: str = "") -> Grid:
     """Create the mesh and this rank's groups (collective: every rank calls it in the same
     order as the engine's other groups). ``unwanted``: why no mesh is needed (nothing in
-    the stage applies torch parallelism), then only the groups the engine uses are made —
-    a DeviceMesh keeps its process groups referenced for good, so ``destroy_process_group``
-    could not free them and their gloo threads would outlive the engine (the exit abort
-    of ``tests/test_exit.py``)."""
+    the stage applies torch parallelism), then only the groups the engine uses are made:
+    a mesh creates a group per dim on every rank, size-1 dims included (on NCCL, a
+    communicator each), which an engine without FSDP2 or DTensor would never use.
+    (Not for leaks: :meth:`Grid.close` destroys and frees the mesh's groups at the
+    engine's close, and ``tests/test_exit.py`` passes with a mesh on every engine.)
+
+    A group spanning the whole world is given as ``None`` (the transport's world, as
+    ``transport.new_group`` gives it), so the engine holds no reference to the default
+    group."""
     why = unwanted or mesh_unavailable(transport)
     if why:
         return Grid(None, _transport_groups(topology, transport), why)
@@ -138,13 +231,14 @@ def build_grid(topology: Any, transport: Any, unwanted: str = "") -> Grid:
     mesh = DeviceMesh(device_type, torch.tensor(mesh_ranks(topology), dtype=torch.int),
                       mesh_dim_names=MESH_DIMS)
     groups: dict[str, tuple[Any, list[int]]] = {}
-    for dim in MESH_DIMS:
+    whole = transport.world_size
+    for dim in MESH_DIMS:  # a group of the whole world is None, as transport.new_group's
         ranks = _mine(topology, dim)
-        groups[dim] = (mesh.get_group(dim) if len(ranks) > 1 else None, ranks)
+        groups[dim] = (mesh.get_group(dim) if 1 < len(ranks) < whole else None, ranks)
     ranks = _mine(topology, "dp")
     if topology.replicate_size > 1 and topology.shard_size > 1:
         flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        groups["dp"] = (flat.get_group(), ranks)
+        groups["dp"] = (flat.get_group() if len(ranks) < whole else None, ranks)
     else:  # one of the two dims holds every data-parallel rank
         one = "dp_shard" if topology.shard_size > 1 else "dp_replicate"
         groups["dp"] = (groups[one][0], ranks)

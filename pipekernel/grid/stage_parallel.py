@@ -20,7 +20,16 @@ drives it, as ``torch.distributed.pipelining``'s stage does
   reduce-scatter each; HSDP adds its all-reduce over ``dp_replicate``) and its final
   callback (waits, resharding);
 * :meth:`StageParallel.end_batch` of an evaluation: reshard (a forward under ``no_grad``
-  with ``reshard_after_forward=False`` leaves the parameters gathered).
+  with ``reshard_after_forward=False`` leaves the parameters gathered);
+* prefetching by the program (what ``reshard_after_forward=True`` needs, under multi-chunk
+  schedules above all): inside each chunk every layer prefetches the next one in forward
+  and the previous one in backward (:meth:`StageParallel.plan_chunks`: FSDP2's explicit
+  lists, in place of its own backward order, which a pipeline interleaves across
+  micro-batches and chunks), and after each compute instruction the runtime hands
+  :meth:`StageParallel.prefetch` the program's next one, whose chunk's first all-gather
+  (a forward's first layer, a backward's last) starts then, while this rank waits on its
+  transfers. Only a batch's very first all-gather is then started by the compute that
+  needs it (``tests/test_fsdp.py`` counts them under interleaved, zbv and dualpipev).
 
 The split backward runs autograd over the parameters the graph holds, the *unsharded*
 ones: :meth:`StageParallel.autograd_params` maps a stage's (sharded) parameters to them.
@@ -90,6 +99,7 @@ class StageParallel:
                               f"pipeline drives it by: {err}",
                               hint="use the torch pipekernel pins (.ci/constraints.txt)") from err
         self._training = False
+        self.chunk_layers: list[list[Any]] = []  # per chunk (plan_chunks)
 
     def managed(self, param: torch.Tensor) -> bool:
         """Whether FSDP2 manages ``param`` (then it is not the engine's to reduce)."""
@@ -137,9 +147,78 @@ class StageParallel:
             state._root_post_backward_final_callback()
         self._training = False
 
+    def plan_chunks(self, parts: list[Any]) -> None:
+        """Prefetch by the program (``parts``: the stage's chunks, each with ``layers``
+        in forward order; see :meth:`prefetch`). Inside a chunk each layer's forward
+        prefetches the next layer's all-gather and its backward the previous one's
+        (FSDP2's explicit lists): FSDP2's own backward prefetch follows the order
+        forwards ran in, which under a pipeline interleaves micro-batches and chunks, so
+        a chunk's first layer would prefetch whatever ran before it (another chunk's
+        layer). Its list names itself instead: a no-op, as it is gathered by then. A layer
+        whose lists a plugin set already keeps them."""
+        self.chunk_layers = []
+        try:
+            for part in parts:
+                self.chunk_layers.append(_plan_chunk(part, self.roots))
+        except AttributeError as err:
+            raise ConfigError(f"this torch's FSDP2 ({torch.__version__}) lacks what the "
+                              f"pipeline prefetches by: {err}",
+                              hint="use the torch pipekernel pins (.ci/constraints.txt)") from err
+
+    def prefetch(self, chunk: int, forward: bool) -> None:
+        """Issue the all-gather that the stage's next compute instruction, a forward
+        (``forward``) or a backward of ``chunk``, starts with, now
+        (``unshard(async_op=True)``; FSDP2's pre-forward or pre-backward waits on it): a
+        forward's first layer, a backward's last. The runtime calls it after each compute
+        instruction for the next one of its program, so that with
+        ``reshard_after_forward=True`` the next chunk's parameters arrive while this rank
+        waits on its transfers. A no-op for parameters already gathered. Every shard of
+        a stage runs the same program: the all-gathers start in the same order."""
+        layers = self.chunk_layers[chunk] if chunk < len(self.chunk_layers) else []
+        if layers:
+            (layers[0] if forward else layers[-1]).unshard(async_op=True)
+
+    def close(self) -> None:
+        """Let go of the process groups FSDP2's mesh infos hold (at the engine's close,
+        after :meth:`pipekernel.grid.mesh.Grid.close` destroyed them): gloo joins a
+        group's threads only when its last reference goes, and the engine may outlive
+        its close. The modules cannot communicate afterwards."""
+        for group in self.groups:
+            holders = [group, *group.fsdp_params]
+            for holder in holders:
+                for name in ("mesh_info", "post_forward_mesh_info"):
+                    _drop_groups(getattr(holder, name, None))
+
     def end_batch(self, trains: bool) -> None:
         """After a batch: an evaluation leaves the parameters gathered; reshard them."""
         if not trains:
             for root in self.roots:
                 root.reshard()
 
+
+
+def _drop_groups(info: Any) -> None:
+    """Set every process group an FSDP2 mesh info holds (``shard_process_group``,
+    ``replicate_process_group``, ...) to ``None``."""
+    import torch.distributed as dist
+
+    for name, value in list(getattr(info, "__dict__", {}).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(info, name, None)
+
+
+def _plan_chunk(part: Any, roots: list[Any]) -> list[Any]:
+    """The FSDP2 layers of one chunk in forward order, their explicit prefetch lists set
+    (see :meth:`StageParallel.plan_chunks`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    layers = [m for m in getattr(part, "layers", []) if isinstance(m, FSDPModule)
+              and not any(m is root for root in roots)]
+    for i, layer in enumerate(layers):
+        state = layer._get_fsdp_state()
+        if state._states_to_forward_prefetch or state._states_to_backward_prefetch:
+            continue  # lists of the plugin's own: left as they are
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        layer.set_modules_to_backward_prefetch([layers[i - 1] if i else layer])
+    return layers

@@ -160,6 +160,11 @@ class _Part:
     def __call__(self, x: Any) -> Any:
         return self._stage._run(self._calls, x)
 
+    @property
+    def layers(self) -> list:
+        """The chunk's layers, in the order its forward calls them."""
+        return list(self._layers)
+
     def parameters(self) -> list[torch.Tensor]:
         seen, out = set(), []
         for layer in self._layers:

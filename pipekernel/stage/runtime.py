@@ -70,6 +70,28 @@ _RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
             isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
 
 
+#: the compute instructions after which the runtime prefetches (``prefetch=``)
+_PREFETCHED = (isa.Forward, isa.Backward, isa.BackwardInput, isa.BackwardWeight,
+               isa.ForwardBackward)
+
+
+def _next_computes(stream: Sequence[Any], first_chunk: int | None) -> list[Any]:
+    """For each index of ``stream``, the first compute instruction after it that gathers
+    parameters, else ``None``: a forward, backward, input pass or pair; a weight pass
+    only at the first position (``first_chunk``), whose input pass has no inputs to
+    differentiate, so that its weight pass runs the whole backward (elsewhere it reuses
+    what the input pass gathered)."""
+    out: list[Any] = [None] * len(stream)
+    upcoming = None
+    for index in range(len(stream) - 1, -1, -1):
+        out[index] = upcoming
+        step = stream[index]
+        if isinstance(step, _PREFETCHED) and (not isinstance(step, isa.BackwardWeight)
+                                              or step.chunk == first_chunk):
+            upcoming = step
+    return out
+
+
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     """The float tensors of ``obj`` that carry gradients."""
     tensors, _ = flatten(obj)
@@ -102,6 +124,10 @@ class StageRuntime:
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
+    :param prefetch: ``prefetch(chunk, forward)`` is called after each compute
+        instruction for the program's next one on this stage that gathers parameters, if
+        any (both halves of a pair) (FSDP2's all-gathers issued ahead:
+        :meth:`pipekernel.grid.stage_parallel.StageParallel.prefetch`).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -111,7 +137,8 @@ class StageRuntime:
                  after_last_backward: Callable[[], None] | None = None,
                  wire: Any = None, skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
-                 losses: BatchLosses | None = None, tokens: bool = False) -> None:
+                 losses: BatchLosses | None = None, tokens: bool = False,
+                 prefetch: Callable[[Any], None] | None = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.tokens = tokens and loss_fn is not None
         self.loss_fn = TokenLoss(loss_fn) if self.tokens else loss_fn  # type: ignore[arg-type]
@@ -127,6 +154,8 @@ class StageRuntime:
                       for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
+        self._prefetch = prefetch
+        self._next_compute: dict[int, tuple[Any, list]] = {}  # id(program) -> table
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else _same
@@ -230,7 +259,7 @@ class StageRuntime:
         self._sends, self._recvs, self._local = [], {}, {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
-        return {
+        table: dict[type, Callable[[Any], Any]] = {
             isa.LoadMicroBatch: self.load_micro_batch, isa.Forward: self.forward,
             isa.Backward: self.backward, isa.BackwardInput: self.backward_input,
             isa.BackwardWeight: self.backward_weight, isa.SendActivation: self.send_activation,
@@ -239,6 +268,34 @@ class StageRuntime:
             isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
             isa.RecvSkipGrad: self.recv_skip, isa.ForwardBackward: self.forward_backward,
         }
+        if self._prefetch is not None:
+            for kind in _PREFETCHED:
+                table[kind] = self._then_prefetch(table[kind])
+        return table
+
+    def _then_prefetch(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def run(instruction: Any) -> Any:
+            result = handler(instruction)
+            self.prefetch_next()
+            return result
+        return run
+
+    def prefetch_next(self) -> None:
+        """Hand the program's next compute instruction after the current one (if any) to
+        the ``prefetch`` callback."""
+        program = self._program
+        if self._prefetch is None or program is None or self._at < 0:
+            return
+        entry = self._next_compute.get(id(program))
+        if entry is None or entry[0] is not program:
+            table = _next_computes(program.stream, self.first_chunk)
+            entry = self._next_compute[id(program)] = (program, table)
+        upcoming = entry[1][self._at]
+        halves = (upcoming.forward, upcoming.backward) \
+            if isinstance(upcoming, isa.ForwardBackward) else (upcoming,)
+        for half in halves:
+            if half is not None:
+                self._prefetch(half.chunk, isinstance(half, isa.Forward))
 
     @property
     def pairs(self) -> bool:
