@@ -85,8 +85,24 @@ def is_dcp(meta: dict[str, Any]) -> bool:
 
 
 def layout(engine: Any) -> dict[str, Any]:
-    """The layout a DCP checkpoint records: pipekernel's, with the shard count."""
-    return {**_ckpt._layout(engine), "data_parallel_shard": engine.parallel.data_parallel_shard}
+    """The layout a DCP checkpoint records: pipekernel's, with the shard count and the
+    expert-parallel size."""
+    return {**_ckpt._layout(engine), "data_parallel_shard": engine.parallel.data_parallel_shard,
+            "expert_parallel_size": engine.parallel.expert_parallel_size}
+
+
+def check_forced(engine: Any) -> None:
+    """``ConfigError`` when ``save_checkpoint(format="dcp")`` asks for DCP where it cannot
+    run: DCP's collectives need torch.distributed's default group under the transport."""
+    from pipekernel.grid.mesh import mesh_unavailable
+
+    why = mesh_unavailable(engine.transport)
+    if why:
+        raise ConfigError(f"save_checkpoint(format='dcp'): {why}, and "
+                          f"torch.distributed.checkpoint writes through that group",
+                          hint="use transport='gloo' or 'nccl' over the whole job, or "
+                               "format=None (pipekernel's layer files)",
+                          rank=engine.rank, stage=engine.stage)
 
 
 def check_engine(engine: Any, what: str) -> None:
@@ -105,11 +121,6 @@ def check_engine(engine: Any, what: str) -> None:
                           f"optimizer state outside DTensor, which a DCP checkpoint cannot "
                           f"map", hint="load with zero_stage=0, or shard with "
                                        "data_parallel_shard=N (FSDP2) instead", **where)
-    if parallel.expert_parallel_size > 1:
-        raise ConfigError(f"{what}: expert parallelism (expert_parallel_size="
-                          f"{parallel.expert_parallel_size}) shards experts outside DTensor, "
-                          f"which a DCP checkpoint cannot map",
-                          hint="load with expert_parallel_size=1", **where)
     if getattr(engine.precision, "_pairs", None):
         raise ConfigError(f"{what}: precision={engine.precision.name!r} keeps fp32 masters "
                           f"outside the module (here for parameters FSDP2 does not shard, "
@@ -150,7 +161,87 @@ def _state(engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
             name = f"{prefix}.{_rename(key, layers, at)}"
             state[name] = value
             keys[f"{prefix}.{key}"] = name
+    _expert_views(engine, state, keys)
     return state, keys
+
+
+# -- experts: a rank's slice shown to DCP as a DTensor over its expert-parallel group ----------
+
+def _experts(engine: Any) -> dict[str, tuple[torch.Tensor, int]]:
+    """The stage's expert slices (``{parameter name: (parameter, expert dim)}``) when the
+    engine spreads experts over ranks, else ``{}``."""
+    from pipekernel.grid import expert_parallel
+
+    ep = getattr(engine, "ep_group", None)
+    if ep is None or ep.size == 1:
+        return {}
+    return {name: (param, param.expert_parallel_dim)
+            for name, param in engine.module.named_parameters()
+            if expert_parallel.is_expert(param)}
+
+
+def _expert_of(key: str, experts: dict[str, tuple[torch.Tensor, int]]) -> Any:
+    """``(parameter, dim)`` when the stage key ``key`` (``model.{name}``,
+    ``optim.state.{name}.{k}``) is an expert parameter or its optimizer state."""
+    if key.startswith("model."):
+        return experts.get(key[len("model."):])
+    if key.startswith("optim.state."):
+        return experts.get(key[len("optim.state."):].rpartition(".")[0])
+    return None
+
+
+def _ep_mesh(engine: Any) -> Any:
+    """A 1-D DeviceMesh over this rank's expert-parallel group (made once per engine)."""
+    ep = engine.ep_group
+    mesh = getattr(ep, "_dcp_mesh", None)
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(ep.handle, torch.device(engine.transport.device).type,
+                                     mesh_dim_names=("ep",))
+        ep._dcp_mesh = mesh
+    return mesh
+
+
+def _expert_views(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None:
+    """Each expert slice in ``state`` — the parameter and its optimizer state of the
+    parameter's shape (``step`` stays a plain number) — replaced by a DTensor
+    ``Shard(dim)`` over the expert-parallel group, of the whole stack's shape: DCP writes
+    every rank's slice of one global tensor (the expert-data-parallel copies once) and
+    reads into any expert-parallel size its slice. It views the same storage, so what
+    ``dcp.load`` reads lands in the tensor :func:`_set_state` unwraps."""
+    experts = _experts(engine)
+    if not experts:
+        return
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh, size = _ep_mesh(engine), engine.ep_group.size
+    for key, name in keys.items():
+        found, value = _expert_of(key, experts), state[name]
+        if found is None or not torch.is_tensor(value) or isinstance(value, DTensor) \
+                or value.shape != found[0].shape or value.dim() == 0:
+            continue
+        shape = list(value.shape)
+        shape[found[1]] *= size
+        stride = torch.empty(shape, device="meta").stride()
+        state[name] = DTensor.from_local(value.contiguous(), mesh, [Shard(found[1])],
+                                         run_check=False, shape=torch.Size(shape),
+                                         stride=stride)
+
+
+def _plain_experts(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
+    """``state`` with the expert views of :func:`_expert_views` back to this rank's slices
+    (the stage's parameters and optimizer state are plain tensors)."""
+    experts = _experts(engine)
+    if not experts:
+        return state
+    from torch.distributed.tensor import DTensor
+
+    state = dict(state)
+    for key, name in keys.items():
+        if _expert_of(key, experts) is not None and isinstance(state[name], DTensor):
+            state[name] = state[name].to_local()
+    return state
 
 
 def _meta(engine: Any) -> dict[str, Any]:
@@ -192,6 +283,7 @@ def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
 
     def prepare() -> tuple[dict, dict, bytes | None]:
         _ckpt._check_tag(tag)
+        check_forced(engine)
         check_engine(engine, "save_checkpoint")
         engine.runtime.flush()
         state, _ = _state(engine)
@@ -229,7 +321,7 @@ def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
 # -- load ----------------------------------------------------------------------------------
 
 def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
-    return {"data_parallel_shard": 1, **saved} == ours
+    return {"data_parallel_shard": 1, "expert_parallel_size": 1, **saved} == ours
 
 
 def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
@@ -240,8 +332,12 @@ def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
     for _, index, layer in local:
         if _ckpt._has_state(layer):
             canonical.setdefault(index, layer)
+    from pipekernel.grid import expert_parallel
+
     _ckpt._check_model(meta, engine.pipeline_module, directory, sorted(canonical.items()),
-                       lambda layer: {k: list(v.shape) for k, v in layer.state_dict().items()})
+                       lambda layer: expert_parallel.full_shapes(
+                           layer, engine.ep_group,
+                           {k: list(v.shape) for k, v in layer.state_dict().items()}))
     exact = _same_layout(meta["topology"], layout(engine))
     return _ckpt._read_rank(directory, engine.rank if exact else 0), exact
 
@@ -261,6 +357,7 @@ def _set_state(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None
     into the stage and its optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    state = _plain_experts(engine, state, keys)
     model = {key[len("model."):]: state[name] for key, name in keys.items()
              if key.startswith("model.")}
     optim = {key[len("optim."):]: state[name] for key, name in keys.items()
