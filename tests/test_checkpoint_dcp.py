@@ -280,12 +280,17 @@ def _moe_data(step, replica, micro_batches):
     return e.data(step, replica, micro_batches)
 
 
-def _ep_engine(ep, **kw):
+def _sgd():
+    import test_expert_parallel as e
+    return e.sgd
+
+
+def _ep_engine(ep, stages=2, **kw):
     # SGD with momentum (the EP tests' optimizer): AdamW would turn the round-off between
     # EP2's and EP1's near-zero gradients into lr-sized steps
-    import test_expert_parallel as e
-    return pk.PipelineEngine(_moe(2), optimizer=e.sgd, micro_batches=MB, data_parallel_size=2,
-                             expert_parallel_size=ep, timeout=120, **kw)
+    return pk.PipelineEngine(_moe(stages), optimizer=_sgd(), micro_batches=MB,
+                             data_parallel_size=4 // stages, expert_parallel_size=ep,
+                             timeout=120, **kw)
 
 
 def _whole(engine):
@@ -294,8 +299,7 @@ def _whole(engine):
     from pipekernel.grid import expert_parallel as ep_mod
 
     ep = engine.ep_group
-    weights = {k: v.detach().clone()
-               for k, v in ep_mod.whole_state_dict(engine.module, ep).items()}
+    weights = {k: _full(v) for k, v in ep_mod.whole_state_dict(engine.module, ep).items()}
     optim = {}
     for name, param in engine.module.named_parameters():
         dim = getattr(param, "expert_parallel_dim", None)
@@ -303,7 +307,7 @@ def _whole(engine):
         for key, value in engine.optimizer.state.get(param, {}).items():
             if dim is not None and torch.is_tensor(value) and value.shape == param.shape:
                 value = ep_mod.gather_slices(value, dim, ep)
-            state[key] = value.detach().clone() if torch.is_tensor(value) else value
+            state[key] = _full(value) if torch.is_tensor(value) else value
         optim[name] = state
     return {"weights": weights, "optim": optim}
 
@@ -329,7 +333,8 @@ def _close(ours, theirs, exact):
 def ep_worker(root):
     """PP2 x EP2 saved through DCP at step K: resumed at EP2 it trains on bit for bit;
     loaded at EP1 (and saved there, loaded back at EP2) it trains on like the run that
-    never stopped, to round-off. bf16's masters outside the module stay refused."""
+    never stopped, to round-off; FSDP2 (2 shards, E=1) reads it and saves a checkpoint
+    EP2 reads. A bad format and bf16's masters outside the module are refused."""
     torch.set_num_threads(1)
 
     def train(engine, steps):
@@ -356,6 +361,19 @@ def ep_worker(root):
         out["runs"][name] = {"exact": info["exact"], "loaded": loaded, "losses": resumed,
                              "after": after, "local": engine.module.state_dict()}
         engine.close()
+    # FSDP2 (E=1, 2 shards) reads the EP2 checkpoint and saves its own, which EP2 reads
+    fsdp = pk.PipelineEngine(_moe(2), optimizer=_sgd(),
+                             micro_batches=MB, data_parallel_shard=2, timeout=120)
+    fsdp.load_checkpoint(root, tag="ep2")
+    out["fsdp_loaded"] = _close(_whole(fsdp), saved, exact=True)
+    fsdp.save_checkpoint(root, tag="fsdp")
+    fsdp.close()
+    engine = _ep_engine(2)
+    engine.load_checkpoint(root, tag="fsdp")
+    out["from_fsdp"] = _close(_whole(engine), saved, exact=True)
+    out["from_fsdp_losses"] = train(engine, range(K, N))
+    engine.close()
+    out["format"] = _refused(lambda: _ep_engine(2).save_checkpoint(root, format="zip"))
     out["bf16"] = _refused(lambda: _ep_engine(2, precision="bf16").save_checkpoint(
         root, tag="bf16", format="dcp"))
     return out
@@ -373,6 +391,10 @@ def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
         for name, run in runs.items():
             assert run["loaded"] is None, (name, run["loaded"])  # the state saved, exactly
             assert run["after"] is None, (name, run["after"])
+        assert result["fsdp_loaded"] is None, result["fsdp_loaded"]
+        assert result["from_fsdp"] is None, result["from_fsdp"]
+        assert result["from_fsdp_losses"] == pytest.approx(losses[K:], rel=1e-5, abs=1e-6)
+        assert result["format"] and "format='zip'" in result["format"], result["format"]
         assert result["bf16"] and "precision='bf16'" in result["bf16"], result["bf16"]
     experts = [k for k in results[0]["runs"]["resume"]["local"] if k.endswith("mlp.w_in")]
     assert experts  # each EP2 rank holds half of the experts, the EP1 ranks all of them
@@ -384,3 +406,33 @@ def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
     assert whole.keys() == saved.keys()
     for key, value in whole.items():  # the DCP tensors are the whole stacks
         assert torch.equal(value, saved[key]), key
+
+
+def ep_replicas_worker(root):
+    """One stage x 4 replicas at E=2 (two expert-parallel groups holding the same slices,
+    which DCP's save plan deduplicates) loads at E=4 and E=1 exactly (E=4 saving what E=1
+    loads)."""
+    torch.set_num_threads(1)
+    first = _ep_engine(2, stages=1)
+    for s in range(K):
+        first.train_batch(iter(_moe_data(s, first.data_parallel_rank, MB)))
+    first.save_checkpoint(root, tag="e2", format="dcp")
+    saved = _whole(first)
+    first.close()
+    out = {}
+    for ep, tag in ((4, "e2"), (1, "e4")):
+        engine = _ep_engine(ep, stages=1)
+        engine.load_checkpoint(root, tag=tag)
+        out[ep] = (_close(_whole(engine), saved, exact=True),
+                   tuple(engine.module.state_dict()["1.mlp.w_in"].shape))
+        if ep == 4:
+            engine.save_checkpoint(root, tag="e4", format="dcp")
+        engine.close()
+    return out
+
+
+def test_two_expert_parallel_groups_save_at_e2_and_load_at_e4_and_e1(tmp_path):
+    results = run_ranks(ep_replicas_worker, 4, str(tmp_path), timeout=300)
+    for result in results:
+        assert result[4][0] is None and result[1][0] is None, result
+        assert result[4][1][0] == 1 and result[1][1][0] == 4  # 1 expert each at E=4, all at E=1
