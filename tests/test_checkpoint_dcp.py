@@ -1,8 +1,9 @@
 """Checkpoints of sharded stages through torch.distributed.checkpoint (issue 28, item 5):
 PP2 x FSDP2 saved at step k and resumed trains on bit-exactly like the run that never
 stopped; the checkpoint loads at another layout (pp x dp_shard x tp) with its optimizer
-state, in one process (load_sequential), and from pipekernel's own layer files; a layout
-DCP cannot map is refused by name. One 4-rank process world per test, several engines in
+state, in one process (load_sequential), and from pipekernel's own layer files; under
+expert parallelism (issue 30, item 2) PP2 x EP2 resumes bit-exactly and the experts reshard
+to E=1, E=4 and FSDP2; a layout DCP cannot map is refused by name. One 4-rank process world per test, several engines in
 it."""
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 An engine whose stages hold torch parallelism — FSDP2 (``data_parallel_shard=N``), a
 DTensor plan (``tensor_parallel_plan=``), a user's ``pipekernel_parallelize_stage`` — has
 DTensor parameters and optimizer state: :func:`pipekernel.engine.checkpoint.save` sends
-it here (:func:`wanted`), and :func:`pipekernel.engine.checkpoint.load` sends every
+it here (:func:`wanted`, or ``format="dcp"``), and :func:`pipekernel.engine.checkpoint.load` sends every
 checkpoint whose ``meta.json`` says ``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
 ``meta.json``, one ``rank-NNNNN.pt`` per rank, written under ``.tmp-<tag>`` and renamed
 into place when every rank succeeded, then ``latest``; ``resume``, ``keep_last``) and
@@ -37,9 +37,16 @@ later steps agree to round-off. A DCP checkpoint also loads into an engine witho
 torch parallelism (the tensors read whole), :func:`pipekernel.load_sequential` reads
 it in one process, and :func:`pipekernel.hf.save_pretrained` gathers full tensors.
 
+Expert parallelism (``expert_parallel_size=E``) keeps each rank's slice of an expert stack
+as a plain tensor; here it is shown to DCP as a DTensor ``Shard(dim)`` over a 1-D mesh of
+the rank's expert-parallel group, of the whole stack's shape (the parameter and its
+optimizer state of the parameter's shape; :func:`_expert_views`), so the checkpoint holds
+whole stacks, each rank writes its own slice, and a load at any ``E`` — into FSDP2 at
+``E = 1`` too — reads its own. An EP engine without DTensors saves here when asked
+(``save_checkpoint(format="dcp")``), pipekernel's layer files otherwise.
+
 What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
-tensor-parallel layers, ZeRO-1 and expert parallelism shard tensors outside DTensor,
-and precision policies that keep fp32 masters outside the module (``fp16``, ``bf16``
+tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and precision policies that keep fp32 masters outside the module (``fp16``, ``bf16``
 on parameters FSDP2 does not manage) hold optimizer state DCP's ``get_state_dict``
 cannot name.
 """
