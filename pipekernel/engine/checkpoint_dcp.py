@@ -3,8 +3,9 @@
 An engine whose stages hold torch parallelism — FSDP2 (``data_parallel_shard=N``), a
 DTensor plan (``tensor_parallel_plan=``), a user's ``pipekernel_parallelize_stage`` — has
 DTensor parameters and optimizer state: :func:`pipekernel.engine.checkpoint.save` sends
-it here (:func:`wanted`, or ``format="dcp"``), and :func:`pipekernel.engine.checkpoint.load` sends every
-checkpoint whose ``meta.json`` says ``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
+it here (:func:`wanted`, or ``format="dcp"``), and
+:func:`pipekernel.engine.checkpoint.load` sends every checkpoint whose ``meta.json`` says
+``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
 ``meta.json``, one ``rank-NNNNN.pt`` per rank, written under ``.tmp-<tag>`` and renamed
 into place when every rank succeeded, then ``latest``; ``resume``, ``keep_last``) and
 puts the tensors in **one DCP directory for the whole job**::
@@ -46,9 +47,9 @@ whole stacks, each rank writes its own slice, and a load at any ``E`` — into F
 (``save_checkpoint(format="dcp")``), pipekernel's layer files otherwise.
 
 What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
-tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and precision policies that keep fp32 masters outside the module (``fp16``, ``bf16``
-on parameters FSDP2 does not manage) hold optimizer state DCP's ``get_state_dict``
-cannot name.
+tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and precision policies
+that keep fp32 masters outside the module (``fp16``, ``bf16`` on parameters FSDP2 does not
+manage) hold optimizer state DCP's ``get_state_dict`` cannot name.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ import torch
 from pipekernel.engine import checkpoint as _ckpt
 from pipekernel.engine.checkpoint_files import FORMAT_VERSION, rank_file
 from pipekernel.errors import ConfigError, DataError
+from pipekernel.grid import expert_parallel
 
 __all__ = ["DCP_DIR", "FORMAT", "check_engine", "is_dcp", "load", "load_sequential", "save",
            "wanted"]
@@ -177,8 +179,6 @@ def _state(engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
 def _experts(engine: Any) -> dict[str, tuple[torch.Tensor, int]]:
     """The stage's expert slices (``{parameter name: (parameter, expert dim)}``) when the
     engine spreads experts over ranks, else ``{}``."""
-    from pipekernel.grid import expert_parallel
-
     ep = getattr(engine, "ep_group", None)
     if ep is None or ep.size == 1:
         return {}
@@ -215,8 +215,8 @@ def _expert_views(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> N
     parameter's shape (``step`` stays a plain number) — replaced by a DTensor
     ``Shard(dim)`` over the expert-parallel group, of the whole stack's shape: DCP writes
     every rank's slice of one global tensor (the expert-data-parallel copies once) and
-    reads into any expert-parallel size its slice. It views the same storage, so what
-    ``dcp.load`` reads lands in the tensor :func:`_set_state` unwraps."""
+    reads into any expert-parallel size its slice. ``dcp.load`` reads into the view's local
+    tensor, which :func:`_set_state` unwraps and copies into the stage."""
     experts = _experts(engine)
     if not experts:
         return
@@ -339,8 +339,6 @@ def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
     for _, index, layer in local:
         if _ckpt._has_state(layer):
             canonical.setdefault(index, layer)
-    from pipekernel.grid import expert_parallel
-
     _ckpt._check_model(meta, engine.pipeline_module, directory, sorted(canonical.items()),
                        lambda layer: expert_parallel.full_shapes(
                            layer, engine.ep_group,
