@@ -1,9 +1,11 @@
 """Checkpoints of sharded stages through torch.distributed.checkpoint (issue 28, item 5):
 PP2 x FSDP2 saved at step k and resumed trains on bit-exactly like the run that never
 stopped; the checkpoint loads at another layout (pp x dp_shard x tp) with its optimizer
-state, in one process (load_sequential), and from pipekernel's own layer files; a layout
-DCP cannot map is refused by name. The 4-rank cases run one after another in one process
-world (tests/sweep.py), several engines in each case."""
+state, in one process (load_sequential), and from pipekernel's own layer files; under
+expert parallelism (issue 30, item 2) PP2 x EP2 resumes bit-exactly and the experts reshard
+to E=1, E=4 and FSDP2; a layout DCP cannot map is refused by name. The 4-rank FSDP2 cases
+run one after another in one process world (tests/sweep.py), several engines in each case;
+the expert-parallel ones in worlds of their own."""
 from __future__ import annotations
 
 import importlib.util
@@ -279,3 +281,173 @@ def test_a_failed_dcp_write_fails_every_rank_and_keeps_latest(tmp_path):
         assert result["latest"] == "global_step1"
         assert "global_step2" not in result["tags"]
         assert "holds a model of 7 layers" in result["other"], result["other"]
+
+
+# -- expert parallelism: each rank's slice of the expert stacks in one DCP tensor ------------
+
+def _moe(num_stages=None):
+    import test_expert_parallel as e
+    return e.build(num_stages)
+
+
+def _moe_data(step, replica, micro_batches):
+    import test_expert_parallel as e
+    return e.data(step, replica, micro_batches)
+
+
+def _sgd():
+    import test_expert_parallel as e
+    return e.sgd
+
+
+def _ep_engine(ep, stages=2, **kw):
+    # SGD with momentum (the EP tests' optimizer): AdamW would turn the round-off between
+    # EP2's and EP1's near-zero gradients into lr-sized steps
+    return pk.PipelineEngine(_moe(stages), optimizer=_sgd(), micro_batches=MB,
+                             data_parallel_size=4 // stages, expert_parallel_size=ep,
+                             timeout=120, **kw)
+
+
+def _whole(engine):
+    """Whole weights and optimizer state by global name, each expert slice gathered over
+    the expert-parallel group (collective)."""
+    from pipekernel.grid import expert_parallel as ep_mod
+
+    ep = engine.ep_group
+    weights = {k: _full(v) for k, v in ep_mod.whole_state_dict(engine.module, ep).items()}
+    optim = {}
+    for name, param in engine.module.named_parameters():
+        dim = getattr(param, "expert_parallel_dim", None)
+        state = {}
+        for key, value in engine.optimizer.state.get(param, {}).items():
+            if dim is not None and torch.is_tensor(value) and value.shape == param.shape:
+                value = ep_mod.gather_slices(value, dim, ep)
+            state[key] = _full(value) if torch.is_tensor(value) else value
+        optim[name] = state
+    return {"weights": weights, "optim": optim}
+
+
+def _close(ours, theirs, exact):
+    """``None`` when the snapshots agree (bit for bit, or to 1e-6), else what differs."""
+    for part in ("weights", "optim"):
+        if ours[part].keys() != theirs[part].keys() or not ours[part]:
+            return f"{part}: keys differ"
+    pairs = [(n, ours["weights"][n], theirs["weights"][n]) for n in ours["weights"]]
+    for name, state in ours["optim"].items():
+        if state.keys() != theirs["optim"][name].keys():
+            return f"optim {name}: {sorted(state)} != {sorted(theirs['optim'][name])}"
+        pairs += [((name, k), torch.as_tensor(v), torch.as_tensor(theirs["optim"][name][k]))
+                  for k, v in state.items()]
+    for name, a, b in pairs:
+        same = torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        if not same:
+            return f"{name}: {(a - b).abs().max().item()}"
+    return None
+
+
+def ep_worker(root):
+    """PP2 x EP2 saved through DCP at step K: resumed at EP2 it trains on bit for bit;
+    loaded at EP1 (and saved there, loaded back at EP2) it trains on like the run that
+    never stopped, to round-off; FSDP2 (2 shards, E=1) reads it and saves a checkpoint
+    EP2 reads. A bad format and bf16's masters outside the module are refused."""
+    torch.set_num_threads(1)
+
+    def train(engine, steps):
+        return [engine.train_batch(iter(_moe_data(s, engine.data_parallel_rank, MB))).item()
+                for s in steps]
+
+    first = _ep_engine(2)
+    losses = train(first, range(K))
+    first.save_checkpoint(root, tag="ep2", format="dcp")
+    saved = _whole(first)
+    losses += train(first, range(K, N))
+    uninterrupted = _whole(first)
+    first.close()
+    out = {"losses": losses, "runs": {}, "saved": saved["weights"]}
+    for name, ep, tag, save_as in (("resume", 2, None, None), ("ep1", 1, "ep2", "ep1"),
+                                   ("back", 2, "ep1", None)):
+        engine = _ep_engine(ep)
+        info = engine.resume(root) if tag is None else engine.load_checkpoint(root, tag=tag)
+        loaded = _close(_whole(engine), saved, exact=True)
+        if save_as:
+            engine.save_checkpoint(root, tag=save_as, format="dcp")
+        resumed = train(engine, range(info["global_steps"], N))
+        after = _close(_whole(engine), uninterrupted, exact=name == "resume")
+        out["runs"][name] = {"exact": info["exact"], "loaded": loaded, "losses": resumed,
+                             "after": after, "local": engine.module.state_dict()}
+        engine.close()
+    # FSDP2 (E=1, 2 shards) reads the EP2 checkpoint and saves its own, which EP2 reads
+    fsdp = pk.PipelineEngine(_moe(2), optimizer=_sgd(),
+                             micro_batches=MB, data_parallel_shard=2, timeout=120)
+    fsdp.load_checkpoint(root, tag="ep2")
+    out["fsdp_loaded"] = _close(_whole(fsdp), saved, exact=True)
+    fsdp.save_checkpoint(root, tag="fsdp")
+    fsdp.close()
+    engine = _ep_engine(2)
+    engine.load_checkpoint(root, tag="fsdp")
+    out["from_fsdp"] = _close(_whole(engine), saved, exact=True)
+    out["from_fsdp_losses"] = train(engine, range(K, N))
+    engine.close()
+    out["format"] = refused(lambda: _ep_engine(2).save_checkpoint(root, format="zip"))
+    out["bf16"] = refused(lambda: _ep_engine(2, precision="bf16").save_checkpoint(
+        root, tag="bf16", format="dcp"))
+    return out
+
+
+def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
+    results = run_ranks(ep_worker, 4, str(tmp_path), timeout=400)
+    for result in results:
+        runs, losses = result["runs"], result["losses"]
+        assert runs["resume"]["exact"] is True
+        assert runs["resume"]["losses"] == losses[K:]  # bit for bit
+        for name in ("ep1", "back"):
+            assert runs[name]["exact"] is False, name
+            assert runs[name]["losses"] == pytest.approx(losses[K:], rel=1e-5, abs=1e-6)
+        for name, run in runs.items():
+            assert run["loaded"] is None, (name, run["loaded"])  # the state saved, exactly
+            assert run["after"] is None, (name, run["after"])
+        assert result["fsdp_loaded"] is None, result["fsdp_loaded"]
+        assert result["from_fsdp"] is None, result["from_fsdp"]
+        assert result["from_fsdp_losses"] == pytest.approx(losses[K:], rel=1e-5, abs=1e-6)
+        assert result["format"] and "format='zip'" in result["format"], result["format"]
+        assert result["bf16"] and "precision='bf16'" in result["bf16"], result["bf16"]
+    experts = [k for k in results[0]["runs"]["resume"]["local"] if k.endswith("mlp.w_in")]
+    assert experts  # each EP2 rank holds half of the experts, the EP1 ranks all of them
+    for key in experts:
+        assert results[0]["runs"]["resume"]["local"][key].shape[0] * 2 == \
+            results[0]["runs"]["ep1"]["local"][key].shape[0]
+    saved = {k: v for result in results for k, v in result["saved"].items()}
+    whole = pk.load_sequential(str(tmp_path), _moe(), tag="ep2").state_dict()
+    assert whole.keys() == saved.keys()
+    for key, value in whole.items():  # the DCP tensors are the whole stacks
+        assert torch.equal(value, saved[key]), key
+
+
+def ep_replicas_worker(root):
+    """One stage x 4 replicas at E=2 (two expert-parallel groups holding the same slices,
+    which DCP's save plan deduplicates) loads at E=4 and E=1 exactly (E=4 saving what E=1
+    loads)."""
+    torch.set_num_threads(1)
+    first = _ep_engine(2, stages=1)
+    for s in range(K):
+        first.train_batch(iter(_moe_data(s, first.data_parallel_rank, MB)))
+    first.save_checkpoint(root, tag="e2", format="dcp")
+    saved = _whole(first)
+    first.close()
+    out = {}
+    for ep, tag in ((4, "e2"), (1, "e4")):
+        engine = _ep_engine(ep, stages=1)
+        engine.load_checkpoint(root, tag=tag)
+        out[ep] = (_close(_whole(engine), saved, exact=True),
+                   tuple(engine.module.state_dict()["1.mlp.w_in"].shape))
+        if ep == 4:
+            engine.save_checkpoint(root, tag="e4", format="dcp")
+        engine.close()
+    return out
+
+
+def test_two_expert_parallel_groups_save_at_e2_and_load_at_e4_and_e1(tmp_path):
+    results = run_ranks(ep_replicas_worker, 4, str(tmp_path), timeout=300)
+    for result in results:
+        assert result[4][0] is None and result[1][0] is None, result
+        assert result[4][1][0] == 1 and result[1][1][0] == 4  # 1 expert each at E=4, all at E=1

@@ -7,7 +7,7 @@ counts each expert once), and so does DeepSeek-V3 (a dense first layer, a shared
 no router loss in its forward) under 1f1b; each rank holds 1/E of each MoE layer's
 experts (from the parameter shapes); ``save_pretrained`` writes whole experts (the
 directory loads into ``from_pretrained`` as the reference), and so does
-``save_checkpoint`` (``load_checkpoint`` cuts each rank's slice again). Bad input — 2 not dividing 3
+``save_checkpoint`` (``load_checkpoint`` cuts each rank's slice again; through DCP too). Bad input — 2 not dividing 3
 experts, a dense model — is a ConfigError naming it.
 """
 from __future__ import annotations
@@ -90,18 +90,22 @@ def train(family, schedule, chunks, partition, clip, path):
 
 
 def _reload(engine, partition, state, path):
-    """``save_checkpoint`` (whole expert stacks) and ``load_checkpoint`` into a fresh
-    engine (this rank's slice again): whether the state comes back equal."""
+    """``save_checkpoint`` (whole expert stacks; through DCP too) and ``load_checkpoint``
+    into a fresh engine (this rank's slice again): whether the state comes back equal."""
     engine.save_checkpoint(path, tag="ep")
+    engine.save_checkpoint(path, tag="dcp", format="dcp")
     again = pk.PipelineEngine(hf.pipeline_module(build(), num_stages=2, partition=partition,
                                                  loss_fn=hf.causal_lm_mean_loss),
                               optimizer=sgd, micro_batches=MICRO_BATCHES,
                               expert_parallel_size=2, timeout=60)
     try:
-        again.load_checkpoint(path, tag="ep")
-        loaded = {k.partition(".")[2]: v for k, v in again.module.state_dict().items()}
-        return loaded.keys() == state.keys() and all(torch.equal(loaded[k], v)
-                                                     for k, v in state.items())
+        same = []
+        for tag in ("dcp", "ep"):  # DCP first: the fresh engine's weights are not the saved
+            again.load_checkpoint(path, tag=tag)
+            loaded = {k.partition(".")[2]: v for k, v in again.module.state_dict().items()}
+            same.append(loaded.keys() == state.keys() and all(torch.equal(loaded[k], v)
+                                                              for k, v in state.items()))
+        return all(same)
     finally:
         again.close()
 

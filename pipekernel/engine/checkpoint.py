@@ -293,13 +293,16 @@ def _publish(root: str, tag: str, tmp: str, final: str) -> None:
 
 
 def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
-         client_state: Any = None) -> str:
+         client_state: Any = None, format: str | None = None) -> str:  # noqa: A002
     """Write a checkpoint of ``engine`` to ``root/tag`` and point ``root/latest`` at it.
 
     Collective: every rank of the engine calls it with the same ``root`` and ``tag``
     (default ``f"global_step{engine.global_steps}"``). ``client_state`` (tensors,
     numbers, strings, lists, dicts) is stored per rank and returned by :func:`load`.
-    Saving an existing tag replaces it.
+    Saving an existing tag replaces it. ``format``: ``None`` writes through
+    ``torch.distributed.checkpoint`` where a stage holds DTensors and pipekernel's layer
+    files elsewhere; ``"dcp"`` through DCP always (e.g. under expert parallelism: every
+    rank writes its own experts' slice, :mod:`pipekernel.engine.checkpoint_dcp`).
 
     :returns: the checkpoint directory, on every rank.
     :raises ConfigError: on every rank when any rank could not write (the reason and
@@ -307,7 +310,12 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
     """
     root = os.fspath(root)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    if checkpoint_dcp.wanted(engine):  # sharded stages: torch.distributed.checkpoint
+    if format not in (None, checkpoint_dcp.FORMAT):
+        raise ConfigError(f"save_checkpoint: format={format!r} is not a checkpoint format",
+                          hint="format=None (DCP where a stage holds DTensors, else "
+                               "pipekernel's layer files) or format='dcp' "
+                               "(torch.distributed.checkpoint always)", rank=engine.rank)
+    if format == checkpoint_dcp.FORMAT or checkpoint_dcp.wanted(engine):
         return checkpoint_dcp.save(engine, root, tag, client_state)
     rank, transport = engine.rank, engine.transport
     final = os.path.join(root, tag)

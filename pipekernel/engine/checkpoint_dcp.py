@@ -3,8 +3,9 @@
 An engine whose stages hold torch parallelism — FSDP2 (``data_parallel_shard=N``), a
 DTensor plan (``tensor_parallel_plan=``), a user's ``pipekernel_parallelize_stage`` — has
 DTensor parameters and optimizer state: :func:`pipekernel.engine.checkpoint.save` sends
-it here (:func:`wanted`), and :func:`pipekernel.engine.checkpoint.load` sends every
-checkpoint whose ``meta.json`` says ``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
+it here (:func:`wanted`, or ``format="dcp"``), and
+:func:`pipekernel.engine.checkpoint.load` sends every checkpoint whose ``meta.json`` says
+``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
 ``meta.json``, one ``rank-NNNNN.pt`` per rank, written under ``.tmp-<tag>`` and renamed
 into place when every rank succeeded, then ``latest``; ``resume``, ``keep_last``) and
 puts the tensors in **one DCP directory for the whole job**::
@@ -37,11 +38,18 @@ later steps agree to round-off. A DCP checkpoint also loads into an engine witho
 torch parallelism (the tensors read whole), :func:`pipekernel.load_sequential` reads
 it in one process, and :func:`pipekernel.hf.save_pretrained` gathers full tensors.
 
+Expert parallelism (``expert_parallel_size=E``) keeps each rank's slice of an expert stack
+as a plain tensor; here it is shown to DCP as a DTensor ``Shard(dim)`` over a 1-D mesh of
+the rank's expert-parallel group, of the whole stack's shape (the parameter and its
+optimizer state of the parameter's shape; :func:`_expert_views`), so the checkpoint holds
+whole stacks, each rank writes its own slice, and a load at any ``E`` — into FSDP2 at
+``E = 1`` too — reads its own. An EP engine without DTensors saves here when asked
+(``save_checkpoint(format="dcp")``), pipekernel's layer files otherwise.
+
 What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
-tensor-parallel layers, ZeRO-1 and expert parallelism shard tensors outside DTensor,
-and precision policies that keep fp32 masters outside the module (``fp16``, ``bf16``
-on parameters FSDP2 does not manage) hold optimizer state DCP's ``get_state_dict``
-cannot name.
+tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and precision policies
+that keep fp32 masters outside the module (``fp16``, ``bf16`` on parameters FSDP2 does not
+manage) hold optimizer state DCP's ``get_state_dict`` cannot name.
 """
 from __future__ import annotations
 
@@ -56,6 +64,7 @@ import torch
 from pipekernel.engine import checkpoint as _ckpt
 from pipekernel.engine.checkpoint_files import FORMAT_VERSION, rank_file
 from pipekernel.errors import ConfigError, DataError
+from pipekernel.grid import expert_parallel
 
 __all__ = ["DCP_DIR", "FORMAT", "check_engine", "is_dcp", "load", "load_sequential", "save",
            "wanted"]
@@ -85,8 +94,24 @@ def is_dcp(meta: dict[str, Any]) -> bool:
 
 
 def layout(engine: Any) -> dict[str, Any]:
-    """The layout a DCP checkpoint records: pipekernel's, with the shard count."""
-    return {**_ckpt._layout(engine), "data_parallel_shard": engine.parallel.data_parallel_shard}
+    """The layout a DCP checkpoint records: pipekernel's, with the shard count and the
+    expert-parallel size."""
+    return {**_ckpt._layout(engine), "data_parallel_shard": engine.parallel.data_parallel_shard,
+            "expert_parallel_size": engine.parallel.expert_parallel_size}
+
+
+def check_forced(engine: Any) -> None:
+    """``ConfigError`` when ``save_checkpoint(format="dcp")`` asks for DCP where it cannot
+    run: DCP's collectives need torch.distributed's default group under the transport."""
+    from pipekernel.grid.mesh import mesh_unavailable
+
+    why = mesh_unavailable(engine.transport)
+    if why:
+        raise ConfigError(f"save_checkpoint(format='dcp'): {why}, and "
+                          f"torch.distributed.checkpoint writes through that group",
+                          hint="use transport='gloo' or 'nccl' over the whole job, or "
+                               "format=None (pipekernel's layer files)",
+                          rank=engine.rank, stage=engine.stage)
 
 
 def check_engine(engine: Any, what: str) -> None:
@@ -105,11 +130,6 @@ def check_engine(engine: Any, what: str) -> None:
                           f"optimizer state outside DTensor, which a DCP checkpoint cannot "
                           f"map", hint="load with zero_stage=0, or shard with "
                                        "data_parallel_shard=N (FSDP2) instead", **where)
-    if parallel.expert_parallel_size > 1:
-        raise ConfigError(f"{what}: expert parallelism (expert_parallel_size="
-                          f"{parallel.expert_parallel_size}) shards experts outside DTensor, "
-                          f"which a DCP checkpoint cannot map",
-                          hint="load with expert_parallel_size=1", **where)
     if getattr(engine.precision, "_pairs", None):
         raise ConfigError(f"{what}: precision={engine.precision.name!r} keeps fp32 masters "
                           f"outside the module (here for parameters FSDP2 does not shard, "
@@ -150,7 +170,85 @@ def _state(engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
             name = f"{prefix}.{_rename(key, layers, at)}"
             state[name] = value
             keys[f"{prefix}.{key}"] = name
+    _expert_views(engine, state, keys)
     return state, keys
+
+
+# -- experts: a rank's slice shown to DCP as a DTensor over its expert-parallel group ----------
+
+def _experts(engine: Any) -> dict[str, tuple[torch.Tensor, int]]:
+    """The stage's expert slices (``{parameter name: (parameter, expert dim)}``) when the
+    engine spreads experts over ranks, else ``{}``."""
+    ep = getattr(engine, "ep_group", None)
+    if ep is None or ep.size == 1:
+        return {}
+    return {name: (param, param.expert_parallel_dim)
+            for name, param in engine.module.named_parameters()
+            if expert_parallel.is_expert(param)}
+
+
+def _expert_of(key: str, experts: dict[str, tuple[torch.Tensor, int]]) -> Any:
+    """``(parameter, dim)`` when the stage key ``key`` (``model.{name}``,
+    ``optim.state.{name}.{k}``) is an expert parameter or its optimizer state."""
+    if key.startswith("model."):
+        return experts.get(key[len("model."):])
+    if key.startswith("optim.state."):
+        return experts.get(key[len("optim.state."):].rpartition(".")[0])
+    return None
+
+
+def _ep_mesh(engine: Any) -> Any:
+    """A 1-D DeviceMesh over this rank's expert-parallel group (made once per engine)."""
+    ep = engine.ep_group
+    mesh = getattr(ep, "_dcp_mesh", None)
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(ep.handle, torch.device(engine.transport.device).type,
+                                     mesh_dim_names=("ep",))
+        ep._dcp_mesh = mesh
+    return mesh
+
+
+def _expert_views(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None:
+    """Each expert slice in ``state`` — the parameter and its optimizer state of the
+    parameter's shape (``step`` stays a plain number) — replaced by a DTensor
+    ``Shard(dim)`` over the expert-parallel group, of the whole stack's shape: DCP writes
+    every rank's slice of one global tensor (the expert-data-parallel copies once) and
+    reads into any expert-parallel size its slice. ``dcp.load`` reads into the view's local
+    tensor, which :func:`_set_state` unwraps and copies into the stage."""
+    experts = _experts(engine)
+    if not experts:
+        return
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh, size = _ep_mesh(engine), engine.ep_group.size
+    for key, name in keys.items():
+        found, value = _expert_of(key, experts), state[name]
+        if found is None or not torch.is_tensor(value) or isinstance(value, DTensor) \
+                or value.shape != found[0].shape or value.dim() == 0:
+            continue
+        shape = list(value.shape)
+        shape[found[1]] *= size
+        stride = torch.empty(shape, device="meta").stride()
+        state[name] = DTensor.from_local(value.contiguous(), mesh, [Shard(found[1])],
+                                         run_check=False, shape=torch.Size(shape),
+                                         stride=stride)
+
+
+def _plain_experts(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> dict[str, Any]:
+    """``state`` with the expert views of :func:`_expert_views` back to this rank's slices
+    (the stage's parameters and optimizer state are plain tensors)."""
+    experts = _experts(engine)
+    if not experts:
+        return state
+    from torch.distributed.tensor import DTensor
+
+    state = dict(state)
+    for key, name in keys.items():
+        if _expert_of(key, experts) is not None and isinstance(state[name], DTensor):
+            state[name] = state[name].to_local()
+    return state
 
 
 def _meta(engine: Any) -> dict[str, Any]:
@@ -192,6 +290,7 @@ def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
 
     def prepare() -> tuple[dict, dict, bytes | None]:
         _ckpt._check_tag(tag)
+        check_forced(engine)
         check_engine(engine, "save_checkpoint")
         engine.runtime.flush()
         state, _ = _state(engine)
@@ -229,7 +328,7 @@ def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
 # -- load ----------------------------------------------------------------------------------
 
 def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
-    return {"data_parallel_shard": 1, **saved} == ours
+    return {"data_parallel_shard": 1, "expert_parallel_size": 1, **saved} == ours
 
 
 def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
@@ -241,7 +340,9 @@ def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
         if _ckpt._has_state(layer):
             canonical.setdefault(index, layer)
     _ckpt._check_model(meta, engine.pipeline_module, directory, sorted(canonical.items()),
-                       lambda layer: {k: list(v.shape) for k, v in layer.state_dict().items()})
+                       lambda layer: expert_parallel.full_shapes(
+                           layer, engine.ep_group,
+                           {k: list(v.shape) for k, v in layer.state_dict().items()}))
     exact = _same_layout(meta["topology"], layout(engine))
     return _ckpt._read_rank(directory, engine.rank if exact else 0), exact
 
@@ -261,6 +362,7 @@ def _set_state(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None
     into the stage and its optimizer."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    state = _plain_experts(engine, state, keys)
     model = {key[len("model."):]: state[name] for key, name in keys.items()
              if key.startswith("model.")}
     optim = {key[len("optim."):]: state[name] for key, name in keys.items()

@@ -354,12 +354,13 @@ class PipelineEngine(EngineFields):
 
     # -- checkpoints (pipekernel/engine/checkpoint.py; docs/checkpoints.md) -----------------
     def save_checkpoint(self, path: Any, tag: str | None = None,
-                        client_state: Any = None) -> str:
+                        client_state: Any = None, format: str | None = None) -> str:  # noqa: A002
         """Save weights, optimizer, precision, LR scheduler, RNG and counters under
         ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
-        See :func:`pipekernel.engine.checkpoint.save`."""
+        ``format="dcp"`` writes through ``torch.distributed.checkpoint`` even where no
+        stage holds DTensors. See :func:`pipekernel.engine.checkpoint.save`."""
         from pipekernel.engine.checkpoint import save
-        return save(self, path, tag, client_state)
+        return save(self, path, tag, client_state, format)
 
     def load_checkpoint(self, path: Any, tag: str | None = None) -> dict[str, Any]:
         """Load ``path/tag`` (default ``path/latest``), saved at any pipeline or

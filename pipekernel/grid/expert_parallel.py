@@ -45,7 +45,9 @@ each lane sees the same operations in the same order on every member.
 save the first expert-parallel group gathers every slice (:func:`gather_layer_state`) and
 data-parallel rank 0 writes it; on load each rank cuts its slice
 (:func:`shard_layer_state`), so a checkpoint loads at any expert-parallel size and as one
-plain model.
+plain model. A DCP checkpoint (``save_checkpoint(format="dcp")``) gathers nothing: each
+rank's slice is a DTensor ``Shard(dim)`` over its group for DCP to write and reshard
+(:mod:`pipekernel.engine.checkpoint_dcp`).
 """
 from __future__ import annotations
 
