@@ -24,6 +24,12 @@ parameter carries ``param.tensor_parallel_dim`` (the dimension it is split along
 parameters without it are replicated over the group (and their gradients equal on
 every tensor-parallel rank, as in Megatron without sequence parallelism).
 
+**Why these layers stay beside the DTensor path** (issue 28, item 4;
+``tensor_parallel_plan=`` is the path for models pipekernel does not build, Hugging Face's
+included): on ``benchmarks/tp_compare.py`` (pp=2 x tp=2, d=256, gloo, the idle 2-core
+machine) they train to the same numbers as a DTensor Colwise/Rowwise plan with the same
+bytes per rank, and their step is 1.14-1.25x faster (``benchmarks/RESULTS.md``).
+
 **Collectives** go through the engine's transport: ``all_reduce``, and
 ``all_gather`` (:func:`pipekernel.comm.collectives.all_gather`).
 """
