@@ -73,8 +73,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
-import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,9 @@ from torch import nn
 import pipekernel as pk
 import pipekernel.grid.tensor_parallel as tp
 from pipekernel.testing import reference_train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vs_torch  # noqa: E402  (its counter of saved bytes)
 
 VOCAB = 512
 MICRO = 4          # sequences per micro-batch
@@ -205,48 +209,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         t = inner
 
 
-class SavedBytes:
-    """Peak bytes of distinct storages autograd holds saved for backward while active;
-    storages of ``exclude`` (the parameters) are not counted, a DTensor counts its shard."""
+class SavedBytes(vs_torch.SavedBytes):
+    """vs_torch's counter of the bytes autograd saves, a DTensor counting its shard."""
 
-    class _Held:
-        __slots__ = ("t", "__weakref__")
-
-        def __init__(self, t: torch.Tensor) -> None:
-            self.t = t
-
-    def __init__(self, exclude) -> None:
-        self.skip = {_local(p).untyped_storage().data_ptr() for p in exclude}
-        self.live = self.peak = 0
-        self.refs: dict[int, list[int]] = {}
-
-    def _release(self, key: int) -> None:
-        entry = self.refs[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.refs[key]
-            self.live -= entry[0]
-
-    def _pack(self, t: torch.Tensor):
-        held = self._Held(t.detach())
-        storage = _local(t).untyped_storage()
-        key = storage.data_ptr()
-        if key and key not in self.skip:
-            entry = self.refs.setdefault(key, [storage.nbytes(), 0])
-            if entry[1] == 0:
-                self.live += entry[0]
-                self.peak = max(self.peak, self.live)
-            entry[1] += 1
-            weakref.finalize(held, self._release, key)
-        return held
-
-    def __enter__(self) -> SavedBytes:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+    @staticmethod
+    def _storage(t: torch.Tensor):
+        return _local(t).untyped_storage()
 
 
 def _state(engine) -> dict:

@@ -160,9 +160,14 @@ class SavedBytes:
             self.t = t
 
     def __init__(self, exclude) -> None:
-        self.skip = {p.untyped_storage().data_ptr() for p in exclude}
+        self.skip = {self._storage(p).data_ptr() for p in exclude}
         self.live = self.peak = 0
         self.refs: dict[int, list[int]] = {}
+
+    @staticmethod
+    def _storage(t: torch.Tensor):
+        """The storage counted for ``t`` (benchmarks/tp_compare.py counts a DTensor's shard)."""
+        return t.untyped_storage()
 
     def _release(self, key: int) -> None:
         entry = self.refs[key]
@@ -173,7 +178,7 @@ class SavedBytes:
 
     def _pack(self, t: torch.Tensor):
         held = self._Held(t.detach())  # detached: no reference cycle through grad_fn
-        storage = t.untyped_storage()
+        storage = self._storage(t)
         key = storage.data_ptr()
         if key and key not in self.skip:
             entry = self.refs.setdefault(key, [storage.nbytes(), 0])
