@@ -408,17 +408,12 @@ class PipelineEngine(EngineFields):
         if this engine object lives on (:func:`pipekernel.grid.mesh.release_mesh`)."""
         if self.grid.mesh is None:
             return
-        from pipekernel.grid.mesh import drop_destroyed
+        from pipekernel.grid.mesh import drop_destroyed, is_registered
 
         self.grid.close()
         if self.stage_parallel is not None:
             self.stage_parallel.close()
         drop_destroyed(self.tp_group, self.grad_reducer, self.optimizer,
                        *self._tied_reducers.values())
-        if self.data_group is not None and not self._world_has(self.data_group):
+        if self.data_group is not None and not is_registered(self.data_group):
             self._assembly = self._assembly.replace(data_group=None)
-
-    @staticmethod
-    def _world_has(group: Any) -> bool:
-        from torch.distributed import distributed_c10d as c10d
-        return group in c10d._world.pg_map

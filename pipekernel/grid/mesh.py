@@ -44,7 +44,7 @@ from pipekernel.errors import ConfigError
 
 __all__ = ["MESH_DIMS", "Grid", "build_grid", "local_share", "mesh_groups", "mesh_ranks",
            "mesh_unavailable", "release_mesh", "forget_meshes",
-           "drop_destroyed"]
+           "drop_destroyed", "is_registered"]
 
 #: The named dims of ``engine.mesh``, outermost first.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -144,7 +144,7 @@ def release_mesh(mesh: Any) -> None:
 
     default = c10d._get_default_group() if dist.is_initialized() else None
     for group in mesh_groups(mesh):
-        if group is not default and group in c10d._world.pg_map:
+        if group is not default and is_registered(group):
             dist.destroy_process_group(group)
     root = mesh._get_root_mesh()
     for one in (root, *root._flatten_mapping.values()):
@@ -157,13 +157,18 @@ def drop_destroyed(*holders: Any, names: tuple[str, ...] = ("handle", "group")) 
     (no longer registered in ``torch.distributed``) to ``None``: the engine's reducers and
     groups let go of the mesh's groups at close (see :func:`release_mesh`)."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
 
     for holder in holders:
         for name in names:
             value = getattr(holder, name, None)
-            if isinstance(value, dist.ProcessGroup) and value not in c10d._world.pg_map:
+            if isinstance(value, dist.ProcessGroup) and not is_registered(value):
                 setattr(holder, name, None)
+
+
+def is_registered(group: Any) -> bool:
+    """Whether ``group`` is still a process group of ``torch.distributed`` (not destroyed)."""
+    from torch.distributed import distributed_c10d as c10d
+    return group in c10d._world.pg_map
 
 
 def forget_meshes() -> None:

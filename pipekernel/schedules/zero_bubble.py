@@ -358,12 +358,16 @@ class ZBV(_ZeroBubble):
         """The zero-bubble plan of this stage (:func:`plan`), without pairs."""
         return super().order()
 
+    @cached_property
+    def _paired_plan(self) -> tuple[tuple[Op, ...], frozenset[int]]:
+        return pair_forwards(tuple(self.plan_order()))
+
     def order(self) -> Sequence[Op]:
         """The plan with its pairs made (:func:`pair_forwards`)."""
-        return pair_forwards(tuple(self.plan_order()))[0]
+        return self._paired_plan[0]
 
     def pairs(self) -> frozenset[int]:
-        return pair_forwards(tuple(self.plan_order()))[1]
+        return self._paired_plan[1]
 
     @cached_property
     def _plan_built(self) -> tuple[list[list[Instruction]], int]:

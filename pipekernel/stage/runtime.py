@@ -155,7 +155,9 @@ class StageRuntime:
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
         self._prefetch = prefetch
-        self._next_compute: dict[int, tuple[Any, list]] = {}  # id(program) -> table
+        # (program, per index its next compute): the program being run, worked out when
+        # it changes (a micro-batch count change), nothing kept per program object
+        self._next_compute: tuple[Any, list] | None = None
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else _same
@@ -286,10 +288,10 @@ class StageRuntime:
         program = self._program
         if self._prefetch is None or program is None or self._at < 0:
             return
-        entry = self._next_compute.get(id(program))
+        entry = self._next_compute
         if entry is None or entry[0] is not program:
-            table = _next_computes(program.stream, self.first_chunk)
-            entry = self._next_compute[id(program)] = (program, table)
+            entry = self._next_compute = (program,
+                                          _next_computes(program.stream, self.first_chunk))
         upcoming = entry[1][self._at]
         halves = (upcoming.forward, upcoming.backward) \
             if isinstance(upcoming, isa.ForwardBackward) else (upcoming,)
