@@ -7,6 +7,8 @@ single-process reference and ``fp16`` within 5e-4 (about 10x what was measured:
 6e-4 and 5e-5) — bf16 keeps 8 mantissa bits, fp16 11, and both accumulate
 gradients and step in fp32. ``amp-bf16``: 5e-3 (measured 3e-4 after 10 steps);
 the LayerNorm-in-fp32 example: 1e-2 (measured 2e-3).
+
+The multi-rank cases run as one world per size (tests/sweep.py): 2, 3 and 4 ranks.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import math
 import pytest
 import torch
 from models import MODELS, sgd
+from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
@@ -23,7 +26,7 @@ from pipekernel.schedules.instructions import OptimizerStep
 from pipekernel.plugins.precision import FP16, LossScaler, LowPrecision
 from pipekernel.step.precision import Precision
 from pipekernel.plugins.counting import CountingPlugin
-from pipekernel.testing import reference_train, run_ranks
+from pipekernel.testing import reference_train
 
 TOLERANCE = {"bf16": (5e-3, 5e-3), "fp16": (5e-4, 5e-4), "amp-bf16": (5e-3, 5e-3),
              "bf16-ln32": (1e-2, 1e-2), "fp32": (1e-5, 1e-5)}
@@ -114,13 +117,17 @@ def train_worker(model, stages, dp, micro_batches, precision, steps, max_grad_no
     engine = _engine(model, stages, dp, micro_batches, precision, plugins=[metrics],
                      max_grad_norm=max_grad_norm)
     losses = _train(engine, model, micro_batches, steps)
-    return {"losses": losses, "masters": _masters(engine), "stage": engine.stage,
+    out = {"losses": losses, "masters": _masters(engine), "stage": engine.stage,
             "replica": engine.data_parallel_rank, "sent": engine.runtime.payload_bytes(),
             "sent_fp32": sent_fp32, "metrics": metrics.seen,
             "module_dtypes": {k: v.dtype for k, v in engine.module.state_dict().items()},
             "opt_dtypes": {v.dtype for state in engine.optimizer.state.values()
                            for v in state.values() if torch.is_tensor(v)},
             "precision_state": engine.precision.state_dict()}
+    engine.close()  # the world runs other cases after this one (tests/sweep.py)
+    if compare_bytes:
+        fp32.close()
+    return out
 
 
 def _reference(model, dp, micro_batches, steps, max_grad_norm=None, skip=()):
@@ -151,11 +158,27 @@ def _close(results, ref_losses, ref_state, precision):
     assert covered == {k for k in ref_state}
 
 
+# -- the cases, declared at import: one world per size (tests/sweep.py) -----------------
+SWEEP = Sweep()
+LOW_STEPS, LOW_MB = 20, 3
+LOW = {p: SWEEP.case(f"low-{p}", 2, train_worker, "mlp", 2, 1, LOW_MB, p, LOW_STEPS, None, True)
+       for p in ("bf16", "fp16")}
+CLIP_STEPS, CLIP_MB, CLIP_NORM = 4, 3, 0.05  # small enough to clip at every step
+CLIP = {(m, st, dp, p): SWEEP.case(f"clip-{m}-{st}-{dp}-{p}", st * dp, train_worker, m, st, dp,
+                                   CLIP_MB, p, CLIP_STEPS, CLIP_NORM)
+        for m, st, dp, p in [("mlp", 2, 1, "fp32"), ("mlp", 4, 1, "fp32"),
+                             ("tied", 2, 2, "fp32"), ("tied", 3, 1, "fp16")]}
+AMP_STEPS, AMP_MB = 10, 2
+AMP = {(p, m): SWEEP.case(f"policy-{p}", 2, train_worker, m, 2, 1, AMP_MB, p, AMP_STEPS)
+       for p, m in [("amp-bf16", "mlp"), ("bf16-ln32", "ln")]}
+OVERFLOW_K, OVERFLOW_RANK, OVERFLOW_STEPS = 2, 3, 7   # rank 3: stage 1 of replica 1
+
+
 # -- bf16 / fp16: parity, fp32 masters, half the bytes --------------------------------
 @pytest.mark.parametrize("precision,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_low_precision_parity_masters_and_wire_bytes(precision, dtype):
-    steps, mb = 20, 3
-    results = run_ranks(train_worker, 2, "mlp", 2, 1, mb, precision, steps, None, True)
+    steps, mb = LOW_STEPS, LOW_MB
+    results = SWEEP.results(LOW[precision])
     ref_losses, ref_state, _ = _reference("mlp", 1, mb, steps)
     _close(results, ref_losses, ref_state, precision)
     low = str(dtype).replace("torch.", "")
@@ -192,13 +215,19 @@ def overflow_worker(k, bad_rank, steps):
         changed = any(not torch.equal(b[key], a[key]) for b, a in zip(before, after) for key in b)
         record.append({"changed": changed, "scale": engine.precision.scaler.scale,
                        "scheduler_steps": engine.lr_scheduler.last_epoch})
-    return {"record": record, "metrics": metrics.seen, "skipped_steps": engine.skipped_steps,
-            "masters": _masters(engine), "state": engine.precision.state_dict()["scaler"]}
+    out = {"record": record, "metrics": metrics.seen, "skipped_steps": engine.skipped_steps,
+           "masters": _masters(engine), "state": engine.precision.state_dict()["scaler"]}
+    engine.close()
+    return out
+
+
+# its first engine is refused: last of its world (tests/sweep.py)
+OVERFLOW = SWEEP.case("overflow", 4, overflow_worker, OVERFLOW_K, OVERFLOW_RANK, OVERFLOW_STEPS)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
-    k, bad_rank, steps = 2, 3, 7   # rank 3: stage 1 of replica 1
-    results = run_ranks(overflow_worker, 4, k, bad_rank, steps)
+    k, bad_rank, steps = OVERFLOW_K, OVERFLOW_RANK, OVERFLOW_STEPS
+    results = SWEEP.results(OVERFLOW)
     scales = [1024, 1024, 512, 512, 512, 1024, 1024]  # halved at k, doubled 3 clean steps later
     for rank, r in enumerate(results):
         changed = [x["changed"] for x in r["record"]]
@@ -222,9 +251,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
 @pytest.mark.parametrize("model,stages,dp,precision", [
     ("mlp", 2, 1, "fp32"), ("mlp", 4, 1, "fp32"), ("tied", 2, 2, "fp32"), ("tied", 3, 1, "fp16")])
 def test_clipping_equals_clip_grad_norm(model, stages, dp, precision):
-    steps, mb, max_norm = 4, 3, 0.05  # small enough to clip at every step
-    results = run_ranks(train_worker, stages * dp, model, stages, dp, mb, precision, steps,
-                        max_norm)
+    steps, mb, max_norm = CLIP_STEPS, CLIP_MB, CLIP_NORM
+    results = SWEEP.results(CLIP[model, stages, dp, precision])
     ref_losses, ref_state, ref_norms = _reference(model, dp, mb, steps, max_norm)
     assert min(ref_norms) > max_norm
     rtol = TOLERANCE[precision][0]
@@ -237,8 +265,8 @@ def test_clipping_equals_clip_grad_norm(model, stages, dp, precision):
 # -- amp-bf16 and a third-party policy ------------------------------------------------------
 @pytest.mark.parametrize("precision,model", [("amp-bf16", "mlp"), ("bf16-ln32", "ln")])
 def test_amp_and_third_party_policy(precision, model):
-    steps, mb = 10, 2
-    results = run_ranks(train_worker, 2, model, 2, 1, mb, precision, steps)
+    steps, mb = AMP_STEPS, AMP_MB
+    results = SWEEP.results(AMP[precision, model])
     ref_losses, ref_state, _ = _reference(model, 1, mb, steps)
     _close(results, ref_losses, ref_state, precision)
     for r in results:
