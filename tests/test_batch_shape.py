@@ -1,12 +1,15 @@
-"""``micro_batches`` changes between batches (a batch-size ramp-up)."""
+"""``micro_batches`` changes between batches (a batch-size ramp-up).
+
+The multi-rank cases run as one world per size (tests/sweep.py): 2 and 4 ranks."""
 from __future__ import annotations
 
 import pytest
 from models import MODELS, sgd
+from sweep import Sweep
 
 import pipekernel as pk
 from pipekernel.errors import ConfigError
-from pipekernel.testing import assert_parity, reference_train, run_ranks
+from pipekernel.testing import assert_parity, reference_train
 
 RAMP = [2, 4, 8, 4]  # 2 -> 4 -> 8, then back to a cached count
 
@@ -26,13 +29,18 @@ def _ramp_worker(stages, dp, schedule, per_call):
             losses.append(engine.train_batch(it).item())
     cached = sorted({key[1] for key in engine._programs})
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    engine.close()  # the world runs other cases after this one (tests/sweep.py)
     return losses, state, cached
 
 
-@pytest.mark.parametrize("stages,dp,schedule,per_call", [
-    (2, 1, "1f1b", False), (2, 2, "1f1b", True), (2, 1, "zb-h1", True)])
+SWEEP = Sweep()
+RAMPS = {key: SWEEP.case("ramp-{}-{}-{}-{}".format(*key), key[0] * key[1], _ramp_worker, *key)
+         for key in [(2, 1, "1f1b", False), (2, 2, "1f1b", True), (2, 1, "zb-h1", True)]}
+
+
+@pytest.mark.parametrize("stages,dp,schedule,per_call", list(RAMPS))
 def test_micro_batch_ramp_matches_one_process(stages, dp, schedule, per_call):
-    results = run_ranks(_ramp_worker, stages * dp, stages, dp, schedule, per_call)
+    results = SWEEP.results(RAMPS[stages, dp, schedule, per_call])
     build, data = MODELS["mlp"]
     batches = [[data(step, r, n) for r in range(dp)] for step, n in enumerate(RAMP)]
     ref_losses, ref_state = reference_train(build(), sgd, batches, RAMP)
@@ -53,7 +61,7 @@ def _mismatch_worker():
 
 
 def test_ranks_changing_to_different_counts_get_a_clear_error():
-    for message in run_ranks(_mismatch_worker, 2):
+    for message in SWEEP.results(MISMATCH):
         assert "micro-batch count" in message and "micro_batches: 4 on rank 0; 3 on rank 1" \
             in message, message
 
@@ -62,7 +70,13 @@ def _eval_worker():
     build, data = MODELS["mlp"]
     engine = pk.PipelineEngine(build(num_stages=2), optimizer=sgd, micro_batches=2, timeout=60)
     loss, outputs = engine.eval_batch(iter(data(0, 0, 5)), return_outputs=True, micro_batches=5)
+    engine.close()
     return loss.item(), None if outputs is None else len(outputs)
+
+
+EVAL = SWEEP.case("eval-per-call", 2, _eval_worker)
+# a refusal leaves its world as it left it: last of the world of 2 (tests/sweep.py)
+MISMATCH = SWEEP.case("mismatch", 2, _mismatch_worker)
 
 
 def test_eval_batch_takes_a_per_call_count():
@@ -71,7 +85,7 @@ def test_eval_batch_takes_a_per_call_count():
     model = build()
     ref_model = model.build_stage(0, [0, len(model.layers)])
     expected = sum(model.loss_fn(ref_model(x), y).item() for x, y in items) / 5
-    results = run_ranks(_eval_worker, 2)
+    results = SWEEP.results(EVAL)
     for loss, _ in results:
         assert loss == pytest.approx(expected, rel=1e-5)
     assert results[1][1] == 5 and results[0][1] is None
