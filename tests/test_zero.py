@@ -1,12 +1,14 @@
-"""ZeRO-1: the optimizer state sharded over replicas trains like the replicated one."""
+"""ZeRO-1: the optimizer state sharded over replicas trains like the replicated one.
+
+The multi-rank cases run as one world per size (tests/sweep.py): 1, 2 and 4 ranks."""
 from __future__ import annotations
 
 import pytest
 import torch
 from models import MODELS, adam, mlp, mlp_data
+from sweep import Sweep
 
 import pipekernel as pk
-from pipekernel.testing import run_ranks
 from pipekernel.grid.zero import ZeroOptimizer, optimizer_state_bytes
 
 MB, STEPS = 2, 3
@@ -35,7 +37,8 @@ def zero_vs_replicated_worker(stages, dp, precision, kw, model="mlp"):
         engine = pk.PipelineEngine(
             build(num_stages=stages), optimizer=adam, micro_batches=MB, data_parallel_size=dp,
             precision=precision, zero_stage=zero, timeout=60,
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), **kw)
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+            **dict(kw))
         losses = [engine.train_batch(iter(data(s, engine.data_parallel_rank, MB))).item()
                   for s in range(STEPS)]
         out[zero] = {"losses": losses, "masters": _masters(engine),
@@ -43,7 +46,7 @@ def zero_vs_replicated_worker(stages, dp, precision, kw, model="mlp"):
                      "zero": isinstance(engine.optimizer, ZeroOptimizer),
                      "norm": engine.last_grad_norm, "metrics": engine.precision.metrics(),
                      "lr": engine.optimizer.param_groups[0]["lr"]}
-
+        engine.close()  # the world runs other cases after this one (tests/sweep.py)
     return out
 
 
@@ -54,14 +57,25 @@ def one_process_worker(dp, precision):
                                lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
     losses = [engine.train_batch(iter([item for r in range(dp) for item in mlp_data(s, r, MB)]))
               .item() for s in range(STEPS)]
-    return losses, _masters(engine)
+    masters = _masters(engine)
+    engine.close()
+    return losses, masters
 
 
-@pytest.mark.parametrize("precision,kw", [("bf16", {}),
-                                          ("fp16", {"max_grad_norm": 0.5})])
+SWEEP = Sweep()
+PRECISIONS = [("bf16", {}), ("fp16", {"max_grad_norm": 0.5})]
+PP2_DP2 = {p: SWEEP.case(f"pp2-dp2-{p}", 4, zero_vs_replicated_worker, 2, 2, p,
+                         tuple(kw.items()))  # hashable: a case is a key
+           for p, kw in PRECISIONS}
+ONE_PROCESS = {p: SWEEP.case(f"one-process-{p}", 1, one_process_worker, 2, p)
+               for p, _ in PRECISIONS}
+TIED = SWEEP.case("pp2-dp2-tied", 4, zero_vs_replicated_worker, 2, 2, "fp32", (), "tied")
+
+
+@pytest.mark.parametrize("precision,kw", PRECISIONS)
 def test_zero1_two_stages_two_replicas_matches_replicated_and_one_process(precision, kw):
-    results = run_ranks(zero_vs_replicated_worker, 4, 2, 2, precision, kw)
-    ref_losses, ref_masters = run_ranks(one_process_worker, 1, 2, precision)[0]
+    results = SWEEP.results(PP2_DP2[precision])
+    ref_losses, ref_masters = SWEEP.results(ONE_PROCESS[precision])[0]
     for rank_result in results:
         plain, zero = rank_result[0], rank_result[1]
         assert zero["zero"] and not plain["zero"]
@@ -83,7 +97,7 @@ def test_zero1_two_stages_two_replicas_matches_replicated_and_one_process(precis
 
 
 def test_zero1_with_tied_weights_across_stages_matches_replicated():
-    for rank_result in run_ranks(zero_vs_replicated_worker, 4, 2, 2, "fp32", {}, "tied"):
+    for rank_result in SWEEP.results(TIED):
         plain, zero = rank_result[0], rank_result[1]
         assert zero["zero"] and zero["losses"] == pytest.approx(plain["losses"], rel=1e-6)
         for name, value in zero["masters"].items():
@@ -97,14 +111,16 @@ def state_dict_worker():
     for zero in (0, 1):
         engine = _engine(1, 2, zero, "fp32")
         _run(engine, range(2))
-        state = engine.optimizer.state_dict()
-        out[zero] = state
-
+        out[zero] = engine.optimizer.state_dict()
+        engine.close()
     return out
 
 
+STATE_DICT = SWEEP.case("state-dict", 2, state_dict_worker)
+
+
 def test_zero1_state_dict_is_the_full_replicated_layout():
-    for result in run_ranks(state_dict_worker, 2):
+    for result in SWEEP.results(STATE_DICT):
         plain, zero = result[0], result[1]
         assert sorted(zero["state"]) == sorted(plain["state"])
         for index, entry in plain["state"].items():
@@ -139,6 +155,10 @@ def build_zero_directly_worker():
     return None
 
 
+# a refusal leaves its world as it left it: last of the world of 2 (tests/sweep.py)
+SEVERAL_GROUPS = SWEEP.case("several-groups", 2, build_zero_directly_worker)
+
+
 def test_a_factory_with_several_groups_is_refused():
-    for message in run_ranks(build_zero_directly_worker, 2):
+    for message in SWEEP.results(SEVERAL_GROUPS):
         assert message is not None and "one parameter group" in message and "how to fix" in message
