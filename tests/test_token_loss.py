@@ -1,16 +1,19 @@
 """``loss_reduction="tokens"``: the gradient of the loss averaged over every token of the
-batch (padded, variable-length data), equal to one process doing the same."""
+batch (padded, variable-length data), equal to one process doing the same.
+
+The multi-rank cases run as one world per size (tests/sweep.py): 2 and 4 ranks."""
 from __future__ import annotations
 
 import pytest
 import torch
 from models import Block, sgd
+from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
 from pipekernel.errors import ConfigError, DataError
 from pipekernel.stage.loss import TokenLoss, check_loss_reduction
-from pipekernel.testing import assert_parity, reference_train, run_ranks
+from pipekernel.testing import assert_parity, reference_train
 
 VOCAB, DIM, LENGTH, STEPS, MICRO_BATCHES = 11, 8, 8, 3, 3
 PAD = -100
@@ -54,13 +57,18 @@ def _worker(stages, dp, schedule, max_grad_norm):
         losses.append(engine.train_batch(iter(data)).item())
         norms.append(engine.last_grad_norm)
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    engine.close()  # the world runs other cases after this one (tests/sweep.py)
     return losses, state, norms
 
 
-@pytest.mark.parametrize("stages,dp,schedule,max_grad_norm", [
-    (2, 1, "1f1b", None), (2, 2, "1f1b", 0.05), (2, 1, "zb-h1", None)])
+SWEEP = Sweep(timeout=600)
+TOKEN_MEAN = {key: SWEEP.case("tokens-{}-{}-{}-{}".format(*key), key[0] * key[1], _worker, *key)
+              for key in [(2, 1, "1f1b", None), (2, 2, "1f1b", 0.05), (2, 1, "zb-h1", None)]}
+
+
+@pytest.mark.parametrize("stages,dp,schedule,max_grad_norm", list(TOKEN_MEAN))
 def test_token_mean_matches_one_process(stages, dp, schedule, max_grad_norm):
-    results = run_ranks(_worker, stages * dp, stages, dp, schedule, max_grad_norm)
+    results = SWEEP.results(TOKEN_MEAN[stages, dp, schedule, max_grad_norm])
     batches = [[padded_data(step, r, MICRO_BATCHES) for r in range(dp)] for step in range(STEPS)]
     ref_norms = []
 
@@ -145,9 +153,12 @@ def _paired_tokens_worker():
     return out
 
 
+PAIRED = SWEEP.case("paired-tokens", 2, _paired_tokens_worker)
+
+
 @pytest.mark.multirank
 def test_paired_executor_keeps_the_token_counts():
-    for result in run_ranks(_paired_tokens_worker, 2, timeout=600):
+    for result in SWEEP.results(PAIRED):
         (default, state), (paired, paired_state) = result["default"], result["sequential"]
         assert default == paired
         assert all(torch.equal(state[k], paired_state[k]) for k in state)
