@@ -365,10 +365,9 @@ class TorchDistributedTransport:
             dist.destroy_process_group()
             self._owns_group = False
         else:  # the host's world: destroy only the groups new_group made (tied, EP, ...)
-            from pipekernel.grid.mesh import is_registered
-
+            registered = dist.distributed_c10d._world.pg_map
             for group in made:
-                if dist.is_initialized() and is_registered(group):
+                if dist.is_initialized() and group in registered:
                     dist.destroy_process_group(group)
         if self._waiter_thread is not None:  # its gloo wait (if any) ended with the group
             self._waiter_thread.stop()
