@@ -100,3 +100,46 @@ def test_close_destroys_the_mesh_groups_and_a_second_engine_trains(host_owned, s
         assert result["losses"] == pytest.approx(ref[0][0] + ref[1][0], rel=1e-5, abs=1e-6)
         for name, value in result["state"].items():
             torch.testing.assert_close(value, ref[1][1][name], rtol=1e-5, atol=1e-6)
+
+
+def tied_close_worker(shard):
+    """In the host's world: a tied-layer engine's close leaves no group of its own (the
+    tied groups come from ``transport.new_group``), keeps the host's, and ``engine.mesh``
+    after it raises instead of handing back a mesh over destroyed groups."""
+    import torch.distributed as dist
+    from models import token_data, tied_lm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=os.environ["PIPEKERNEL_INIT_METHOD"],
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    before = _registered()
+    engine = pk.PipelineEngine(tied_lm(num_stages=2), optimizer=adam, micro_batches=MB,
+                               data_parallel_size=2 // shard, data_parallel_shard=shard,
+                               timeout=120)
+    created = len(_registered() - before)
+    engine.train_batch(iter(token_data(0, engine.data_parallel_rank, MB)))
+    had_mesh = engine.mesh is not None
+    engine.close()
+    left = {g.group_name for g in _registered() - before}
+    try:
+        engine.mesh
+        error = None
+    except pk.ConfigError as exc:
+        error = str(exc)
+    kept = _registered() >= before and dist.is_initialized()
+    dist.destroy_process_group()
+    return {"created": created, "left": left, "had_mesh": had_mesh, "error": error,
+            "kept": kept}
+
+
+@pytest.mark.parametrize("shard", [1, 2])
+def test_close_destroys_the_tied_groups_in_the_host_world(shard):
+    for rank, result in enumerate(run_ranks(tied_close_worker, 4, shard)):
+        assert result["created"] > 0, result
+        assert result["left"] == set(), f"rank {rank}: still registered: {result['left']}"
+        assert result["kept"], f"rank {rank}: a host group was destroyed"
+        if result["had_mesh"]:
+            assert "after engine.close()" in result["error"], result
+        else:
+            assert result["error"] is None, result

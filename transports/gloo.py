@@ -179,6 +179,7 @@ class TorchDistributedTransport:
         self._waiter_thread: _Waiter | None = None
         self.group = group
         self._groups: dict[tuple[int, ...], Any] = {}
+        self._made: list[Any] = []  # every new_group's group, destroyed by close()
         # group -> collective -> its words; weak, so that a group destroyed elsewhere (a
         # closed engine's mesh) is freed and gloo joins its threads
         self._texts: weakref.WeakKeyDictionary[Any, dict[str, str]] = \
@@ -341,24 +342,33 @@ class TorchDistributedTransport:
             return None  # the world itself
         timeout = datetime.timedelta(seconds=self._group_timeout())
         if self._global is None:
-            return dist.new_group(ranks, timeout=timeout)
+            group = dist.new_group(ranks, timeout=timeout)
+            self._made.append(group)
+            return group
         # Ranks outside self.group never call this, so synchronise among members only;
         # torch names such groups after their ranks, hence one group per rank set.
         key = tuple(self.global_rank(r) for r in ranks)
         if key not in self._groups:
             self._groups[key] = dist.new_group(list(key), timeout=timeout,
                                                use_local_synchronization=True)
+            self._made.append(self._groups[key])
         return self._groups[key]
 
     def close(self) -> None:
-        """Destroy the process group this transport created (a no-op for a group the
-        host created, which the host destroys). Freeing the group joins gloo's worker
+        """Destroy the process group this transport created; over a group the host
+        created, destroy only the groups ``new_group`` made (the host's stay). Freeing the group joins gloo's worker
         threads: none may be left to touch Python objects while the interpreter exits.
         """
         _OWNED.discard(self)
+        made, self._made, self._groups = self._made, [], {}
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+        else:  # the host's world: destroy only the groups new_group made (tied, EP, ...)
+            registered = dist.distributed_c10d._world.pg_map
+            for group in made:
+                if dist.is_initialized() and group in registered:
+                    dist.destroy_process_group(group)
         if self._waiter_thread is not None:  # its gloo wait (if any) ended with the group
             self._waiter_thread.stop()
             self._waiter_thread = None

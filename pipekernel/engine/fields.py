@@ -18,6 +18,19 @@ def _read(path: str, doc: str | None = None) -> property:
     return property(lambda self: get(self._assembly), doc=doc)
 
 
+def _open_mesh(assembly: Any) -> Any:
+    """The stage's mesh, or a ``ConfigError`` once ``close()`` destroyed its groups (the
+    DeviceMesh object would still answer, over dead groups)."""
+    stage = assembly.stage
+    if stage.mesh is not None and stage.grid.mesh is None:
+        from pipekernel.errors import ConfigError
+
+        raise ConfigError("engine.mesh was read after engine.close(): its process groups "
+                          "are destroyed", hint="read engine.mesh (and build what needs "
+                          "it) before close(), or build a new engine")
+    return stage.mesh
+
+
 def _run_state(name: str, doc: str | None = None) -> property:
     """An attribute of the engine's run state (checkpoints restore the counters)."""
     return property(lambda self: getattr(self.state, name),
@@ -45,8 +58,10 @@ class EngineFields(Placed):
     partition_report = _read("parts.partition_report", "Layers, parameters, cost and memory "
                              "per stage, and the imbalance (same on every rank).")
     grid = _read("stage.grid", "This rank's groups and the mesh (pipekernel.grid.mesh).")
-    mesh = _read("stage.mesh", "The DeviceMesh (dims ('pp', 'dp_replicate', 'dp_shard', "
-                 "'tp')), or None (a transport without one, or nothing that needs it).")
+    mesh = property(lambda self: _open_mesh(self._assembly),
+                    doc="The DeviceMesh (dims ('pp', 'dp_replicate', 'dp_shard', 'tp')), or "
+                        "None (a transport without one, or nothing that needs it); after "
+                        "close() a ConfigError (its groups are destroyed).")
     tp_group, ep_group = _read("stage.tp_group"), _read("stage.ep_group")
     module = _read("stage.module", "This stage's layers (a StageModule).")
     skip_router, skip_edges = _read("stage.skip_router"), _read("stage.skip_edges")
