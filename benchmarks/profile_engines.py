@@ -248,7 +248,7 @@ MACHINERY = {"pk": [c for c, e in COMPONENTS if e == "pk"],
 
 _GLOO_POST = {"_post", "isend", "irecv", "batch_isend_irecv", "_bytes", "global_rank",
               "_Handle.__init__"}
-_GLOO_WAIT = {"_Handle.wait", "_Handle.is_completed", "_waiter", "_Box.__init__"}
+_GLOO_WAIT = {"_Handle.wait", "_Handle.is_completed", "_waiter", "_Box.__init__", "_Box.wait"}
 _GLOO_COLLECTIVE = {"all_reduce", "iall_reduce", "all_gather", "broadcast", "barrier",
                     "_collective", "_finish_text"}
 _C10D_POST = {"isend", "irecv", "batch_isend_irecv", "send", "recv", "_coalescing_manager",

@@ -17,6 +17,7 @@ import datetime
 import os
 import queue
 import threading
+from _thread import allocate_lock as _allocate_lock
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -61,15 +62,19 @@ class _Handle:
                 error = err
         else:
             box = transport._waiter().submit(self._work, timeout)
-            try:
-                # the waiter's gloo wait is bounded by ``timeout``; the slack only guards
-                # against a waiter that never reports
-                finished = wait_sliced(box.event.wait, timeout + 30.0,
-                                       getattr(transport, "abort_check", None),
-                                       getattr(transport, "abort_interval", 0.5))
-            except PeerAbort as err:
-                err.add_detail(f"rank {rank} was waiting to {self._what} {self._describe()}")
-                raise
+            # the first slice inline: most waits end within it, without wait_sliced's loop
+            finished = box.lock.acquire(True, transport.abort_interval)
+            if not finished:
+                try:
+                    # the waiter's gloo wait is bounded by ``timeout``; the slack only
+                    # guards against a waiter that never reports
+                    finished = wait_sliced(box.wait, timeout + 30.0,
+                                           getattr(transport, "abort_check", None),
+                                           getattr(transport, "abort_interval", 0.5))
+                except PeerAbort as err:
+                    err.add_detail(f"rank {rank} was waiting to {self._what} "
+                                   f"{self._describe()}")
+                    raise
             error = box.error if finished else RuntimeError("Timed out (the waiter thread "
                                                             "never reported)")
         if error is not None:
@@ -114,10 +119,24 @@ class _Handle:
 
 
 class _Box:
-    __slots__ = ("event", "error")
+    """One wait handed to the waiter thread: ``lock`` is taken when the box is made and
+    released by the waiter once the gloo wait returned (``error`` set first if it
+    raised). A bare lock, not a ``threading.Event``: the Event's Condition builds and
+    takes three locks in Python per wait, on the path every transfer goes through."""
+
+    __slots__ = ("lock", "error")
 
     def __init__(self) -> None:
-        self.event, self.error = threading.Event(), None
+        self.lock, self.error = _allocate_lock(), None
+        self.lock.acquire()
+
+    def wait(self, seconds: float) -> bool:
+        """Block at most ``seconds``; ``True`` once the waiter has reported. Signal
+        handlers run while blocked (a timed lock acquire is interruptible)."""
+        if self.lock.acquire(True, seconds):
+            self.lock.release()  # later calls see it finished too
+            return True
+        return False
 
 
 class _Waiter:
@@ -148,7 +167,7 @@ class _Waiter:
                 work.wait(datetime.timedelta(seconds=timeout))
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 box.error = err
-            box.event.set()
+            box.lock.release()
             del work, item, box
 
 
