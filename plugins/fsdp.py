@@ -3,13 +3,19 @@
 An implementation of :func:`~pipekernel.extend.hookspecs.pipekernel_parallelize_stage`
 (``trylast``: after tensor parallelism, as torchtitan orders them). It shards the stage
 with ``torch.distributed.fsdp.fully_shard`` over ``mesh["dp_shard"]`` (HSDP over
-``mesh["dp_replicate", "dp_shard"]`` when there are replicas too): each layer (a child of
-the stage holding parameters) becomes one FSDP2 parameter group, then the stage itself
-(the root). The engine times it by the schedule (:mod:`pipekernel.grid.stage_parallel`):
-one all-gather per layer and batch (``reshard_after_forward=False``, the default; ``True``
-frees each layer's gathered parameters after every forward and gathers them again for its
-backward, each all-gather started ahead: see ``StageParallel.prefetch``), one
-reduce-scatter per layer and batch after the stage's last backward.
+``mesh["dp_replicate", "dp_shard"]`` when there are replicas too). The engine times it by
+the schedule (:mod:`pipekernel.grid.stage_parallel`):
+
+* ``reshard_after_forward=False`` (the default): the stage is one FSDP2 parameter group,
+  gathered by one all-gather before the batch's first instruction and reduce-scattered
+  once after the stage's last backward. Parameters stay gathered for the whole batch
+  either way, so a group per layer would buy no memory and cost two collectives per layer:
+  measured on 8 x Linear(256, 256) at D = 2 on gloo, 0.108-0.116 s per step with a group
+  per layer against 0.043-0.052 s with one per stage (plain DP 0.023 s).
+* ``reshard_after_forward=True``: each layer (a child of the stage holding parameters)
+  becomes one group, then the stage itself (the root): each layer's gathered parameters
+  are freed after every forward and gathered again for its backward, each all-gather
+  started ahead (``StageParallel.prefetch``); one reduce-scatter per layer and batch.
 
 What stays as it was:
 
@@ -89,7 +95,8 @@ def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: StageView) -> N
     tied = {p for m in module.tied_modules.values() for p in m.parameters()}
     reshard = engine.parallel.reshard_after_forward
     mp = mixed_precision(engine.precision)
-    for layer in module.children():
+    # one group per layer only where it saves memory (see the module docstring)
+    for layer in module.children() if reshard else ():
         own = [p for p in layer.parameters() if p not in tied]
         if own and not isinstance(layer, FSDPModule):
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,

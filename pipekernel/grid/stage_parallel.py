@@ -111,8 +111,13 @@ class StageParallel:
         return [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
 
     def begin_batch(self, trains: bool) -> None:
-        """Before a batch's first instruction: no gradient sync until the last backward."""
+        """Before a batch's first instruction: the roots' own parameters gathered (their
+        forward pre-hook, which would gather them, never runs: the runtime calls the
+        layers; a no-op for a root whose parameters all live in layer groups), and no
+        gradient sync until the last backward."""
         self._training = trains
+        for root in self.roots:
+            root.unshard()
         if not trains:
             return
         for root in self.roots:
