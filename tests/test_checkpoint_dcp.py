@@ -3,7 +3,8 @@ PP2 x FSDP2 saved at step k and resumed trains on bit-exactly like the run that 
 stopped; the checkpoint loads at another layout (pp x dp_shard x tp) with its optimizer
 state, in one process (load_sequential), and from pipekernel's own layer files; under
 expert parallelism (issue 30, item 2) PP2 x EP2 resumes bit-exactly and the experts reshard
-to E=1, E=4 and FSDP2; a layout DCP cannot map is refused by name. The 4-rank FSDP2 cases
+to E=1, E=4 and FSDP2, under bf16 too (its fp32 masters outside the module saved under
+the parameters' names); a layout DCP cannot map is refused by name. The 4-rank FSDP2 cases
 run one after another in one process world (tests/sweep.py), several engines in each case;
 the expert-parallel ones in worlds of their own."""
 from __future__ import annotations
@@ -105,12 +106,13 @@ def resume_worker(root, precision, model):
 RESUMES = {(precision, model): SWEEP.case(f"resume-{precision}-{model}", 4, resume_worker,
                                           f"resume-{precision}-{model}", precision, model)
            for precision, model in [("fp32", "dropout"), ("bf16", "dropout"),
-                                    ("fp32", "tied"), ("fp32", "hsdp")]}
+                                    ("fp32", "tied"), ("bf16", "tied"), ("fp32", "hsdp")]}
 
 
 @pytest.mark.parametrize("precision, model", list(RESUMES))
 def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(world, roots, precision, model):
-    # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key
+    # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key; under
+    # bf16 its fp32 master (outside the module) goes to DCP under the embedding's name
     case = RESUMES[precision, model]
     results = world(case)
     for rank, result in enumerate(results):
@@ -313,13 +315,17 @@ def _whole(engine):
     the expert-parallel group (collective)."""
     from pipekernel.grid import expert_parallel as ep_mod
 
-    ep = engine.ep_group
+    ep, master = engine.ep_group, engine.precision.master
     weights = {k: _full(v) for k, v in ep_mod.whole_state_dict(engine.module, ep).items()}
     optim = {}
     for name, param in engine.module.named_parameters():
         dim = getattr(param, "expert_parallel_dim", None)
+        if master(param) is not param:  # bf16: the fp32 master the optimizer steps
+            value = master(param).detach()
+            weights[f"{name}@master"] = _full(value if dim is None
+                                              else ep_mod.gather_slices(value, dim, ep))
         state = {}
-        for key, value in engine.optimizer.state.get(param, {}).items():
+        for key, value in engine.optimizer.state.get(master(param), {}).items():
             if dim is not None and torch.is_tensor(value) and value.shape == param.shape:
                 value = ep_mod.gather_slices(value, dim, ep)
             state[key] = _full(value) if torch.is_tensor(value) else value
@@ -349,7 +355,7 @@ def ep_worker(root):
     """PP2 x EP2 saved through DCP at step K: resumed at EP2 it trains on bit for bit;
     loaded at EP1 (and saved there, loaded back at EP2) it trains on like the run that
     never stopped, to round-off; FSDP2 (2 shards, E=1) reads it and saves a checkpoint
-    EP2 reads. A bad format and bf16's masters outside the module are refused."""
+    EP2 reads. A bad format is refused."""
     torch.set_num_threads(1)
 
     def train(engine, steps):
@@ -389,8 +395,6 @@ def ep_worker(root):
     out["from_fsdp_losses"] = train(engine, range(K, N))
     engine.close()
     out["format"] = refused(lambda: _ep_engine(2).save_checkpoint(root, format="zip"))
-    out["bf16"] = refused(lambda: _ep_engine(2, precision="bf16").save_checkpoint(
-        root, tag="bf16", format="dcp"))
     return out
 
 
@@ -410,7 +414,6 @@ def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
         assert result["from_fsdp"] is None, result["from_fsdp"]
         assert result["from_fsdp_losses"] == pytest.approx(losses[K:], rel=1e-5, abs=1e-6)
         assert result["format"] and "format='zip'" in result["format"], result["format"]
-        assert result["bf16"] and "precision='bf16'" in result["bf16"], result["bf16"]
     experts = [k for k in results[0]["runs"]["resume"]["local"] if k.endswith("mlp.w_in")]
     assert experts  # each EP2 rank holds half of the experts, the EP1 ranks all of them
     for key in experts:
@@ -423,12 +426,70 @@ def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
         assert torch.equal(value, saved[key]), key
 
 
-def ep_replicas_worker(root):
+def _ep_train(engine, steps):
+    return [engine.train_batch(iter(_moe_data(s, engine.data_parallel_rank, MB))).item()
+            for s in steps]
+
+
+def _as_masters(snapshot):
+    """A bf16 snapshot as an fp32 engine holds it: each parameter its fp32 master."""
+    weights = snapshot["weights"]
+    return {"optim": snapshot["optim"],
+            "weights": {k: weights.get(f"{k}@master", v).float() for k, v in weights.items()
+                        if not k.endswith("@master")}}
+
+
+def ep_bf16_worker(root):
+    """PP2 x EP2 under bf16 (fp32 masters outside the module, their momentum in SGD) saved
+    through DCP: resumed at EP2 the losses, weights, masters and momentum are bit for bit
+    those of the run that never stopped; EP1 under bf16 loads every one of them exactly and
+    trains on; an fp32 engine at EP2 reads the masters as its weights."""
+    torch.set_num_threads(1)
+    first = _ep_engine(2, precision="bf16")
+    losses = _ep_train(first, range(K))
+    first.save_checkpoint(root, tag="bf16", format="dcp")
+    saved = _whole(first)
+    losses += _ep_train(first, range(K, N))
+    uninterrupted = _whole(first)
+    first.close()
+    out = {"losses": losses, "runs": {}, "masters": sorted(k for k in saved["weights"]
+                                                           if k.endswith("@master"))}
+    for name, ep, precision in (("resume", 2, "bf16"), ("ep1", 1, "bf16"),
+                                ("fp32", 2, "fp32")):
+        engine = _ep_engine(ep, precision=precision)
+        info = (engine.resume(root) if name == "resume"
+                else engine.load_checkpoint(root, tag="bf16"))
+        loaded = _close(_whole(engine), saved if precision == "bf16" else _as_masters(saved),
+                        exact=True)
+        resumed = _ep_train(engine, range(info["global_steps"], N))
+        after = _close(_whole(engine), uninterrupted, exact=True) if name == "resume" else None
+        out["runs"][name] = {"exact": info["exact"], "loaded": loaded, "losses": resumed,
+                             "after": after}
+        engine.close()
+    return out
+
+
+def test_pp2_x_ep2_bf16_dcp_resumes_bit_exact_with_its_fp32_masters(tmp_path):
+    results = run_ranks(ep_bf16_worker, 4, str(tmp_path), timeout=400)
+    for result in results:
+        runs, losses = result["runs"], result["losses"]
+        assert result["masters"]  # bf16 keeps masters outside the module here
+        assert runs["resume"]["exact"] is True
+        assert runs["resume"]["losses"] == losses[K:]  # bit for bit
+        assert runs["resume"]["after"] is None, runs["resume"]["after"]
+        for name, run in runs.items():
+            assert run["loaded"] is None, (name, run["loaded"])
+        assert runs["ep1"]["exact"] is False
+        for name in ("ep1", "fp32"):  # another layout / precision: to bf16's round-off
+            assert runs[name]["losses"] == pytest.approx(losses[K:], rel=1e-3), runs[name]
+
+
+def ep_replicas_worker(root, precision):
     """One stage x 4 replicas at E=2 (two expert-parallel groups holding the same slices,
     which DCP's save plan deduplicates) loads at E=4 and E=1 exactly (E=4 saving what E=1
-    loads)."""
+    loads); under bf16 the fp32 masters and their momentum too."""
     torch.set_num_threads(1)
-    first = _ep_engine(2, stages=1)
+    first = _ep_engine(2, stages=1, precision=precision)
     for s in range(K):
         first.train_batch(iter(_moe_data(s, first.data_parallel_rank, MB)))
     first.save_checkpoint(root, tag="e2", format="dcp")
@@ -436,7 +497,7 @@ def ep_replicas_worker(root):
     first.close()
     out = {}
     for ep, tag in ((4, "e2"), (1, "e4")):
-        engine = _ep_engine(ep, stages=1)
+        engine = _ep_engine(ep, stages=1, precision=precision)
         engine.load_checkpoint(root, tag=tag)
         out[ep] = (_close(_whole(engine), saved, exact=True),
                    tuple(engine.module.state_dict()["1.mlp.w_in"].shape))
@@ -446,8 +507,32 @@ def ep_replicas_worker(root):
     return out
 
 
-def test_two_expert_parallel_groups_save_at_e2_and_load_at_e4_and_e1(tmp_path):
-    results = run_ranks(ep_replicas_worker, 4, str(tmp_path), timeout=300)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_two_expert_parallel_groups_save_at_e2_and_load_at_e4_and_e1(tmp_path, precision):
+    results = run_ranks(ep_replicas_worker, 4, str(tmp_path), precision, timeout=300)
     for result in results:
         assert result[4][0] is None and result[1][0] is None, result
         assert result[4][1][0] == 1 and result[1][1][0] == 4  # 1 expert each at E=4, all at E=1
+
+
+@pytest.mark.fast
+def test_a_master_of_another_shape_is_refused_by_name():
+    """The one precision refusal left: masters DCP cannot key by the parameter's name."""
+    from types import SimpleNamespace
+
+    from pipekernel.engine import checkpoint_dcp
+
+    module = nn.Linear(2, 3)
+    flat = {id(p): p.detach().reshape(-1) for p in module.parameters()}
+
+    def engine(master):
+        return SimpleNamespace(
+            rank=1, stage=0, module=module,
+            parallel=SimpleNamespace(tensor_parallel_size=1, tensor_parallel_plan=None,
+                                     zero_stage=0),
+            precision=SimpleNamespace(name="flat", master=master))
+
+    checkpoint_dcp.check_engine(engine(lambda p: p.detach().float().clone()), "save")
+    with pytest.raises(pk.ConfigError, match=r"precision='flat' keeps masters of another "
+                                             r"shape than their parameters \(weight"):
+        checkpoint_dcp.check_engine(engine(lambda p: flat[id(p)]), "save_checkpoint")

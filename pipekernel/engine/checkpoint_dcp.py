@@ -46,17 +46,29 @@ whole stacks, each rank writes its own slice, and a load at any ``E`` — into F
 ``E = 1`` too — reads its own. An EP engine without DTensors saves here when asked
 (``save_checkpoint(format="dcp")``), pipekernel's layer files otherwise.
 
+Precision policies that keep fp32 masters outside the module (``bf16``/``fp16`` on every
+parameter FSDP2 does not manage: all of them under expert parallelism, tied layers under
+FSDP2) have the optimizer step the masters, which ``get_state_dict`` cannot name. While
+the state dicts are taken and set, each such parameter is replaced in its module by its
+master (:func:`_masters_shown`): the checkpoint's ``model.`` key holds the fp32 master
+and ``optim.`` its optimizer state under the parameter's own name — what pipekernel's
+layer files hold, and FSDP2 under ``bf16`` (its fp32 shards are the masters) — so an
+expert slice's master is shown to DCP as the same ``Shard(dim)`` view, and the
+checkpoint loads at any layout, into ``fp32`` too; after a load each low-precision
+parameter is set from its master (it is the master's cast, not saved).
+
 What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
-tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and precision policies
-that keep fp32 masters outside the module (``fp16``, ``bf16`` on parameters FSDP2 does not
-manage) hold optimizer state DCP's ``get_state_dict`` cannot name.
+tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and a precision policy
+whose master is not of its parameter's shape cannot be keyed by the parameter's name.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -130,12 +142,48 @@ def check_engine(engine: Any, what: str) -> None:
                           f"optimizer state outside DTensor, which a DCP checkpoint cannot "
                           f"map", hint="load with zero_stage=0, or shard with "
                                        "data_parallel_shard=N (FSDP2) instead", **where)
-    if getattr(engine.precision, "_pairs", None):
-        raise ConfigError(f"{what}: precision={engine.precision.name!r} keeps fp32 masters "
-                          f"outside the module (here for parameters FSDP2 does not shard, "
-                          f"e.g. tied layers), whose optimizer state DCP's get_state_dict "
-                          f"cannot name", hint="use precision='fp32', or 'bf16' on stages "
-                                               "FSDP2 shards whole (no tied layers)", **where)
+    odd = [name for name, param, master in _masters(engine) if master.shape != param.shape]
+    if odd:
+        raise ConfigError(f"{what}: precision={engine.precision.name!r} keeps masters of "
+                          f"another shape than their parameters ({', '.join(odd[:3])}), which "
+                          f"a DCP checkpoint cannot key by the parameter's name",
+                          hint="keep one master of the parameter's shape per parameter, or "
+                               "use format=None (pipekernel's layer files)", **where)
+
+
+# -- masters: the fp32 tensors the optimizer steps, shown to DCP as the module's ------------
+
+def _masters(engine: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, parameter, master)`` of each stage parameter the precision policy steps
+    through a tensor of its own (``bf16``/``fp16``: an fp32 master outside the module)."""
+    master = engine.precision.master
+    return [(name, param, master(param)) for name, param in engine.module.named_parameters()
+            if master(param) is not param]
+
+
+@contextlib.contextmanager
+def _masters_shown(engine: Any, loaded: bool = False) -> Iterator[None]:
+    """Inside: every stage parameter with a master replaced in its module by the master,
+    so ``get_state_dict``/``set_state_dict`` name the masters — the fp32 values and the
+    optimizer state the optimizer keeps for them — by the parameter's own FQN, as
+    pipekernel's layer files do (the low-precision parameter is the master's cast, not
+    saved). On leaving the parameters are put back, and with ``loaded`` set from their
+    masters (after a load)."""
+    masters = {id(param): master for _, param, master in _masters(engine)}
+    swapped = [(sub, leaf, value) for sub in engine.module.modules()
+               for leaf, value in sub._parameters.items()
+               if value is not None and id(value) in masters]
+    for sub, leaf, value in swapped:
+        sub._parameters[leaf] = masters[id(value)]
+    try:
+        yield
+    finally:
+        for sub, leaf, value in swapped:
+            sub._parameters[leaf] = value
+    if loaded:
+        with torch.no_grad():
+            for _, param, master in _masters(engine):
+                param.copy_(master)
 
 
 # -- names: a stage's keys <-> the checkpoint's (canonical layer) keys ------------------------
@@ -161,7 +209,8 @@ def _state(engine: Any) -> tuple[dict[str, Any], dict[str, str]]:
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
     optimizers = [engine.optimizer] if engine.optimizer is not None else []
-    model, optim = get_state_dict(engine.module, optimizers, options=options)
+    with _masters_shown(engine):
+        model, optim = get_state_dict(engine.module, optimizers, options=options)
     layers = _canonical_layer(engine)
     state: dict[str, Any] = {}
     keys: dict[str, str] = {}
@@ -368,9 +417,10 @@ def _set_state(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None
     optim = {key[len("optim."):]: state[name] for key, name in keys.items()
              if key.startswith("optim.")}
     optimizers = [engine.optimizer] if engine.optimizer is not None else []
-    set_state_dict(engine.module, optimizers, model_state_dict=model,
-                   optim_state_dict=optim if optimizers else {},
-                   options=StateDictOptions(flatten_optimizer_state_dict=True))
+    with _masters_shown(engine, loaded=True):
+        set_state_dict(engine.module, optimizers, model_state_dict=model,
+                       optim_state_dict=optim if optimizers else {},
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
 def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict) -> dict[str, Any]:
