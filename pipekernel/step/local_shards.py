@@ -3,8 +3,9 @@ shards, the optimizer state still kept as DTensors.
 
 torch's optimizers step a DTensor parameter through DTensor's dispatch: every op of the
 update (AdamW: about ten per parameter) goes through sharding propagation in Python,
-which on a stage of small layers costs more than the arithmetic (cProfile of
-``benchmarks/parallel_memory.py --model mlp`` at D = 2: ~10 ms of a ~35 ms step). For an
+which on a stage of small layers costs more than the arithmetic (``benchmarks/RESULTS.md``,
+"One FSDP2 parameter group per stage": ~10 ms of the FSDP2 step on 8 x Linear(256, 256)
+at D = 2, per a cProfile of rank 0). For an
 optimizer whose update is elementwise in the parameter, its gradient and its state, the
 DTensor path runs exactly the same aten ops on the local tensors, so
 :func:`step_local_shards` runs the step on them directly: for the step only, each
