@@ -25,6 +25,7 @@ DTensor, and does.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,11 +40,10 @@ ELEMENTWISE: tuple[type, ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.
 
 
 def _dtensor_type() -> Any:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    return DTensor
+    """``DTensor``, or ``None`` while nothing imported it (then no parameter is one: a
+    step without DTensors does not pay for importing them)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def local_pairs(optimizer: Any) -> list[tuple[Any, torch.Tensor]] | None:
