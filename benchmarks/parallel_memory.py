@@ -16,7 +16,9 @@ it prints, per rank (the largest rank), the bytes of parameters, gradients (afte
 reduction, before ``zero_grad``: measured from a hook on the optimizer's step) and
 optimizer state counted from the tensors themselves (a DTensor counts its local shard),
 the peak RSS of the process, and the median step time over ``--steps`` steps after one
-warm-up, beside plain DP in the same run. fp32, AdamW. Models (``--model``):
+warm-up, beside plain DP in the same run, as wall time and as the process's CPU time
+(``cpu s``: all its threads, gloo's included; waits cost none, so it moves less with
+other load on the machine than the wall time does, and shows what each mode computes). fp32, AdamW. Models (``--model``):
 
 * ``gpt`` (default): the d=256 GPT of ``benchmarks/vs_torch.py`` (imported, not copied):
   Embedding(512, d) -> ``layers`` x causal TransformerEncoderLayer(d, nhead=4, 4d) ->
@@ -115,17 +117,18 @@ def worker(mode: str, degree: int, model: str, width: int, layers: int, seq: int
         return step(*args, **kwargs)
 
     optimizer.step = measured_step
-    seconds = []
+    seconds, cpu = [], []
     for s in range(steps + 1):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         engine.train_batch(iter(_data(model, width, seq, micro_batches, s,
                                       engine.data_parallel_rank)))
         if s:
             seconds.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     out = {"params": _local_bytes(engine.module.parameters()), "grads": grads[0],
            "state": _state_bytes(engine.optimizer),
            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-           "step": statistics.median(seconds)}
+           "step": statistics.median(seconds), "cpu": statistics.median(cpu)}
     engine.close()
     return out
 
@@ -150,19 +153,19 @@ def main() -> None:
              f"{a.layers} x Linear({a.width}, {a.width}), {micro} micro-batches of 8 rows")
     print(f"model: {shape}; fp32 parameters {total} bytes")
     print(f"{'D':>2} {'mode':>6} {'params':>10} {'grads':>10} {'state':>10} {'p+g+s/tot':>9} "
-          f"{'rss MiB':>8} {'step s':>8} {'vs dp':>6}")
+          f"{'rss MiB':>8} {'step s':>8} {'vs dp':>6} {'cpu s':>7} {'vs dp':>6}")
     for degree in a.degrees:
-        base = None
+        base = base_cpu = None
         for mode in ["dp", *(m for m in a.modes if m != "dp")]:
             rows = pk.launch(worker, degree, (mode, degree, a.model, a.width, a.layers,
                                               a.seq, micro, a.steps))
             worst = max(rows, key=lambda r: r["params"] + r["grads"] + r["state"])
-            step = max(r["step"] for r in rows)
-            base = step if mode == "dp" else base
+            step, cpu = max(r["step"] for r in rows), max(r["cpu"] for r in rows)
+            base, base_cpu = (step, cpu) if mode == "dp" else (base, base_cpu)
             ratio = (worst["params"] + worst["grads"] + worst["state"]) / (4 * total)
             print(f"{degree:>2} {mode:>6} {worst['params']:>10} {worst['grads']:>10} "
                   f"{worst['state']:>10} {ratio:>9.3f} {worst['rss'] / 2**20:>8.0f} "
-                  f"{step:>8.3f} {step / base:>6.2f}")
+                  f"{step:>8.3f} {step / base:>6.2f} {cpu:>7.3f} {cpu / base_cpu:>6.2f}")
 
 
 if __name__ == "__main__":
