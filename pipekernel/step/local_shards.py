@@ -21,7 +21,8 @@ Only the optimizers of :data:`ELEMENTWISE` (exact types: a subclass may do anyth
 this path, and only when every DTensor parameter's gradient is a DTensor of the same
 placements and local shape; anything else steps as before. An optimizer with a norm or
 a factorisation over a whole parameter (LAMB, Adafactor, Shampoo, Muon) must see the
-DTensor, and does.
+DTensor, and does. (During the step, the optimizer's own step hooks, if a user registered
+any, see the local tensors in ``param_groups``.)
 """
 from __future__ import annotations
 
