@@ -161,6 +161,86 @@ def test_tied_layers_stay_replicated_and_match_one_process(world):
         assert 0 < result["local"] < result["full"]
 
 
+class ScaledAdamW(torch.optim.AdamW):
+    """A subclass: not known to be elementwise, so it steps the DTensors themselves."""
+
+
+def local_step_worker(local, optimizer):
+    """PP2 x FSDP2 (D = 2) with ``optimizer``, its step on the local shards (``local``) or on
+    the DTensors (``local_pairs`` refusing); what each step chose, the optimizer state."""
+    torch.set_num_threads(1)
+    from unittest import mock
+
+    import pipekernel.step.local_shards as ls
+    import pipekernel.step.optimizer_step as os_
+
+    chose, real = [], ls.step_local_shards
+
+    def spy(optimizer, step):
+        chose.append(real(optimizer, step))
+    factory = {"adam": adam, "sgd": sgd,
+               "subclass": lambda params: ScaledAdamW(params, lr=1e-2)}[optimizer]
+    with mock.patch.object(os_, "step_local_shards", spy), \
+            mock.patch.object(ls, "local_pairs", ls.local_pairs if local else lambda o: None):
+        engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=factory, micro_batches=MB,
+                                   data_parallel_shard=2, timeout=120)
+        losses = [engine.train_batch(iter(mlp_data(s, engine.data_parallel_rank, MB))).item()
+                  for s in range(STEPS)]
+    return {"losses": losses, "state": _full_state(engine), "chose": chose,
+            "optimizer": _optimizer_state(engine)}
+
+
+def _optimizer_state(engine):
+    """Per parameter, in order: each state entry's type, placements and full value."""
+    out = []
+    for group in engine.optimizer.param_groups:
+        for p in group["params"]:
+            entry = {}
+            for key, value in sorted(engine.optimizer.state[p].items()):
+                placements = getattr(value, "placements", None)
+                full = value.full_tensor() if placements is not None else value
+                entry[key] = (type(value).__name__, placements, full.detach().clone())
+            out.append((getattr(p, "placements", None), entry))
+    return out
+
+
+LOCAL_STEP = {(local, optimizer): SWEEP.case(f"local-step-{local}-{optimizer}", 4,
+                                             local_step_worker, local, optimizer)
+              for optimizer in ("adam", "sgd") for local in (True, False)}
+SUBCLASS_STEP = SWEEP.case("local-step-subclass", 4, local_step_worker, True, "subclass")
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_an_elementwise_optimizer_steps_local_shards_bit_identically(world, optimizer):
+    """AdamW and SGD step the local shards (no DTensor dispatch per op) and end
+    bit-identical to the DTensor step, their state still DTensors of the parameters'
+    placements (what torch.distributed.checkpoint saves)."""
+    local, dtensor = world(LOCAL_STEP[True, optimizer]), world(LOCAL_STEP[False, optimizer])
+    _check_parity(local, "mlp", replicas=2, kw=(("optimizer", optimizer),))
+    for a, b in zip(local, dtensor):
+        assert a["chose"] == [True] * STEPS and b["chose"] == [False] * STEPS
+        assert a["losses"] == b["losses"]
+        for name, value in a["state"].items():
+            assert torch.equal(value, b["state"][name]), name
+        assert len(a["optimizer"]) == len(b["optimizer"]) > 0
+        for (placements, entry), (placements_b, entry_b) in zip(a["optimizer"],
+                                                                b["optimizer"]):
+            assert placements == placements_b and placements is not None
+            assert entry.keys() == entry_b.keys() and entry
+            for key, (kind, where, full) in entry.items():
+                assert (kind, where) == entry_b[key][:2], key
+                assert torch.equal(full, entry_b[key][2]), key
+                if full.dim():  # moments and momenta: DTensors laid out as the parameter
+                    assert kind == "DTensor" and where == placements, key
+
+
+def test_an_optimizer_not_known_elementwise_steps_the_dtensors(world):
+    results = world(SUBCLASS_STEP)
+    _check_parity(results, "mlp", replicas=2)
+    for result in results:
+        assert result["chose"] == [False] * STEPS
+
+
 def test_bad_shard_options_say_how_to_fix():
     from pipekernel.grid.parallel import ParallelConfig
     for kwargs, message in [({"data_parallel_shard": 0}, "data_parallel_shard must be"),

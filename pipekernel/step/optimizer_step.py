@@ -23,6 +23,7 @@ from pipekernel.grid.expert_parallel import is_expert
 from pipekernel.grid.mesh import local_share
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.schedules import instructions as isa
+from pipekernel.step.local_shards import step_local_shards
 from pipekernel.step.stats import StepStats, nonfinite_flag
 
 __all__ = ["BatchStep", "BatchLosses"]
@@ -201,7 +202,8 @@ class BatchStep:
             coef = self._clip_coef(self.last_grad_norm) if clip else 1.0  # type: ignore[arg-type]
             if scale * coef != 1.0:
                 self._scale_grads(params, scale * coef)
-            self.precision.step(self.optimizer)
+            # DTensor parameters (FSDP2, DTensor plans) step on their local shards
+            step_local_shards(self.optimizer, lambda: self.precision.step(self.optimizer))
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.precision.update(overflow)  # only an overflow moves the loss scale
