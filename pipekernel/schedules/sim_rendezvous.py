@@ -63,33 +63,49 @@ def _units(groups: dict[int, list[_Op]], n: int) -> tuple[list, list, list]:
     per-lane heads and ends (:class:`_Unit`), lanes numbered densely as first met."""
     at: list = [()] * n
     dense: dict[int | None, int] = {}
+    chains: list[list[_Unit]] = []  # per lane, its units in posting order
     heads: list[_Unit | None] = []
     ends: list[float] = []
-    last: list[_Unit | None] = []
     for g in sorted(groups):
         group = groups[g]
-        if len(group) > 1:
-            group.sort(key=lambda op: op.index)
-        by_lane: dict[int | None, list[_Op]] = {}
+        if len(group) == 1:  # nearly all: one op, one lane
+            op = group[0]
+            k = dense.get(op.lane)
+            if k is None:
+                k = _new_lane(dense, op.lane, chains, heads, ends)
+            unit = op.unit = _Unit(group, k, heads, ends)
+            chains[k].append(unit)
+            at[g] = (unit,)
+            continue
+        group.sort(key=lambda op: op.index)
+        split: dict[int | None, list[_Op]] = {}
         for op in group:
-            by_lane.setdefault(op.lane, []).append(op)
+            split.setdefault(op.lane, []).append(op)
         units = []
-        for lane, ops in by_lane.items():
+        for lane, ops in split.items():
             k = dense.get(lane)
             if k is None:
-                k = dense[lane] = len(heads)
-                heads.append(None), ends.append(0.0), last.append(None)
+                k = _new_lane(dense, lane, chains, heads, ends)
             unit = _Unit(ops, k, heads, ends)
             for op in ops:
                 op.unit = unit
-            if last[k] is None:
-                heads[k] = unit
-            else:
-                last[k].next = unit
-            last[k] = unit
+            chains[k].append(unit)
             units.append(unit)
         at[g] = tuple(units)
+    for k, chain in enumerate(chains):
+        heads[k] = chain[0]
+        for unit, following in zip(chain, chain[1:]):
+            unit.next = following
     return at, heads, ends
+
+
+def _new_lane(dense: dict, lane: int | None, chains: list, heads: list, ends: list) -> int:
+    """Number ``lane`` (the next dense number) and make room for it."""
+    k = dense[lane] = len(chains)
+    chains.append([])
+    heads.append(None)
+    ends.append(0.0)
+    return k
 
 
 class _Rendezvous(_DeadlockReport, _Simulation):
@@ -395,52 +411,55 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         """Run ``stage`` until it blocks or finishes; ``True`` if anything happened.
 
         What :meth:`_execute` does, with what it looks up found once (:meth:`_compile`):
-        the one loop every instruction of the batch goes through (what
-        :meth:`_run_prepared` does, inline)."""
+        the one loop every instruction of the batch goes through (what :meth:`_post` and
+        :meth:`_run_prepared` do, inline; the clock and the wait in locals, written back
+        before anything else reads them)."""
         st, moved = self.stages[stage], False
         n, groups = len(st.stream), self.groups[stage]
         code, send_host = self.code[stage], self.send_host[stage]
-        timeline, write = st.timeline, self._write_buffer
-        pc = st.pc
+        timeline, write, post = st.timeline, self._write_buffer, self._post
+        pc, clock, wait = st.pc, st.clock, st.wait
         fresh = self.posted_upto[stage] < pc  # resumed at an instruction not posted yet
         while pc < n:
             if fresh:
                 if send_host:  # a send is packed before its group leaves
-                    st.clock += send_host[pc]
+                    clock += send_host[pc]
                 if groups[pc]:
-                    self._post(stage, groups[pc], st.clock)
+                    post(stage, groups[pc], clock)
                 moved = True
             how = code[pc]
             kind = how[0]
             if kind is _TICK:
-                st.clock = st.clock + how[3]
+                clock = clock + how[3]
             elif kind is _SLOW:
-                st.pc = pc  # _execute and the deadlock report read it
+                st.pc, st.clock, st.wait = pc, clock, wait  # _execute and the report read them
                 if not self._execute(stage, pc, how[1], how[2]):
                     self.posted_upto[stage] = pc
                     return moved
+                clock, wait = st.clock, st.wait
             else:  # _RUN (x: cost, y: on the timeline), _SEND, _RECV (x: op, y: host cost)
                 _, index, ins, p, writes, handler, x, y = how
                 if kind is _RECV:
                     done = x.done
                     if done is None:
                         st.pc = self.posted_upto[stage] = pc
+                        st.clock, st.wait = clock, wait
                         return moved
-                    clock = st.clock
                     start = clock if clock >= done else done
-                    st.wait += start - clock
-                    st.clock = start + y
-                start, where = st.clock, _Where((stage, index, ins))
+                    wait += start - clock
+                    clock = start + y
+                where = _Where((stage, index, ins))
                 if writes:
                     write(stage, where, ins)
                 if handler is not None:
                     handler(self, stage, where, ins, p)
                 if kind is _RUN:
-                    st.clock = end = start + x
+                    start, clock = clock, clock + x
                     if y:
-                        timeline.append((start, end, ins))
+                        timeline.append((start, clock, ins))
             pc, moved, fresh = pc + 1, True, True
         st.pc = self.posted_upto[stage] = pc
+        st.clock, st.wait = clock, wait
         return self._finish(stage) or moved
 
     def _send_host_cost(self, stage: int, i: Instruction) -> float:
