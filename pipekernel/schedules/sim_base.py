@@ -188,7 +188,7 @@ class _Where(tuple):
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
-@dataclass
+@dataclass(slots=True)
 class _Progress:
     """What has happened to one micro-batch on one (stage, chunk)."""
 
@@ -201,7 +201,7 @@ class _Progress:
     sent_act: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _StageState:
     stream: list[tuple[int, Instruction]]
     num_buffers: int | None
