@@ -60,7 +60,8 @@ def main() -> None:
     p.add_argument("--grid", action="store_true", help="also time format_grid")
     args = p.parse_args()
     header = (f"{'schedule':<12} {'p':>4} {'m':>5} {'instructions':>12} {'seconds':>8} "
-              f"{'us/instr':>8} {'growth':>7} {'build':>6}" + (f" {'grid s':>7}" if args.grid else ""))
+              f"{'us/instr':>8} {'growth':>7} {'build':>6}"
+              + (f" {'grid s':>7}" if args.grid else ""))
     print(header)
     print("-" * len(header))
     for name in args.schedules.split(","):

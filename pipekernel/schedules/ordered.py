@@ -153,7 +153,7 @@ class OrderedSchedule(Schedule):
         return found
 
     def steps(self) -> list[list[Instruction]]:
-        return [list(step) for step in self._built[0]]
+        return list(map(list, self._built[0]))  # fresh lists, copied in C
 
     def unpaired_steps(self) -> list[list[Instruction]]:
         """The steps a stage runs when it runs each pair as its two steps (no overlapping
@@ -239,4 +239,4 @@ def unpaired_steps(schedule: object) -> list[list[Instruction]]:
     steps = schedule.steps()  # type: ignore[attr-defined]
     if any(isinstance(i, ForwardBackward) for step in steps for i in step):
         return unpair(steps)
-    return [list(step) for step in steps]
+    return list(map(list, steps))
