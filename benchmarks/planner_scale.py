@@ -20,6 +20,7 @@ Run it on an idle machine: the figures are CPU time, but a loaded machine slows 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
@@ -27,9 +28,16 @@ from pipekernel.schedules.ordered import unpaired_steps
 
 
 def build(cls, stages: int, micro_batches: int, chunks: int) -> None:
-    """What ``simulate`` asks of the schedule: every stage's object and unpaired steps."""
-    for stage in range(stages):
-        unpaired_steps(cls(stages, stage, micro_batches, chunks))
+    """What ``simulate`` asks of the schedule: every stage's object and unpaired steps, with
+    the cyclic collector off as ``simulate`` has it (its scans would be counted otherwise)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for stage in range(stages):
+            unpaired_steps(cls(stages, stage, micro_batches, chunks))
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def measure(cls, stages: int, micro_batches: int, repeat: int, grid: bool) -> dict:
