@@ -180,8 +180,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
             sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
     posts = _posting_points(stream, p2p, peers, local, lanes, sent_at)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(() if not group else (group[0],) if len(group) == 1
-                                else tuple(sorted(group)) for group in posts),
+                    posts=tuple(map(tuple, map(sorted, posts))),  # in C: no frame per group
                     peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
 
 

@@ -39,8 +39,8 @@ from functools import cached_property
 
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, Instruction,
-    LoadMicroBatch, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads, ReduceTiedGrads,
-    SendActivation, SendGrad,
+    LoadMicroBatch, MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, ReduceGrads,
+    ReduceTiedGrads, SendActivation, SendGrad,
 )
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.base import Schedule
@@ -51,6 +51,23 @@ __all__ = ["Op", "OrderedSchedule", "KINDS", "unpair", "unpaired_steps"]
 Op = tuple[str, int, int]
 KINDS = ("F", "B", "I", "W")
 _COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
+
+_new = object.__new__
+_set_micro_batch = MicroBatchInstruction.__dict__["micro_batch"].__set__
+_set_buffer = MicroBatchInstruction.__dict__["buffer"].__set__
+_set_chunk = MicroBatchInstruction.__dict__["chunk"].__set__
+
+
+def _make(cls: type, micro_batch: int, buf: int, chunk: int) -> MicroBatchInstruction:
+    """``cls(micro_batch, buf, chunk)`` for a plain micro-batch instruction class (no fields
+    of its own, no ``__post_init__``), its three slots set directly: the frozen dataclass's
+    ``__init__`` costs three ``object.__setattr__`` calls through the class, about three times
+    this; a build makes one per instruction of the plan (issue 29, item 7)."""
+    ins = _new(cls)
+    _set_micro_batch(ins, micro_batch)
+    _set_buffer(ins, buf)
+    _set_chunk(ins, chunk)
+    return ins
 
 
 class OrderedSchedule(Schedule):
@@ -100,19 +117,19 @@ class OrderedSchedule(Schedule):
         if kind == "F":
             if self._own_forward_step:
                 return self.chunk_forward_step(chunk, mb, buf)  # a subclass's own
-            step: list[Instruction] = [LoadMicroBatch(mb, buf, chunk)] if loads else []
+            step: list[Instruction] = [_make(LoadMicroBatch, mb, buf, chunk)] if loads else []
             if recv_act:
-                step.append(RecvActivation(mb, buf, chunk))
-            step.append(Forward(mb, buf, chunk))
+                step.append(_make(RecvActivation, mb, buf, chunk))
+            step.append(_make(Forward, mb, buf, chunk))
             if send_act:
-                step.append(SendActivation(mb, buf, chunk))
+                step.append(_make(SendActivation, mb, buf, chunk))
             return step
         if kind == "W":
-            return [BackwardWeight(mb, buf, chunk)]
-        step = [RecvGrad(mb, buf, chunk)] if recv_grad else []
-        step.append(_COMPUTE[kind](mb, buf, chunk))
+            return [_make(BackwardWeight, mb, buf, chunk)]
+        step = [_make(RecvGrad, mb, buf, chunk)] if recv_grad else []
+        step.append(_make(_COMPUTE[kind], mb, buf, chunk))
         if send_grad:
-            step.append(SendGrad(mb, buf, chunk))
+            step.append(_make(SendGrad, mb, buf, chunk))
         return step
 
     @cached_property
@@ -136,7 +153,7 @@ class OrderedSchedule(Schedule):
         return found
 
     def steps(self) -> list[list[Instruction]]:
-        return [list(step) for step in self._built[0]]
+        return list(map(list, self._built[0]))  # fresh lists, copied in C
 
     def unpaired_steps(self) -> list[list[Instruction]]:
         """The steps a stage runs when it runs each pair as its two steps (no overlapping
@@ -188,7 +205,7 @@ def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
     schedule before it paired (a pure ``steps -> steps`` pass)."""
     out: list[list[Instruction]] = []
     for step in steps:
-        at = next((k for k, ins in enumerate(step) if isinstance(ins, ForwardBackward)), None)
+        at = _pair_at(step)
         if at is None:
             out.append(list(step))
             continue
@@ -203,6 +220,15 @@ def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
     return out
 
 
+
+def _pair_at(step: Sequence[Instruction]) -> int | None:
+    """The index of the first ``ForwardBackward`` in ``step``, or ``None`` (a plain loop: a
+    generator per step cost more than the step's own split)."""
+    for k, ins in enumerate(step):
+        if isinstance(ins, ForwardBackward):
+            return k
+    return None
+
 def unpaired_steps(schedule: object) -> list[list[Instruction]]:
     """What ``schedule`` runs on a stage without an overlapping executor: its own
     ``unpaired_steps()`` when it has one (:meth:`OrderedSchedule.unpaired_steps`), else
@@ -213,4 +239,4 @@ def unpaired_steps(schedule: object) -> list[list[Instruction]]:
     steps = schedule.steps()  # type: ignore[attr-defined]
     if any(isinstance(i, ForwardBackward) for step in steps for i in step):
         return unpair(steps)
-    return [list(step) for step in steps]
+    return list(map(list, steps))

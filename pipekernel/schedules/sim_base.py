@@ -8,6 +8,7 @@ from fractions import Fraction
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import chain
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -188,7 +189,7 @@ class _Where(tuple):
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
-@dataclass
+@dataclass(slots=True)
 class _Progress:
     """What has happened to one micro-batch on one (stage, chunk)."""
 
@@ -201,7 +202,7 @@ class _Progress:
     sent_act: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _StageState:
     stream: list[tuple[int, Instruction]]
     num_buffers: int | None
@@ -250,11 +251,16 @@ class _Simulation:
             raise ScheduleError(f"schedule object {obj!r} for stage {stage} has no steps()",
                                 hint="return a Schedule (or an object with steps())",
                                 stage=stage)
-        return tuple(tuple(step) for step in steps())
+        return tuple(map(tuple, steps()))
 
     def _flatten(self, stage: int) -> list[tuple[int, Instruction]]:
+        steps = self.steps[stage]
+        if all(role(cls).instruction for cls in set(map(type, chain.from_iterable(steps)))):
+            # nothing but instructions (always, for a built-in schedule): one pass in C to
+            # check the classes, one comprehension to pair each with its step's index
+            return [(index, item) for index, step in enumerate(steps) for item in step]
         stream = []
-        for index, step in enumerate(self.steps[stage]):
+        for index, step in enumerate(steps):
             for item in step:
                 if role(type(item)).instruction:
                     stream.append((index, item))

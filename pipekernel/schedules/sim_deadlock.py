@@ -39,7 +39,7 @@ class _DeadlockReport:
         return ("coll", stage)
 
     def _first_pending(self, stage: int) -> _Op:
-        heads = [q[0] for q in self.queues[stage].values() if q]
+        heads = [u for u in self.heads[stage] if u is not None and u.post is not None]
         unit = min(heads, key=lambda u: u.ops[0].index)
         return next(op for op in unit.ops if op.done is None)
 
@@ -86,18 +86,18 @@ class _DeadlockReport:
             return f"for stage {waiting[0]}", self._blocked_on(waiting[0]), ", which "
         op: _Op = what
         unit = op.unit
-        if unit is not None and not unit.active:
-            behind = next(o for o in unit.queue[0].ops if o.done is None)
+        if unit is not None and unit.post is not None and not unit.active:
+            behind = next(o for o in unit.heads[unit.lane].ops if o.done is None)
             return f"queued behind {behind.name()}", ("op", behind), None
         mate = op.mate
         if mate is None:
             return (f"stage {op.peer} to post a matching {'receive' if op.send else 'send'}, "
                     "which it never does", None, None)
         arrow = "->" if op.send else "<-"
-        if mate.unit is None:
+        if mate.unit is None or mate.unit.post is None:
             return (f"{arrow} {mate.name()}, not yet posted: stage {mate.rank}",
                     self._blocked_on(mate.rank), " ")
-        behind = next(o for o in mate.unit.queue[0].ops if o.done is None)
+        behind = next(o for o in mate.unit.heads[mate.unit.lane].ops if o.done is None)
         return f"{arrow} {mate.name()}, queued behind {behind.name()}", ("op", behind), None
 
     def _in_collective(self, stage: int) -> bool:

@@ -40,29 +40,72 @@ class _Op:
 
 class _Unit:
     """A group's operations of one rank on one lane, to any peers: they progress together,
-    after every earlier unit of that rank on that lane (one ordered stream per rank)."""
+    after every earlier unit of that rank on that lane (one ordered stream per rank).
 
-    __slots__ = ("ops", "post", "start", "end", "left", "active", "queue")
+    Built once before the run (:func:`_units`): ``lane`` is the rank's dense lane number,
+    ``next`` the unit posted after it on that lane (the lane's order is the stream's, fixed
+    before the batch starts), ``heads`` and ``ends`` the rank's per-lane lists of the unit
+    heading each lane and the time its last unit ended. ``post`` is ``None`` until posted."""
 
-    def __init__(self, ops: list[_Op], post: float, queue: deque) -> None:
-        self.ops, self.post, self.queue = ops, post, queue
-        self.start, self.end, self.left, self.active = post, post, len(ops), False
+    __slots__ = ("ops", "post", "start", "end", "left", "active", "lane", "next", "heads",
+                 "ends")
+
+    def __init__(self, ops: list[_Op], lane: int, heads: list, ends: list) -> None:
+        self.ops, self.lane, self.heads, self.ends = ops, lane, heads, ends
+        self.post = self.next = None
+        self.start = self.end = 0.0
+        self.left, self.active = len(ops), False
 
 
-def _by_lane(groups: dict[int, list[_Op]], n: int) -> list:
-    """Per stream index, the group posted there as ``[(lane, its ops on that lane)]``, the
-    ops in stream order: one unit per lane, whatever the peers."""
-    split: list = [()] * n
-    for g, group in groups.items():
-        if len(group) == 1:
-            split[g] = [(group[0].lane, group)]
+def _units(groups: dict[int, list[_Op]], n: int) -> tuple[list, list, list]:
+    """Per stream index, the units posted there (one per lane of its group, whatever the
+    peers, each unit's ops in stream order; ``()`` where nothing is posted), and the rank's
+    per-lane heads and ends (:class:`_Unit`), lanes numbered densely as first met."""
+    at: list = [()] * n
+    dense: dict[int | None, int] = {}
+    chains: list[list[_Unit]] = []  # per lane, its units in posting order
+    heads: list[_Unit | None] = []
+    ends: list[float] = []
+    for g in sorted(groups):
+        group = groups[g]
+        if len(group) == 1:  # nearly all: one op, one lane
+            op = group[0]
+            k = dense.get(op.lane)
+            if k is None:
+                k = _new_lane(dense, op.lane, chains, heads, ends)
+            unit = op.unit = _Unit(group, k, heads, ends)
+            chains[k].append(unit)
+            at[g] = (unit,)
             continue
         group.sort(key=lambda op: op.index)
-        by_lane: dict[int | None, list[_Op]] = {}
+        split: dict[int | None, list[_Op]] = {}
         for op in group:
-            by_lane.setdefault(op.lane, []).append(op)
-        split[g] = list(by_lane.items())
-    return split
+            split.setdefault(op.lane, []).append(op)
+        units = []
+        for lane, ops in split.items():
+            k = dense.get(lane)
+            if k is None:
+                k = _new_lane(dense, lane, chains, heads, ends)
+            unit = _Unit(ops, k, heads, ends)
+            for op in ops:
+                op.unit = unit
+            chains[k].append(unit)
+            units.append(unit)
+        at[g] = tuple(units)
+    for k, chain in enumerate(chains):
+        heads[k] = chain[0]
+        for unit, following in zip(chain, chain[1:]):
+            unit.next = following
+    return at, heads, ends
+
+
+def _new_lane(dense: dict, lane: int | None, chains: list, heads: list, ends: list) -> int:
+    """Number ``lane`` (the next dense number) and make room for it."""
+    k = dense[lane] = len(chains)
+    chains.append([])
+    heads.append(None)
+    ends.append(0.0)
+    return k
 
 
 class _Rendezvous(_DeadlockReport, _Simulation):
@@ -83,10 +126,10 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         n_stages = self.S
         self.plans: list[CommPlan] = []
         # stage -> stream index -> [(lane, the group's ops on that lane)]
-        self.groups: list[list[list[tuple[int, list[_Op]]]]] = []
+        self.groups: list[list[tuple[_Unit, ...]]] = []  # stage -> index -> units posted
         self.op_at: list[dict[int, _Op]] = []
-        self.queues: list[dict[int, deque]] = [dict() for _ in range(n_stages)]
-        self.last_end: list[dict[int, float]] = [dict() for _ in range(n_stages)]
+        self.heads: list[list[_Unit | None]] = []  # stage -> lane -> the unit heading it
+        self.last_end: list[list[float]] = []  # stage -> lane -> when its last unit ended
         self.pending = [0] * n_stages  # posted, not yet completed ops per stage
         self.coll = [0] * n_stages  # world collectives entered so far
         self.arrived = [False] * n_stages  # entered the collective at pc
@@ -106,13 +149,14 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                                 placement=self.placement, trains=self.trains, **extra)
             self.plans.append(plan)
             groups, op_at = self._place_posts(s, plan)
-            self.groups.append(groups)
             self.op_at.append(op_at)
-            for group in groups:
-                if not group:
-                    continue
-                for _, ops in group:
-                    for op in ops:
+            units, heads, ends = _units(groups, len(st.stream))
+            self.groups.append(units)
+            self.heads.append(heads)
+            self.last_end.append(ends)
+            for group in units:
+                for unit in group:
+                    for op in unit.ops:
                         if op.send:
                             sends.setdefault((s, op.peer, op.lane), []).append(op)
                         else:
@@ -153,7 +197,8 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                     f"{recv.where()}: nothing is ever sent to it (stage {recv.peer} posts only "
                     f"{len(out)} send(s) to stage {recv.rank})")
 
-    def _place_posts(self, stage: int, plan: CommPlan) -> tuple[list[list[_Op]], dict[int, _Op]]:
+    def _place_posts(self, stage: int, plan: CommPlan
+                     ) -> tuple[dict[int, list[_Op]], dict[int, _Op]]:
         """Turn ``plan.posts`` (stream indices) into ops by stream index, checking the plan
         itself."""
         stream, n = self.stages[stage].stream, len(self.stages[stage].stream)
@@ -195,7 +240,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 op = op_at[i] = _Op(stage, peers[i][0], lanes[i], i, step, ins,
                                     role(type(ins)).send)
                 groups.setdefault(i, []).append(op)
-        return _by_lane(groups, n), op_at
+        return groups, op_at
 
     def _bad_post(self, stage: int, g: int, at: object, is_remote: set[int],
                   op_at: dict[int, _Op]) -> None:
@@ -229,24 +274,20 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     # -- transfers ---------------------------------------------------------------------
 
-    def _post(self, stage: int, pc: int, at: float) -> None:
-        """Post the group planned at stream index ``pc``."""
+    def _post(self, stage: int, units: tuple[_Unit, ...], at: float) -> None:
+        """Post ``units`` (``stage``'s group, one unit per lane) at time ``at``."""
         todo: list[_Op] = []
-        queues, last_end, posted = self.queues[stage], self.last_end[stage], 0
-        for lane, ops in self.groups[stage][pc]:
-            queue = queues.get(lane)
-            if queue is None:
-                queue = queues[lane] = deque()
-            unit = _Unit(ops, at, queue)
-            for op in ops:
-                op.unit = unit
+        posted = 0
+        for unit in units:
+            unit.post = unit.end = at
+            ops = unit.ops
             posted += len(ops)
-            queue.append(unit)
-            if len(queue) == 1:  # it heads its lane: it may progress from now on
+            k = unit.lane
+            if unit.heads[k] is unit:  # it heads its lane: it may progress from now on
                 unit.active = True
-                free = last_end.get(lane, 0.0)
+                free = unit.ends[k]
                 unit.start = at if at >= free else free
-                todo.extend(ops)
+                todo += ops
         self.pending[stage] += posted
         if todo:
             self._progress(todo)
@@ -256,7 +297,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         transfer starts when both its units head their lanes and takes both ends' costs;
         a unit done hands its lane to the next one (which starts no earlier than it
         ends)."""
-        pending, last_end = self.pending, self.last_end
+        pending = self.pending
         while todo:
             op = todo.pop()
             mate = op.mate
@@ -273,16 +314,15 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 if t > u.end:
                     u.end = t
                 u.left -= 1
-                if u.left == 0:
-                    queue = u.queue
-                    queue.popleft()
-                    end = last_end[o.rank][o.lane] = u.end
-                    if queue:
-                        following = queue[0]
+                if u.left == 0:  # it hands its lane to the next unit, if that is posted
+                    k, following = u.lane, u.next
+                    end = u.ends[k] = u.end
+                    u.heads[k] = following
+                    if following is not None and following.post is not None:
                         following.active = True
                         post = following.post
                         following.start = post if post >= end else end
-                        todo.extend(following.ops)
+                        todo += following.ops
 
     # -- the event loop ----------------------------------------------------------------
 
@@ -308,9 +348,9 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         for ops in self.op_at:
             for op in ops.values():
                 op.mate = op.unit = None
-        for queues in self.queues:
-            queues.clear()
-        self.groups = self.code = []
+        for heads in self.heads:  # a unit still heading its lane (a deadlock) and its list
+            heads.clear()
+        self.groups = self.code = self.heads = []
 
     def _compile(self, stage: int) -> list[tuple]:
         """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, index,
@@ -371,52 +411,55 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         """Run ``stage`` until it blocks or finishes; ``True`` if anything happened.
 
         What :meth:`_execute` does, with what it looks up found once (:meth:`_compile`):
-        the one loop every instruction of the batch goes through (what
-        :meth:`_run_prepared` does, inline)."""
+        the one loop every instruction of the batch goes through (what :meth:`_post` and
+        :meth:`_run_prepared` do, inline; the clock and the wait in locals, written back
+        before anything else reads them)."""
         st, moved = self.stages[stage], False
         n, groups = len(st.stream), self.groups[stage]
         code, send_host = self.code[stage], self.send_host[stage]
-        timeline, write = st.timeline, self._write_buffer
-        pc = st.pc
+        timeline, write, post = st.timeline, self._write_buffer, self._post
+        pc, clock, wait = st.pc, st.clock, st.wait
         fresh = self.posted_upto[stage] < pc  # resumed at an instruction not posted yet
         while pc < n:
             if fresh:
                 if send_host:  # a send is packed before its group leaves
-                    st.clock += send_host[pc]
+                    clock += send_host[pc]
                 if groups[pc]:
-                    self._post(stage, pc, st.clock)
+                    post(stage, groups[pc], clock)
                 moved = True
             how = code[pc]
             kind = how[0]
             if kind is _TICK:
-                st.clock = st.clock + how[3]
+                clock = clock + how[3]
             elif kind is _SLOW:
-                st.pc = pc  # _execute and the deadlock report read it
+                st.pc, st.clock, st.wait = pc, clock, wait  # _execute and the report read them
                 if not self._execute(stage, pc, how[1], how[2]):
                     self.posted_upto[stage] = pc
                     return moved
+                clock, wait = st.clock, st.wait
             else:  # _RUN (x: cost, y: on the timeline), _SEND, _RECV (x: op, y: host cost)
                 _, index, ins, p, writes, handler, x, y = how
                 if kind is _RECV:
                     done = x.done
                     if done is None:
                         st.pc = self.posted_upto[stage] = pc
+                        st.clock, st.wait = clock, wait
                         return moved
-                    clock = st.clock
                     start = clock if clock >= done else done
-                    st.wait += start - clock
-                    st.clock = start + y
-                start, where = st.clock, _Where((stage, index, ins))
+                    wait += start - clock
+                    clock = start + y
+                where = _Where((stage, index, ins))
                 if writes:
                     write(stage, where, ins)
                 if handler is not None:
                     handler(self, stage, where, ins, p)
                 if kind is _RUN:
-                    st.clock = end = start + x
+                    start, clock = clock, clock + x
                     if y:
-                        timeline.append((start, end, ins))
+                        timeline.append((start, clock, ins))
             pc, moved, fresh = pc + 1, True, True
         st.pc = self.posted_upto[stage] = pc
+        st.clock, st.wait = clock, wait
         return self._finish(stage) or moved
 
     def _send_host_cost(self, stage: int, i: Instruction) -> float:
@@ -525,7 +568,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
             if self.pending[stage]:
                 return False
             self.flushed[stage] = True
-            last = max(self.last_end[stage].values(), default=0.0)
+            last = max(self.last_end[stage], default=0.0)
             if last > st.clock:
                 st.wait += last - st.clock
                 st.clock = last

@@ -376,7 +376,7 @@ class ZBV(_ZeroBubble):
     def unpaired_steps(self) -> list[list[Instruction]]:
         """The plan itself, ``I`` and ``W`` apart (the pairs' ``W`` back where the plan
         put them): what a stage runs without an overlapping executor."""
-        return [list(step) for step in self._plan_built[0]]
+        return list(map(list, self._plan_built[0]))  # fresh lists, copied in C
 
     def num_buffers(self) -> int:
         """The plan's peak of live parts: the paired order frees each part as early or
