@@ -32,7 +32,13 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_
              shared_expert_intermediate_size=16, n_shared_experts=1, kv_lora_rank=8,
              q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
              first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0, bos_token_id=1,
-             eos_token_id=2, rotary_dim=4, chunk_size=8)
+             eos_token_id=2, rotary_dim=4, chunk_size=8,
+             # state-space and linear-attention sizes: their defaults (a 256-token chunk, 128
+             # heads of 256 states, 128-wide linear heads) made one hybrid family's forward
+             # take more than half of the family test's minute and a half
+             mamba_chunk_size=8, mamba_d_state=16, mamba_n_heads=8, mamba_d_ssm=64,
+             ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=8,
+             linear_key_head_dim=8, linear_value_head_dim=8)
 #: tried when the model's own forward fails at SMALL (multi-head latent attention wants as
 #: many key/value heads as query heads)
 RETRY = dict(num_key_value_heads=4)

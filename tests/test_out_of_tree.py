@@ -29,14 +29,26 @@ def _pip(*args: str) -> None:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """Build the package from a fresh copy and install it into this interpreter's environment."""
-    source = tmp_path_factory.mktemp("oot") / "pk-oot-demo"
+    """Build the package from a fresh copy and install it into a directory of its own, put
+    on this process's path (which the ranks' workers take) and on ``PYTHONPATH`` (the CLI's).
+    The environment is never changed: tests running beside this one (``pytest -n``) never
+    see the package, and nothing is left to uninstall."""
+    root = tmp_path_factory.mktemp("oot")
+    source, target = root / "pk-oot-demo", str(root / "site")
     shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("*.egg-info", "build"))
-    _pip("install", "--no-build-isolation", "--no-deps", "--no-index", "--quiet", str(source))
+    _pip("install", "--no-build-isolation", "--no-deps", "--no-index", "--quiet",
+         "--target", target, str(source))
+    before = os.environ.get("PYTHONPATH")
+    sys.path.insert(0, target)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [target, before]))
     try:
         yield
     finally:
-        _pip("uninstall", "--yes", "--quiet", "pk-oot-demo")
+        sys.path.remove(target)
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def train_worker(transport):

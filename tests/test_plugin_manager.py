@@ -115,9 +115,11 @@ def test_unknown_transport_lists_installed_names_and_how_to_publish():
     assert 'carrier-pigeon = "your_package.module:MyTransport"' in text
 
 
-def test_only_the_selected_transport_is_imported():
+def test_only_the_selected_transport_is_imported(monkeypatch):
+    # the modules come back afterwards: a test after this one in the same process (pytest
+    # -n orders files differently) must see the objects its imports bound, not new copies
     for name in [m for m in sys.modules if m.startswith("pipekernel.transports.")]:
-        sys.modules.pop(name)
+        monkeypatch.delitem(sys.modules, name)
     with pytest.raises(UnknownNameError):
         make_transport(make_plugin_manager(), "nope", {"timeout": 1})
     assert not [m for m in sys.modules if m.startswith("pipekernel.transports.")]
