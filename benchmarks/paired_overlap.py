@@ -147,7 +147,6 @@ def main() -> None:
     args = parser.parse_args()
     before = os.getloadavg()
     results = pk.launch(_rank, args.procs, (args,), timeout=600)
-    after = os.getloadavg()
     _report(args, results, before, os.getloadavg())
 
 
@@ -175,6 +174,7 @@ def _report(args: argparse.Namespace, results: list[dict], before: tuple,
           f"(target <= 0.80)")
     print(f"  load average before {before[0]:.2f}, after {after[0]:.2f} "
           f"({os.cpu_count()} CPUs): figures under load are not comparable")
+
 
 if __name__ == "__main__":
     main()

@@ -357,16 +357,11 @@ def ep_worker(root):
     never stopped, to round-off; FSDP2 (2 shards, E=1) reads it and saves a checkpoint
     EP2 reads. A bad format is refused."""
     torch.set_num_threads(1)
-
-    def train(engine, steps):
-        return [engine.train_batch(iter(_moe_data(s, engine.data_parallel_rank, MB))).item()
-                for s in steps]
-
     first = _ep_engine(2)
-    losses = train(first, range(K))
+    losses = _train(first, range(K), _moe_data)
     first.save_checkpoint(root, tag="ep2", format="dcp")
     saved = _whole(first)
-    losses += train(first, range(K, N))
+    losses += _train(first, range(K, N), _moe_data)
     uninterrupted = _whole(first)
     first.close()
     out = {"losses": losses, "runs": {}, "saved": saved["weights"]}
@@ -377,7 +372,7 @@ def ep_worker(root):
         loaded = _close(_whole(engine), saved, exact=True)
         if save_as:
             engine.save_checkpoint(root, tag=save_as, format="dcp")
-        resumed = train(engine, range(info["global_steps"], N))
+        resumed = _train(engine, range(info["global_steps"], N), _moe_data)
         after = _close(_whole(engine), uninterrupted, exact=name == "resume")
         out["runs"][name] = {"exact": info["exact"], "loaded": loaded, "losses": resumed,
                              "after": after, "local": engine.module.state_dict()}
@@ -392,7 +387,7 @@ def ep_worker(root):
     engine = _ep_engine(2)
     engine.load_checkpoint(root, tag="fsdp")
     out["from_fsdp"] = _close(_whole(engine), saved, exact=True)
-    out["from_fsdp_losses"] = train(engine, range(K, N))
+    out["from_fsdp_losses"] = _train(engine, range(K, N), _moe_data)
     engine.close()
     out["format"] = refused(lambda: _ep_engine(2).save_checkpoint(root, format="zip"))
     return out
@@ -426,11 +421,6 @@ def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
         assert torch.equal(value, saved[key]), key
 
 
-def _ep_train(engine, steps):
-    return [engine.train_batch(iter(_moe_data(s, engine.data_parallel_rank, MB))).item()
-            for s in steps]
-
-
 def _as_masters(snapshot):
     """A bf16 snapshot as an fp32 engine holds it: each parameter its fp32 master."""
     weights = snapshot["weights"]
@@ -446,10 +436,10 @@ def ep_bf16_worker(root):
     trains on; an fp32 engine at EP2 reads the masters as its weights."""
     torch.set_num_threads(1)
     first = _ep_engine(2, precision="bf16")
-    losses = _ep_train(first, range(K))
+    losses = _train(first, range(K), _moe_data)
     first.save_checkpoint(root, tag="bf16", format="dcp")
     saved = _whole(first)
-    losses += _ep_train(first, range(K, N))
+    losses += _train(first, range(K, N), _moe_data)
     uninterrupted = _whole(first)
     first.close()
     out = {"losses": losses, "runs": {}, "masters": sorted(k for k in saved["weights"]
@@ -461,7 +451,7 @@ def ep_bf16_worker(root):
                 else engine.load_checkpoint(root, tag="bf16"))
         loaded = _close(_whole(engine), saved if precision == "bf16" else _as_masters(saved),
                         exact=True)
-        resumed = _ep_train(engine, range(info["global_steps"], N))
+        resumed = _train(engine, range(info["global_steps"], N), _moe_data)
         after = _close(_whole(engine), uninterrupted, exact=True) if name == "resume" else None
         out["runs"][name] = {"exact": info["exact"], "loaded": loaded, "losses": resumed,
                              "after": after}

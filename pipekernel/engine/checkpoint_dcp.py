@@ -157,8 +157,8 @@ def _masters(engine: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """``(name, parameter, master)`` of each stage parameter the precision policy steps
     through a tensor of its own (``bf16``/``fp16``: an fp32 master outside the module)."""
     master = engine.precision.master
-    return [(name, param, master(param)) for name, param in engine.module.named_parameters()
-            if master(param) is not param]
+    return [(name, param, held) for name, param in engine.module.named_parameters()
+            if (held := master(param)) is not param]
 
 
 @contextlib.contextmanager

@@ -220,7 +220,6 @@ def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
     return out
 
 
-
 def _pair_at(step: Sequence[Instruction]) -> int | None:
     """The index of the first ``ForwardBackward`` in ``step``, or ``None`` (a plain loop: a
     generator per step cost more than the step's own split)."""
@@ -228,6 +227,7 @@ def _pair_at(step: Sequence[Instruction]) -> int | None:
         if isinstance(ins, ForwardBackward):
             return k
     return None
+
 
 def unpaired_steps(schedule: object) -> list[list[Instruction]]:
     """What ``schedule`` runs on a stage without an overlapping executor: its own
