@@ -9,9 +9,16 @@ import torch
 #: what many of the suite's process worlds import again in every rank, imported once by the
 #: fork server that starts them instead (pipekernel.engine.launch.start_context): DTensor
 #: and FSDP2 (~1 s of CPU per rank), transformers' model base (~4 s per rank) and Lightning
-#: (~5 s per rank). Not installed: left out. PIPEKERNEL_PRELOAD= (empty) turns it off.
-os.environ.setdefault("PIPEKERNEL_PRELOAD", "torch.distributed.tensor,torch.distributed.fsdp,"
-                      "transformers.modeling_utils,lightning.pytorch")
+#: (~5 s per rank). Not installed: left out. Set through ``launch.PRELOAD``, not the
+#: environment: every program a system test starts (the CLI, examples, docs programs) would
+#: inherit PIPEKERNEL_PRELOAD, and its own fork server would import transformers and
+#: Lightning (~8 s of CPU) for workers that use neither. PIPEKERNEL_PRELOAD set (empty
+#: turns it off) replaces this list.
+CALLER_PRELOAD = "PIPEKERNEL_PRELOAD" in os.environ
+if not CALLER_PRELOAD:
+    from pipekernel.engine import launch as _launch
+    _launch.PRELOAD[:] = ["torch.distributed.tensor", "torch.distributed.fsdp",
+                          "transformers.modeling_utils", "lightning.pytorch"]
 
 
 @pytest.fixture

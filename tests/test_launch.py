@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import multiprocessing.util
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from pipekernel.engine.launch import launch
 
@@ -48,3 +51,33 @@ def test_an_engine_after_a_closed_one_gets_a_new_process_group():
     # starts early would read them and time out connecting
     results = launch(_engines_one_after_another, 2, (3,), timeout=300)
     assert results[0] == results[1] and len(results[0]) == 3
+
+
+def test_preload_joins_the_environment_and_the_list_and_leaves_out_what_is_missing(
+        monkeypatch):
+    from pipekernel.engine import launch as module
+    monkeypatch.setenv("PIPEKERNEL_PRELOAD", " json , no_such_module_xyz,")
+    monkeypatch.setattr(module, "PRELOAD", ["json", "csv", "no_such_pkg_xyz.sub"])
+    assert module._preload() == ["json", "csv"]
+    # asking does not import: the server imports it, once
+    monkeypatch.setattr(module, "PRELOAD", ["wsgiref.simple_server"])
+    for name in [n for n in sys.modules if n.partition(".")[0] == "wsgiref"]:
+        monkeypatch.delitem(sys.modules, name)
+    assert module._preload() == ["json", "wsgiref.simple_server"]
+    assert "wsgiref" not in sys.modules
+    monkeypatch.setattr(module, "PRELOAD", ["json", "csv", "no_such_pkg_xyz.sub"])
+    monkeypatch.delenv("PIPEKERNEL_PRELOAD")
+    assert module._preload() == ["json", "csv"]
+
+
+def test_the_suite_preloads_without_exporting_it_to_the_programs_it_starts():
+    """The suite's fork server preloads transformers and Lightning through the list; the
+    environment would hand the list to every CLI, example and docs program a system test
+    runs, and each of their fork servers would import both (~8 s of CPU) for nothing."""
+    import os
+    import conftest
+    from pipekernel.engine import launch as module
+    if conftest.CALLER_PRELOAD:
+        pytest.skip("PIPEKERNEL_PRELOAD was set by the caller")
+    assert "PIPEKERNEL_PRELOAD" not in os.environ
+    assert "transformers.modeling_utils" in module.PRELOAD

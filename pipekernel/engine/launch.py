@@ -95,10 +95,10 @@ def start_context() -> Any:
     most of the cost of starting a test's ranks. ``PIPEKERNEL_START_METHOD=spawn`` (or a
     platform without forkserver) starts fresh interpreters as before. The server never
     touches CUDA, so a forked worker initialises it as a spawned one would.
-    ``PIPEKERNEL_PRELOAD`` (comma-separated module names) adds modules for the server to
-    import once, e.g. what every world of a test suite imports again (the tests set it:
-    ``tests/conftest.py``); one that is not installed is left out. It counts only when
-    the server starts (the first launch of the process)."""
+    ``PIPEKERNEL_PRELOAD`` (comma-separated module names) and :data:`PRELOAD` add modules
+    for the server to import once, e.g. what every world of a test suite imports again;
+    one that is not installed is left out. They count only when the server starts (the
+    first launch of the process)."""
     method = os.environ.get("PIPEKERNEL_START_METHOD", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise ConfigError(f"PIPEKERNEL_START_METHOD={method!r} is not a start method pipekernel "
@@ -110,16 +110,28 @@ def start_context() -> Any:
     return mp.get_context("spawn")
 
 
+#: modules this process's fork server imports once besides torch and pipekernel (see
+#: :func:`start_context`), for a host that starts many worlds importing them (the test
+#: suite: ``tests/conftest.py``). Unlike ``PIPEKERNEL_PRELOAD``, the programs this process
+#: starts do not inherit it: a launcher they run pays only for what it imports itself.
+PRELOAD: list[str] = []
+
+
 def _preload() -> list[str]:
-    """The installed modules ``PIPEKERNEL_PRELOAD`` names (see :func:`start_context`)."""
+    """The installed modules ``PIPEKERNEL_PRELOAD`` and :data:`PRELOAD` name (see
+    :func:`start_context`)."""
     import importlib.util
     names = [n.strip() for n in os.environ.get("PIPEKERNEL_PRELOAD", "").split(",")]
+    names += [n for n in PRELOAD if n not in names]
     found = []
     for name in filter(None, names):
+        # the top-level package only: finding ``lightning.pytorch`` would import
+        # ``lightning`` here (~4 s of CPU) just to ask; the server's own import of a
+        # submodule that is missing fails quietly (multiprocessing skips an ImportError)
         try:
-            if importlib.util.find_spec(name) is not None:
+            if importlib.util.find_spec(name.partition(".")[0]) is not None:
                 found.append(name)
-        except (ImportError, ValueError):  # its parent package is not installed
+        except (ImportError, ValueError):
             pass
     return found
 
