@@ -20,7 +20,8 @@ from pipekernel.comm.transport import P2POp
 from pipekernel.transports import cupy_nccl
 from pipekernel.transports.cupy_nccl import (INSTALL, NCCL_TYPES, _Comm, _Ops,
                                              decode_unique_id, encode_unique_id,
-                                             exchange_unique_id, nccl_dtype)
+                                             exchange_unique_id, make_communicator,
+                                             nccl_dtype)
 from pipekernel.transports.device_watch import DeviceWatch
 from pipekernel.transports.lanes import split_by_lane
 
@@ -127,14 +128,17 @@ def test_unique_ids_round_trip_through_bytes():
     assert decode_unique_id(data) == uid
 
 
-@pytest.mark.parametrize("kind", ["hash", "file"])
-def test_the_root_makes_the_id_and_the_others_read_it_from_the_store(kind, tmp_path):
+@pytest.mark.parametrize("kind,form", [("hash", tuple), ("file", tuple), ("hash", bytes)])
+def test_the_root_makes_the_id_and_the_others_read_it_from_the_store(kind, form, tmp_path):
+    """CuPy before 14 makes the id as a tuple of signed chars, CuPy 14 as bytes: both
+    travel as the same bytes."""
     store = dist.HashStore() if kind == "hash" else dist.FileStore(str(tmp_path / "s"), 2)
     made = []
+    signed = tuple((i * 7) % 256 - 128 for i in range(128))
 
     def make_id():
         made.append(1)
-        return tuple((i * 7) % 256 - 128 for i in range(128))
+        return signed if form is tuple else encode_unique_id(signed)
 
     got = {}
     reader = threading.Thread(target=lambda: got.setdefault(
@@ -143,7 +147,35 @@ def test_the_root_makes_the_id_and_the_others_read_it_from_the_store(kind, tmp_p
     root = exchange_unique_id(store, "pipekernel/cupy-nccl/x/0", True, make_id)
     reader.join(30)
     assert got["other"] == root and made == [1]
-    assert len(root) == 128 and min(root) >= -128 and max(root) <= 127
+    assert isinstance(root, bytes) and decode_unique_id(root) == signed
+
+
+class _CommunicatorOf:
+    """A stand-in for ``cupy.cuda.nccl``: its ``NcclCommunicator`` takes the id in one
+    form and raises ``TypeError`` for the other, as CuPy's typed argument does."""
+
+    def __init__(self, form):
+        self.made = []
+        outer = self
+
+        class NcclCommunicator:
+            def __init__(self, size, uid, rank):
+                if not isinstance(uid, form):
+                    raise TypeError(f"Argument 'commId' has incorrect type (expected "
+                                    f"{form.__name__}, got {type(uid).__name__})")
+                outer.made.append((size, uid, rank))
+
+        self.NcclCommunicator = NcclCommunicator
+
+
+@pytest.mark.parametrize("form", [bytes, tuple], ids=["cupy14-bytes", "cupy13-tuple"])
+def test_the_communicator_gets_the_id_in_the_form_the_installed_cupy_takes(form):
+    signed = tuple((i * 5) % 256 - 128 for i in range(128))
+    nccl = _CommunicatorOf(form)
+    make_communicator(nccl, 2, encode_unique_id(signed), 1)
+    (size, uid, rank), = nccl.made
+    assert (size, rank) == (2, 1)
+    assert uid == (encode_unique_id(signed) if form is bytes else signed)
 
 
 # -- stream/event bookkeeping with fakes -----------------------------------------------

@@ -236,11 +236,18 @@ def test_measured_methods_handle_tied_layers_and_integer_inputs():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_profile_and_memory_measure_on_cuda():
-    sample = SAMPLE.cuda()
-    seconds, static, act = measure_layers(unequal("uniform"), sample, "cuda", repeats=3)
+    # sizes where a Wide layer's compute, not the launches, sets its time on a GPU: at the
+    # CPU tests' 64 x 16 an H200 timed every layer at about its launch cost and profile
+    # balanced 5 layers against 3 ([0, 5, 8]; the first run of gpu/check.sh)
+    dim = 256
+    layers = [pk.LayerSpec(Wide, dim, 16384), pk.LayerSpec(Wide, dim, 16384),
+              *[pk.LayerSpec(Small, dim) for _ in range(6)]]
+    sample = torch.randn(4096, dim, device="cuda")
+    seconds, static, act = measure_layers(unequal("uniform", layers), sample, "cuda",
+                                          repeats=3)
     assert all(t > 0 for t in seconds) and seconds[0] > seconds[-1]
     assert act[0] > 0 and static[0] > static[-1]
-    module = unequal(pk.profile(sample, repeats=3))
+    module = unequal(pk.profile(sample, repeats=3), layers)
     context = pk.PartitionContext(module=module, num_stages=2, device=torch.device("cuda"))
     assert module.partition(2, context=context) == [0, 1, 8]
 

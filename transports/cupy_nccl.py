@@ -52,7 +52,7 @@ from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
 __all__ = ["CupyNcclTransport", "INSTALL", "nccl_dtype", "NCCL_TYPES", "encode_unique_id",
-           "decode_unique_id", "exchange_unique_id", "load_cupy_nccl"]
+           "decode_unique_id", "exchange_unique_id", "make_communicator", "load_cupy_nccl"]
 
 #: The exact line that installs what this transport needs.
 INSTALL = 'pip install "pipekernel[cupy]"'
@@ -95,8 +95,9 @@ def nccl_dtype(dtype: torch.dtype, op: str | None = None, nccl: Any = None) -> t
     return code, factor
 
 
-def encode_unique_id(uid: Sequence[int]) -> bytes:
-    """CuPy's unique id (a tuple of signed chars) as bytes for a store."""
+def encode_unique_id(uid: Sequence[int] | bytes) -> bytes:
+    """CuPy's unique id as bytes for a store: CuPy 14 makes it ``bytes`` already, older
+    releases a tuple of signed chars."""
     return bytes(b & 0xFF for b in uid)
 
 
@@ -106,18 +107,29 @@ def decode_unique_id(data: bytes) -> tuple[int, ...]:
 
 
 def exchange_unique_id(store: Any, key: str, is_root: bool,
-                       make_id: Callable[[], Sequence[int]]) -> tuple[int, ...]:
-    """The unique id of one communicator, agreed through ``store``.
+                       make_id: Callable[[], Sequence[int] | bytes]) -> bytes:
+    """The unique id of one communicator, agreed through ``store``, as bytes.
 
     The root (the lowest member) calls ``make_id()`` and writes it under ``key``;
     every other member blocks in ``store.get(key)`` (bounded by the store's own
     timeout) until it is there. All members call this with the same ``key``.
     """
     if is_root:
-        uid = tuple(make_id())
-        store.set(key, encode_unique_id(uid))
-        return uid
-    return decode_unique_id(bytes(store.get(key)))
+        data = encode_unique_id(make_id())
+        store.set(key, data)
+        return data
+    return bytes(store.get(key))
+
+
+def make_communicator(nccl: Any, size: int, uid: bytes, rank: int) -> Any:
+    """``nccl.NcclCommunicator`` for the id :func:`exchange_unique_id` agreed on, in the
+    form the installed CuPy takes: ``bytes`` from CuPy 14 on (a tuple there is a
+    ``TypeError``, seen on an H200 with cupy-cuda13x 14.2), a tuple of signed chars
+    before. The type is checked before NCCL is called, so the retry starts nothing twice."""
+    try:
+        return nccl.NcclCommunicator(size, uid, rank)
+    except TypeError:
+        return nccl.NcclCommunicator(size, decode_unique_id(uid), rank)
 
 
 def load_cupy_nccl() -> Any:
@@ -369,7 +381,7 @@ class CupyNcclTransport:
         index = len(self._comms)
         key = f"{self._prefix}/comm/{index}"
         uid = exchange_unique_id(self.store, key, self.rank == ranks[0], self._nccl.get_unique_id)
-        comm = self._nccl.NcclCommunicator(len(ranks), uid, list(ranks).index(self.rank))
+        comm = make_communicator(self._nccl, len(ranks), uid, list(ranks).index(self.rank))
         made = _Comm(comm, torch.cuda.Stream(self.device), ranks, index)
         self._comms.append(made)
         return made
