@@ -150,13 +150,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: _LONGEST.get(Path(str(item.fspath)).name, len(_LONGEST)))
 
 
-#: the files that take longest (a serial run's ``--durations``, longest first), started
-#: first: under ``-n 2 --dist loadfile`` a long file handed out last runs alone at the end
-#: while the other pytest process has nothing left (scheduling only: no test depends on it)
+#: the files that take longest, started first: under ``-n 2 --dist loadfile`` a long file
+#: handed out last runs alone at the end while the other pytest process has nothing left
+#: (scheduling only: no test depends on it). xdist keeps this order only with
+#: ``--no-loadscope-reorder`` (the README's command): by default it hands out the files
+#: with the most tests first, which put test_partition.py first and test_exit.py near the
+#: end. Per-file seconds of a full ``-n 2`` run (stop 40), longest first; the DeepSpeed
+#: examples took 20 s in one run and 145 s in another, so they go early.
 _LONGEST = {name: rank for rank, name in enumerate((
-    "test_hf_families.py", "test_docs.py", "test_deepspeed_examples.py", "test_restart.py",
-    "test_cli.py", "test_hf.py", "test_exit.py", "test_ray_train.py", "test_faults.py",
-    "test_checkpoint_dcp.py", "test_comm_model.py", "test_lightning.py", "test_monitor.py"))}
+    "test_docs.py", "test_restart.py", "test_hf_families.py", "test_deepspeed_examples.py",
+    "test_hf_expert_parallel.py", "test_cli.py", "test_hf.py", "test_exit.py",
+    "test_checkpoint_dcp.py", "test_ray_train.py", "test_checkpoint.py",
+    "test_exit_shutdown.py", "test_paired.py", "test_lightning.py", "test_faults.py",
+    "test_comm_model.py", "test_engine.py", "test_launchers.py", "test_skips.py",
+    "test_monitor.py", "test_dtensor_tp.py"))}
 
 
 @pytest.fixture(autouse=True)

@@ -48,7 +48,10 @@ RANK_SCRIPT = textwrap.dedent("""
             print("threads:", ",".join(sorted(names)))
 """)
 
-RUNS = 4  # per mode; each run is two fresh interpreters
+#: runs per mode, each two fresh interpreters (~11 s of a 2-core machine): "close" checks
+#: the cause itself (no gloo thread left after close(), every time), so one run; the race
+#: without close() shows only now and then, so that mode runs several
+RUNS = {"close": 1, "no-close": 3}
 
 
 def _run_pair(mode: str, out_dir: str) -> list[tuple[int, int, str]]:
@@ -75,7 +78,7 @@ def _run_pair(mode: str, out_dir: str) -> list[tuple[int, int, str]]:
 @pytest.mark.parametrize("mode", ["close", "no-close"])
 def test_torchrun_style_exit_does_not_abort(mode, tmp_path):
     failures = []
-    for run in range(RUNS):
+    for run in range(RUNS[mode]):
         for rank, code, out, err in _run_pair(mode, str(tmp_path)):
             if code != 0 or "terminate called" in err:
                 failures.append(f"run {run} rank {rank}: exit code {code}\n{err[-2000:]}")
