@@ -142,10 +142,12 @@ def test_launch_in_a_slurm_step_of_another_size_refuses_with_the_command(monkeyp
 # -- a second Ctrl-C ----------------------------------------------------------------------------
 
 STUBBORN = textwrap.dedent("""
-    import time, pipekernel as pk
+    import os, time, pipekernel as pk
 
     def stubborn():
-        print("ready", flush=True)
+        # one write(2) of the whole line: the two ranks share the pipe, and print's text
+        # and newline can reach it as two writes ("readyready" once in CI)
+        os.write(1, b"ready\\n")
         while True:  # ignores the launcher's SIGTERM: only a kill ends it
             try:
                 time.sleep(0.05)
