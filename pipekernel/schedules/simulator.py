@@ -83,7 +83,8 @@ from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
-                                           SimulationResult, format_grid)
+                                           SimulationResult, _Simulation, format_grid, steps_of)
+from pipekernel.schedules.sim_fast import _Fast
 from pipekernel.schedules.sim_buffered import _Buffered
 from pipekernel.schedules.sim_rendezvous import _Rendezvous
 from pipekernel.schedules.skips import add_skip_transfers, check_skip_edges
@@ -192,19 +193,48 @@ def _no_cyclic_gc():
 
 def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
               semantics, sizes) -> SimulationResult:
+    """Each stage's steps asked for once; the fast path (:mod:`~pipekernel.schedules.sim_fast`)
+    for the runtime's own plan under rendezvous, the full simulation when it has something to
+    report (or for another posting policy, or buffered sends)."""
     num_stages, micro_batches, chunks = sizes
-    sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
+    table = _cost_table(costs)
+    steps = tuple(steps_of(obj, s) for s, obj in enumerate(objects))
+    objects = [_Stepped(obj, own) for obj, own in zip(objects, steps)]
+    buffers = [_Simulation._num_buffers(obj) for obj in objects]
+    tables = {}
+    if stage_costs:
+        tables["stage_costs"] = {key: _cost_table(t, base={}) for key, t in stage_costs.items()}
+    if host_costs:
+        tables["host_costs"] = _cost_table(host_costs, base={})
+    if cls is _Rendezvous and posting is None:
+        fast = _Fast(num_stages, micro_batches, chunks, table, steps, placement, objects, buffers)
+        fast.skips = edges
+        fast.__dict__.update(tables)
+        result = fast.prove()
+        if result is not None:
+            return result
+    sim = cls(num_stages, micro_batches, chunks, table, objects, placement)
     sim.skips = edges
     if posting is not None:
         sim.posting = posting
-    if stage_costs:
-        sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
-    if host_costs:
-        sim.host_costs = _cost_table(host_costs, base={})
+    sim.__dict__.update(tables)
     sim.run()
     if sim.problems:
         raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
     return sim.result()
+
+
+class _Stepped:
+    """A stage's schedule object with its steps already asked for (``steps()`` once)."""
+
+    def __init__(self, obj, steps) -> None:
+        self._obj, self._steps = obj, steps
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+    def steps(self):
+        return self._steps
 
 
 class _Unpaired:

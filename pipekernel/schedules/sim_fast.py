@@ -1,0 +1,504 @@
+"""The rendezvous simulation's fast path (:mod:`pipekernel.schedules.simulator`): a plan with
+nothing to report, proved and timed from one compiled form per stage. Layer 0: no torch.
+
+The full simulation (:class:`~pipekernel.schedules.sim_rendezvous._Rendezvous`) checks every
+instruction as it runs it, so that a broken plan is reported with where it went wrong. Nearly
+every plan it is asked about is a valid one, and what it checks per instruction — buffers,
+forwards and backwards in order, micro-batches and chunks in range — depends on the stage's own
+stream only, never on when the other stages run. So this path
+
+1. checks each stage's stream once, on its own (:func:`_check_stage`: the same conditions the
+   full simulation's handlers test, and the once-per-micro-batch counts), which also gives the
+   stage's peak of live buffers;
+2. turns the runtime's plan (:func:`~pipekernel.schedules.comm.plan_communication`, the same
+   call) into operations and units held in plain lists — ``[done, mate, unit, rank, send cost,
+   receive cost]`` and ``[post, start, end, left, active, next, lane, ops]``, a lane being
+   ``[head unit, end of its last unit, last unit]`` — and matches them, per sender, receiver
+   and lane, in posting order;
+3. compiles each stage's stream into the few entries that move time (:func:`_code`): a compute
+   instruction on the timeline, a posting point, a receive that waits, a local hand-off, a
+   collective, a tick with a cost (a zero cost is left out: adding ``0.0`` changes no clock);
+4. runs the entries with the full simulation's event loop, rules and arithmetic (the same
+   expressions in the same order per stage, so every time is the same float).
+
+Whenever anything would be reported — a check fails, a transfer does not match, a collective
+or a hand-off disagrees, the stages deadlock — or the plan holds what this path does not model
+(a ``ForwardBackward``, an instruction class of its own), :meth:`_Fast.prove` returns ``None``
+and the full simulation runs instead, which then reports exactly what it always did.
+"""
+from __future__ import annotations
+
+from collections import deque
+from operator import add
+
+from pipekernel.schedules.comm import plan_communication
+from pipekernel.schedules.instructions import (
+    Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, LoadMicroBatch,
+    RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad, SendActivation, SendGrad, SendSkip,
+    SendSkipGrad, SkipInstruction,
+)
+from pipekernel.schedules.sim_base import _END, SimulationResult, _Simulation, role
+from pipekernel.schedules.skips import skip_edge_of
+
+# what each built-in micro-batch instruction class does (_check_stage, _code)
+_LOAD, _RECV_ACT, _FORWARD, _SEND_ACT, _RECV_GRAD, _BACKWARD, _B_INPUT, _B_WEIGHT, _SEND_GRAD, \
+    _SKIP_SEND, _SKIP_RECV = range(11)
+_KIND = {LoadMicroBatch: _LOAD, RecvActivation: _RECV_ACT, Forward: _FORWARD,
+         SendActivation: _SEND_ACT, RecvGrad: _RECV_GRAD, Backward: _BACKWARD,
+         BackwardInput: _B_INPUT, BackwardWeight: _B_WEIGHT, SendGrad: _SEND_GRAD,
+         SendSkip: _SKIP_SEND, SendSkipGrad: _SKIP_SEND, RecvSkip: _SKIP_RECV,
+         RecvSkipGrad: _SKIP_RECV}
+_SEND_KINDS = frozenset((_SEND_ACT, _SEND_GRAD, _SKIP_SEND))
+_P2P_KINDS = _SEND_KINDS | {_RECV_ACT, _RECV_GRAD, _SKIP_RECV}
+_TIMELINE = frozenset((_FORWARD, _BACKWARD, _B_INPUT, _B_WEIGHT))
+_BACKWARDS = (Backward, BackwardInput, BackwardWeight, ForwardBackward)
+# the entries of a stage's code (_code), first element
+_TL, _POST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(7)
+
+
+class _Bail(Exception):
+    """Something the full simulation would report (or this path does not model)."""
+
+
+def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bool) -> int:
+    """Check one stage's stream as the full simulation's handlers do (raise :class:`_Bail`
+    where one would report a problem); return its peak number of live buffers.
+
+    ``ends[chunk]`` is ``(has a previous position, has a next position)``."""
+    micro_batches, chunks = sizes
+    counts = [[0] * (micro_batches * chunks) for _ in range(6)]
+    recv_act, forward, recv_grad, backward, b_input, b_weight = counts
+    slots: dict[int, int] = {}
+    peak = 0
+    for ins in stream:
+        kind = _KIND.get(type(ins))
+        if kind is None or kind >= _SKIP_SEND:  # not a micro-batch instruction, or a skip:
+            if kind is not None and not (0 <= ins.micro_batch < micro_batches  # range only
+                                         and 0 <= ins.chunk < chunks and 0 <= ins.buffer < limit):
+                raise _Bail
+            continue
+        mb, buf, chunk = ins.micro_batch, ins.buffer, ins.chunk
+        if not (0 <= mb < micro_batches and 0 <= chunk < chunks and 0 <= buf < limit):
+            raise _Bail
+        x = chunk * micro_batches + mb
+        if kind <= _FORWARD:  # writes its buffer
+            held = slots.get(buf)
+            if held is not None and held != x:
+                raise _Bail
+            slots[buf] = x
+            if len(slots) > peak:
+                peak = len(slots)
+            if kind == _RECV_ACT:
+                recv_act[x] += 1
+            elif kind == _FORWARD:
+                if ends[chunk][0] and not recv_act[x]:
+                    raise _Bail
+                forward[x] += 1
+                if not trains and not ends[chunk][1] and slots.get(buf) == x:
+                    del slots[buf]
+            continue
+        if kind == _SEND_GRAD:
+            if not (backward[x] or b_input[x]):
+                raise _Bail
+            continue
+        if slots.get(buf) != x:  # the rest read their buffer
+            raise _Bail
+        if kind == _SEND_ACT:
+            if not forward[x]:
+                raise _Bail
+            if not trains:
+                del slots[buf]
+        elif kind == _RECV_GRAD:
+            recv_grad[x] += 1
+        else:
+            _backward(kind, x, counts, ends[chunk][1], trains)
+            if backward[x] or (b_input[x] and b_weight[x]):
+                del slots[buf]
+    _check_counts(counts, trains)
+    return peak
+
+
+def _backward(kind: int, x: int, counts: list, has_next: bool, trains: bool) -> None:
+    """A backward's checks and counts (the full simulation's ``_on_backward``)."""
+    _, forward, recv_grad, backward, b_input, b_weight = counts
+    if not trains or not forward[x] or (has_next and not recv_grad[x]):
+        raise _Bail
+    if kind == _BACKWARD:
+        backward[x] += 1
+    elif kind == _B_INPUT:
+        b_input[x] += 1
+    else:
+        b_weight[x] += 1
+        if not b_input[x]:
+            raise _Bail
+
+
+def _check_counts(counts: list, trains: bool) -> None:
+    """Every micro-batch forwarded once and, when training, backwarded once (one Backward,
+    or one BackwardInput and one BackwardWeight)."""
+    _, forward, _, backward, b_input, b_weight = counts
+    ones = [1] * len(forward)
+    if forward != ones:
+        raise _Bail
+    if trains and (list(map(add, backward, b_input)) != ones or b_input != b_weight):
+        raise _Bail
+
+
+class _Fast(_Simulation):
+    """The fast path (see the module docstring): :meth:`prove` gives the result, or ``None``."""
+
+    semantics = "rendezvous"
+
+    def __init__(self, num_stages, micro_batches, chunks, costs, steps, placement, objects,
+                 buffers) -> None:
+        self.S, self.M, self.C = num_stages, micro_batches, chunks
+        self.placement, self.costs, self.steps = placement, costs, steps
+        self.objects, self.limits = objects, buffers
+        self._peers = {}
+        self.ops: list[list] = []
+        self.lanes: list[list] = []  # stage -> its lanes
+
+    def prove(self) -> SimulationResult | None:
+        try:
+            if any(c != c for table in (self.costs, self.host_costs, *self.stage_costs.values())
+                   for c in table.values()):
+                raise _Bail  # NaN: max() would depend on the order things happen in
+            streams = [[i for step in steps for i in step] for steps in self.steps]
+            self.trains = self._trains_of(streams)
+            peaks = [self._checked(s, stream) for s, stream in enumerate(streams)]
+            self._setup(streams)
+            self._run()
+        except _Bail:
+            return None
+        finally:  # no cycles left for the collector (op <-> mate, op <-> unit <-> lane)
+            deque(map(list.clear, self.ops), 0)
+            for lanes in self.lanes:
+                deque(map(list.clear, lanes), 0)
+        return self._result(peaks)
+
+    def _trains_of(self, streams: list) -> bool:
+        """The full simulation's ``_trains``: the schedules' ``trains`` when they agree,
+        else whether any stage runs a backward."""
+        flags = {getattr(obj, "trains", None) for obj in self.objects}
+        if flags <= {True, False} and len(flags) == 1:
+            return flags.pop()
+        return any(isinstance(i, _BACKWARDS) for stream in streams for i in stream)
+
+    def _checked(self, stage: int, stream: list) -> int:
+        limit = self.limits[stage]
+        ends = tuple((self._peer(stage, c, -1) is not None, self._peer(stage, c, 1) is not None)
+                     for c in range(self.C))
+        return _check_stage(stream, 1 << 62 if limit is None else limit, (self.M, self.C),
+                            ends, self.trains)
+
+    # -- setup: plans, operations, units, matching, code ------------------------------
+
+    def _setup(self, streams: list) -> None:
+        S = self.S
+        self.code: list[list] = []
+        sends: dict[tuple, list] = {}
+        recvs: dict[tuple, list] = {}
+        extra = {"skips": self.skips} if self.skips else {}
+        for s, stream in enumerate(streams):
+            plan = plan_communication(self.steps[s], stage=s, num_stages=S, chunks=self.C,
+                                      placement=self.placement, trains=self.trains, **extra)
+            posted, recv_op = self._place(s, plan, sends, recvs)
+            self.code.append(self._code(s, stream, plan, posted, recv_op))
+        self._match(sends, recvs)
+
+    def _place(self, stage: int, plan, sends: dict, recvs: dict) -> tuple[dict, dict]:
+        """The plan's posts as units of operations (see the module docstring): ``{stream
+        index: (units posted there, how many operations)}`` and ``{stream index of a
+        receive: its operation}``; each operation also filed for matching."""
+        stream, peers, ops = plan.stream, plan.peers, self.ops
+        lanes = plan.lanes if len(plan.lanes) == len(stream) else (None,) * len(stream)
+        own: dict = {}  # lane -> [head unit, end of its last unit, last unit]
+        posted, recv_op = {}, {}
+        for g, group in enumerate(plan.posts):
+            if not group:
+                continue
+            units: dict = {}
+            for at in group:
+                ins = stream[at]
+                op = [None, None, None, stage, 0.0, 0.0]
+                ops.append(op)
+                lane, (peer, chunk) = lanes[at], peers[at]
+                if role(type(ins)).send:
+                    sends.setdefault((stage, peer, lane), []).append((op, ins, chunk))
+                else:
+                    recv_op[at] = op
+                    recvs.setdefault((peer, stage, lane), []).append((op, ins, chunk))
+                unit = units.get(lane)
+                if unit is None:
+                    unit = units[lane] = self._unit(own, lane)
+                unit[7].append(op)
+                unit[3] += 1
+                op[2] = unit
+            posted[g] = (tuple(units.values()), len(group))
+        self.lanes.append(list(own.values()))
+        return posted, recv_op
+
+    @staticmethod
+    def _unit(own: dict, lane: object) -> list:
+        """A new unit at the end of ``lane``'s chain (the lane made if new)."""
+        line = own.get(lane)
+        if line is None:
+            line = own[lane] = [None, 0.0, None]
+        unit = [None, 0.0, 0.0, 0, False, None, line, []]
+        if line[2] is None:
+            line[0] = unit
+        else:
+            line[2][5] = unit
+        line[2] = unit
+        return unit
+
+    def _match(self, sends: dict, recvs: dict) -> None:
+        """Pair each (sender, receiver, lane)'s sends and receives in posting order, each pair
+        given its cost; anything that does not match as the full simulation requires bails."""
+        costs = self.costs
+        if sends.keys() != recvs.keys():
+            raise _Bail
+        for key, out in sends.items():
+            into = recvs[key]
+            if len(out) != len(into):
+                raise _Bail
+            for (send, si, target), (recv, ri, _) in zip(out, into):
+                cs, cr = type(si), type(ri)
+                if not (si.micro_batch == ri.micro_batch and target == ri.chunk
+                        and role(cs).kind == role(cr).kind):
+                    raise _Bail
+                send[1], recv[1] = recv, send
+                send[4] = recv[4] = costs.get(cs, 0.0)
+                send[5] = recv[5] = costs.get(cr, 0.0)
+
+    def _code(self, stage: int, stream: list, plan, posted: dict, recv_op: dict) -> list:
+        """The entries of ``stage``'s event loop (see the module docstring), in stream order:
+        per instruction its send's host cost, its posting point, then what it does."""
+        code: list[tuple] = []
+        append = code.append
+        host, cost_of, peers, local = self.host_costs, {}, plan.peers, plan.local
+        for pc, ins in enumerate(stream):
+            cls = type(ins)
+            kind = _KIND.get(cls)
+            group = posted.get(pc)
+            if group is not None:
+                if host and kind in _SEND_KINDS and not local[pc] and host.get(cls, 0.0):
+                    append((_TICK, host[cls]))  # a send is packed before its group leaves
+                append((_POST, *group))
+            if kind in _TIMELINE:
+                key = (cls, ins.chunk)
+                cost = cost_of.get(key)
+                if cost is None:
+                    cost = cost_of[key] = self._compute_cost(stage, ins)
+                append((_TL, ins, cost))
+            elif kind in _P2P_KINDS:
+                op = recv_op.get(pc)
+                if op is not None:
+                    append((_RECV, op, host.get(cls, 0.0)))
+                elif peers[pc] is None or local[pc]:  # else a remote send: posted, no wait
+                    self._local(stage, ins, kind, peers[pc], append)
+            else:
+                self._other(stage, ins, kind, append)
+        return code
+
+    def _local(self, stage: int, ins, kind: int, peer, append) -> None:
+        """A hand-off to this stage itself, or bail (a transfer with no peer)."""
+        if peer is None or (isinstance(ins, SkipInstruction) and skip_edge_of(
+                ins, stage, self.S, self.placement) not in self.skips):
+            raise _Bail
+        channel = self._channel(stage, ins)
+        if kind in _SEND_KINDS:
+            append((_LSEND, channel, ins.micro_batch, peer[1]))
+        else:
+            append((_LRECV, channel, ins.micro_batch, ins.chunk))
+
+    def _other(self, stage: int, ins, kind: int | None, append) -> None:
+        """LoadMicroBatch, collectives and local blocking points; bail on what this path
+        does not model (a ForwardBackward, a micro-batch instruction class of its own)."""
+        r = role(type(ins))
+        if kind is None and (r.paired or r.micro_batch or not r.instruction):
+            raise _Bail
+        if r.world:
+            append((_COLL, ins))
+            return
+        cost = self._compute_cost(stage, ins)
+        if cost:
+            append((_TICK, cost))
+
+    # -- the event loop ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Advance every stage until all finish; bail if none can progress (a deadlock)."""
+        S = self.S
+        self.pc, self.clock, self.wait = [0] * S, [0.0] * S, [0.0] * S
+        self.timeline = [[] for _ in range(S)]
+        self.pending = [0] * S
+        self.flushed, self.finished, self.arrived = [False] * S, [False] * S, [False] * S
+        self.coll = [0] * S
+        self.world: list[dict] = []
+        self.released: list = []
+        self.queues: list[dict] = [{} for _ in range(S)]
+        finished, advance = self.finished, self._advance
+        while not all(finished):
+            moved = False
+            for s in range(S):
+                if not finished[s] and advance(s):
+                    moved = True
+            if not moved:
+                raise _Bail
+        if any(queue for queues in self.queues for queue in queues.values()):
+            raise _Bail  # a hand-off never received
+
+    def _advance(self, stage: int) -> bool:
+        """Run ``stage``'s entries until it blocks or finishes; ``True`` if anything
+        happened (the full simulation's ``_advance``, on the compiled entries)."""
+        code, pc = self.code[stage], self.pc[stage]
+        n, moved = len(code), False
+        clock, wait, timeline = self.clock[stage], self.wait[stage], self.timeline[stage]
+        while pc < n:
+            how = code[pc]
+            kind = how[0]
+            if kind is _TL:
+                start, clock = clock, clock + how[2]
+                timeline.append((start, clock, how[1]))
+            elif kind is _POST:
+                self._post(stage, how[1], how[2], clock)
+            elif kind is _RECV:
+                done = how[1][0]
+                if done is None:
+                    break
+                start = clock if clock >= done else done
+                wait += start - clock
+                clock = start + how[2]
+            elif kind is _TICK:
+                clock = clock + how[1]
+            else:
+                self.clock[stage], self.wait[stage] = clock, wait
+                if not self._blocking(stage, how):
+                    break
+                clock, wait = self.clock[stage], self.wait[stage]
+            pc, moved = pc + 1, True
+        self.pc[stage], self.clock[stage], self.wait[stage] = pc, clock, wait
+        if pc < n:
+            return moved
+        return self._finish(stage) or moved
+
+    def _blocking(self, stage: int, how: tuple) -> bool:
+        """A local hand-off or a world collective; ``False`` while it must wait."""
+        kind, clock = how[0], self.clock[stage]
+        if kind is _COLL:
+            return self._collective(stage, how[1])
+        queue = self.queues[stage].setdefault(how[1], deque())
+        if kind is _LSEND:
+            queue.append((how[2], how[3], clock))
+            return True
+        if not queue:
+            return False
+        micro_batch, chunk, ready = queue.popleft()
+        if (micro_batch, chunk) != (how[2], how[3]):
+            raise _Bail
+        start = max(clock, ready)
+        self.wait[stage] += start - clock
+        self.clock[stage] = start
+        return True
+
+    def _post(self, stage: int, units: tuple, count: int, at: float) -> None:
+        """Post ``units`` (a group, one unit per lane) at time ``at``."""
+        todo: list = []
+        for unit in units:
+            unit[0] = unit[2] = at
+            line = unit[6]
+            if line[0] is unit:  # it heads its lane: it may progress from now on
+                unit[4] = True
+                free = line[1]
+                unit[1] = at if at >= free else free
+                todo += unit[7]
+        self.pending[stage] += count
+        if todo:
+            self._progress(todo)
+
+    def _progress(self, todo: list) -> None:
+        """Complete every transfer that can complete now, and what that unblocks (the full
+        simulation's ``_progress``, on the lists of the module docstring)."""
+        pending = self.pending
+        while todo:
+            op = todo.pop()
+            if op[0] is not None:
+                continue
+            mate = op[1]
+            unit, other = op[2], mate[2]
+            if not (unit[4] and other[4]):
+                continue
+            a, b = unit[1], other[1]
+            t = (a if a >= b else b) + op[4] + op[5]
+            op[0] = mate[0] = t
+            for o, u in ((op, unit), (mate, other)):
+                pending[o[3]] -= 1
+                if t > u[2]:
+                    u[2] = t
+                u[3] -= 1
+                if u[3] == 0:  # it hands its lane to the next unit, if that is posted
+                    line, following = u[6], u[5]
+                    end = line[1] = u[2]
+                    line[0] = following
+                    if following is not None and following[0] is not None:
+                        following[4] = True
+                        post = following[0]
+                        following[1] = post if post >= end else end
+                        todo += following[7]
+
+    def _collective(self, stage: int, i: object) -> bool:
+        """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
+        k, clock = self.coll[stage], self.clock[stage]
+        if not self.arrived[stage]:
+            self.arrived[stage] = True
+            if k == len(self.world):
+                self.world.append({})
+                self.released.append(None)
+            self.world[k][stage] = (clock, i)
+            if len(self.world[k]) == self.S:
+                self._release(k)
+        when = self.released[k]
+        if when is None:
+            return False
+        self.wait[stage] += when - clock
+        self.clock[stage] = when
+        self.arrived[stage] = False
+        self.coll[stage] = k + 1
+        return True
+
+    def _release(self, k: int) -> None:
+        members = self.world[k]
+        if len({type(i) if i is not _END else _END for _, i in members.values()}) > 1:
+            raise _Bail
+        cost = max((self.costs.get(type(i), 0.0) for _, i in members.values() if i is not _END),
+                   default=0.0)
+        self.released[k] = max(t for t, _ in members.values()) + cost
+
+    def _finish(self, stage: int) -> bool:
+        """The end of the batch: wait for this stage's sends, then the loss all-reduce."""
+        moved = False
+        if not self.flushed[stage]:
+            if self.pending[stage]:
+                return False
+            self.flushed[stage] = True
+            last = max((line[1] for line in self.lanes[stage]), default=0.0)
+            clock = self.clock[stage]
+            if last > clock:
+                self.wait[stage] += last - clock
+                self.clock[stage] = last
+            moved = True
+        if not self._collective(stage, _END):
+            return moved
+        self.finished[stage] = True
+        return True
+
+    def _result(self, peaks: list) -> SimulationResult:
+        makespan = max(self.clock)
+        busy = sum(end - start for timeline in self.timeline for start, end, _ in timeline)
+        bubble = 1.0 - busy / (self.S * makespan) if makespan > 0 else 0.0
+        return SimulationResult(
+            num_stages=self.S, micro_batches=self.M, chunks=self.C, makespan=makespan,
+            bubble_fraction=bubble, buffers=tuple(peaks),
+            timeline=tuple(map(tuple, self.timeline)), steps=self.steps,
+            waits=tuple(self.wait), semantics=self.semantics)
