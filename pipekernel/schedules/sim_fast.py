@@ -11,10 +11,14 @@ stream only, never on when the other stages run. So this path
    full simulation's handlers test, and the once-per-micro-batch counts), which also gives the
    stage's peak of live buffers;
 2. turns the runtime's plan (:func:`~pipekernel.schedules.comm.plan_communication`, the same
-   call) into operations and units held in plain lists — ``[done, mate, unit, rank, send cost,
-   receive cost]`` and ``[post, start, end, left, active, next, lane, ops]``, a lane being
-   ``[head unit, end of its last unit, last unit]`` — and matches them, per sender, receiver
-   and lane, in posting order;
+   call) into *transfers*, one plain list each — ``[done, send posted, receive posted, next
+   on its channel, send cost, receive cost, when the one before it was done, sender,
+   receiver, ...]`` — matched per sender, receiver and lane in posting order as its second
+   end is met. The runtime's lanes carry one channel per rank each
+   (:mod:`~pipekernel.schedules.lanes`), so a unit of the full simulation is one end of one
+   transfer, and a lane's order is its channel's: a transfer starts when both its ends are
+   posted and the one before it on its channel is done (this path bails on a lane that
+   carries two channels);
 3. compiles each stage's stream into the few entries that move time (:func:`_code`): a compute
    instruction on the timeline, a posting point, a receive that waits, a local hand-off, a
    collective, a tick with a cost (a zero cost is left out: adding ``0.0`` changes no clock);
@@ -53,7 +57,7 @@ _P2P_KINDS = _SEND_KINDS | {_RECV_ACT, _RECV_GRAD, _SKIP_RECV}
 _TIMELINE = frozenset((_FORWARD, _BACKWARD, _B_INPUT, _B_WEIGHT))
 _BACKWARDS = (Backward, BackwardInput, BackwardWeight, ForwardBackward)
 # the entries of a stage's code (_code), first element
-_TL, _POST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(7)
+_TL, _SPOST, _RPOST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(8)
 
 
 class _Bail(Exception):
@@ -155,8 +159,7 @@ class _Fast(_Simulation):
         self.placement, self.costs, self.steps = placement, costs, steps
         self.objects, self.limits = objects, buffers
         self._peers = {}
-        self.ops: list[list] = []
-        self.lanes: list[list] = []  # stage -> its lanes
+        self.lanes: list[list] = []  # stage -> the channels of its lanes
 
     def prove(self) -> SimulationResult | None:
         try:
@@ -170,10 +173,6 @@ class _Fast(_Simulation):
             self._run()
         except _Bail:
             return None
-        finally:  # no cycles left for the collector (op <-> mate, op <-> unit <-> lane)
-            deque(map(list.clear, self.ops), 0)
-            for lanes in self.lanes:
-                deque(map(list.clear, lanes), 0)
         return self._result(peaks)
 
     def _trains_of(self, streams: list) -> bool:
@@ -191,87 +190,87 @@ class _Fast(_Simulation):
         return _check_stage(stream, 1 << 62 if limit is None else limit, (self.M, self.C),
                             ends, self.trains)
 
-    # -- setup: plans, operations, units, matching, code ------------------------------
+    # -- setup: plans, transfers, code -------------------------------------------------
 
     def _setup(self, streams: list) -> None:
         S = self.S
         self.code: list[list] = []
-        sends: dict[tuple, list] = {}
-        recvs: dict[tuple, list] = {}
+        self.chans: dict[tuple, list] = {}  # (sender, receiver, lane) -> [transfers, sends, recvs]
         extra = {"skips": self.skips} if self.skips else {}
         for s, stream in enumerate(streams):
             plan = plan_communication(self.steps[s], stage=s, num_stages=S, chunks=self.C,
                                       placement=self.placement, trains=self.trains, **extra)
-            posted, recv_op = self._place(s, plan, sends, recvs)
-            self.code.append(self._code(s, stream, plan, posted, recv_op))
-        self._match(sends, recvs)
+            posted, waits = self._place(s, plan)
+            self.code.append(self._code(s, stream, plan, posted, waits))
+        if any(chan[1] != chan[2] for chan in self.chans.values()):
+            raise _Bail  # a send never received, or a receive nothing is sent to
 
-    def _place(self, stage: int, plan, sends: dict, recvs: dict) -> tuple[dict, dict]:
-        """The plan's posts as units of operations (see the module docstring): ``{stream
-        index: (units posted there, how many operations)}`` and ``{stream index of a
-        receive: its operation}``; each operation also filed for matching."""
-        stream, peers, ops = plan.stream, plan.peers, self.ops
-        lanes = plan.lanes if len(plan.lanes) == len(stream) else (None,) * len(stream)
-        own: dict = {}  # lane -> [head unit, end of its last unit, last unit]
-        posted, recv_op = {}, {}
+    def _place(self, stage: int, plan) -> tuple[dict, dict]:
+        """The plan's posts as transfers (see the module docstring): ``{stream index: the
+        entries that post there}`` and ``{stream index of a receive: its transfer}``. Bails
+        where one of the stage's lanes carries more than one channel (then a lane's units are
+        not one transfer's end each)."""
+        stream, peers, chans = plan.stream, plan.peers, self.chans
+        lanes = plan.lanes
+        if len(lanes) != len(stream):
+            raise _Bail
+        own: dict = {}  # lane -> (sends, peer, channel)
+        posted, waits = {}, {}
         for g, group in enumerate(plan.posts):
             if not group:
                 continue
-            units: dict = {}
+            entries = posted[g] = []
             for at in group:
                 ins = stream[at]
-                op = [None, None, None, stage, 0.0, 0.0]
-                ops.append(op)
+                send = _KIND.get(type(ins)) in _SEND_KINDS
                 lane, (peer, chunk) = lanes[at], peers[at]
-                if role(type(ins)).send:
-                    sends.setdefault((stage, peer, lane), []).append((op, ins, chunk))
-                else:
-                    recv_op[at] = op
-                    recvs.setdefault((peer, stage, lane), []).append((op, ins, chunk))
-                unit = units.get(lane)
-                if unit is None:
-                    unit = units[lane] = self._unit(own, lane)
-                unit[7].append(op)
-                unit[3] += 1
-                op[2] = unit
-            posted[g] = (tuple(units.values()), len(group))
-        self.lanes.append(list(own.values()))
-        return posted, recv_op
-
-    @staticmethod
-    def _unit(own: dict, lane: object) -> list:
-        """A new unit at the end of ``lane``'s chain (the lane made if new)."""
-        line = own.get(lane)
-        if line is None:
-            line = own[lane] = [None, 0.0, None]
-        unit = [None, 0.0, 0.0, 0, False, None, line, []]
-        if line[2] is None:
-            line[0] = unit
-        else:
-            line[2][5] = unit
-        line[2] = unit
-        return unit
-
-    def _match(self, sends: dict, recvs: dict) -> None:
-        """Pair each (sender, receiver, lane)'s sends and receives in posting order, each pair
-        given its cost; anything that does not match as the full simulation requires bails."""
-        costs = self.costs
-        if sends.keys() != recvs.keys():
-            raise _Bail
-        for key, out in sends.items():
-            into = recvs[key]
-            if len(out) != len(into):
-                raise _Bail
-            for (send, si, target), (recv, ri, _) in zip(out, into):
-                cs, cr = type(si), type(ri)
-                if not (si.micro_batch == ri.micro_batch and target == ri.chunk
-                        and role(cs).kind == role(cr).kind):
+                line = own.get(lane)
+                if line is None:
+                    key = (stage, peer, lane) if send else (peer, stage, lane)
+                    chan = chans.get(key)
+                    if chan is None:
+                        chan = chans[key] = [[], 0, 0]
+                    line = own[lane] = (send, peer, chan)
+                elif line[0] is not send or line[1] != peer:
                     raise _Bail
-                send[1], recv[1] = recv, send
-                send[4] = recv[4] = costs.get(cs, 0.0)
-                send[5] = recv[5] = costs.get(cr, 0.0)
+                transfer = self._end(line[2], send, ins, chunk, stage, peer)
+                if send:
+                    entries.append((_SPOST, transfer))
+                else:
+                    entries.append((_RPOST, transfer))
+                    waits[at] = transfer
+        self.lanes.append([line[2] for line in own.values()])
+        return posted, waits
 
-    def _code(self, stage: int, stream: list, plan, posted: dict, recv_op: dict) -> list:
+    def _end(self, chan: list, send: bool, ins, chunk: int, stage: int, peer: int) -> list:
+        """The transfer of ``chan`` that this send or receive is an end of: the next one its
+        side has not met, made by whichever end comes first; the second end checks that the
+        two match (micro-batch, the receiver's chunk, kind) and prices it."""
+        transfers, side = chan[0], 1 if send else 2
+        k = chan[side]
+        chan[side] = k + 1
+        if k < len(transfers):
+            transfer = transfers[k]
+            other, target = transfer[9]
+            si, ri = (ins, other) if send else (other, ins)
+            if send:
+                target = chunk
+            cs, cr = type(si), type(ri)
+            if not (si.micro_batch == ri.micro_batch and target == ri.chunk
+                    and role(cs).kind == role(cr).kind):
+                raise _Bail
+            transfer[4], transfer[5] = self.costs.get(cs, 0.0), self.costs.get(cr, 0.0)
+            transfer[9] = None
+            return transfer
+        ends = (stage, peer) if send else (peer, stage)
+        transfer = [None, None, None, None, 0.0, 0.0, None if transfers else 0.0, *ends,
+                    (ins, chunk)]
+        if transfers:
+            transfers[-1][3] = transfer
+        transfers.append(transfer)
+        return transfer
+
+    def _code(self, stage: int, stream: list, plan, posted: dict, waits: dict) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
         per instruction its send's host cost, its posting point, then what it does."""
         code: list[tuple] = []
@@ -284,7 +283,7 @@ class _Fast(_Simulation):
             if group is not None:
                 if host and kind in _SEND_KINDS and not local[pc] and host.get(cls, 0.0):
                     append((_TICK, host[cls]))  # a send is packed before its group leaves
-                append((_POST, *group))
+                code += group
             if kind in _TIMELINE:
                 key = (cls, ins.chunk)
                 cost = cost_of.get(key)
@@ -292,9 +291,9 @@ class _Fast(_Simulation):
                     cost = cost_of[key] = self._compute_cost(stage, ins)
                 append((_TL, ins, cost))
             elif kind in _P2P_KINDS:
-                op = recv_op.get(pc)
-                if op is not None:
-                    append((_RECV, op, host.get(cls, 0.0)))
+                transfer = waits.get(pc)
+                if transfer is not None:
+                    append((_RECV, transfer, host.get(cls, 0.0)))
                 elif peers[pc] is None or local[pc]:  # else a remote send: posted, no wait
                     self._local(stage, ins, kind, peers[pc], append)
             else:
@@ -352,7 +351,7 @@ class _Fast(_Simulation):
     def _advance(self, stage: int) -> bool:
         """Run ``stage``'s entries until it blocks or finishes; ``True`` if anything
         happened (the full simulation's ``_advance``, on the compiled entries)."""
-        code, pc = self.code[stage], self.pc[stage]
+        code, pc, pending = self.code[stage], self.pc[stage], self.pending
         n, moved = len(code), False
         clock, wait, timeline = self.clock[stage], self.wait[stage], self.timeline[stage]
         while pc < n:
@@ -361,8 +360,18 @@ class _Fast(_Simulation):
             if kind is _TL:
                 start, clock = clock, clock + how[2]
                 timeline.append((start, clock, how[1]))
-            elif kind is _POST:
-                self._post(stage, how[1], how[2], clock)
+            elif kind is _SPOST:  # post a send: its transfer runs once it heads its lanes
+                transfer = how[1]
+                transfer[1] = clock
+                pending[stage] += 1
+                if transfer[2] is not None and transfer[6] is not None:
+                    self._complete(transfer)
+            elif kind is _RPOST:
+                transfer = how[1]
+                transfer[2] = clock
+                pending[stage] += 1
+                if transfer[1] is not None and transfer[6] is not None:
+                    self._complete(transfer)
             elif kind is _RECV:
                 done = how[1][0]
                 if done is None:
@@ -402,50 +411,26 @@ class _Fast(_Simulation):
         self.clock[stage] = start
         return True
 
-    def _post(self, stage: int, units: tuple, count: int, at: float) -> None:
-        """Post ``units`` (a group, one unit per lane) at time ``at``."""
-        todo: list = []
-        for unit in units:
-            unit[0] = unit[2] = at
-            line = unit[6]
-            if line[0] is unit:  # it heads its lane: it may progress from now on
-                unit[4] = True
-                free = line[1]
-                unit[1] = at if at >= free else free
-                todo += unit[7]
-        self.pending[stage] += count
-        if todo:
-            self._progress(todo)
-
-    def _progress(self, todo: list) -> None:
-        """Complete every transfer that can complete now, and what that unblocks (the full
-        simulation's ``_progress``, on the lists of the module docstring)."""
+    def _complete(self, transfer: list) -> None:
+        """Complete ``transfer`` (both ends posted, the one before it on its channel done)
+        and each following one that is ready then: it starts when both its ends head their
+        lanes — the later of its posts and the end of the transfer before it — and takes both
+        ends' costs (the full simulation's ``_progress``, for units of one operation each)."""
         pending = self.pending
-        while todo:
-            op = todo.pop()
-            if op[0] is not None:
-                continue
-            mate = op[1]
-            unit, other = op[2], mate[2]
-            if not (unit[4] and other[4]):
-                continue
-            a, b = unit[1], other[1]
-            t = (a if a >= b else b) + op[4] + op[5]
-            op[0] = mate[0] = t
-            for o, u in ((op, unit), (mate, other)):
-                pending[o[3]] -= 1
-                if t > u[2]:
-                    u[2] = t
-                u[3] -= 1
-                if u[3] == 0:  # it hands its lane to the next unit, if that is posted
-                    line, following = u[6], u[5]
-                    end = line[1] = u[2]
-                    line[0] = following
-                    if following is not None and following[0] is not None:
-                        following[4] = True
-                        post = following[0]
-                        following[1] = post if post >= end else end
-                        todo += following[7]
+        while True:
+            free, a, b = transfer[6], transfer[1], transfer[2]
+            a = a if a >= free else free
+            b = b if b >= free else free
+            t = (a if a >= b else b) + transfer[4] + transfer[5]
+            transfer[0] = t
+            pending[transfer[7]] -= 1
+            pending[transfer[8]] -= 1
+            transfer = transfer[3]
+            if transfer is None:
+                return
+            transfer[6] = t
+            if transfer[1] is None or transfer[2] is None:
+                return
 
     def _collective(self, stage: int, i: object) -> bool:
         """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
@@ -482,7 +467,7 @@ class _Fast(_Simulation):
             if self.pending[stage]:
                 return False
             self.flushed[stage] = True
-            last = max((line[1] for line in self.lanes[stage]), default=0.0)
+            last = max((chan[0][-1][0] for chan in self.lanes[stage]), default=0.0)
             clock = self.clock[stage]
             if last > clock:
                 self.wait[stage] += last - clock
