@@ -149,6 +149,18 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     instruction with an invalid chunk) are left to the simulator and the
     runtime to report; the plan then posts them at their own index.
     """
+    stream, step_of, posts, peers, local, lanes = _plan(steps, stage, num_stages, chunks,
+                                                        placement, skips)
+    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
+                    posts=tuple(map(tuple, map(sorted, posts))),  # in C: no frame per group
+                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+
+
+def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, chunks: int,
+          placement: str, skips: Sequence[tuple[int, int]]) -> tuple[list, ...]:
+    """:func:`plan_communication`'s fields as lists — ``stream, step_of, posts, peers, local,
+    lanes``, each group of ``posts`` ascending — what the simulator reads (it makes no
+    :class:`CommPlan`)."""
     stream, step_of = [], []
     for index, step in enumerate(steps):
         stream.extend(step)
@@ -179,9 +191,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         if cls is SendActivation or cls is SendSkip:
             sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
     posts = _posting_points(stream, p2p, peers, local, lanes, sent_at)
-    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(map(tuple, map(sorted, posts))),  # in C: no frame per group
-                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+    return stream, step_of, posts, peers, local, lanes
 
 
 def _posting_points(stream: list, p2p: list[int], peers: list, local: list, lanes: list,

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import deque
 from operator import add
 
-from pipekernel.schedules.comm import plan_communication
+from pipekernel.schedules.comm import _plan
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, LoadMicroBatch,
     RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad, SendActivation, SendGrad, SendSkip,
@@ -166,22 +166,21 @@ class _Fast(_Simulation):
             if any(c != c for table in (self.costs, self.host_costs, *self.stage_costs.values())
                    for c in table.values()):
                 raise _Bail  # NaN: max() would depend on the order things happen in
-            streams = [[i for step in steps for i in step] for steps in self.steps]
-            self.trains = self._trains_of(streams)
-            peaks = [self._checked(s, stream) for s, stream in enumerate(streams)]
-            self._setup(streams)
+            self.trains = self._trains_of()
+            peaks = self._setup()
             self._run()
         except _Bail:
             return None
         return self._result(peaks)
 
-    def _trains_of(self, streams: list) -> bool:
+    def _trains_of(self) -> bool:
         """The full simulation's ``_trains``: the schedules' ``trains`` when they agree,
         else whether any stage runs a backward."""
         flags = {getattr(obj, "trains", None) for obj in self.objects}
         if flags <= {True, False} and len(flags) == 1:
             return flags.pop()
-        return any(isinstance(i, _BACKWARDS) for stream in streams for i in stream)
+        return any(isinstance(i, _BACKWARDS) for steps in self.steps for step in steps
+                   for i in step)
 
     def _checked(self, stage: int, stream: list) -> int:
         limit = self.limits[stage]
@@ -192,31 +191,31 @@ class _Fast(_Simulation):
 
     # -- setup: plans, transfers, code -------------------------------------------------
 
-    def _setup(self, streams: list) -> None:
-        S = self.S
+    def _setup(self) -> list[int]:
+        """Each stage planned (the runtime's plan, as lists), checked, its transfers placed
+        and its code compiled; its peak of live buffers, per stage."""
         self.code: list[list] = []
         self.chans: dict[tuple, list] = {}  # (sender, receiver, lane) -> [transfers, sends, recvs]
-        extra = {"skips": self.skips} if self.skips else {}
-        for s, stream in enumerate(streams):
-            plan = plan_communication(self.steps[s], stage=s, num_stages=S, chunks=self.C,
-                                      placement=self.placement, trains=self.trains, **extra)
+        peaks = []
+        for s, steps in enumerate(self.steps):
+            plan = _plan(steps, s, self.S, self.C, self.placement, self.skips or ())
+            peaks.append(self._checked(s, plan[0]))
             posted, waits = self._place(s, plan)
-            self.code.append(self._code(s, stream, plan, posted, waits))
+            self.code.append(self._code(s, plan, posted, waits))
         if any(chan[1] != chan[2] for chan in self.chans.values()):
             raise _Bail  # a send never received, or a receive nothing is sent to
+        return peaks
 
-    def _place(self, stage: int, plan) -> tuple[dict, dict]:
+    def _place(self, stage: int, plan: tuple) -> tuple[dict, dict]:
         """The plan's posts as transfers (see the module docstring): ``{stream index: the
         entries that post there}`` and ``{stream index of a receive: its transfer}``. Bails
         where one of the stage's lanes carries more than one channel (then a lane's units are
         not one transfer's end each)."""
-        stream, peers, chans = plan.stream, plan.peers, self.chans
-        lanes = plan.lanes
-        if len(lanes) != len(stream):
-            raise _Bail
+        stream, _, posts, peers, _, lanes = plan
+        chans = self.chans
         own: dict = {}  # lane -> (sends, peer, channel)
         posted, waits = {}, {}
-        for g, group in enumerate(plan.posts):
+        for g, group in enumerate(posts):
             if not group:
                 continue
             entries = posted[g] = []
@@ -270,12 +269,13 @@ class _Fast(_Simulation):
         transfers.append(transfer)
         return transfer
 
-    def _code(self, stage: int, stream: list, plan, posted: dict, waits: dict) -> list:
+    def _code(self, stage: int, plan: tuple, posted: dict, waits: dict) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
         per instruction its send's host cost, its posting point, then what it does."""
         code: list[tuple] = []
         append = code.append
-        host, cost_of, peers, local = self.host_costs, {}, plan.peers, plan.local
+        stream, _, _, peers, local, _ = plan
+        host, cost_of = self.host_costs, {}
         for pc, ins in enumerate(stream):
             cls = type(ins)
             kind = _KIND.get(cls)
