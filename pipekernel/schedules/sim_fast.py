@@ -22,8 +22,9 @@ stream only, never on when the other stages run. So this path
 3. compiles each stage's stream into the few entries that move time (:func:`_code`): a compute
    instruction on the timeline, a posting point, a receive that waits, a local hand-off, a
    collective, a tick with a cost (a zero cost is left out: adding ``0.0`` changes no clock);
-4. runs the entries with the full simulation's event loop, rules and arithmetic (the same
-   expressions in the same order per stage, so every time is the same float).
+4. runs the entries under the full simulation's rules and arithmetic (the same expressions in
+   the same order per stage, so every time is the same float), each stage until it blocks and
+   again only once what it waits for has happened (:meth:`_Fast._run`).
 
 Whenever anything would be reported — a check fails, a transfer does not match, a collective
 or a hand-off disagrees, the stages deadlock — or the plan holds what this path does not model
@@ -263,7 +264,7 @@ class _Fast(_Simulation):
             return transfer
         ends = (stage, peer) if send else (peer, stage)
         transfer = [None, None, None, None, 0.0, 0.0, None if transfers else 0.0, *ends,
-                    (ins, chunk)]
+                    (ins, chunk), None]
         if transfers:
             transfers[-1][3] = transfer
         transfers.append(transfer)
@@ -327,32 +328,38 @@ class _Fast(_Simulation):
     # -- the event loop ----------------------------------------------------------------
 
     def _run(self) -> None:
-        """Advance every stage until all finish; bail if none can progress (a deadlock)."""
+        """Advance every stage until all finish; bail if none can progress (a deadlock).
+
+        A stage runs until it blocks, and runs again only when what it waits for happens
+        (``ready``): its receive's transfer done, its collective released, its last sends
+        done. The times do not depend on the order the stages run in (each is the later of
+        what it waits for, plus costs), so they are the full simulation's."""
         S = self.S
         self.pc, self.clock, self.wait = [0] * S, [0.0] * S, [0.0] * S
         self.timeline = [[] for _ in range(S)]
         self.pending = [0] * S
         self.flushed, self.finished, self.arrived = [False] * S, [False] * S, [False] * S
+        self.flushing = [False] * S  # at the end of its stream, waiting for its sends
         self.coll = [0] * S
         self.world: list[dict] = []
         self.released: list = []
         self.queues: list[dict] = [{} for _ in range(S)]
         finished, advance = self.finished, self._advance
-        while not all(finished):
-            moved = False
-            for s in range(S):
-                if not finished[s] and advance(s):
-                    moved = True
-            if not moved:
-                raise _Bail
+        ready = self.ready = list(range(S - 1, -1, -1))
+        while ready:
+            s = ready.pop()
+            if not finished[s]:
+                advance(s)
+        if not all(finished):
+            raise _Bail  # a deadlock
         if any(queue for queues in self.queues for queue in queues.values()):
             raise _Bail  # a hand-off never received
 
-    def _advance(self, stage: int) -> bool:
-        """Run ``stage``'s entries until it blocks or finishes; ``True`` if anything
-        happened (the full simulation's ``_advance``, on the compiled entries)."""
+    def _advance(self, stage: int) -> None:
+        """Run ``stage``'s entries until it blocks or finishes (the full simulation's
+        ``_advance``, on the compiled entries)."""
         code, pc, pending = self.code[stage], self.pc[stage], self.pending
-        n, moved = len(code), False
+        n = len(code)
         clock, wait, timeline = self.clock[stage], self.wait[stage], self.timeline[stage]
         while pc < n:
             how = code[pc]
@@ -375,6 +382,7 @@ class _Fast(_Simulation):
             elif kind is _RECV:
                 done = how[1][0]
                 if done is None:
+                    how[1][10] = stage  # woken when it is done
                     break
                 start = clock if clock >= done else done
                 wait += start - clock
@@ -386,11 +394,10 @@ class _Fast(_Simulation):
                 if not self._blocking(stage, how):
                     break
                 clock, wait = self.clock[stage], self.wait[stage]
-            pc, moved = pc + 1, True
+            pc += 1
         self.pc[stage], self.clock[stage], self.wait[stage] = pc, clock, wait
-        if pc < n:
-            return moved
-        return self._finish(stage) or moved
+        if pc == n:
+            self._finish(stage)
 
     def _blocking(self, stage: int, how: tuple) -> bool:
         """A local hand-off or a world collective; ``False`` while it must wait."""
@@ -416,15 +423,19 @@ class _Fast(_Simulation):
         and each following one that is ready then: it starts when both its ends head their
         lanes — the later of its posts and the end of the transfer before it — and takes both
         ends' costs (the full simulation's ``_progress``, for units of one operation each)."""
-        pending = self.pending
+        pending, flushing, ready = self.pending, self.flushing, self.ready
         while True:
             free, a, b = transfer[6], transfer[1], transfer[2]
             a = a if a >= free else free
             b = b if b >= free else free
             t = (a if a >= b else b) + transfer[4] + transfer[5]
             transfer[0] = t
-            pending[transfer[7]] -= 1
-            pending[transfer[8]] -= 1
+            for end in (transfer[7], transfer[8]):
+                pending[end] -= 1
+                if flushing[end] and not pending[end]:
+                    ready.append(end)
+            if transfer[10] is not None:
+                ready.append(transfer[10])
             transfer = transfer[3]
             if transfer is None:
                 return
@@ -459,24 +470,22 @@ class _Fast(_Simulation):
         cost = max((self.costs.get(type(i), 0.0) for _, i in members.values() if i is not _END),
                    default=0.0)
         self.released[k] = max(t for t, _ in members.values()) + cost
+        self.ready += members  # every member waits in it but the last to arrive
 
-    def _finish(self, stage: int) -> bool:
+    def _finish(self, stage: int) -> None:
         """The end of the batch: wait for this stage's sends, then the loss all-reduce."""
-        moved = False
         if not self.flushed[stage]:
             if self.pending[stage]:
-                return False
+                self.flushing[stage] = True
+                return
             self.flushed[stage] = True
             last = max((chan[0][-1][0] for chan in self.lanes[stage]), default=0.0)
             clock = self.clock[stage]
             if last > clock:
                 self.wait[stage] += last - clock
                 self.clock[stage] = last
-            moved = True
-        if not self._collective(stage, _END):
-            return moved
-        self.finished[stage] = True
-        return True
+        if self._collective(stage, _END):
+            self.finished[stage] = True
 
     def _result(self, peaks: list) -> SimulationResult:
         makespan = max(self.clock)
