@@ -201,46 +201,10 @@ class _Fast(_Simulation):
         for s, steps in enumerate(self.steps):
             plan = _plan(steps, s, self.S, self.C, self.placement, self.skips or ())
             peaks.append(self._checked(s, plan[0]))
-            posted, waits = self._place(s, plan)
-            self.code.append(self._code(s, plan, posted, waits))
+            self.code.append(self._code(s, plan))
         if any(chan[1] != chan[2] for chan in self.chans.values()):
             raise _Bail  # a send never received, or a receive nothing is sent to
         return peaks
-
-    def _place(self, stage: int, plan: tuple) -> tuple[dict, dict]:
-        """The plan's posts as transfers (see the module docstring): ``{stream index: the
-        entries that post there}`` and ``{stream index of a receive: its transfer}``. Bails
-        where one of the stage's lanes carries more than one channel (then a lane's units are
-        not one transfer's end each)."""
-        stream, _, posts, peers, _, lanes = plan
-        chans = self.chans
-        own: dict = {}  # lane -> (sends, peer, channel)
-        posted, waits = {}, {}
-        for g, group in enumerate(posts):
-            if not group:
-                continue
-            entries = posted[g] = []
-            for at in group:
-                ins = stream[at]
-                send = _KIND.get(type(ins)) in _SEND_KINDS
-                lane, (peer, chunk) = lanes[at], peers[at]
-                line = own.get(lane)
-                if line is None:
-                    key = (stage, peer, lane) if send else (peer, stage, lane)
-                    chan = chans.get(key)
-                    if chan is None:
-                        chan = chans[key] = [[], 0, 0]
-                    line = own[lane] = (send, peer, chan)
-                elif line[0] is not send or line[1] != peer:
-                    raise _Bail
-                transfer = self._end(line[2], send, ins, chunk, stage, peer)
-                if send:
-                    entries.append((_SPOST, transfer))
-                else:
-                    entries.append((_RPOST, transfer))
-                    waits[at] = transfer
-        self.lanes.append([line[2] for line in own.values()])
-        return posted, waits
 
     def _end(self, chan: list, send: bool, ins, chunk: int, stage: int, peer: int) -> list:
         """The transfer of ``chan`` that this send or receive is an end of: the next one its
@@ -270,21 +234,40 @@ class _Fast(_Simulation):
         transfers.append(transfer)
         return transfer
 
-    def _code(self, stage: int, plan: tuple, posted: dict, waits: dict) -> list:
+    def _code(self, stage: int, plan: tuple) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
-        per instruction its send's host cost, its posting point, then what it does."""
+        per instruction its send's host cost, the ends of transfers posted there, then what it
+        does. Bails where one of the stage's lanes carries more than one channel (then a
+        lane's units are not one transfer's end each)."""
         code: list[tuple] = []
         append = code.append
-        stream, _, _, peers, local, _ = plan
-        host, cost_of = self.host_costs, {}
+        stream, _, posts, peers, local, lanes = plan
+        host, cost_of, chans = self.host_costs, {}, self.chans
+        own: dict = {}  # lane -> (sends, peer, channel)
+        waits = {}  # stream index of a receive -> its transfer
         for pc, ins in enumerate(stream):
             cls = type(ins)
             kind = _KIND.get(cls)
-            group = posted.get(pc)
-            if group is not None:
+            if posts[pc]:
                 if host and kind in _SEND_KINDS and not local[pc] and host.get(cls, 0.0):
                     append((_TICK, host[cls]))  # a send is packed before its group leaves
-                code += group
+                for at in posts[pc]:
+                    i = stream[at]
+                    send = _KIND.get(type(i)) in _SEND_KINDS
+                    lane, (peer, chunk) = lanes[at], peers[at]
+                    line = own.get(lane)
+                    if line is None:
+                        key = (stage, peer, lane) if send else (peer, stage, lane)
+                        chan = chans.get(key)
+                        if chan is None:
+                            chan = chans[key] = [[], 0, 0]
+                        line = own[lane] = (send, peer, chan)
+                    elif line[0] is not send or line[1] != peer:
+                        raise _Bail
+                    transfer = self._end(line[2], send, i, chunk, stage, peer)
+                    if not send:
+                        waits[at] = transfer
+                    append((_SPOST if send else _RPOST, transfer))
             if kind in _TIMELINE:
                 key = (cls, ins.chunk)
                 cost = cost_of.get(key)
@@ -299,6 +282,7 @@ class _Fast(_Simulation):
                     self._local(stage, ins, kind, peers[pc], append)
             else:
                 self._other(stage, ins, kind, append)
+        self.lanes.append([line[2] for line in own.values()])
         return code
 
     def _local(self, stage: int, ins, kind: int, peer, append) -> None:
