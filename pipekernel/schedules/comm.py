@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from pipekernel.schedules.instructions import (
@@ -157,14 +158,18 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
 
 
 def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, chunks: int,
-          placement: str, skips: Sequence[tuple[int, int]]) -> tuple[list, ...]:
+          placement: str, skips: Sequence[tuple[int, int]],
+          with_steps: bool = True) -> tuple[list, ...]:
     """:func:`plan_communication`'s fields as lists — ``stream, step_of, posts, peers, local,
     lanes``, each group of ``posts`` ascending — what the simulator reads (it makes no
-    :class:`CommPlan`)."""
-    stream, step_of = [], []
-    for index, step in enumerate(steps):
-        stream.extend(step)
-        step_of.extend([index] * (len(stream) - len(step_of)))
+    :class:`CommPlan`; ``with_steps=False``: nor ``step_of``, then ``None``)."""
+    if with_steps:
+        stream, step_of = [], []
+        for index, step in enumerate(steps):
+            stream.extend(step)
+            step_of.extend([index] * (len(stream) - len(step_of)))
+    else:
+        stream, step_of = list(chain.from_iterable(steps)), None
     n = len(stream)
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n

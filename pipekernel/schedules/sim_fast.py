@@ -199,7 +199,7 @@ class _Fast(_Simulation):
         self.chans: dict[tuple, list] = {}  # (sender, receiver, lane) -> [transfers, sends, recvs]
         peaks = []
         for s, steps in enumerate(self.steps):
-            plan = _plan(steps, s, self.S, self.C, self.placement, self.skips or ())
+            plan = _plan(steps, s, self.S, self.C, self.placement, self.skips or (), False)
             peaks.append(self._checked(s, plan[0]))
             self.code.append(self._code(s, plan))
         if any(chan[1] != chan[2] for chan in self.chans.values()):
