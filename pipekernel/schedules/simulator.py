@@ -153,7 +153,21 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
 def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
              stage_costs, skips, host_costs, paired=False) -> SimulationResult:
     """:func:`simulate` once its arguments are checked: the schedule objects, placement and
-    skip edges, then the simulation with the collector off."""
+    skip edges (:func:`_objects`), then the simulation, with the collector off throughout.
+    The objects are made and dropped inside it: what they cache (their built steps) is
+    garbage once the steps are read, freed as the simulation returns rather than scanned by
+    the collector the moment it is back on."""
+    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
+    with _no_cyclic_gc():
+        return _simulate(cls, schedule,
+                         *_objects(schedule, num_stages, micro_batches, chunks, skips, paired),
+                         costs, posting, stage_costs, host_costs, semantics,
+                         (num_stages, micro_batches, chunks))
+
+
+def _objects(schedule, num_stages, micro_batches, chunks, skips, paired) -> tuple:
+    """``(objects, placement, edges)``: each stage's schedule object (unpaired, with its skip
+    transfers, as asked), the placement and the checked skip edges."""
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
@@ -163,10 +177,7 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, post
     if edges:
         objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
                    for s, obj in enumerate(objects)]
-    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
-    with _no_cyclic_gc():
-        return _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs,
-                         host_costs, semantics, (num_stages, micro_batches, chunks))
+    return objects, placement, edges
 
 
 def _priced_pairs(costs, stage_costs) -> bool:
