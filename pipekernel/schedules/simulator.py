@@ -67,7 +67,11 @@ its producer is rejected before simulating.
 All problems are collected and raised as one :class:`ScheduleError`.
 
 Cost: linear in the instructions of the plan (every stage's stream), with the cyclic
-garbage collector off while it runs; ``benchmarks/planner_scale.py`` prints the growth,
+garbage collector off while it runs. Under rendezvous with the runtime's own plan, a plan
+with nothing to report is proved and timed by a fast path
+(:mod:`pipekernel.schedules.sim_fast`: each stage's stream checked on its own and compiled
+once into the entries that move time); whenever it finds something to report, the full
+simulation below runs and reports it. ``benchmarks/planner_scale.py`` prints the growth,
 ``tests/test_simulator_scale.py`` proves it by counting executed lines, and
 ``tests/test_simulator_frozen.py`` holds the answers fixed.
 """
