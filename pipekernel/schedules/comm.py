@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from pipekernel.schedules.instructions import (
@@ -149,10 +150,26 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     instruction with an invalid chunk) are left to the simulator and the
     runtime to report; the plan then posts them at their own index.
     """
-    stream, step_of = [], []
-    for index, step in enumerate(steps):
-        stream.extend(step)
-        step_of.extend([index] * (len(stream) - len(step_of)))
+    stream, step_of, posts, peers, local, lanes = _plan(steps, stage, num_stages, chunks,
+                                                        placement, skips)
+    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
+                    posts=tuple(map(tuple, map(sorted, posts))),  # in C: no frame per group
+                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+
+
+def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, chunks: int,
+          placement: str, skips: Sequence[tuple[int, int]],
+          with_steps: bool = True) -> tuple[list, ...]:
+    """:func:`plan_communication`'s fields as lists — ``stream, step_of, posts, peers, local,
+    lanes``, each group of ``posts`` ascending — what the simulator reads (it makes no
+    :class:`CommPlan`; ``with_steps=False``: nor ``step_of``, then ``None``)."""
+    if with_steps:
+        stream, step_of = [], []
+        for index, step in enumerate(steps):
+            stream.extend(step)
+            step_of.extend([index] * (len(stream) - len(step_of)))
+    else:
+        stream, step_of = list(chain.from_iterable(steps)), None
     n = len(stream)
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n
@@ -179,9 +196,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         if cls is SendActivation or cls is SendSkip:
             sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
     posts = _posting_points(stream, p2p, peers, local, lanes, sent_at)
-    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(map(tuple, map(sorted, posts))),  # in C: no frame per group
-                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
+    return stream, step_of, posts, peers, local, lanes
 
 
 def _posting_points(stream: list, p2p: list[int], peers: list, local: list, lanes: list,

@@ -218,6 +218,16 @@ class _StageState:
         return self.pc >= len(self.stream)
 
 
+def steps_of(obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
+    """The steps of ``stage``'s schedule object, as tuples."""
+    steps = getattr(obj, "steps", None)
+    if not callable(steps):
+        raise ScheduleError(f"schedule object {obj!r} for stage {stage} has no steps()",
+                            hint="return a Schedule (or an object with steps())",
+                            stage=stage)
+    return tuple(map(tuple, steps()))
+
+
 class _Simulation:
     """What both semantics share: setup, instruction checks, buffers, final checks."""
 
@@ -246,12 +256,7 @@ class _Simulation:
     # -- setup -------------------------------------------------------------------------
 
     def _steps_of(self, obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
-        steps = getattr(obj, "steps", None)
-        if not callable(steps):
-            raise ScheduleError(f"schedule object {obj!r} for stage {stage} has no steps()",
-                                hint="return a Schedule (or an object with steps())",
-                                stage=stage)
-        return tuple(map(tuple, steps()))
+        return steps_of(obj, stage)
 
     def _flatten(self, stage: int) -> list[tuple[int, Instruction]]:
         steps = self.steps[stage]

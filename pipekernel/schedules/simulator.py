@@ -67,7 +67,11 @@ its producer is rejected before simulating.
 All problems are collected and raised as one :class:`ScheduleError`.
 
 Cost: linear in the instructions of the plan (every stage's stream), with the cyclic
-garbage collector off while it runs; ``benchmarks/planner_scale.py`` prints the growth,
+garbage collector off while it runs. Under rendezvous with the runtime's own plan, a plan
+with nothing to report is proved and timed by a fast path
+(:mod:`pipekernel.schedules.sim_fast`: each stage's stream checked on its own and compiled
+once into the entries that move time); whenever it finds something to report, the full
+simulation below runs and reports it. ``benchmarks/planner_scale.py`` prints the growth,
 ``tests/test_simulator_scale.py`` proves it by counting executed lines, and
 ``tests/test_simulator_frozen.py`` holds the answers fixed.
 """
@@ -83,7 +87,8 @@ from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
-                                           SimulationResult, format_grid)
+                                           SimulationResult, _Simulation, format_grid, steps_of)
+from pipekernel.schedules.sim_fast import _Fast
 from pipekernel.schedules.sim_buffered import _Buffered
 from pipekernel.schedules.sim_rendezvous import _Rendezvous
 from pipekernel.schedules.skips import add_skip_transfers, check_skip_edges
@@ -152,7 +157,21 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
 def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
              stage_costs, skips, host_costs, paired=False) -> SimulationResult:
     """:func:`simulate` once its arguments are checked: the schedule objects, placement and
-    skip edges, then the simulation with the collector off."""
+    skip edges (:func:`_objects`), then the simulation, with the collector off throughout.
+    The objects are made and dropped inside it: what they cache (their built steps) is
+    garbage once the steps are read, freed as the simulation returns rather than scanned by
+    the collector the moment it is back on."""
+    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
+    with _no_cyclic_gc():
+        return _simulate(cls, schedule,
+                         *_objects(schedule, num_stages, micro_batches, chunks, skips, paired),
+                         costs, posting, stage_costs, host_costs, semantics,
+                         (num_stages, micro_batches, chunks))
+
+
+def _objects(schedule, num_stages, micro_batches, chunks, skips, paired) -> tuple:
+    """``(objects, placement, edges)``: each stage's schedule object (unpaired, with its skip
+    transfers, as asked), the placement and the checked skip edges."""
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
@@ -162,10 +181,7 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, post
     if edges:
         objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
                    for s, obj in enumerate(objects)]
-    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
-    with _no_cyclic_gc():
-        return _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs,
-                         host_costs, semantics, (num_stages, micro_batches, chunks))
+    return objects, placement, edges
 
 
 def _priced_pairs(costs, stage_costs) -> bool:
@@ -192,19 +208,48 @@ def _no_cyclic_gc():
 
 def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
               semantics, sizes) -> SimulationResult:
+    """Each stage's steps asked for once; the fast path (:mod:`~pipekernel.schedules.sim_fast`)
+    for the runtime's own plan under rendezvous, the full simulation when it has something to
+    report (or for another posting policy, or buffered sends)."""
     num_stages, micro_batches, chunks = sizes
-    sim = cls(num_stages, micro_batches, chunks, _cost_table(costs), objects, placement)
+    table = _cost_table(costs)
+    steps = tuple(steps_of(obj, s) for s, obj in enumerate(objects))
+    objects = [_Stepped(obj, own) for obj, own in zip(objects, steps)]
+    buffers = [_Simulation._num_buffers(obj) for obj in objects]
+    tables = {}
+    if stage_costs:
+        tables["stage_costs"] = {key: _cost_table(t, base={}) for key, t in stage_costs.items()}
+    if host_costs:
+        tables["host_costs"] = _cost_table(host_costs, base={})
+    if cls is _Rendezvous and posting is None:
+        fast = _Fast(num_stages, micro_batches, chunks, table, steps, placement, objects, buffers)
+        fast.skips = edges
+        fast.__dict__.update(tables)
+        result = fast.prove()
+        if result is not None:
+            return result
+    sim = cls(num_stages, micro_batches, chunks, table, objects, placement)
     sim.skips = edges
     if posting is not None:
         sim.posting = posting
-    if stage_costs:
-        sim.stage_costs = {key: _cost_table(table, base={}) for key, table in stage_costs.items()}
-    if host_costs:
-        sim.host_costs = _cost_table(host_costs, base={})
+    sim.__dict__.update(tables)
     sim.run()
     if sim.problems:
         raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
     return sim.result()
+
+
+class _Stepped:
+    """A stage's schedule object with its steps already asked for (``steps()`` once)."""
+
+    def __init__(self, obj, steps) -> None:
+        self._obj, self._steps = obj, steps
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+    def steps(self):
+        return self._steps
 
 
 class _Unpaired:
