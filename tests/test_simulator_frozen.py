@@ -152,6 +152,30 @@ def test_every_answer_is_the_frozen_one(name):
     assert ran > 50
 
 
+def test_the_fast_path_answers_as_the_full_simulation_does(monkeypatch):
+    """``simulate`` proves a plan with nothing to report on a fast path
+    (:mod:`pipekernel.schedules.sim_fast`) that repeats the full simulation's checks: every
+    case of the grid answers the same with the fast path turned off (so a check added to one
+    and not the other shows here), and the fast path does answer most valid cases."""
+    from pipekernel.schedules import sim_fast
+
+    prove, answered = sim_fast._Fast.prove, []
+
+    def counted(self):
+        result = prove(self)
+        answered.append(result is not None)
+        return result
+
+    grid = [kwargs for _, kwargs in cases()]
+    monkeypatch.setattr(sim_fast._Fast, "prove", counted)
+    fast = [run_case(kwargs) for kwargs in grid]
+    monkeypatch.setattr(sim_fast._Fast, "prove", lambda self: None)
+    for kwargs, answer in zip(grid, fast):
+        assert run_case(kwargs) == answer, kwargs
+    valid = sum("error" not in answer for answer in fast)
+    assert sum(answered) >= valid // 2, (sum(answered), valid)
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--freeze"]:
     FROZEN.parent.mkdir(exist_ok=True)
     FROZEN.write_text(json.dumps({key: run_case(kw) for key, kw in cases()}, indent=0,
