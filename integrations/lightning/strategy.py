@@ -66,7 +66,7 @@ class PipelineStrategy(CheckpointMixin, PredictMixin, DDPStrategy):
 
     The contract the LightningModule is written against (see ``docs/lightning.md``):
 
-    * ``configure_model()`` returns the ``pk.PipelineModule`` (of ``LayerSpec``\ s, or of
+    * ``configure_model()`` returns the ``pk.PipelineModule`` (of ``LayerSpec`` objects, or of
       layers the module built in ``__init__``: ``pk.PipelineModule(list(self.net),
       loss_fn=...)``); this rank's stage is registered as ``self.pipeline``
       (:attr:`stage_attribute`), so ``self.parameters()`` are the stage's;
