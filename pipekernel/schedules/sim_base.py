@@ -228,6 +228,15 @@ def steps_of(obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
     return tuple(map(tuple, steps()))
 
 
+def trains_of(objects, instructions) -> bool:
+    """Whether a plan trains: the schedule objects' ``trains`` when they agree, else whether
+    any of ``instructions`` (every stage's) is a backward."""
+    flags = {getattr(obj, "trains", None) for obj in objects}
+    if flags <= {True, False} and len(flags) == 1:
+        return flags.pop()
+    return any(isinstance(i, (*_BACKWARDS, ForwardBackward)) for i in instructions)
+
+
 class _Simulation:
     """What both semantics share: setup, instruction checks, buffers, final checks."""
 
@@ -280,11 +289,7 @@ class _Simulation:
         return method() if callable(method) else None
 
     def _trains(self, objects) -> bool:
-        flags = {getattr(obj, "trains", None) for obj in objects}
-        if flags <= {True, False} and len(flags) == 1:
-            return flags.pop()
-        return any(isinstance(i, (*_BACKWARDS, ForwardBackward))
-                   for st in self.stages for _, i in st.stream)
+        return trains_of(objects, (i for st in self.stages for _, i in st.stream))
 
     def _peer(self, stage: int, chunk: int, delta: int) -> tuple[int, int] | None:
         """(stage, chunk) of pipeline position ``p + delta``, or None past either end."""
@@ -527,14 +532,20 @@ class _Simulation:
         return max(st.clock for st in self.stages)
 
     def result(self) -> SimulationResult:
-        makespan = self.makespan()
-        busy = sum(end - start for st in self.stages for start, end, _ in st.timeline)
+        return self._result_of(self.makespan(), [st.timeline for st in self.stages],
+                               [st.peak for st in self.stages],
+                               [st.wait for st in self.stages])
+
+    def _result_of(self, makespan: float, timeline: list, peaks: list,
+                   waits: list) -> SimulationResult:
+        """The result from per-stage timelines, buffer peaks and waits (the fast path's
+        too: the bubble summed in the same order, so the same float)."""
+        busy = sum(end - start for events in timeline for start, end, _ in events)
         bubble = 1.0 - busy / (self.S * makespan) if makespan > 0 else 0.0
         return SimulationResult(
             num_stages=self.S, micro_batches=self.M, chunks=self.C, makespan=makespan,
-            bubble_fraction=bubble, buffers=tuple(st.peak for st in self.stages),
-            timeline=tuple(tuple(st.timeline) for st in self.stages), steps=self.steps,
-            waits=tuple(st.wait for st in self.stages), semantics=self.semantics)
+            bubble_fraction=bubble, buffers=tuple(peaks), timeline=tuple(map(tuple, timeline)),
+            steps=self.steps, waits=tuple(waits), semantics=self.semantics)
 
 
 _HANDLERS = {

@@ -38,11 +38,11 @@ from operator import add
 
 from pipekernel.schedules.comm import _plan
 from pipekernel.schedules.instructions import (
-    Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, LoadMicroBatch,
+    Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch,
     RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad, SendActivation, SendGrad, SendSkip,
     SendSkipGrad, SkipInstruction,
 )
-from pipekernel.schedules.sim_base import _END, SimulationResult, _Simulation, role
+from pipekernel.schedules.sim_base import _END, SimulationResult, _Simulation, role, trains_of
 from pipekernel.schedules.skips import skip_edge_of
 
 # what each built-in micro-batch instruction class does (_check_stage, _code)
@@ -56,7 +56,6 @@ _KIND = {LoadMicroBatch: _LOAD, RecvActivation: _RECV_ACT, Forward: _FORWARD,
 _SEND_KINDS = frozenset((_SEND_ACT, _SEND_GRAD, _SKIP_SEND))
 _P2P_KINDS = _SEND_KINDS | {_RECV_ACT, _RECV_GRAD, _SKIP_RECV}
 _TIMELINE = frozenset((_FORWARD, _BACKWARD, _B_INPUT, _B_WEIGHT))
-_BACKWARDS = (Backward, BackwardInput, BackwardWeight, ForwardBackward)
 # the entries of a stage's code (_code), first element
 _TL, _SPOST, _RPOST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(8)
 
@@ -167,21 +166,13 @@ class _Fast(_Simulation):
             if any(c != c for table in (self.costs, self.host_costs, *self.stage_costs.values())
                    for c in table.values()):
                 raise _Bail  # NaN: max() would depend on the order things happen in
-            self.trains = self._trains_of()
+            self.trains = trains_of(self.objects, (i for steps in self.steps
+                                                   for step in steps for i in step))
             peaks = self._setup()
             self._run()
         except _Bail:
             return None
-        return self._result(peaks)
-
-    def _trains_of(self) -> bool:
-        """The full simulation's ``_trains``: the schedules' ``trains`` when they agree,
-        else whether any stage runs a backward."""
-        flags = {getattr(obj, "trains", None) for obj in self.objects}
-        if flags <= {True, False} and len(flags) == 1:
-            return flags.pop()
-        return any(isinstance(i, _BACKWARDS) for steps in self.steps for step in steps
-                   for i in step)
+        return self._result_of(max(self.clock), self.timeline, peaks, self.wait)
 
     def _checked(self, stage: int, stream: list) -> int:
         limit = self.limits[stage]
@@ -351,6 +342,8 @@ class _Fast(_Simulation):
             if kind is _TL:
                 start, clock = clock, clock + how[2]
                 timeline.append((start, clock, how[1]))
+            # a send's and a receive's posting, written out apart (not one entry with its
+            # slots as data): this loop runs once per instruction of every stage
             elif kind is _SPOST:  # post a send: its transfer runs once it heads its lanes
                 transfer = how[1]
                 transfer[1] = clock
@@ -470,13 +463,3 @@ class _Fast(_Simulation):
                 self.clock[stage] = last
         if self._collective(stage, _END):
             self.finished[stage] = True
-
-    def _result(self, peaks: list) -> SimulationResult:
-        makespan = max(self.clock)
-        busy = sum(end - start for timeline in self.timeline for start, end, _ in timeline)
-        bubble = 1.0 - busy / (self.S * makespan) if makespan > 0 else 0.0
-        return SimulationResult(
-            num_stages=self.S, micro_batches=self.M, chunks=self.C, makespan=makespan,
-            bubble_fraction=bubble, buffers=tuple(peaks),
-            timeline=tuple(map(tuple, self.timeline)), steps=self.steps,
-            waits=tuple(self.wait), semantics=self.semantics)
