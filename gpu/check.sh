@@ -15,8 +15,8 @@
 #   benchmark    the GPU column of benchmarks/activation_checkpoint.py (small size)
 #   watch        the cost of the device watch (benchmarks/device_watch.py)
 # Every step has its own time limit, all within one overall budget (BUDGET seconds,
-# default 380; the first real run, on an H200, took 206 s with 'other' cut off at 40 s:
-# collecting the whole suite takes 15 s there). Last line: "GPU CHECK: N passed, M failed, K skipped ...".
+# default 380; on an H200 the whole check took 198-206 s, and collecting the suite for
+# 'other' alone takes 15 s there). Last line: "GPU CHECK: N passed, M failed, K skipped ...".
 # Exit codes: 0 nothing failed, 1 a step failed, 2 no CUDA device here.
 # Results go to $OUT when it is set, else ./gpu-out.
 # Usage (repo root or anywhere): bash gpu/check.sh   [PYTHON=/path/to/python BUDGET=380]
