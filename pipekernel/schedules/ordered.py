@@ -86,7 +86,7 @@ class OrderedSchedule(Schedule):
 
     @cached_property
     def _built(self) -> tuple[list[list[Instruction]], int]:
-        return self._build(list(self.order()), self.pairs())
+        return self._build(self._built_order, self.pairs())
 
     def _build(self, order: list[Op], pairs: frozenset[int]
                ) -> tuple[list[list[Instruction]], int]:
@@ -162,10 +162,33 @@ class OrderedSchedule(Schedule):
         order it would run without them."""
         if type(self).steps is OrderedSchedule.steps and not self.pairs():
             return self.steps()  # nothing paired: no step to look through
+        if self._splits_plainly:
+            return list(map(list, self._unpaired_built[0]))
         return unpair(self.steps())
 
+    @cached_property
+    def _splits_plainly(self) -> bool:
+        """Whether :meth:`unpaired_steps` are the steps of the order without pairs: the
+        built-in steps (no subclass's own), pairs that :func:`_plain_pairs` accepts."""
+        return (type(self).steps is OrderedSchedule.steps and not self._own_forward_step
+                and _plain_pairs(self._built_order, self.pairs()))
+
+    @cached_property
+    def _built_order(self) -> list[Op]:
+        return list(self.order())
+
+    @cached_property
+    def _unpaired_built(self) -> tuple[list[list[Instruction]], int]:
+        """The steps of the order with no pair made, and their buffers: :func:`unpair` of
+        the paired steps when :attr:`_splits_plainly` (each pair's step splits back into
+        the two steps it was made of), without making the pairs to split them again."""
+        return self._build(self._built_order, frozenset())
+
     def num_buffers(self) -> int:
-        """The stage's peak number of live ``(chunk, micro_batch)`` parts."""
+        """The stage's peak number of live ``(chunk, micro_batch)`` parts (the same with
+        pairs or without: a pair merges two steps, it moves no buffer)."""
+        if "_built" not in self.__dict__ and self.pairs() and self._splits_plainly:
+            return self._unpaired_built[1]  # no paired steps made only to count
         return self._built[1]
 
 
@@ -196,6 +219,25 @@ def _paired(steps: list[list[Instruction]], order: Sequence[Op],
                     *f_step[f_at + 1:], *b_step[b_at + 1:]])
         skip = True
     return out
+
+
+def _plain_pairs(order: Sequence[Op], pairs: frozenset[int]) -> bool:
+    """Whether :func:`_paired` makes every pair it looks at without an error and the
+    last op is in none (its step then ends the batch, a pair's would move the end's
+    reductions into its forward half): then unpairing the paired steps gives the steps
+    of ``order`` without pairs. Otherwise the caller builds and unpairs, as before."""
+    n = len(order)
+    made = -2  # the pair made last (_paired skips the op after it)
+    for i in sorted(pairs):
+        if i >= n:
+            break
+        if i == made + 1:
+            continue
+        if i + 1 >= n - 1 or order[i][0] != "F" or order[i + 1][0] != "B" \
+                or order[i][1:] == order[i + 1][1:]:  # a part paired with itself
+            return False
+        made = i
+    return True
 
 
 def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
