@@ -200,34 +200,38 @@ def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, c
 
 
 def _posting_points(stream: list, p2p: list[int], peers: list, local: list, lanes: list,
-                    sent_at: dict[tuple, int]) -> list[list[int]]:
+                    sent_at: dict[tuple, int]) -> list:
     """``posts`` of :func:`plan_communication` (see the module docstring): a send at its own
     index; a receive as early as its channel allows — after the receive before it on its
-    (peer, lane), and for a gradient after the send it answers."""
-    posts: list[list[int]] = [[] for _ in stream]
+    (peer, lane), and for a gradient after the send it answers. A point where nothing is
+    posted holds the one empty tuple (most do: no list made for each)."""
+    posts: list = [()] * len(stream)
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
     sends: dict[type, bool] = {}
     for i in p2p:
-        if peers[i] is None or local[i]:
+        peer = peers[i]
+        if peer is None or local[i]:
             continue
         ins = stream[i]
         cls = type(ins)
         send = sends.get(cls)
         if send is None:
             send = sends[cls] = isinstance(ins, SENDS)
-        if send:
-            posts[i].append(i)
-            continue
-        answers = _ANSWERS.get(cls)
-        if answers is None:
-            earliest = 0
+        at = i
+        if not send:
+            answers = _ANSWERS.get(cls)
+            earliest = 0 if answers is None else sent_at.get(
+                (answers, ins.chunk, ins.micro_batch, getattr(ins, "peer", None)), i)
+            channel = (peer[0], lanes[i])
+            previous = last_recv_on.get(channel)
+            if previous is not None and previous >= earliest:
+                earliest = previous + 1
+            last_recv_on[channel] = i
+            if earliest < i:  # never negative: indices, or 0
+                at = earliest
+        group = posts[at]
+        if group:
+            group.append(i)
         else:
-            earliest = sent_at.get((answers, ins.chunk, ins.micro_batch,
-                                    getattr(ins, "peer", None)), i)
-        channel = (peers[i][0], lanes[i])
-        previous = last_recv_on.get(channel)
-        if previous is not None:
-            earliest = max(earliest, previous + 1)
-        last_recv_on[channel] = i
-        posts[min(max(earliest, 0), i)].append(i)
+            posts[at] = [i]
     return posts
