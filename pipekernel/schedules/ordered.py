@@ -52,22 +52,14 @@ Op = tuple[str, int, int]
 KINDS = ("F", "B", "I", "W")
 _COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
+# a plain micro-batch instruction class (no fields of its own, no ``__post_init__``) made
+# as ``_new(cls)`` with its three slots set directly: the frozen dataclass's ``__init__``
+# costs three ``object.__setattr__`` calls through the class, about three times this; a
+# build makes one per instruction of the plan (issue 29, item 7)
 _new = object.__new__
 _set_micro_batch = MicroBatchInstruction.__dict__["micro_batch"].__set__
 _set_buffer = MicroBatchInstruction.__dict__["buffer"].__set__
 _set_chunk = MicroBatchInstruction.__dict__["chunk"].__set__
-
-
-def _make(cls: type, micro_batch: int, buf: int, chunk: int) -> MicroBatchInstruction:
-    """``cls(micro_batch, buf, chunk)`` for a plain micro-batch instruction class (no fields
-    of its own, no ``__post_init__``), its three slots set directly: the frozen dataclass's
-    ``__init__`` costs three ``object.__setattr__`` calls through the class, about three times
-    this; a build makes one per instruction of the plan (issue 29, item 7)."""
-    ins = _new(cls)
-    _set_micro_batch(ins, micro_batch)
-    _set_buffer(ins, buf)
-    _set_chunk(ins, chunk)
-    return ins
 
 
 class OrderedSchedule(Schedule):
@@ -95,6 +87,7 @@ class OrderedSchedule(Schedule):
         size = 0
         slot: dict[tuple[int, int], int] = {}
         steps: list[list[Instruction]] = []
+        shapes: dict[tuple[str, int], tuple[type, ...] | None] = {}
         for kind, chunk, mb in order:
             if kind == "F":
                 if free:
@@ -104,7 +97,20 @@ class OrderedSchedule(Schedule):
                     buf, size = size, size + 1
                 slot[(chunk, mb)] = buf
             buf = slot[(chunk, mb)]
-            steps.append(self._step(kind, chunk, mb, buf))
+            shape = shapes.get((kind, chunk), ())
+            if shape == ():
+                shape = shapes[(kind, chunk)] = self._shape(kind, chunk)
+            if shape is None:
+                steps.append(self.chunk_forward_step(chunk, mb, buf))  # a subclass's own
+            else:
+                step = []
+                for cls in shape:  # made as _new's comment says, with no call of its own
+                    ins = _new(cls)
+                    _set_micro_batch(ins, mb)
+                    _set_buffer(ins, buf)
+                    _set_chunk(ins, chunk)
+                    step.append(ins)
+                steps.append(step)
             if kind in ("B", "W"):
                 free.append(slot.pop((chunk, mb)))
         steps = _paired(steps, order, pairs)
@@ -112,25 +118,21 @@ class OrderedSchedule(Schedule):
             steps[-1].extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
         return steps, max(size, 1)
 
-    def _step(self, kind: str, chunk: int, mb: int, buf: int) -> list[Instruction]:
+    def _shape(self, kind: str, chunk: int) -> tuple[type, ...] | None:
+        """The classes of a step of ``kind`` for ``chunk``, in order (see the module
+        docstring; the same for every micro-batch), or ``None`` for a forward step of a
+        subclass's own."""
         loads, recv_act, send_act, recv_grad, send_grad = self._ends(chunk)
         if kind == "F":
             if self._own_forward_step:
-                return self.chunk_forward_step(chunk, mb, buf)  # a subclass's own
-            step: list[Instruction] = [_make(LoadMicroBatch, mb, buf, chunk)] if loads else []
-            if recv_act:
-                step.append(_make(RecvActivation, mb, buf, chunk))
-            step.append(_make(Forward, mb, buf, chunk))
-            if send_act:
-                step.append(_make(SendActivation, mb, buf, chunk))
-            return step
-        if kind == "W":
-            return [_make(BackwardWeight, mb, buf, chunk)]
-        step = [_make(RecvGrad, mb, buf, chunk)] if recv_grad else []
-        step.append(_make(_COMPUTE[kind], mb, buf, chunk))
-        if send_grad:
-            step.append(_make(SendGrad, mb, buf, chunk))
-        return step
+                return None
+            around = ((LoadMicroBatch, loads), (RecvActivation, recv_act), (Forward, True),
+                      (SendActivation, send_act))
+        elif kind == "W":
+            around = ((BackwardWeight, True),)
+        else:
+            around = ((RecvGrad, recv_grad), (_COMPUTE[kind], True), (SendGrad, send_grad))
+        return tuple(cls for cls, emitted in around if emitted)
 
     @cached_property
     def _chunk_ends(self) -> dict[int, tuple[bool, bool, bool, bool, bool]]:
@@ -143,7 +145,7 @@ class OrderedSchedule(Schedule):
 
     def _ends(self, chunk: int) -> tuple[bool, bool, bool, bool, bool]:
         """Per chunk, once: whether its forward loads, receives and sends activations, and
-        its backward receives and sends gradients (what :meth:`_step` emits around the
+        its backward receives and sends gradients (what :meth:`_shape` puts around the
         compute; the same for every micro-batch)."""
         found = self._chunk_ends.get(chunk)
         if found is None:
