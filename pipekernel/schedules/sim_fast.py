@@ -159,6 +159,7 @@ class _Fast(_Simulation):
         self.placement, self.costs, self.steps = placement, costs, steps
         self.objects, self.limits = objects, buffers
         self._peers = {}
+        self.prices: dict[tuple[type, type], tuple[float, ...]] = {}  # _price
         self.lanes: list[list] = []  # stage -> the channels of its lanes
 
     def prove(self) -> SimulationResult | None:
@@ -201,20 +202,26 @@ class _Fast(_Simulation):
         """The transfer of ``chan`` that this send or receive is an end of: the next one its
         side has not met, made by whichever end comes first; the second end checks that the
         two match (micro-batch, the receiver's chunk, kind) and prices it."""
-        transfers, side = chan[0], 1 if send else 2
-        k = chan[side]
-        chan[side] = k + 1
+        transfers = chan[0]
+        if send:
+            k = chan[1]
+            chan[1] = k + 1
+        else:
+            k = chan[2]
+            chan[2] = k + 1
         if k < len(transfers):
             transfer = transfers[k]
             other, target = transfer[9]
-            si, ri = (ins, other) if send else (other, ins)
             if send:
-                target = chunk
-            cs, cr = type(si), type(ri)
-            if not (si.micro_batch == ri.micro_batch and target == ri.chunk
-                    and role(cs).kind == role(cr).kind):
+                si, ri, target = ins, other, chunk
+            else:
+                si, ri = other, ins
+            price = self.prices.get((type(si), type(ri)))
+            if price is None:
+                price = self._price(type(si), type(ri))
+            if not price or si.micro_batch != ri.micro_batch or target != ri.chunk:
                 raise _Bail
-            transfer[4], transfer[5] = self.costs.get(cs, 0.0), self.costs.get(cr, 0.0)
+            transfer[4], transfer[5] = price
             transfer[9] = None
             return transfer
         ends = (stage, peer) if send else (peer, stage)
@@ -224,6 +231,14 @@ class _Fast(_Simulation):
             transfers[-1][3] = transfer
         transfers.append(transfer)
         return transfer
+
+    def _price(self, send: type, recv: type) -> tuple[float, ...]:
+        """The costs of a send and a receive of these classes, ``()`` when their kinds
+        differ; kept per pair of classes (a few per plan, read per transfer)."""
+        price = self.prices[(send, recv)] = (
+            (self.costs.get(send, 0.0), self.costs.get(recv, 0.0))
+            if role(send).kind == role(recv).kind else ())
+        return price
 
     def _code(self, stage: int, plan: tuple) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
