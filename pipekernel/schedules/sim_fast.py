@@ -56,6 +56,8 @@ _KIND = {LoadMicroBatch: _LOAD, RecvActivation: _RECV_ACT, Forward: _FORWARD,
 _SEND_KINDS = frozenset((_SEND_ACT, _SEND_GRAD, _SKIP_SEND))
 _P2P_KINDS = _SEND_KINDS | {_RECV_ACT, _RECV_GRAD, _SKIP_RECV}
 _TIMELINE = frozenset((_FORWARD, _BACKWARD, _B_INPUT, _B_WEIGHT))
+_SEND_CLASSES = frozenset(cls for cls, kind in _KIND.items() if kind in _SEND_KINDS)
+_TIMELINE_CLASSES = tuple(cls for cls, kind in _KIND.items() if kind in _TIMELINE)
 # the entries of a stage's code (_code), first element
 _TL, _SPOST, _RPOST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(8)
 
@@ -248,18 +250,23 @@ class _Fast(_Simulation):
         code: list[tuple] = []
         append = code.append
         stream, _, posts, peers, local, lanes = plan
-        host, cost_of, chans = self.host_costs, {}, self.chans
+        host, chans = self.host_costs, self.chans
+        # a compute's cost depends on its class and chunk only (the check has seen every
+        # chunk in range): [class][chunk]
+        cost_of = {cls: [self._compute_cost(stage, cls(0, 0, chunk)) for chunk in range(self.C)]
+                   for cls in _TIMELINE_CLASSES}
         own: dict = {}  # lane -> (sends, peer, channel)
         waits = {}  # stream index of a receive -> its transfer
         for pc, ins in enumerate(stream):
             cls = type(ins)
             kind = _KIND.get(cls)
-            if posts[pc]:
+            group = posts[pc]
+            if group:
                 if host and kind in _SEND_KINDS and not local[pc] and host.get(cls, 0.0):
                     append((_TICK, host[cls]))  # a send is packed before its group leaves
-                for at in posts[pc]:
+                for at in group:
                     i = stream[at]
-                    send = _KIND.get(type(i)) in _SEND_KINDS
+                    send = type(i) in _SEND_CLASSES
                     lane, (peer, chunk) = lanes[at], peers[at]
                     line = own.get(lane)
                     if line is None:
@@ -275,11 +282,7 @@ class _Fast(_Simulation):
                         waits[at] = transfer
                     append((_SPOST if send else _RPOST, transfer))
             if kind in _TIMELINE:
-                key = (cls, ins.chunk)
-                cost = cost_of.get(key)
-                if cost is None:
-                    cost = cost_of[key] = self._compute_cost(stage, ins)
-                append((_TL, ins, cost))
+                append((_TL, ins, cost_of[cls][ins.chunk]))
             elif kind in _P2P_KINDS:
                 transfer = waits.get(pc)
                 if transfer is not None:
@@ -351,7 +354,7 @@ class _Fast(_Simulation):
         code, pc, pending = self.code[stage], self.pc[stage], self.pending
         n = len(code)
         clock, wait, timeline = self.clock[stage], self.wait[stage], self.timeline[stage]
-        while pc < n:
+        for pc in range(pc, n):  # (a range: no compare and add of its own per entry)
             how = code[pc]
             kind = how[0]
             if kind is _TL:
@@ -386,7 +389,8 @@ class _Fast(_Simulation):
                 if not self._blocking(stage, how):
                     break
                 clock, wait = self.clock[stage], self.wait[stage]
-            pc += 1
+        else:
+            pc = n  # ran to the end (or had nothing left to run)
         self.pc[stage], self.clock[stage], self.wait[stage] = pc, clock, wait
         if pc == n:
             self._finish(stage)
@@ -422,10 +426,13 @@ class _Fast(_Simulation):
             b = b if b >= free else free
             t = (a if a >= b else b) + transfer[4] + transfer[5]
             transfer[0] = t
-            for end in (transfer[7], transfer[8]):
-                pending[end] -= 1
-                if flushing[end] and not pending[end]:
-                    ready.append(end)
+            sender, receiver = transfer[7], transfer[8]  # each end one post fewer pending
+            pending[sender] -= 1
+            if flushing[sender] and not pending[sender]:
+                ready.append(sender)
+            pending[receiver] -= 1
+            if flushing[receiver] and not pending[receiver]:
+                ready.append(receiver)
             if transfer[10] is not None:
                 ready.append(transfer[10])
             transfer = transfer[3]
