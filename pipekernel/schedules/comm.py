@@ -179,16 +179,19 @@ def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, c
     seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
     sent_at: dict[tuple, int] = {}
     p2p: list[int] = []  # the stream indices of the point-to-point instructions
-    is_p2p: dict[type, bool] = dict.fromkeys(_ROLES, True)  # by class: isinstance once
+    # by class, isinstance once: 0 not point-to-point, 1 one of ours with no skip peer,
+    # 2 any other (its peer read as getattr(ins, "peer", None))
+    is_p2p: dict[type, int] = {cls: 2 if issubclass(cls, SkipInstruction) else 1
+                               for cls in _ROLES}
     for i, ins in enumerate(stream):
         cls = type(ins)
         role = is_p2p.get(cls)
         if role is None:
-            role = is_p2p[cls] = isinstance(ins, P2P)
+            role = is_p2p[cls] = 2 if isinstance(ins, P2P) else 0
         if not role:
             continue
         p2p.append(i)
-        key = (cls, ins.chunk, getattr(ins, "peer", None))
+        key = (cls, ins.chunk, None if role == 1 else getattr(ins, "peer", None))
         found = seen.get(key)
         if found is None:
             found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)

@@ -213,11 +213,10 @@ class _Fast(_Simulation):
             chan[2] = k + 1
         if k < len(transfers):
             transfer = transfers[k]
-            other, target = transfer[9]
             if send:
-                si, ri, target = ins, other, chunk
+                si, ri, target = ins, transfer[9], chunk
             else:
-                si, ri = other, ins
+                si, ri, target = transfer[9], ins, transfer[11]
             price = self.prices.get((type(si), type(ri)))
             if price is None:
                 price = self._price(type(si), type(ri))
@@ -226,9 +225,9 @@ class _Fast(_Simulation):
             transfer[4], transfer[5] = price
             transfer[9] = None
             return transfer
-        ends = (stage, peer) if send else (peer, stage)
-        transfer = [None, None, None, None, 0.0, 0.0, None if transfers else 0.0, *ends,
-                    (ins, chunk), None]
+        sender, receiver = (stage, peer) if send else (peer, stage)
+        transfer = [None, None, None, None, 0.0, 0.0, None if transfers else 0.0, sender,
+                    receiver, ins, None, chunk]
         if transfers:
             transfers[-1][3] = transfer
         transfers.append(transfer)
