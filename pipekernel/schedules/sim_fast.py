@@ -88,10 +88,8 @@ def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bo
             raise _Bail
         x = chunk * micro_batches + mb
         if kind <= _FORWARD:  # writes its buffer
-            held = slots.get(buf)
-            if held is not None and held != x:
+            if slots.setdefault(buf, x) != x:  # held by another part
                 raise _Bail
-            slots[buf] = x
             if len(slots) > peak:
                 peak = len(slots)
             if kind == _RECV_ACT:
@@ -255,7 +253,7 @@ class _Fast(_Simulation):
         cost_of = {cls: [self._compute_cost(stage, cls(0, 0, chunk)) for chunk in range(self.C)]
                    for cls in _TIMELINE_CLASSES}
         own: dict = {}  # lane -> (sends, peer, channel)
-        waits = {}  # stream index of a receive -> its transfer
+        waits = [None] * len(stream)  # stream index of a remote receive -> its transfer
         for pc, ins in enumerate(stream):
             cls = type(ins)
             kind = _KIND.get(cls)
@@ -283,9 +281,9 @@ class _Fast(_Simulation):
             if kind in _TIMELINE:
                 append((_TL, ins, cost_of[cls][ins.chunk]))
             elif kind in _P2P_KINDS:
-                transfer = waits.get(pc)
+                transfer = waits[pc]
                 if transfer is not None:
-                    append((_RECV, transfer, host.get(cls, 0.0)))
+                    append((_RECV, transfer, host.get(cls, 0.0) if host else 0.0))
                 elif peers[pc] is None or local[pc]:  # else a remote send: posted, no wait
                     self._local(stage, ins, kind, peers[pc], append)
             else:
