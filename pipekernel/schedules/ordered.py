@@ -89,14 +89,19 @@ class OrderedSchedule(Schedule):
         steps: list[list[Instruction]] = []
         shapes: dict[tuple[str, int], tuple[type, ...] | None] = {}
         for kind, chunk, mb in order:
+            part = (chunk, mb)
             if kind == "F":
                 if free:
                     free.sort()
                     buf = free.pop(0)
                 else:
                     buf, size = size, size + 1
-                slot[(chunk, mb)] = buf
-            buf = slot[(chunk, mb)]
+                slot[part] = buf
+            else:
+                buf = slot[part]
+                if kind == "B" or kind == "W":  # frees its slot (for the parts after it)
+                    del slot[part]
+                    free.append(buf)
             shape = shapes.get((kind, chunk), ())
             if shape == ():
                 shape = shapes[(kind, chunk)] = self._shape(kind, chunk)
@@ -111,8 +116,6 @@ class OrderedSchedule(Schedule):
                     _set_chunk(ins, chunk)
                     step.append(ins)
                 steps.append(step)
-            if kind in ("B", "W"):
-                free.append(slot.pop((chunk, mb)))
         steps = _paired(steps, order, pairs)
         if steps:
             steps[-1].extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
