@@ -431,6 +431,8 @@ def test_unpaired_steps_are_unpair_of_the_paired_steps():
         (base, {2, 4}),                      # two pairs
         (base, {2, 3}),                      # i + 1 of a pair named too: left as it is
         (base, {2, 40}),                     # past the end: never looked at
+        (base, {-1, 0}),                     # no step has a negative index; 0 is an error
+        (base, {-1, 2}),
         (base[:6], {4}),                     # the last op is a pair's backward
         (base, {0}),                         # not an F followed by a B: the error
         (base, {6}),

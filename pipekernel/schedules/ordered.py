@@ -236,7 +236,7 @@ def _plain_pairs(order: Sequence[Op], pairs: frozenset[int]) -> bool:
     for i in sorted(pairs):
         if i >= n:
             break
-        if i == made + 1:
+        if i < 0 or i == made + 1:  # never an index of a step, or right after a pair
             continue
         if i + 1 >= n - 1 or order[i][0] != "F" or order[i + 1][0] != "B" \
                 or order[i][1:] == order[i + 1][1:]:  # a part paired with itself
