@@ -399,3 +399,56 @@ def test_zbv_overlapped_expert_all_to_all_is_bit_exact_on_pp2_ep2(tmp_path):
         assert result["overlap"][3] == 2  # one expert process group per chunk of the V
     # stage 1 (ranks 2 and 3 under PP2 x EP2: the expert axis inside the stage) pairs
     assert sorted(r["recording"][2] for r in results) == [0, 0] + [_zbv_pairs_on(1) * STEPS] * 2
+
+
+def test_unpaired_steps_are_unpair_of_the_paired_steps():
+    """An ordered schedule's ``unpaired_steps()`` (built from its order without pairs where
+    that is the same, so no pair is made to be split again) equals :func:`unpair` of its
+    ``steps()``, raises what building its pairs raises, and keeps its buffers."""
+    from pipekernel.schedules.ordered import OrderedSchedule
+
+    for stages, micro_batches in ((2, 4), (3, 7), (4, 12), (5, 16)):
+        for rank in range(stages):
+            schedule = DualPipeV(stages, rank, micro_batches)
+            assert schedule.unpaired_steps() == unpair(schedule.steps())
+            paired = DualPipeV(stages, rank, micro_batches)
+            paired.steps()  # its buffers counted from the paired steps
+            assert schedule.num_buffers() == paired.num_buffers()
+
+    class Custom(OrderedSchedule):
+        name, placement, min_chunks, max_chunks, default_chunks = "custom", "v", 2, 2, 2
+        ORDER, PAIRS = (), frozenset()
+
+        def order(self):
+            return self.ORDER
+
+        def pairs(self):
+            return self.PAIRS
+
+    base = [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("B", 1, 0), ("F", 1, 1), ("B", 0, 0),
+            ("B", 1, 1), ("B", 0, 1)]
+    cases = [
+        (base, {2, 4}),                      # two pairs
+        (base, {2, 3}),                      # i + 1 of a pair named too: left as it is
+        (base, {2, 40}),                     # past the end: never looked at
+        (base, {-1, 0}),                     # no step has a negative index; 0 is an error
+        (base, {-1, 2}),
+        (base[:6], {4}),                     # the last op is a pair's backward
+        (base, {0}),                         # not an F followed by a B: the error
+        (base, {6}),
+        ([("F", 0, 0), ("B", 0, 0)], {0}),   # a part paired with itself: the error
+        ([], set()),
+    ]
+    for order, pairs in cases:
+        Custom.ORDER, Custom.PAIRS = tuple(order), frozenset(pairs)
+        expected = error = None
+        try:
+            expected = unpair(Custom(2, 1, 2).steps())
+        except (pk.ScheduleError, pk.ConfigError) as e:
+            error = e
+        if error is None:
+            assert Custom(2, 1, 2).unpaired_steps() == expected, (order, pairs)
+        else:
+            with pytest.raises(type(error)) as got:
+                Custom(2, 1, 2).unpaired_steps()
+            assert str(got.value) == str(error)

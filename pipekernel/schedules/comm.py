@@ -178,56 +178,56 @@ def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, c
     # peer, locality and lane depend on (class, chunk, skip peer) only: work them out once
     seen: dict[tuple, tuple[tuple[int, int] | None, bool, int | None]] = {}
     sent_at: dict[tuple, int] = {}
-    p2p: list[int] = []  # the stream indices of the point-to-point instructions
-    is_p2p: dict[type, bool] = dict.fromkeys(_ROLES, True)  # by class: isinstance once
+    posts: list = [()] * n  # a point where nothing is posted: the one empty tuple
+    recvs: list[int] = []  # the stream indices of the remote receives
+    # by class, isinstance once: False (not point-to-point), else (a send, reads a skip
+    # peer: getattr(ins, "peer", None) for every class but ours without one)
+    kinds: dict[type, tuple[bool, bool] | bool] = {
+        cls: (cls in SENDS, issubclass(cls, SkipInstruction)) for cls in _ROLES}
     for i, ins in enumerate(stream):
         cls = type(ins)
-        role = is_p2p.get(cls)
-        if role is None:
-            role = is_p2p[cls] = isinstance(ins, P2P)
-        if not role:
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = kinds[cls] = isinstance(ins, P2P) and (isinstance(ins, SENDS), True)
+        if not kind:
             continue
-        p2p.append(i)
-        key = (cls, ins.chunk, getattr(ins, "peer", None))
+        send, skip_peer = kind
+        key = (cls, ins.chunk, getattr(ins, "peer", None) if skip_peer else None)
         found = seen.get(key)
         if found is None:
             found = seen[key] = _route(ins, stage, num_stages, chunks, placement, layout)
         peers[i], local[i], lanes[i] = found
         if cls is SendActivation or cls is SendSkip:
             sent_at[(cls, ins.chunk, ins.micro_batch, key[2])] = i
-    posts = _posting_points(stream, p2p, peers, local, lanes, sent_at)
+        if found[0] is None or found[1]:
+            continue  # no peer, or a local hand-off: never posted
+        if send:
+            posts[i] = [i]  # at its own index, first in its group: the receives come after
+        else:
+            recvs.append(i)
+    _post_receives(stream, recvs, peers, lanes, sent_at, posts)
     return stream, step_of, posts, peers, local, lanes
 
 
-def _posting_points(stream: list, p2p: list[int], peers: list, local: list, lanes: list,
-                    sent_at: dict[tuple, int]) -> list[list[int]]:
-    """``posts`` of :func:`plan_communication` (see the module docstring): a send at its own
-    index; a receive as early as its channel allows — after the receive before it on its
-    (peer, lane), and for a gradient after the send it answers."""
-    posts: list[list[int]] = [[] for _ in stream]
+def _post_receives(stream: list, recvs: list[int], peers: list, lanes: list,
+                   sent_at: dict[tuple, int], posts: list) -> None:
+    """Add each remote receive to ``posts`` (see the module docstring): as early as its
+    channel allows — after the receive before it on its (peer, lane), and for a gradient
+    after the send it answers. In stream order, so each group stays ascending."""
     last_recv_on: dict[tuple[int, int], int] = {}  # (peer, lane) -> index of the last receive
-    sends: dict[type, bool] = {}
-    for i in p2p:
-        if peers[i] is None or local[i]:
-            continue
+    for i in recvs:
         ins = stream[i]
-        cls = type(ins)
-        send = sends.get(cls)
-        if send is None:
-            send = sends[cls] = isinstance(ins, SENDS)
-        if send:
-            posts[i].append(i)
-            continue
-        answers = _ANSWERS.get(cls)
-        if answers is None:
-            earliest = 0
-        else:
-            earliest = sent_at.get((answers, ins.chunk, ins.micro_batch,
-                                    getattr(ins, "peer", None)), i)
+        answers = _ANSWERS.get(type(ins))
+        earliest = 0 if answers is None else sent_at.get(
+            (answers, ins.chunk, ins.micro_batch, getattr(ins, "peer", None)), i)
         channel = (peers[i][0], lanes[i])
         previous = last_recv_on.get(channel)
-        if previous is not None:
-            earliest = max(earliest, previous + 1)
+        if previous is not None and previous >= earliest:
+            earliest = previous + 1
         last_recv_on[channel] = i
-        posts[min(max(earliest, 0), i)].append(i)
-    return posts
+        at = earliest if earliest < i else i  # never negative: indices, or 0
+        group = posts[at]
+        if group:
+            group.append(i)
+        else:
+            posts[at] = [i]

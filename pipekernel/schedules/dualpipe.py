@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from functools import cached_property
 
 from pipekernel.errors import ConfigError
 from pipekernel.schedules.ordered import Op, OrderedSchedule
@@ -153,8 +154,13 @@ class DualPipeV(OrderedSchedule):
                 hint=f"pass micro_batches={2 * num_stages} or more, or use schedule='zbv' "
                      "(the same V placement, any micro-batch count)", stage=stage)
 
+    @cached_property
+    def _order(self) -> _Order:
+        """This rank's order and pairs, made once (both are read by each build)."""
+        return _build(self.num_stages, self.stage, self.micro_batches)
+
     def order(self) -> Sequence[Op]:
-        return dualpipev_order(self.num_stages, self.stage, self.micro_batches)
+        return tuple(self._order.ops)
 
     def pairs(self) -> frozenset[int]:
-        return dualpipev_pairs(self.num_stages, self.stage, self.micro_batches)
+        return frozenset(self._order.paired)

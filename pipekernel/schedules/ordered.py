@@ -52,22 +52,14 @@ Op = tuple[str, int, int]
 KINDS = ("F", "B", "I", "W")
 _COMPUTE = {"F": Forward, "B": Backward, "I": BackwardInput, "W": BackwardWeight}
 
+# a plain micro-batch instruction class (no fields of its own, no ``__post_init__``) made
+# as ``_new(cls)`` with its three slots set directly: the frozen dataclass's ``__init__``
+# costs three ``object.__setattr__`` calls through the class, about three times this; a
+# build makes one per instruction of the plan (issue 29, item 7)
 _new = object.__new__
 _set_micro_batch = MicroBatchInstruction.__dict__["micro_batch"].__set__
 _set_buffer = MicroBatchInstruction.__dict__["buffer"].__set__
 _set_chunk = MicroBatchInstruction.__dict__["chunk"].__set__
-
-
-def _make(cls: type, micro_batch: int, buf: int, chunk: int) -> MicroBatchInstruction:
-    """``cls(micro_batch, buf, chunk)`` for a plain micro-batch instruction class (no fields
-    of its own, no ``__post_init__``), its three slots set directly: the frozen dataclass's
-    ``__init__`` costs three ``object.__setattr__`` calls through the class, about three times
-    this; a build makes one per instruction of the plan (issue 29, item 7)."""
-    ins = _new(cls)
-    _set_micro_batch(ins, micro_batch)
-    _set_buffer(ins, buf)
-    _set_chunk(ins, chunk)
-    return ins
 
 
 class OrderedSchedule(Schedule):
@@ -86,7 +78,7 @@ class OrderedSchedule(Schedule):
 
     @cached_property
     def _built(self) -> tuple[list[list[Instruction]], int]:
-        return self._build(list(self.order()), self.pairs())
+        return self._build(self._built_order, self.pairs())
 
     def _build(self, order: list[Op], pairs: frozenset[int]
                ) -> tuple[list[list[Instruction]], int]:
@@ -95,42 +87,55 @@ class OrderedSchedule(Schedule):
         size = 0
         slot: dict[tuple[int, int], int] = {}
         steps: list[list[Instruction]] = []
+        shapes: dict[tuple[str, int], tuple[type, ...] | None] = {}
         for kind, chunk, mb in order:
+            part = (chunk, mb)
             if kind == "F":
                 if free:
                     free.sort()
                     buf = free.pop(0)
                 else:
                     buf, size = size, size + 1
-                slot[(chunk, mb)] = buf
-            buf = slot[(chunk, mb)]
-            steps.append(self._step(kind, chunk, mb, buf))
-            if kind in ("B", "W"):
-                free.append(slot.pop((chunk, mb)))
+                slot[part] = buf
+            else:
+                buf = slot[part]
+                if kind == "B" or kind == "W":  # frees its slot (for the parts after it)
+                    del slot[part]
+                    free.append(buf)
+            shape = shapes.get((kind, chunk), ())
+            if shape == ():
+                shape = shapes[(kind, chunk)] = self._shape(kind, chunk)
+            if shape is None:
+                steps.append(self.chunk_forward_step(chunk, mb, buf))  # a subclass's own
+            else:
+                step = []
+                for cls in shape:  # made as _new's comment says, with no call of its own
+                    ins = _new(cls)
+                    _set_micro_batch(ins, mb)
+                    _set_buffer(ins, buf)
+                    _set_chunk(ins, chunk)
+                    step.append(ins)
+                steps.append(step)
         steps = _paired(steps, order, pairs)
         if steps:
             steps[-1].extend([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
         return steps, max(size, 1)
 
-    def _step(self, kind: str, chunk: int, mb: int, buf: int) -> list[Instruction]:
+    def _shape(self, kind: str, chunk: int) -> tuple[type, ...] | None:
+        """The classes of a step of ``kind`` for ``chunk``, in order (see the module
+        docstring; the same for every micro-batch), or ``None`` for a forward step of a
+        subclass's own."""
         loads, recv_act, send_act, recv_grad, send_grad = self._ends(chunk)
         if kind == "F":
             if self._own_forward_step:
-                return self.chunk_forward_step(chunk, mb, buf)  # a subclass's own
-            step: list[Instruction] = [_make(LoadMicroBatch, mb, buf, chunk)] if loads else []
-            if recv_act:
-                step.append(_make(RecvActivation, mb, buf, chunk))
-            step.append(_make(Forward, mb, buf, chunk))
-            if send_act:
-                step.append(_make(SendActivation, mb, buf, chunk))
-            return step
-        if kind == "W":
-            return [_make(BackwardWeight, mb, buf, chunk)]
-        step = [_make(RecvGrad, mb, buf, chunk)] if recv_grad else []
-        step.append(_make(_COMPUTE[kind], mb, buf, chunk))
-        if send_grad:
-            step.append(_make(SendGrad, mb, buf, chunk))
-        return step
+                return None
+            around = ((LoadMicroBatch, loads), (RecvActivation, recv_act), (Forward, True),
+                      (SendActivation, send_act))
+        elif kind == "W":
+            around = ((BackwardWeight, True),)
+        else:
+            around = ((RecvGrad, recv_grad), (_COMPUTE[kind], True), (SendGrad, send_grad))
+        return tuple(cls for cls, emitted in around if emitted)
 
     @cached_property
     def _chunk_ends(self) -> dict[int, tuple[bool, bool, bool, bool, bool]]:
@@ -143,7 +148,7 @@ class OrderedSchedule(Schedule):
 
     def _ends(self, chunk: int) -> tuple[bool, bool, bool, bool, bool]:
         """Per chunk, once: whether its forward loads, receives and sends activations, and
-        its backward receives and sends gradients (what :meth:`_step` emits around the
+        its backward receives and sends gradients (what :meth:`_shape` puts around the
         compute; the same for every micro-batch)."""
         found = self._chunk_ends.get(chunk)
         if found is None:
@@ -162,10 +167,33 @@ class OrderedSchedule(Schedule):
         order it would run without them."""
         if type(self).steps is OrderedSchedule.steps and not self.pairs():
             return self.steps()  # nothing paired: no step to look through
+        if self._splits_plainly:
+            return list(map(list, self._unpaired_built[0]))
         return unpair(self.steps())
 
+    @cached_property
+    def _splits_plainly(self) -> bool:
+        """Whether :meth:`unpaired_steps` are the steps of the order without pairs: the
+        built-in steps (no subclass's own), pairs that :func:`_plain_pairs` accepts."""
+        return (type(self).steps is OrderedSchedule.steps and not self._own_forward_step
+                and _plain_pairs(self._built_order, self.pairs()))
+
+    @cached_property
+    def _built_order(self) -> list[Op]:
+        return list(self.order())
+
+    @cached_property
+    def _unpaired_built(self) -> tuple[list[list[Instruction]], int]:
+        """The steps of the order with no pair made, and their buffers: :func:`unpair` of
+        the paired steps when :attr:`_splits_plainly` (each pair's step splits back into
+        the two steps it was made of), without making the pairs to split them again."""
+        return self._build(self._built_order, frozenset())
+
     def num_buffers(self) -> int:
-        """The stage's peak number of live ``(chunk, micro_batch)`` parts."""
+        """The stage's peak number of live ``(chunk, micro_batch)`` parts (the same with
+        pairs or without: a pair merges two steps, it moves no buffer)."""
+        if "_built" not in self.__dict__ and self.pairs() and self._splits_plainly:
+            return self._unpaired_built[1]  # no paired steps made only to count
         return self._built[1]
 
 
@@ -196,6 +224,25 @@ def _paired(steps: list[list[Instruction]], order: Sequence[Op],
                     *f_step[f_at + 1:], *b_step[b_at + 1:]])
         skip = True
     return out
+
+
+def _plain_pairs(order: Sequence[Op], pairs: frozenset[int]) -> bool:
+    """Whether :func:`_paired` makes every pair it looks at without an error and the
+    last op is in none (its step then ends the batch, a pair's would move the end's
+    reductions into its forward half): then unpairing the paired steps gives the steps
+    of ``order`` without pairs. Otherwise the caller builds and unpairs, as before."""
+    n = len(order)
+    made = -2  # the pair made last (_paired skips the op after it)
+    for i in sorted(pairs):
+        if i >= n:
+            break
+        if i < 0 or i == made + 1:  # never an index of a step, or right after a pair
+            continue
+        if i + 1 >= n - 1 or order[i][0] != "F" or order[i + 1][0] != "B" \
+                or order[i][1:] == order[i + 1][1:]:  # a part paired with itself
+            return False
+        made = i
+    return True
 
 
 def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:

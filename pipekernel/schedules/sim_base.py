@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
-from operator import itemgetter
+from operator import itemgetter, sub
 from typing import NamedTuple
 
 from pipekernel.errors import ScheduleError
@@ -540,7 +540,10 @@ class _Simulation:
                    waits: list) -> SimulationResult:
         """The result from per-stage timelines, buffer peaks and waits (the fast path's
         too: the bubble summed in the same order, so the same float)."""
-        busy = sum(end - start for events in timeline for start, end, _ in events)
+        events = list(chain.from_iterable(timeline))
+        # end - start of each, summed in the same order as a generator would (the same
+        # float), with no Python frame per event
+        busy = sum(map(sub, map(itemgetter(1), events), map(itemgetter(0), events)))
         bubble = 1.0 - busy / (self.S * makespan) if makespan > 0 else 0.0
         return SimulationResult(
             num_stages=self.S, micro_batches=self.M, chunks=self.C, makespan=makespan,

@@ -56,6 +56,8 @@ _KIND = {LoadMicroBatch: _LOAD, RecvActivation: _RECV_ACT, Forward: _FORWARD,
 _SEND_KINDS = frozenset((_SEND_ACT, _SEND_GRAD, _SKIP_SEND))
 _P2P_KINDS = _SEND_KINDS | {_RECV_ACT, _RECV_GRAD, _SKIP_RECV}
 _TIMELINE = frozenset((_FORWARD, _BACKWARD, _B_INPUT, _B_WEIGHT))
+_SEND_CLASSES = frozenset(cls for cls, kind in _KIND.items() if kind in _SEND_KINDS)
+_TIMELINE_CLASSES = tuple(cls for cls, kind in _KIND.items() if kind in _TIMELINE)
 # the entries of a stage's code (_code), first element
 _TL, _SPOST, _RPOST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(8)
 
@@ -86,10 +88,8 @@ def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bo
             raise _Bail
         x = chunk * micro_batches + mb
         if kind <= _FORWARD:  # writes its buffer
-            held = slots.get(buf)
-            if held is not None and held != x:
+            if slots.setdefault(buf, x) != x:  # held by another part
                 raise _Bail
-            slots[buf] = x
             if len(slots) > peak:
                 peak = len(slots)
             if kind == _RECV_ACT:
@@ -159,6 +159,7 @@ class _Fast(_Simulation):
         self.placement, self.costs, self.steps = placement, costs, steps
         self.objects, self.limits = objects, buffers
         self._peers = {}
+        self.prices: dict[tuple[type, type], tuple[float, ...]] = {}  # _price
         self.lanes: list[list] = []  # stage -> the channels of its lanes
 
     def prove(self) -> SimulationResult | None:
@@ -201,29 +202,42 @@ class _Fast(_Simulation):
         """The transfer of ``chan`` that this send or receive is an end of: the next one its
         side has not met, made by whichever end comes first; the second end checks that the
         two match (micro-batch, the receiver's chunk, kind) and prices it."""
-        transfers, side = chan[0], 1 if send else 2
-        k = chan[side]
-        chan[side] = k + 1
+        transfers = chan[0]
+        if send:
+            k = chan[1]
+            chan[1] = k + 1
+        else:
+            k = chan[2]
+            chan[2] = k + 1
         if k < len(transfers):
             transfer = transfers[k]
-            other, target = transfer[9]
-            si, ri = (ins, other) if send else (other, ins)
             if send:
-                target = chunk
-            cs, cr = type(si), type(ri)
-            if not (si.micro_batch == ri.micro_batch and target == ri.chunk
-                    and role(cs).kind == role(cr).kind):
+                si, ri, target = ins, transfer[9], chunk
+            else:
+                si, ri, target = transfer[9], ins, transfer[11]
+            price = self.prices.get((type(si), type(ri)))
+            if price is None:
+                price = self._price(type(si), type(ri))
+            if not price or si.micro_batch != ri.micro_batch or target != ri.chunk:
                 raise _Bail
-            transfer[4], transfer[5] = self.costs.get(cs, 0.0), self.costs.get(cr, 0.0)
+            transfer[4], transfer[5] = price
             transfer[9] = None
             return transfer
-        ends = (stage, peer) if send else (peer, stage)
-        transfer = [None, None, None, None, 0.0, 0.0, None if transfers else 0.0, *ends,
-                    (ins, chunk), None]
+        sender, receiver = (stage, peer) if send else (peer, stage)
+        transfer = [None, None, None, None, 0.0, 0.0, None if transfers else 0.0, sender,
+                    receiver, ins, None, chunk]
         if transfers:
             transfers[-1][3] = transfer
         transfers.append(transfer)
         return transfer
+
+    def _price(self, send: type, recv: type) -> tuple[float, ...]:
+        """The costs of a send and a receive of these classes, ``()`` when their kinds
+        differ; kept per pair of classes (a few per plan, read per transfer)."""
+        price = self.prices[(send, recv)] = (
+            (self.costs.get(send, 0.0), self.costs.get(recv, 0.0))
+            if role(send).kind == role(recv).kind else ())
+        return price
 
     def _code(self, stage: int, plan: tuple) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
@@ -233,18 +247,23 @@ class _Fast(_Simulation):
         code: list[tuple] = []
         append = code.append
         stream, _, posts, peers, local, lanes = plan
-        host, cost_of, chans = self.host_costs, {}, self.chans
+        host, chans = self.host_costs, self.chans
+        # a compute's cost depends on its class and chunk only (the check has seen every
+        # chunk in range): [class][chunk]
+        cost_of = {cls: [self._compute_cost(stage, cls(0, 0, chunk)) for chunk in range(self.C)]
+                   for cls in _TIMELINE_CLASSES}
         own: dict = {}  # lane -> (sends, peer, channel)
-        waits = {}  # stream index of a receive -> its transfer
+        waits = [None] * len(stream)  # stream index of a remote receive -> its transfer
         for pc, ins in enumerate(stream):
             cls = type(ins)
             kind = _KIND.get(cls)
-            if posts[pc]:
+            group = posts[pc]
+            if group:
                 if host and kind in _SEND_KINDS and not local[pc] and host.get(cls, 0.0):
                     append((_TICK, host[cls]))  # a send is packed before its group leaves
-                for at in posts[pc]:
+                for at in group:
                     i = stream[at]
-                    send = _KIND.get(type(i)) in _SEND_KINDS
+                    send = type(i) in _SEND_CLASSES
                     lane, (peer, chunk) = lanes[at], peers[at]
                     line = own.get(lane)
                     if line is None:
@@ -260,15 +279,11 @@ class _Fast(_Simulation):
                         waits[at] = transfer
                     append((_SPOST if send else _RPOST, transfer))
             if kind in _TIMELINE:
-                key = (cls, ins.chunk)
-                cost = cost_of.get(key)
-                if cost is None:
-                    cost = cost_of[key] = self._compute_cost(stage, ins)
-                append((_TL, ins, cost))
+                append((_TL, ins, cost_of[cls][ins.chunk]))
             elif kind in _P2P_KINDS:
-                transfer = waits.get(pc)
+                transfer = waits[pc]
                 if transfer is not None:
-                    append((_RECV, transfer, host.get(cls, 0.0)))
+                    append((_RECV, transfer, host.get(cls, 0.0) if host else 0.0))
                 elif peers[pc] is None or local[pc]:  # else a remote send: posted, no wait
                     self._local(stage, ins, kind, peers[pc], append)
             else:
@@ -336,7 +351,7 @@ class _Fast(_Simulation):
         code, pc, pending = self.code[stage], self.pc[stage], self.pending
         n = len(code)
         clock, wait, timeline = self.clock[stage], self.wait[stage], self.timeline[stage]
-        while pc < n:
+        for pc in range(pc, n):  # (a range: no compare and add of its own per entry)
             how = code[pc]
             kind = how[0]
             if kind is _TL:
@@ -371,7 +386,8 @@ class _Fast(_Simulation):
                 if not self._blocking(stage, how):
                     break
                 clock, wait = self.clock[stage], self.wait[stage]
-            pc += 1
+        else:
+            pc = n  # ran to the end (or had nothing left to run)
         self.pc[stage], self.clock[stage], self.wait[stage] = pc, clock, wait
         if pc == n:
             self._finish(stage)
@@ -407,10 +423,13 @@ class _Fast(_Simulation):
             b = b if b >= free else free
             t = (a if a >= b else b) + transfer[4] + transfer[5]
             transfer[0] = t
-            for end in (transfer[7], transfer[8]):
-                pending[end] -= 1
-                if flushing[end] and not pending[end]:
-                    ready.append(end)
+            sender, receiver = transfer[7], transfer[8]  # each end one post fewer pending
+            pending[sender] -= 1
+            if flushing[sender] and not pending[sender]:
+                ready.append(sender)
+            pending[receiver] -= 1
+            if flushing[receiver] and not pending[receiver]:
+                ready.append(receiver)
             if transfer[10] is not None:
                 ready.append(transfer[10])
             transfer = transfer[3]
