@@ -23,7 +23,8 @@ the table gives the median over rounds of:
   core; ``main idle`` = wall - run - queue: blocked (on a peer, a lock, a sleep);
 * ``helper run``: other Python threads (pipekernel's waiter thread);
 * ``gloo run`` / ``gloo queue``: gloo's threads (its socket loop and work queue);
-* ``slices``: times any thread of the rank was put on a CPU, per step (each wake-up is one).
+* ``slices``: times the threads of each kind were put on a CPU, per step (each wake-up is
+  one), as main / helper / gloo / other.
 
 Linux only (it reads ``/proc``). Run it on an otherwise idle machine: the load average is
 printed before and after.
@@ -129,9 +130,9 @@ def _row(label: str, results: list[dict]) -> str:
     k = {kind: [med(r["kinds"][kind][i] for r in results) for i in range(3)]
          for kind in KINDS}
     run, queue = k["main"][0], k["main"][1]
-    slices = sum(k[kind][2] for kind in KINDS)
+    slices = "/".join(f"{k[kind][2]:.0f}" for kind in KINDS)
     return (f"| {label} | {wall:.1f} | {run:.1f} | {queue:.1f} | {wall - run - queue:.1f} | "
-            f"{k['helper'][0]:.2f} | {k['gloo'][0]:.2f} | {k['gloo'][1]:.2f} | {slices:.0f} |")
+            f"{k['helper'][0]:.2f} | {k['gloo'][0]:.2f} | {k['gloo'][1]:.2f} | {slices} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         for engine, schedule in engines[r % 2:] + engines[:r % 2]:
             results[engine].append(pk.launch(worker, 2, args=(engine, schedule, d, seq, steps)))
     print("\n| engine, rank | wall ms | main run | main queue | main idle | helper run "
-          "| gloo run | gloo queue | slices |")
+          "| gloo run | gloo queue | slices main/helper/gloo/other |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for engine, schedule in engines:
         for rank in (0, 1):
