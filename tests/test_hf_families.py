@@ -47,19 +47,38 @@ def items(replica=0):
     return [F.batch(10 * replica + i) for i in range(MICRO_BATCHES)]
 
 
-def reference(model, data):
-    """One SGD step of ``model`` through its own forward and loss: the token-weighted loss."""
+def reference(model, steps):
+    """SGD steps of ``model`` through its own forward and loss, ``use_cache`` off as HF's
+    ``Trainer`` sets it (with a cache transformers does not split packed documents): the
+    token-weighted loss of each step."""
     opt = sgd(model.parameters())
     model.train()
-    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)
-    loss_sum = 0.0
-    for b in data:
-        count = int((b["labels"][:, 1:] != -100).sum())
-        part = model(**b).loss * count  # the model's own (mean) loss, as a sum
-        (part / total).backward()
-        loss_sum += part.item()
-    opt.step()
-    return loss_sum / total
+    model.config.use_cache = False
+    losses = []
+    for data in steps:
+        total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)
+        loss_sum = 0.0
+        for b in data:
+            count = int((b["labels"][:, 1:] != -100).sum())
+            part = model(**b).loss * count  # the model's own (mean) loss, as a sum
+            (part / total).backward()
+            loss_sum += part.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_sum / total)
+    return losses
+
+
+def packed_items(model):
+    """The packed step: with the flash-attention keys where the model's own forward takes
+    them (a family whose linear attention needs a kernel to keep documents apart raises)."""
+    try:
+        with torch.no_grad():
+            model(**F.packed_batches(0)[0], use_cache=False)
+    except Exception as e:  # noqa: BLE001 - its own forward refuses the keys: train without
+        return F.packed_batches(0, flash=False), \
+            f"exact (its own forward refuses the flash keys: {type(e).__name__})"
+    return F.packed_batches(0), "exact (with the flash keys)"
 
 
 def train_family(name, stages):
@@ -71,23 +90,28 @@ def train_family(name, stages):
         module = hf.pipeline_module(model, num_stages=stages)
     except ConfigError as e:
         return {"verdict": "refused", "detail": str(e).splitlines()[0]}
+    packed, how = packed_items(model)
+    if module.packing_refused is not None:  # the probe refuses packed rows: one step only
+        packed, how = None, f"refused: {module.packing_refused}"[:120]
     engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=MICRO_BATCHES,
                                loss_reduction="tokens", timeout=90)
     try:
-        loss = engine.train_batch(iter(items())).item()
+        losses = [engine.train_batch(iter(data)).item() for data in (items(), packed) if data]
         state = {k.partition(".")[2]: v.detach().clone()
                  for k, v in engine.module.state_dict().items()}
         keys = sorted(stage_state(engine))  # what save_pretrained writes for this stage
     finally:
         engine.close()
-    ref_loss = reference(model, items())
+    ref_losses = reference(model, [items(), packed] if packed else [items()])
     ref = model.state_dict()
     worst = max((v - ref[k]).abs().max().item() / max(1.0, ref[k].abs().max().item())
                 for k, v in state.items())
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         written = sorted(k for f in Path(directory).glob("*.safetensors") for k in load_file(f))
-    return {"verdict": "trains", "loss": abs(loss - ref_loss) / abs(ref_loss),
+    loss, *packed_loss = (abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    return {"verdict": "trains", "loss": loss, "packed_loss": max(packed_loss, default=0.0),
+            "packed": how,
             "parameters": worst, "keys": keys, "hf_keys": written}
 
 
@@ -113,6 +137,7 @@ def _merge(ranks):
                     r = o
                     break
                 r["loss"] = max(r["loss"], o["loss"])
+                r["packed_loss"] = max(r["packed_loss"], o["packed_loss"])
                 r["parameters"] = max(r["parameters"], o["parameters"])
                 r["keys"] = sorted(set(r["keys"]) | set(o["keys"]))
         merged[name] = r
@@ -129,7 +154,8 @@ def _key_difference(r):
 def _check(results):
     bad = {n: {k: v for k, v in r.items() if "keys" not in k} | _key_difference(r)
            for n, r in results.items() if r["verdict"] == "error"
-           or (r["verdict"] == "trains" and (max(r["loss"], r["parameters"]) > TOLERANCE
+           or (r["verdict"] == "trains" and (max(r["loss"], r["packed_loss"], r["parameters"])
+                                             > TOLERANCE
                                              or r["keys"] != r["hf_keys"]))}
     assert not bad, json.dumps(bad, indent=1)[:6000]
 
@@ -138,14 +164,17 @@ def test_every_family_trains_like_its_forward_or_is_refused():
     names = [name for name, _ in F.families()]
     results = _merge(run_ranks(_worker, 2, names, 2, timeout=1500))
     classes = dict(F.families())
-    table = {n: {"class": classes[n], "verdict": r["verdict"],
-                 "detail": r.get("detail", "")} for n, r in results.items()}
+    table = {n: {"class": classes[n], "verdict": r["verdict"], "detail": r.get("detail", ""),
+                 **({"packed": r["packed"]} if "packed" in r else {})}
+             for n, r in results.items()}
     if os.environ.get("PK_WRITE_FAMILIES"):
         F.RESULTS.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     _check(results)
     recorded = json.loads(F.RESULTS.read_text())
-    changed = {n: (recorded.get(n, {}).get("verdict"), table[n]["verdict"]) for n in table
-               if recorded.get(n, {}).get("verdict") != table[n]["verdict"]}
+    changed = {n: ((recorded.get(n, {}).get("verdict"), recorded.get(n, {}).get("packed")),
+                   (table[n]["verdict"], table[n].get("packed"))) for n in table
+               if (recorded.get(n, {}).get("verdict"), recorded.get(n, {}).get("packed"))
+               != (table[n]["verdict"], table[n].get("packed"))}
     assert not changed and set(recorded) == set(table), (
         f"verdicts changed (recorded, now): {changed}; families gone: "
         f"{sorted(set(recorded) - set(table))}: rerun with PK_WRITE_FAMILIES=1 and "
