@@ -47,8 +47,9 @@ class PipelineEngine(EngineFields):
         every rank together.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...), or
         ``"auto"`` / ``pk.auto(memory_budget=..., ...)``: profile the layers and choose
-        schedule, chunks, micro-batch count and partition by simulation (the choice
-        in ``engine.plan``; see :mod:`pipekernel.engine.planner`).
+        schedule, chunks and partition by simulation for ``micro_batches`` (the batch is
+        never changed; the choice in ``engine.plan``, rank 0 prints it; see
+        :mod:`pipekernel.engine.planner`).
     :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
         forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
@@ -183,9 +184,8 @@ class PipelineEngine(EngineFields):
                                              expert_parallel_size, tensor_parallel_plan))
             self._assembly: Assembly = assemble(module, optimizer, micro_batches, options, pm,
                                                 made)
-            counted = self._assembly.layout.micro_batches  # the planner may choose it
-            self.state.micro_batches = self.state.checked_micro_batches = counted
-            self.state.skips_proven = {counted}
+            self.state.checked_micro_batches = micro_batches
+            self.state.skips_proven = {micro_batches}
             pm.hook.pipekernel_configure(engine=self)
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
