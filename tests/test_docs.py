@@ -176,3 +176,35 @@ def test_the_api_reference_covers_every_public_name(module):
     missing = [n for n in mod.__all__ if n != "__version__" and f"`{n}" not in text]
     assert not missing, f"docs/api.md lacks {missing} of {module}.__all__"
     assert all(hasattr(mod, n) for n in mod.__all__)
+
+
+def _readme_commands():
+    """README's "Two commands on a fresh machine": its command lines, by number."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Two commands on a fresh machine\n+```bash\n(.*?)```", readme, re.S)
+    lines = [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
+    assert len(lines) == 2, lines
+    return lines
+
+
+def test_readme_command_1_installs_only_the_main_jobs_extra():
+    install = _readme_commands()[0]
+    assert install.startswith("pip install torch==") and install.endswith("&& pipekernel train")
+    extras = re.findall(r'-e "\.\[([\w,]+)\]"', install)
+    assert extras == ["train"], install  # not the test extra: that goes with command 2
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # what `pipekernel train` imports beyond the core (apps/cli.py's docstring: tqdm, matplotlib)
+    assert {re.split(r"[<>=\[]", r)[0] for r in declared["optional-dependencies"]["train"]} \
+        == {"tqdm", "matplotlib"}
+    pin = re.search(r"torch==[\d.]+", install).group(0)
+    assert (ROOT / ".ci" / "constraints.txt").read_text().splitlines()[0] == pin
+    assert f"pip install -q {pin}" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_command_2_installs_the_test_extra_and_is_what_ci_runs():
+    command = _readme_commands()[1]
+    assert command.startswith('pip install -e ".[test]" -c .ci/constraints.txt && '
+                              "python -m pytest ")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == command  # the last thing CI does, verbatim
