@@ -188,7 +188,8 @@ class Candidate:
         return max(self.stage_bytes) if self.stage_bytes else None
 
     def rank_key(self) -> tuple:
-        """Sort key: runnable and fitting first, then faster, then deterministic ties."""
+        """Sort key: runnable first, then those that may run (not what-ifs), fitting
+        first, then faster, then deterministic ties."""
         runnable = self.predicted_step_s is not None
         return (not runnable, self.what_if, not self.fits,
                 self.predicted_step_s if runnable else 0.0,
@@ -327,7 +328,8 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                                                      executor))
     if runs is not None:
         found = [c if c.micro_batches == runs else dataclasses.replace(
-            c, what_if=True, note=c.note or f"what-if: the engine runs {runs}") for c in found]
+            c, what_if=True, note=f"what-if: the engine runs {runs}"
+                                  + (f"; {c.note}" if c.note else "")) for c in found]
     ranked = tuple(sorted(found, key=Candidate.rank_key))
     best = _best(ranked, num_stages, memory_budget, runs)
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
