@@ -319,10 +319,13 @@ def _tutorial_worker():
     auto = _train(t, _tutorial_engine(t, pk.auto(sample=sample, repeats=1, warmup=0)))
     plan = auto[1]
     fixed = _train(t, _tutorial_engine(t, plan.schedule, list(plan.bounds), plan.chunks))
-    prefers = _train(t, _tutorial_engine(t, pk.auto(sample=sample, micro_batches=[2, 4, 8],
-                                                    measure_link=False),
-                                         plugins=[FewerIsFaster()]))
-    return auto, fixed, prefers
+    import contextlib
+    import io
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):  # what rank 0 says at start
+        engine = _tutorial_engine(t, pk.auto(sample=sample, micro_batches=[2, 4, 8],
+                                             measure_link=False), plugins=[FewerIsFaster()])
+    return auto, fixed, (*_train(t, engine), said.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +354,10 @@ def test_the_tutorial_with_auto_trains_the_batch_it_wrote(tutorial_runs):
 
 
 def test_auto_preferring_another_count_still_trains_the_users(tutorial_runs):
-    (auto, _, _), _, (prefers, plan, m) = tutorial_runs[0]
+    (auto, _, _), _, (prefers, plan, m, said) = tutorial_runs[0]
     assert m == plan.micro_batches == plan.runs == 4
+    assert plan.announce() in said.splitlines()  # rank 0 says it at start, and only rank 0
+    assert "schedule 'auto'" not in tutorial_runs[1][2][3]
     best = min((c for c in plan.candidates if c.predicted_step_s is not None),
                key=lambda c: c.predicted_step_s)
     assert best.micro_batches == 2 and best.what_if  # the planner alone would have taken 2
