@@ -383,3 +383,164 @@ def test_a_corrupt_file_is_not_reported_as_untrusted(tmp_path):
     torch.save({"a": torch.ones(2)}, blob)
     assert torch.equal(checkpoint_data.load_file(io.BytesIO(blob.getvalue()), "b")["a"],
                        torch.ones(2))
+
+
+def test_the_cli_converter_refuses_a_hostile_file_and_names_its_flag(tmp_path, capfd):
+    from apps import cli
+    root = _ds_copy(tmp_path)
+    marker = str(tmp_path / "marker")
+    _hostile(os.path.join(root, "step2", "mp_rank_00_model_states.pt"), marker)
+    assert cli.main(["convert-deepspeed", root, str(tmp_path / "out")]) == 1
+    said = capfd.readouterr().err
+    assert "posix.system" in said and "--trust-checkpoint" in said
+    assert not os.path.exists(marker)
+    assert cli.main(["convert-deepspeed", root, str(tmp_path / "out"),
+                     "--trust-checkpoint"]) == 0
+    assert os.path.exists(marker)
+
+
+# -- the DeepSpeed facade, as the issue's user resumed: import pipekernel.deepspeed ----------
+
+def _facade_worker(root: str, marker: str) -> dict:
+    """One rank: ``deepspeed.initialize`` of the fixture's script, train a step, then load
+    the hostile DeepSpeed checkpoint — by default, and with the config key."""
+    import pipekernel.deepspeed as deepspeed
+    from pipekernel.deepspeed import pipe
+    out = {}
+    for trust in (False, True):
+        model = pipe.PipelineModule(gpt_script.layers(pipe), num_stages=1,
+                                    loss_fn=gpt_script.loss_fn, partition_method="uniform",
+                                    seed_layers=True, base_seed=1234)
+        config = {**gpt_script.config(0.0), "pipekernel_trust_checkpoints": trust}
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                               model_parameters=model.parameters(),
+                                               training_data=gpt_script.dataset())
+        engine.train_batch()
+        out[trust] = _outcome(lambda: engine.load_checkpoint(root), marker, engine.engine)
+        out[trust]["steps"] = engine.global_steps
+        engine.close()
+    return out
+
+
+def test_deepspeed_facade_refuses_a_hostile_checkpoint_unless_its_config_trusts_it(tmp_path):
+    root = _ds_copy(tmp_path)
+    marker = str(tmp_path / "marker")
+    _hostile(os.path.join(root, "step2", "mp_rank_01_model_states.pt"), marker)
+    (got,) = run_ranks(_facade_worker, 1, root, marker, timeout=300)
+    refused = got[False]
+    assert refused["error"]["type"] == "UntrustedCheckpointError"
+    assert "mp_rank_01_model_states.pt" in refused["error"]["text"]
+    assert "pipekernel_trust_checkpoints" in refused["error"]["text"]
+    assert refused["unchanged"] and refused["steps"] == 1
+    assert got[True]["error"] is None and got[True]["ran"] and got[True]["steps"] == 2
+
+
+# -- the Lightning strategy: never less safe than Lightning's own strategies ------------------
+
+def _strategy(blob: bytes):
+    """The checkpoint half of ``PipelineStrategy`` (its real ``CheckpointMixin``) over an
+    engine that returns ``client_state`` with ``blob`` as the Trainer's state (what a
+    real engine returns after reading the rank files); ``trusted`` records the switch
+    the engine was given."""
+    from pipekernel.lightning.checkpoints import CheckpointMixin
+
+    class Engine:
+        def __init__(self) -> None:
+            self.trusted = []
+
+        def load_checkpoint(self, directory, trust_checkpoint=False):
+            self.trusted.append(trust_checkpoint)
+            return {"client_state": {"lightning": blob}}
+
+    class Strategy(CheckpointMixin):
+        engine = Engine()
+
+        def broadcast(self, obj):
+            return obj
+
+        def _need_engine(self, what):
+            return self.engine
+
+    return Strategy()
+
+
+@pytest.mark.parametrize("weights_only", [None, True, False])
+def test_lightning_strategy_is_as_safe_as_lightnings_own(tmp_path, weights_only):
+    """The same hostile Trainer state through Lightning's own ``SingleDeviceStrategy``
+    and through ``PipelineStrategy``: where Lightning's refuses, ours refuses too."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+    theirs_marker, ours_marker = str(tmp_path / "theirs"), str(tmp_path / "ours")
+    path = tmp_path / "a.ckpt"
+    torch.save({"epoch": 0, "x": Evil(theirs_marker)}, path)
+    try:
+        SingleDeviceStrategy("cpu").load_checkpoint(path, weights_only=weights_only)
+    except Exception:  # noqa: BLE001 - refused
+        pass
+    blob = io.BytesIO()
+    torch.save({"epoch": 0, "x": Evil(ours_marker)}, blob)
+    (tmp_path / "a.ckpt.pipeline").mkdir()
+    strategy = _strategy(blob.getvalue())
+    try:
+        strategy.load_checkpoint(str(path), weights_only=weights_only)
+        error = None
+    except UntrustedCheckpointError as err:
+        error = err
+    ran_theirs, ran_ours = os.path.exists(theirs_marker), os.path.exists(ours_marker)
+    assert ran_ours <= ran_theirs  # never less safe
+    assert ran_ours == (weights_only is False) and strategy.engine.trusted == [weights_only is False]
+    if error is not None:
+        assert error.global_name == "posix.system" and "weights_only=False" in str(error)
+
+
+# -- Hugging Face directories: safetensors only, each shard named when it is broken ------------
+
+def _hf_dir(tmp_path, shards: bool = False):
+    """A tiny GPT-2 saved by ``save_pretrained`` (sharded: an index and its shards)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    import hf_families
+    model, why = hf_families.build("gpt2")
+    assert model is not None, why
+    directory = tmp_path / "hf"
+    model.save_pretrained(directory, max_shard_size="20KB" if shards else "5GB")
+    return directory, model
+
+
+def _hf_build(directory) -> None:
+    import pipekernel.hf as hf
+    module = hf.pipeline_module(str(directory), num_stages=2)
+    bounds = module.partition(2)
+    for stage in range(2):
+        module.build_stage(stage, bounds)
+
+
+def test_hf_directory_is_read_as_safetensors_only(tmp_path):
+    """A directory of pickled ``.bin`` weights (the other layout ``save_pretrained``
+    writes) is refused by name, and its pickle is never opened."""
+    directory, model = _hf_dir(tmp_path)
+    os.remove(directory / "model.safetensors")
+    marker = str(tmp_path / "marker")
+    torch.save({"x": Evil(marker)}, directory / "pytorch_model.bin")
+    with pytest.raises(DataError, match="pytorch_model.bin"):
+        _hf_build(directory)
+    assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "missing", "wrong shape"])
+def test_hf_broken_shards_name_the_file(tmp_path, how):
+    from safetensors.torch import load_file, save_file
+    directory, _ = _hf_dir(tmp_path, shards=True)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    name = index["weight_map"]["transformer.h.1.mlp.c_fc.weight"]
+    path = directory / name
+    if how == "wrong shape":
+        state = load_file(str(path))
+        state["transformer.h.1.mlp.c_fc.weight"] = torch.zeros(3, 3)
+        save_file(state, str(path), metadata={"format": "pt"})
+    else:
+        {"truncated": _truncate, "garbage": _garbage, "missing": _missing}[how](
+            str(path), "")
+    with pytest.raises(DataError) as err:
+        _hf_build(directory)
+    text = str(err.value)
+    assert (name in text) if how != "wrong shape" else ("[3, 3]" in text and name in text)
