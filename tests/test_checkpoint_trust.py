@@ -211,9 +211,8 @@ def test_broken_and_hostile_checkpoints_are_refused_and_change_nothing(engine_re
 @pytest.mark.parametrize("fmt", [None, "dcp"], ids=["layer-files", "dcp"])
 def test_the_opt_in_unpickles_fully_and_another_layout_is_refused(engine_results, fmt):
     trusted = engine_results[fmt]["trusted"]
-    assert trusted["ran"]  # trust_checkpoint=True really unpickles everything
-    assert trusted["error"] is None or "Evil" in trusted["error"]["text"] \
-        or trusted["error"]["type"] != "UntrustedCheckpointError"
+    assert trusted["ran"] and trusted["error"] is None  # trust_checkpoint=True unpickles all
+    assert not trusted["unchanged"]  # and loaded the checkpoint
     other = engine_results[fmt]["deepspeed dir"]
     assert other["error"]["data_error"] and "meta.json" in other["error"]["text"]
     assert other["unchanged"]
@@ -342,7 +341,6 @@ def test_deepspeed_bf16_files_load_as_data_with_their_one_allowed_class(tmp_path
         numel=512, start=0)}]}
     torch.save(obj, path)
     loaded = _torch_load(path)
-    assert "deepspeed.utils" not in sys.modules or True
     mapping = loaded["optimizer"]["param_slice_mappings"][0]["0.weight"]
     assert isinstance(mapping, FragmentAddress) and (mapping.numel, mapping.start) == (512, 0)
     # the optimizer is a bf16 wrapper's: refused by name, the weights convert

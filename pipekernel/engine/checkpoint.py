@@ -405,23 +405,18 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
     parameter name), the precision policy's state, the LR scheduler and the step
     counters are restored. RNG states are restored when the shape (stages, replicas,
     chunks, placement, bounds) is the one saved, which makes the resume bit-exact.
-    Nothing changes on any rank unless every rank could read everything it needs.
+    Nothing changes on any rank unless every rank could read everything it needs. Files
+    load as data only; ``trust_checkpoint=True`` unpickles fully (docs/checkpoints.md).
 
     :returns: ``{"directory", "tag", "global_steps", "skipped_steps", "data_position"
         (micro-batches this replica had consumed), "client_state" (this rank's, or
         rank 0's after a reshape), "exact" (same shape: RNG restored), "meta"}``.
-    The files are read as data only (tensors, numbers, strings, containers): a file that
-    would need more — unpickling that runs code — is refused unless ``trust_checkpoint``
-    (docs/checkpoints.md).
-
-    :raises DataError: a missing, truncated or corrupt file, or one of the wrong types or
-        shapes (names the file and the layer); ``UntrustedCheckpointError`` (a
-        ``DataError``) a file that is not data only (names the global and the switch).
+    :raises DataError: a missing, corrupt or ill-typed file (names it and the layer);
+        ``UntrustedCheckpointError`` one not data only (names the global and the switch).
     :raises ConfigError: another model (names the layer and the shapes), a newer format.
     """
     root = os.fspath(root)
-    rank, transport = engine.rank, engine.transport
-    trust = bool(trust_checkpoint)
+    rank, transport, trust = engine.rank, engine.transport, bool(trust_checkpoint)
     found, error = _attempt(read_meta, root, tag)
     _agree(transport, error, rank)
     if checkpoint_dcp.is_dcp(found[1]):  # saved by sharded stages
@@ -429,8 +424,7 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
     if checkpoint_dcp.wanted(engine):
         return checkpoint_dcp.load_layer_files(engine, *found, trust=trust)
     local = _local_layers(engine.module, engine.pipeline_module)
-    tp_group = engine.tp_group
-    ep = engine.ep_group
+    tp_group, ep = engine.tp_group, engine.ep_group
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
