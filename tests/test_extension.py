@@ -87,3 +87,32 @@ def test_two_engines_in_one_process_keep_their_plugins_and_disabled_is_not_calle
         assert c == {"before": [], "after": [], "batches": []}  # disabled: never called
         assert "a" in registered[0] and "a" not in registered[1] and "b" in registered[1]
         assert "c" not in registered[2]
+
+
+class _OtherScaler:
+    """A second plugin that claims ScaleGrads too."""
+
+    @pk.hookimpl
+    def pipekernel_register_instructions(self, runtime):
+        return {ScaleGrads: lambda instruction: None}
+
+
+def test_two_plugins_claiming_one_instruction_is_an_error_naming_both():
+    from pipekernel.engine.assembly_step import plugin_handlers
+    from pipekernel.errors import ConfigError
+    from pipekernel.schedules.instructions import Forward
+
+    one = make_plugin_manager([ScaledGradsPlugin()], autoload=False)
+    assert list(plugin_handlers(one, runtime=None)) == [ScaleGrads]
+    two = make_plugin_manager([ScaledGradsPlugin(), _OtherScaler()], autoload=False)
+    with pytest.raises(ConfigError, match="ScaleGrads") as err:
+        plugin_handlers(two, runtime=None)
+    assert "scaled-grads" in str(err.value) and "_OtherScaler" in str(err.value)
+
+    class _Override:  # replacing a core handler stays allowed: the hook's contract
+        @pk.hookimpl
+        def pipekernel_register_instructions(self):
+            return {Forward: lambda instruction: None}
+
+    assert list(plugin_handlers(make_plugin_manager([_Override()], autoload=False), None)) \
+        == [Forward]

@@ -201,12 +201,32 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
                            if options.parallel.partitions else None,
                            skips=stage.skip_router, losses=batch_step.losses,
                            tokens=batch_step.tokens, **callbacks)
-    handlers = {**runtime.handlers(), **batch_step.handlers()}
-    for extra in pm.hook.pipekernel_register_instructions(runtime=runtime):
-        handlers.update(extra or {})
+    handlers = {**runtime.handlers(), **batch_step.handlers(),
+                **plugin_handlers(pm, runtime)}
     kernel = Kernel(handlers, hook=pm.hook, rank=transport.rank, stage=topology.stage,
                     enter=runtime.enter)
     return runtime, batch_step, kernel
+
+
+def plugin_handlers(pm: Any, runtime: Any) -> dict[type, Any]:
+    """The handlers plugins contribute. A plugin may replace a core handler (the hook's
+    contract); two plugins claiming one instruction class is an error naming both, since
+    which one ran would depend on registration order."""
+    found: dict[type, Any] = {}
+    owner: dict[type, str] = {}
+    for impl in reversed(pm.hook.pipekernel_register_instructions.get_hookimpls()):
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        extra = impl.function(**({"runtime": runtime} if "runtime" in impl.argnames else {}))
+        for cls, handler in (extra or {}).items():
+            if cls in owner:
+                raise ConfigError(
+                    f"plugins {owner[cls]!r} and {impl.plugin_name!r} both register a handler "
+                    f"for instruction {cls.__name__}",
+                    hint="disable one of them (PipelineEngine(..., disable_plugins=[...]) or "
+                         "PIPEKERNEL_DISABLE_PLUGINS), or give one its own instruction class")
+            owner[cls], found[cls] = impl.plugin_name, handler
+    return found
 
 
 def make_lr_scheduler(lr_scheduler: Any, optimizer: Any) -> Any:

@@ -146,9 +146,9 @@ def pipekernel_register_instructions(runtime: RuntimeView
     """Contribute instruction types and their handlers.
 
     Called once per engine, when the kernel's dispatch table is filled; every
-    implementation is called, and a later-registered plugin's handler replaces
-    an earlier one for the same class (so a plugin may also override a core
-    handler).
+    implementation is called. A plugin's handler replaces the core's for the same
+    class (so a plugin may override a core handler); two plugins returning a handler
+    for the same class is a :class:`pipekernel.ConfigError` naming both.
 
     :param runtime: the :class:`pipekernel.stage.runtime.StageRuntime` of this rank:
         buffers, module, transport, topology. Handlers usually close over it. Its
