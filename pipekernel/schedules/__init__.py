@@ -19,7 +19,8 @@ from pipekernel.schedules.simulator import SimulationResult, format_grid, simula
 from pipekernel.schedules.zero_bubble import ZBH1, ZBH2, ZBV
 
 __all__ = ["Schedule", "OneFOneB", "GPipe", "Inference", "Interleaved1F1B", "ZBH1", "ZBH2",
-           "ZBV", "DualPipeV", "VMin", "VHalf", "simulate", "SimulationResult", "format_grid", "BUILTIN_SCHEDULES"]
+           "ZBV", "DualPipeV", "VMin", "VHalf", "simulate", "SimulationResult", "format_grid",
+           "BUILTIN_SCHEDULES"]
 
 #: The schedules that ship with pipekernel, by registered name.
 BUILTIN_SCHEDULES: dict[str, type[Schedule]] = {
