@@ -32,6 +32,7 @@ from pipekernel.apps.config import TrainConfig
 from pipekernel.apps import hf_model
 from pipekernel.apps.gpt import generate, gpt_module
 from pipekernel.grid.expert_parallel import whole_state_dict
+from pipekernel.plugin import all_gather_objects
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
            "stage_table", "partition_method", "run", "worker"]
@@ -207,16 +208,17 @@ def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -
     return float(engine.eval_batch(iter(batch)))
 
 
-def _describe_ranks(engine: pk.PipelineEngine) -> list[str]:
-    """The rank order and which rank is which stage and replica (nodes by
+def _describe_ranks(engine: pk.PipelineEngine, pids: list[int] | None = None) -> list[str]:
+    """The rank order and which rank is which stage and replica, with its pid (nodes by
     ``LOCAL_WORLD_SIZE`` under torchrun); a summary line for more than 32 ranks."""
     from pipekernel.grid.topology import format_rank_map
 
     topo = engine.topology
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     zero = ", ZeRO-1 optimizer state" if engine.parallel.zero_stage else ""
-    head = f"ranks (order {topo.order}, innermost first{zero}):"
-    lines = format_rank_map(topo, per_node)
+    head = f"ranks (order {topo.order}, innermost first{zero}; kill -USR1 a pid, or the " \
+           f"launcher's, for every rank's position):"
+    lines = format_rank_map(topo, per_node, pids)
     if len(lines) > 32:
         lines = lines[:4] + [f"... ({len(lines) - 8} more)"] + lines[-4:]
     return [head, *("  " + line for line in lines)]
@@ -292,7 +294,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
 
 
 def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.PipelineModule,
-                 data: bytes, source: str) -> None:
+                 data: bytes, source: str, pids: list[int]) -> None:
     params = sum(module.parameter_counts())
     _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
            f"{getattr(engine.transport, 'backend', cfg.transport)} ({engine.transport.device}), schedule {cfg.schedule}, "
@@ -306,7 +308,7 @@ def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.Pipelin
            f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
            f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
            f"tokens per step",
-           *_describe_ranks(engine),
+           *_describe_ranks(engine, pids),
            f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
                                                              engine.part_stages))
 
@@ -377,8 +379,9 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     engine = _make_engine(cfg, module, monitor)
     rank0 = engine.rank == 0
     first_step = _resume(engine, cfg) if cfg.resume else 0
+    pids = all_gather_objects(engine.transport, os.getpid())  # for kill -USR1
     if rank0:
-        _print_start(cfg, engine, module, data, source)
+        _print_start(cfg, engine, module, data, source, pids)
     held_before = _eval_loss(engine, held_ids, cfg)
     losses, seconds = _train(engine, cfg, train_ids, first_step)
     held_after = _eval_loss(engine, held_ids, cfg)

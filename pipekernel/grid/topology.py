@@ -54,14 +54,17 @@ def rank_map(order: str, pipe_size: int, data_size: int = 1, model_size: int = 1
     return [(s, d, m) for d, s, m in (topo.coords(r) for r in range(topo.world_size))]
 
 
-def format_rank_map(topology: Topology, ranks_per_node: int | None = None) -> list[str]:
-    """One line per rank: ``"rank 5: stage 1, replica 0, tp 1 (node 0)"``."""
+def format_rank_map(topology: Topology, ranks_per_node: int | None = None,
+                    pids: list[int] | None = None) -> list[str]:
+    """One line per rank: ``"rank 5: stage 1, replica 0, tp 1, pid 4242 (node 0)"`` (the
+    pid when ``pids`` gives each rank's: what ``kill -USR1`` needs)."""
     lines = []
     for rank in range(topology.world_size):
         data, stage, model = topology.coords(rank)
         node = f" (node {rank // ranks_per_node})" if ranks_per_node else ""
         tp = f", tp {model}" if topology.model_size > 1 else ""
-        lines.append(f"rank {rank}: stage {stage}, replica {data}{tp}{node}")
+        pid = f", pid {pids[rank]}" if pids else ""
+        lines.append(f"rank {rank}: stage {stage}, replica {data}{tp}{pid}{node}")
     return lines
 
 
