@@ -71,6 +71,40 @@ def _positive(cfg: TrainConfig) -> None:
     _check_experts(cfg)
 
 
+def _check_plan(cfg: TrainConfig) -> None:
+    """What every rank would refuse, refused here before any process starts: the schedule
+    (name, trains, chunks, its micro-batch rule, e.g. dualpipev's 2 x stages), the
+    precision and transport names, and the partition where no measurement is needed."""
+    from pipekernel.engine.planner import is_auto
+    from pipekernel.extend.manager import (check_transport_name, make_plugin_manager,
+                                           make_precision, provided_names, resolve_schedule)
+    from pipekernel.schedules.placement import check_placement
+
+    pm = make_plugin_manager()
+    make_precision(pm, cfg.precision, {})
+    check_transport_name(pm, cfg.transport)
+    if is_auto(cfg.schedule):
+        return  # the planner chooses schedule, chunks and partition on the ranks
+    cls = resolve_schedule(pm, cfg.schedule)
+    if not cls.trains:
+        raise pk.ConfigError(f"--schedule {cfg.schedule!r} does not train",
+                             hint="pass a training schedule: --schedule 1f1b (or gpipe, "
+                                  "interleaved, zb-h1, zbv, dualpipev, ...)")
+    chunks = cls.default_chunks if cfg.chunks is None else cfg.chunks
+    for stage in range(cfg.stages):  # the schedule's own errors, as a rank would raise them
+        cls(cfg.stages, stage, cfg.micro_batches, chunks)
+    if chunks > 1:
+        check_placement(cls.placement, chunks)
+    method = partition_method(cfg.partition)
+    # builtin methods that measure nothing, and names no plugin lists (to refuse them)
+    known = provided_names(pm, "partition")
+    if not cfg.hf and (isinstance(method, list) or method in ("parameters", "uniform")
+                       or method.startswith("type:") or method not in known):
+        gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
+                   partition=method, seed=cfg.seed, experts=cfg.experts,
+                   top_k=cfg.top_k).partition(cfg.stages * chunks, pm)
+
+
 def _check_experts(cfg: TrainConfig) -> None:
     from pipekernel.grid.expert_parallel import check_config
     if not isinstance(cfg.experts, int) or cfg.experts < 0:
@@ -523,6 +557,7 @@ def _check_extras(cfg: TrainConfig) -> None:
 def run(cfg: TrainConfig) -> dict[str, Any] | None:
     """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
     _positive(cfg)
+    _check_plan(cfg)
     _check_extras(cfg)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
