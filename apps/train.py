@@ -35,7 +35,7 @@ from pipekernel.grid.expert_parallel import whole_state_dict
 from pipekernel.plugin import all_gather_objects
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
-           "stage_table", "partition_method", "run", "worker"]
+           "stage_table", "partition_method", "run", "worker", "lr_factor", "lr_change"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -310,9 +310,31 @@ def _print(*lines: str) -> None:
 # -- the per-rank job -------------------------------------------------------------------
 
 
+def lr_factor(cfg: TrainConfig) -> Any:
+    """The learning rate's factor at step ``s`` (``LambdaLR``): warm up for 5% of
+    ``--steps``, then cosine decay to 10% at ``--steps``. It depends on ``--steps``, so a
+    resume with another ``--steps`` continues on another schedule (:func:`lr_change`)."""
+    warmup = max(1, cfg.steps // 20)  # a short run still settles
+    return lambda s: min((s + 1) / warmup,
+                         0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))
+
+
+def lr_change(scheduler: Any, cfg: TrainConfig) -> str | None:
+    """After a resume: a warning when this run's schedule (``--lr``, ``--steps``) gives
+    another learning rate at the checkpoint's step than the saved run used there, else
+    ``None``. ``scheduler`` holds the checkpoint's state (its last rates)."""
+    step = scheduler.last_epoch
+    saved = scheduler.get_last_lr()[0]
+    now = cfg.lr * lr_factor(cfg)(step)
+    if math.isclose(saved, now, rel_tol=1e-9, abs_tol=1e-15):
+        return None
+    return (f"warning: the learning-rate schedule changed at the resume: the checkpoint's run "
+            f"had lr {saved:.3g} at step {step}; this run's (--lr {cfg.lr:g}, warm-up then "
+            f"cosine decay to --steps {cfg.steps}) gives {now:.3g} there and continues on it. "
+            "To keep the saved run's schedule, pass its --steps and --lr")
+
+
 def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> pk.PipelineEngine:
-    # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
-    warmup = max(1, cfg.steps // 20)
     return pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                                            weight_decay=0.01),
@@ -323,8 +345,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         expert_parallel_size=cfg.expert_parallel,
         loss_reduction="tokens" if cfg.hf else "mean",
         # the engine steps it after every step taken and saves it in checkpoints
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
-            (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))))
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
 
 
 def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.PipelineModule,
@@ -423,14 +444,28 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     saved = hf_model.save(engine, cfg) if cfg.hf else None
     summaries = monitor.gather()
     state = gather_full_state(engine, module)
+    cpu = _cpu_seconds(engine)
     monitor.close()
     engine.close()
     if not rank0:
         return None
     run = {"losses": losses, "seconds": seconds, "first_step": first_step,
            "heldout_before": held_before, "heldout_after": held_after,
-           "bounds": list(engine.bounds), "stages": summaries, "hf": saved}
+           "bounds": list(engine.bounds), "stages": summaries, "hf": saved, "cpu": cpu}
     return _summarise(cfg, module, state, monitor, run)
+
+
+def _cpu_seconds(engine: pk.PipelineEngine) -> list[float]:
+    """Every rank's CPU seconds so far (user + system, all its threads, since it started),
+    by rank. Each rank reads its own clock: a launcher sees none of it (its ranks are the
+    fork server's children, not its own), so ``time pipekernel train`` cannot show it.
+    A collective: every rank calls it at the same point."""
+    from pipekernel.engine.agreement import all_gather_objects
+
+    mine = time.process_time()
+    if engine.transport.world_size == 1:
+        return [mine]
+    return [float(v) for v in all_gather_objects(engine.transport, mine)]
 
 
 def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, torch.Tensor],
@@ -446,8 +481,8 @@ def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, tor
     if paths.get("trace"):
         from pipekernel.apps.timeline import draw_trace
         timeline = str(draw_trace(paths["trace"], out / "timeline.png", last_steps=2,
-                                  title=f"last 2 steps: {cfg.stages} stages, {cfg.schedule}, "
-                                        f"{cfg.micro_batches} micro-batches"))
+                                  title=f"the last 2 of {cfg.steps}; {cfg.stages} stages, "
+                                        f"{cfg.schedule}, {cfg.micro_batches} micro-batches"))
     losses, seconds = run["losses"], run["seconds"]
     summary = {
         "config": dataclasses.asdict(cfg), "losses": losses, "loss_first": losses[0],
@@ -455,6 +490,7 @@ def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, tor
         "loss_last5": sum(losses[-5:]) / len(losses[-5:]),
         "heldout_before": run["heldout_before"], "heldout_after": run["heldout_after"],
         "seconds": seconds, "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds,
+        "cpu_seconds": run["cpu"],
         "first_step": run["first_step"], "bounds": run["bounds"], "stages": run["stages"],
         "sample": sample.decode("utf-8", "replace"),
         "paths": {**paths, "timeline": timeline, "hf": run["hf"]},
@@ -511,6 +547,9 @@ def _resume(engine: pk.PipelineEngine, cfg: TrainConfig) -> int:
             f", reshaped from {info['meta']['topology']['num_stages']} stage(s) x "
             f"{info['meta']['topology']['data_parallel_size']} replica(s)")
         _print(f"resumed from {info['directory']} at step {step}{reshaped}")
+        changed = lr_change(engine.lr_scheduler, cfg)
+        if changed:
+            _print(changed)
     return step
 
 
@@ -520,6 +559,9 @@ def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
         f"held-out {s['heldout_before']:.3f} -> {s['heldout_after']:.3f}",
         f"{len(s['losses'])} steps in {s['seconds']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s"
         + (f" (resumed at step {s['first_step']})" if s["first_step"] else ""),
+        f"CPU: {sum(s['cpu_seconds']):.1f} s over {len(s['cpu_seconds'])} rank(s) (each "
+        "rank's own process time since it started: user + system, all threads; the "
+        "launcher's not included)",
         "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
         "slowest stage at the end of the step, bubble = (wait + drain) / step):",
         *stage_table(s["stages"] or []),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
+    "UntrustedCheckpointError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
     "NonFiniteLossError", "describe_where", "did_you_mean", "shorten",
 ]
@@ -139,6 +140,18 @@ class InstructionError(PipelineError):
 
 class DataError(PipelineError, ValueError):
     """The data iterator ran out or yielded something of the wrong structure."""
+
+
+class UntrustedCheckpointError(DataError):
+    """A checkpoint file that is not data only: unpickling it would run code (an object
+    of ``global_name``, the global torch's data-only loader refused; ``None`` when torch
+    named none). ``path``: the file. Raised before anything was loaded; the hint names
+    the switch that loads it anyway (docs/checkpoints.md)."""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 global_name: str | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.path, self.global_name = path, global_name
 
 
 class NonFiniteLossError(PipelineError):

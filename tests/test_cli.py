@@ -162,6 +162,10 @@ def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
     for key in ("csv", "trace", "timeline"):
         assert summary["paths"][key] in stdout
     assert "sample (prompt" in stdout
+    # each rank's own CPU seconds (a launcher sees none of them), summed in the report
+    cpu = summary["cpu_seconds"]
+    assert len(cpu) == ranks and all(c > 0.2 for c in cpu) and len(set(cpu)) == ranks, cpu
+    assert f"CPU: {sum(cpu):.1f} s over {ranks} rank(s)" in stdout
     return summary
 
 
@@ -248,6 +252,29 @@ def test_timeline_rows_from_a_trace(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     assert draw_trace(path, tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_timeline_says_which_steps_it_shows_and_names_the_gaps(tmp_path, monkeypatch):
+    from pipekernel.apps import timeline
+
+    def ev(pid, name, cat, ts, dur, step):
+        return {"ph": "X", "pid": pid, "tid": 0, "name": name, "cat": cat, "ts": ts,
+                "dur": dur, "args": {"stage": pid, "micro_batch": 0, "step": step}}
+
+    trace = {"traceEvents": [ev(0, "F0", "Forward", 1000 * s, 500, s) for s in (7, 8, 9)]
+             + [ev(0, "B0", "Backward", 1000 * s + 500, 500, s) for s in (7, 8, 9)]}
+    assert timeline.kept_steps(trace, 2) == [8, 9] and timeline.kept_steps(trace, None) == [7, 8, 9]
+    seen = {}
+    monkeypatch.setattr(timeline, "draw_timeline",
+                        lambda rows, path, **kw: seen.update(rows=rows, **kw) or Path(path))
+    timeline.draw_trace(trace, tmp_path / "t.png", last_steps=2, title="2 stages")
+    assert seen["title"] == "steps 8-9 (numbered as in metrics.csv): 2 stages"
+    # steps 8 and 9 back to back fill the row: no gap, no gap entry
+    assert timeline.legend_labels(seen["rows"]) == ["forward", "backward"]
+    gappy = [("rank 0", [(0.0, 1.0, "forward", "F0"), (3.0, 1.0, "backward", "B0")])]
+    assert timeline.legend_labels(gappy)[-1] == timeline.GAP_LABEL
+    ended = [("rank 0", [(0.0, 4.0, "forward", "F0")]), ("rank 1", [(0.0, 1.0, "send", "S")])]
+    assert timeline.has_gaps(ended)  # rank 1 idles after its send, until the picture's end
 
 
 # -- pipekernel plan -------------------------------------------------------------------------

@@ -35,7 +35,7 @@ SUPPORTED_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "zero_optimization", "pipeline",
-    "dataloader_drop_last",
+    "dataloader_drop_last", "pipekernel_trust_checkpoints",
 )
 _FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
               "hysteresis", "min_loss_scale")
@@ -52,6 +52,9 @@ class Settings:
     :ivar precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``; ``precision_options`` the fp16
         loss scaling as :class:`pipekernel.plugins.precision.LossScaler` options.
     :ivar max_grad_norm: ``gradient_clipping`` (``None``: ``0``, DeepSpeed's "off").
+    :ivar trust_checkpoints: ``pipekernel_trust_checkpoints`` (pipekernel's own key,
+        default false): ``load_checkpoint`` unpickles checkpoint files fully instead of as
+        data only (docs/checkpoints.md). Only for checkpoints from a source you trust.
     """
 
     train_batch_size: int
@@ -68,6 +71,7 @@ class Settings:
     activation_checkpoint_interval: int | None = None
     partition_activations: bool = True
     drop_last: bool = False
+    trust_checkpoints: bool = False
     raw: dict = field(default_factory=dict)
 
 
@@ -219,6 +223,7 @@ def parse(config: Any, *, world_size: int, num_stages: int,
     settings.steps_per_print = steps
     settings.wall_clock_breakdown = _flag(raw, "wall_clock_breakdown", False)
     settings.drop_last = _flag(raw, "dataloader_drop_last", False)
+    settings.trust_checkpoints = _flag(raw, "pipekernel_trust_checkpoints", False)
     _zero(raw, settings, refusals)
     _pipeline(raw, settings, refusals, num_stages)
     refusals.done()
