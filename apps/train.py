@@ -32,6 +32,7 @@ from pipekernel.apps.config import TrainConfig
 from pipekernel.apps import hf_model
 from pipekernel.apps.gpt import generate, gpt_module
 from pipekernel.grid.expert_parallel import whole_state_dict
+from pipekernel.plugin import all_gather_objects
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
            "stage_table", "partition_method", "run", "worker", "lr_factor", "lr_change"]
@@ -68,6 +69,40 @@ def _positive(cfg: TrainConfig) -> None:
     from pipekernel.grid.parallel import ParallelConfig
     ParallelConfig.make(rank_order=cfg.rank_order, zero_stage=cfg.zero_stage)  # clear errors
     _check_experts(cfg)
+
+
+def _check_plan(cfg: TrainConfig) -> None:
+    """What every rank would refuse, refused here before any process starts: the schedule
+    (name, trains, chunks, its micro-batch rule, e.g. dualpipev's 2 x stages), the
+    precision and transport names, and the partition where no measurement is needed."""
+    from pipekernel.engine.planner import is_auto
+    from pipekernel.extend.manager import (check_transport_name, make_plugin_manager,
+                                           make_precision, provided_names, resolve_schedule)
+    from pipekernel.schedules.placement import check_placement
+
+    pm = make_plugin_manager()
+    make_precision(pm, cfg.precision, {})
+    check_transport_name(pm, cfg.transport)
+    if is_auto(cfg.schedule):
+        return  # the planner chooses schedule, chunks and partition on the ranks
+    cls = resolve_schedule(pm, cfg.schedule)
+    if not cls.trains:
+        raise pk.ConfigError(f"--schedule {cfg.schedule!r} does not train",
+                             hint="pass a training schedule: --schedule 1f1b (or gpipe, "
+                                  "interleaved, zb-h1, zbv, dualpipev, ...)")
+    chunks = cls.default_chunks if cfg.chunks is None else cfg.chunks
+    for stage in range(cfg.stages):  # the schedule's own errors, as a rank would raise them
+        cls(cfg.stages, stage, cfg.micro_batches, chunks)
+    if chunks > 1:
+        check_placement(cls.placement, chunks)
+    method = partition_method(cfg.partition)
+    # builtin methods that measure nothing, and names no plugin lists (to refuse them)
+    known = provided_names(pm, "partition")
+    if not cfg.hf and (isinstance(method, list) or method in ("parameters", "uniform")
+                       or method.startswith("type:") or method not in known):
+        gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
+                   partition=method, seed=cfg.seed, experts=cfg.experts,
+                   top_k=cfg.top_k).partition(cfg.stages * chunks, pm)
 
 
 def _check_experts(cfg: TrainConfig) -> None:
@@ -207,16 +242,17 @@ def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -
     return float(engine.eval_batch(iter(batch)))
 
 
-def _describe_ranks(engine: pk.PipelineEngine) -> list[str]:
-    """The rank order and which rank is which stage and replica (nodes by
+def _describe_ranks(engine: pk.PipelineEngine, pids: list[int] | None = None) -> list[str]:
+    """The rank order and which rank is which stage and replica, with its pid (nodes by
     ``LOCAL_WORLD_SIZE`` under torchrun); a summary line for more than 32 ranks."""
     from pipekernel.grid.topology import format_rank_map
 
     topo = engine.topology
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     zero = ", ZeRO-1 optimizer state" if engine.parallel.zero_stage else ""
-    head = f"ranks (order {topo.order}, innermost first{zero}):"
-    lines = format_rank_map(topo, per_node)
+    head = f"ranks (order {topo.order}, innermost first{zero}; kill -USR1 a pid, or the " \
+           f"launcher's, for every rank's position):"
+    lines = format_rank_map(topo, per_node, pids)
     if len(lines) > 32:
         lines = lines[:4] + [f"... ({len(lines) - 8} more)"] + lines[-4:]
     return [head, *("  " + line for line in lines)]
@@ -313,7 +349,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
 
 
 def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.PipelineModule,
-                 data: bytes, source: str) -> None:
+                 data: bytes, source: str, pids: list[int]) -> None:
     params = sum(module.parameter_counts())
     _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
            f"{getattr(engine.transport, 'backend', cfg.transport)} ({engine.transport.device}), schedule {cfg.schedule}, "
@@ -327,7 +363,7 @@ def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.Pipelin
            f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
            f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
            f"tokens per step",
-           *_describe_ranks(engine),
+           *_describe_ranks(engine, pids),
            f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
                                                              engine.part_stages))
 
@@ -398,8 +434,9 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     engine = _make_engine(cfg, module, monitor)
     rank0 = engine.rank == 0
     first_step = _resume(engine, cfg) if cfg.resume else 0
+    pids = all_gather_objects(engine.transport, os.getpid())  # for kill -USR1
     if rank0:
-        _print_start(cfg, engine, module, data, source)
+        _print_start(cfg, engine, module, data, source, pids)
     held_before = _eval_loss(engine, held_ids, cfg)
     losses, seconds = _train(engine, cfg, train_ids, first_step)
     held_after = _eval_loss(engine, held_ids, cfg)
@@ -562,6 +599,7 @@ def _check_extras(cfg: TrainConfig) -> None:
 def run(cfg: TrainConfig) -> dict[str, Any] | None:
     """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
     _positive(cfg)
+    _check_plan(cfg)
     _check_extras(cfg)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])

@@ -22,7 +22,8 @@ _WHERE_FIELDS = tuple(key for key, _ in _WHERE)
 
 
 def describe_where(where: object) -> str:
-    """``"rank 1, stage 1, train step 126, schedule step 6, micro-batch 3, instruction F3"``
+    """``"rank 1, stage 1, train step 126 (1-based), schedule step 6, micro-batch 3,
+    instruction F3"``
     from an object's (or a mapping's) location fields; unknown ones are left out.
 
     ``train step N``: the N-th training batch of the job (``engine.global_steps + 1``
@@ -32,7 +33,10 @@ def describe_where(where: object) -> str:
     batch's schedule.
     """
     get = where.get if isinstance(where, dict) else (lambda k: getattr(where, k, None))
-    return ", ".join(f"{words} {get(key)}" for key, words in _WHERE if get(key) is not None)
+    # the one 1-based number (a count of batches, as checkpoint tags and progress bars count
+    # them) says so; ranks, stages, schedule steps and micro-batches count from 0
+    return ", ".join(f"{words} {get(key)}" + (" (1-based)" if key == "train_step" else "")
+                     for key, words in _WHERE if get(key) is not None)
 
 
 def did_you_mean(name: object, choices: object) -> str:

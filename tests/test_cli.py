@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,25 @@ def test_train_rejects_bad_sizes_before_starting_processes(capsys):
     assert "--experts 3 is not divisible by --expert-parallel 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,text", [
+    (["--schedule", "1f1bx"], "unknown schedule '1f1bx' (did you mean '1f1b'?)"),
+    (["--schedule", "dualpipev", "--micro-batches", "2"],
+     "dualpipev with 2 stage(s) needs micro_batches >= 4 (2 x num_stages), got 2"),
+    (["--schedule", "inference"], "--schedule 'inference' does not train"),
+    (["--chunks", "2"], "schedule '1f1b' supports exactly 1 chunk(s) per stage, got chunks=2"),
+    (["--precision", "fp33"], "unknown precision 'fp33' (did you mean 'fp32'?)"),
+    (["--transport", "glo"], "unknown transport 'glo' (did you mean 'gloo'?)"),
+    (["--partition", "0,1,2"], "partition boundaries [0, 1, 2] do not cover all 6 layers"),
+    (["--partition", "uniforn"], "no partition plugin understands partition='uniforn'")])
+def test_train_checks_the_plan_before_starting_processes(capsys, flags, text):
+    """Each of these used to start every rank first, each raising the same error (the
+    fast tier refuses to start processes: a check that came too late fails here)."""
+    assert cli.main(["train", *flags]) == 1
+    err = capsys.readouterr().err
+    assert text in err and "how to fix" in err and "Traceback" not in err
+    assert err.startswith("pipekernel train: error: ")
+
+
 def _losses_from_csv(path: str) -> list[float]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -132,6 +152,10 @@ def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
     # which rank is which (the rank order, innermost first)
     assert "ranks (order tp-dp-pp, innermost first" in stdout
     assert "rank 1: stage 1, replica 0" in stdout
+    # each rank's pid, for kill -USR1 (the ranks are not the launcher's children)
+    pids = [re.search(rf"rank {r}: stage \d+, replica \d+, pid (\d+)", stdout)
+            for r in range(ranks)]
+    assert all(pids) and len({m.group(1) for m in pids}) == ranks, stdout
     assert summary["bounds"][0] == 0 and summary["bounds"][-1] == 4
     for rank in range(ranks):
         assert any(line.split()[:1] == [str(rank)] for line in stdout.splitlines()), stdout
