@@ -28,6 +28,7 @@ from pipekernel.stage.aux_loss import aux_losses
 __all__ = ["probe", "probe_packed", "check_config"]
 
 _DOCS = "see docs/hf.md, 'What is refused'"
+_UNSET = object()
 
 
 def check_config(model: nn.Module) -> None:
@@ -86,7 +87,7 @@ def probe_packed(model: nn.Module, chain: list) -> str | None:
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.arange(1, 7, device=param.device).remainder(vocab)[None]
     inputs = {"input_ids": ids, "position_ids": torch.arange(6, device=param.device)[None] % 3}
-    was, cached = model.training, getattr(model.config, "use_cache", None)
+    was, cached = model.training, model.config.__dict__.get("use_cache", _UNSET)
     model.eval()
     model.config.use_cache = False  # as HF's Trainer sets it, whatever forward takes
     try:
@@ -101,7 +102,10 @@ def probe_packed(model: nn.Module, chain: list) -> str | None:
                 return f"on a packed row, {e.message}"
     finally:
         model.train(was)
-        model.config.use_cache = cached
+        if cached is _UNSET:
+            del model.config.use_cache
+        else:
+            model.config.use_cache = cached
     return None
 
 
