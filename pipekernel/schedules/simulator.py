@@ -13,10 +13,8 @@ and proves that a schedule
 * never overwrites a buffer that still holds a live micro-batch (until its
   backward when training; until its forward and send for inference).
 
-Two communication semantics:
-
-``"rendezvous"`` (the default; the strictest any transport has: NCCL with one
-communicator per lane, and gloo for large messages — the contract in
+Communication semantics, ``"rendezvous"`` (the only one: the strictest any transport has,
+NCCL with one communicator per lane, and gloo for large messages — the contract in
 :mod:`pipekernel.comm.transport`). Each stage runs the
 :class:`~pipekernel.schedules.comm.CommPlan` that the runtime runs, computed by
 :func:`~pipekernel.schedules.comm.plan_communication` (or by the ``posting=`` hook):
@@ -49,10 +47,6 @@ communicator per lane, and gloo for large messages — the contract in
   costs of its send and receive classes; compute starts when its inputs are
   there. A deadlock is reported with the stuck stages, what each waits for,
   and the wait-for *cycle* through units, peers and collectives.
-
-``"buffered"`` (the old, lenient model): sends never block and are buffered
-per channel ``(sender stage, receiver stage, "activation" | "grad")``, a
-receive blocks until its message was sent, collectives are free.
 
 Virtual stages: pipeline positions and peers come from the schedule's
 ``placement`` (:mod:`pipekernel.schedules.placement`).
@@ -89,7 +83,6 @@ from pipekernel.schedules.placement import check_placement
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
                                            SimulationResult, _Simulation, format_grid, steps_of)
 from pipekernel.schedules.sim_fast import _Fast
-from pipekernel.schedules.sim_buffered import _Buffered
 from pipekernel.schedules.sim_rendezvous import _Rendezvous
 from pipekernel.schedules.skips import add_skip_transfers, check_skip_edges
 
@@ -121,16 +114,16 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         differ), overriding ``costs`` for the classes listed there; a key ``(stage,
         forward chunk, backward chunk)`` with ``{ForwardBackward: duration}`` prices
         that stage's pairs of those chunks, ahead of ``costs``.
-    :param semantics: ``"rendezvous"`` (default) or ``"buffered"``; see the
-        module docstring.
-    :param posting: rendezvous only: the function that computes each stage's
+    :param semantics: ``"rendezvous"``, the only one (see the module docstring; the
+        lenient ``"buffered"`` model, which passed plans that hang on NCCL, is gone).
+    :param posting: the function that computes each stage's
         :class:`~pipekernel.schedules.comm.CommPlan`, called like
         :func:`~pipekernel.schedules.comm.plan_communication` (the default, the
         plan the runtime executes) — to check another posting policy.
     :param skips: skip edges ``(producer position, consumer position)``
         (:mod:`pipekernel.schedules.skips`): each stage's steps get the skip
         transfers the engine inserts, and the plan their lanes, before simulating.
-    :param host_costs: rendezvous only: ``{send or receive class: seconds}`` the stage
+    :param host_costs: ``{send or receive class: seconds}`` the stage
         itself spends on a transfer to or from another stage (packing and posting a
         send, unpacking a receive once its data is there): unlike ``costs`` they
         occupy the stage, delaying what it runs next. Local hand-offs cost nothing.
@@ -148,24 +141,23 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         the grid so far, missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
-    _check_semantics(semantics, host_costs, posting)
+    _check_semantics(semantics)
     paired = _priced_pairs(costs, stage_costs) if paired is None else paired
-    return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+    return _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
                     stage_costs, skips, host_costs, paired)
 
 
-def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
              stage_costs, skips, host_costs, paired=False) -> SimulationResult:
     """:func:`simulate` once its arguments are checked: the schedule objects, placement and
     skip edges (:func:`_objects`), then the simulation, with the collector off throughout.
     The objects are made and dropped inside it: what they cache (their built steps) is
     garbage once the steps are read, freed as the simulation returns rather than scanned by
     the collector the moment it is back on."""
-    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
     with _no_cyclic_gc():
-        return _simulate(cls, schedule,
+        return _simulate(schedule,
                          *_objects(schedule, num_stages, micro_batches, chunks, skips, paired),
-                         costs, posting, stage_costs, host_costs, semantics,
+                         costs, posting, stage_costs, host_costs,
                          (num_stages, micro_batches, chunks))
 
 
@@ -206,8 +198,8 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
-              semantics, sizes) -> SimulationResult:
+def _simulate(schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
+              sizes) -> SimulationResult:
     """Each stage's steps asked for once; the fast path (:mod:`~pipekernel.schedules.sim_fast`)
     for the runtime's own plan under rendezvous, the full simulation when it has something to
     report (or for another posting policy, or buffered sends)."""
@@ -221,21 +213,21 @@ def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_co
         tables["stage_costs"] = {key: _cost_table(t, base={}) for key, t in stage_costs.items()}
     if host_costs:
         tables["host_costs"] = _cost_table(host_costs, base={})
-    if cls is _Rendezvous and posting is None:
+    if posting is None:
         fast = _Fast(num_stages, micro_batches, chunks, table, steps, placement, objects, buffers)
         fast.skips = edges
         fast.__dict__.update(tables)
         result = fast.prove()
         if result is not None:
             return result
-    sim = cls(num_stages, micro_batches, chunks, table, objects, placement)
+    sim = _Rendezvous(num_stages, micro_batches, chunks, table, objects, placement)
     sim.skips = edges
     if posting is not None:
         sim.posting = posting
     sim.__dict__.update(tables)
     sim.run()
     if sim.problems:
-        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
+        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems)
     return sim.result()
 
 
@@ -282,16 +274,11 @@ class _WithSkips:
                                   chunks=chunks, placement=placement, edges=edges)
 
 
-def _check_semantics(semantics: str, host_costs: object, posting: object) -> None:
+def _check_semantics(semantics: str) -> None:
     if semantics not in SEMANTICS:
         raise ConfigError(f"simulate: unknown semantics {semantics!r}",
-                          hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
-    if host_costs and semantics != "rendezvous":
-        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
-                          hint="drop host_costs= or use semantics='rendezvous'")
-    if posting is not None and semantics != "rendezvous":
-        raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
-                          hint="drop posting= or use semantics='rendezvous'")
+                          hint=f"use {SEMANTICS[0]!r} (the default): the lenient 'buffered' "
+                               "model is gone, it passed plans that hang on NCCL")
 
 
 def _check_sizes(num_stages: int, micro_batches: int, chunks: int) -> None:
@@ -316,16 +303,14 @@ def _cost_table(costs: Mapping[type, float] | None,
     return table
 
 
-def _error(schedule, num_stages, micro_batches, chunks, problems, semantics) -> ScheduleError:
+def _error(schedule, num_stages, micro_batches, chunks, problems) -> ScheduleError:
     name = getattr(schedule, "name", "") or getattr(schedule, "__name__", repr(schedule))
     lines = "\n".join(f"  - {p}" for p in problems)
     hint = ("fix the schedule's steps(); every send needs a matching receive in the same "
-            "order, and a buffer may be reused only after its micro-batch is done")
-    if semantics == "rendezvous":
-        hint += ("; a send completes only when its receive is posted and every operation "
-                 "its stage and the receiver's posted earlier on the same lane (to any "
-                 "peer) has completed")
+            "order, and a buffer may be reused only after its micro-batch is done; a send "
+            "completes only when its receive is posted and every operation its stage and the "
+            "receiver's posted earlier on the same lane (to any peer) has completed")
     return ScheduleError(
         f"schedule {name!r} is invalid for {num_stages} stage(s) x {micro_batches} "
-        f"micro-batch(es) x {chunks} chunk(s) ({semantics} sends): {len(problems)} "
+        f"micro-batch(es) x {chunks} chunk(s) (rendezvous sends): {len(problems)} "
         f"problem(s):\n{lines}", hint=hint)
