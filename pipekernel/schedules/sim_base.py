@@ -14,7 +14,6 @@ from itertools import chain
 from operator import itemgetter, sub
 from typing import NamedTuple
 
-from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, Instruction, LoadMicroBatch,
     MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
@@ -286,29 +285,21 @@ class _World:
             self.woken += members  # every member waits in it but the last to arrive
 
 
-def steps_of(obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
-    """The steps of ``stage``'s schedule object, as tuples."""
-    steps = getattr(obj, "steps", None)
-    if not callable(steps):
-        raise ScheduleError(f"schedule object {obj!r} for stage {stage} has no steps()",
-                            hint="return a Schedule (or an object with steps())",
-                            stage=stage)
-    return tuple(map(tuple, steps()))
-
-
-def trains_of(objects, instructions) -> bool:
-    """Whether a plan trains: the schedule objects' ``trains`` when they agree, else whether
-    any of ``instructions`` (every stage's) is a backward."""
-    flags = {getattr(obj, "trains", None) for obj in objects}
-    if flags <= {True, False} and len(flags) == 1:
+def trains_of(programs) -> bool:
+    """Whether a plan trains: its stages' programs' ``trains`` when they agree, else whether
+    any of their instructions is a backward."""
+    flags = {program.trains for program in programs}
+    if len(flags) == 1:
         return flags.pop()
-    return any(isinstance(i, (*_BACKWARDS, ForwardBackward)) for i in instructions)
+    return any(isinstance(i, (*_BACKWARDS, ForwardBackward))
+               for program in programs for i in program.stream)
 
 
 class _Simulation:
-    """What both semantics share: setup, instruction checks, buffers, final checks."""
+    """What the full and the fast path share: setup, instruction checks, buffers, costs,
+    final checks. Each stage runs its :class:`~pipekernel.schedules.program.Program`."""
 
-    semantics = ""
+    semantics = "rendezvous"
     #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's
     #: ``stage_costs``), and ``{(stage, forward chunk, backward chunk): {ForwardBackward:
     #: cost}}`` pricing a stage's pairs of those chunks
@@ -318,46 +309,29 @@ class _Simulation:
     #: the skip edges (simulate's ``skips``), sorted
     skips: list[tuple[int, int]] = []
 
-    def __init__(self, num_stages, micro_batches, chunks, costs, objects, placement) -> None:
+    def __init__(self, num_stages, micro_batches, chunks, costs, programs, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
-        self.placement = placement
+        self.placement, self.programs = placement, programs
         self.costs, self.problems = costs, []
-        self.steps = tuple(self._steps_of(obj, s) for s, obj in enumerate(objects))
-        self.stages = [_StageState(self._flatten(s), self._num_buffers(obj))
-                       for s, obj in enumerate(objects)]
-        self.trains = self._trains(objects)
+        self.steps = tuple(program.steps for program in programs)
+        self.stages = [_StageState(self._flatten(s), program.num_buffers)
+                       for s, program in enumerate(programs)]
+        self.trains = trains_of(programs)
         self.progress: dict[tuple[int, int, int], _Progress] = {}
         self.deadlocked = False
         self._peers: dict[tuple[int, int, int], tuple[int, int] | None] = {}
 
     # -- setup -------------------------------------------------------------------------
 
-    def _steps_of(self, obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
-        return steps_of(obj, stage)
-
     def _flatten(self, stage: int) -> list[tuple[int, Instruction]]:
-        steps = self.steps[stage]
-        if all(role(cls).instruction for cls in set(map(type, chain.from_iterable(steps)))):
-            # nothing but instructions (always, for a built-in schedule): one pass in C to
-            # check the classes, one comprehension to pair each with its step's index
-            return [(index, item) for index, step in enumerate(steps) for item in step]
-        stream = []
-        for index, step in enumerate(steps):
-            for item in step:
-                if role(type(item)).instruction:
-                    stream.append((index, item))
-                else:
-                    self.problems.append(f"stage {stage} step {index}: {item!r} is not an "
-                                         "Instruction")
+        """``(step index, instruction)`` of the stage's program stream; an item that is not an
+        instruction is reported (and then runs as nothing)."""
+        program = self.programs[stage]
+        stream = list(zip(program.step_of, program.stream))
+        if not all(role(cls).instruction for cls in set(map(type, program.stream))):
+            self.problems += [f"stage {stage} step {index}: {item!r} is not an Instruction"
+                              for index, item in stream if not role(type(item)).instruction]
         return stream
-
-    @staticmethod
-    def _num_buffers(obj) -> int | None:
-        method = getattr(obj, "num_buffers", None)
-        return method() if callable(method) else None
-
-    def _trains(self, objects) -> bool:
-        return trains_of(objects, (i for st in self.stages for _, i in st.stream))
 
     def _peer(self, stage: int, chunk: int, delta: int) -> tuple[int, int] | None:
         """(stage, chunk) of pipeline position ``p + delta``, or None past either end."""

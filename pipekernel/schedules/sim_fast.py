@@ -10,8 +10,7 @@ stream only, never on when the other stages run. So this path
 1. checks each stage's stream once, on its own (:func:`_check_stage`: the same conditions the
    full simulation's handlers test, and the once-per-micro-batch counts), which also gives the
    stage's peak of live buffers;
-2. turns the runtime's plan (:func:`~pipekernel.schedules.comm.plan_communication`, the same
-   call) into *transfers*, one plain list each — ``[done, send posted, receive posted, next
+2. turns the stage's program's plan (what the runtime posts) into *transfers*, one plain list each — ``[done, send posted, receive posted, next
    on its channel, send cost, receive cost, when the one before it was done, sender,
    receiver, ...]`` — matched per sender, receiver and lane in posting order as its second
    end is met. The runtime's lanes carry one channel per rank each
@@ -36,7 +35,6 @@ from __future__ import annotations
 from collections import deque
 from operator import add
 
-from pipekernel.schedules.comm import _plan
 from pipekernel.schedules.sim_base import (
     _CODES, _END, B_INPUT, B_WEIGHT, BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT,
     SEND_GRAD, SKIP_RECV, SKIP_SEND, SimulationResult, _Simulation, _World, role, trains_of,
@@ -147,13 +145,10 @@ def _check_counts(counts: list, trains: bool) -> None:
 class _Fast(_Simulation):
     """The fast path (see the module docstring): :meth:`prove` gives the result, or ``None``."""
 
-    semantics = "rendezvous"
-
-    def __init__(self, num_stages, micro_batches, chunks, costs, steps, placement, objects,
-                 buffers) -> None:
+    def __init__(self, num_stages, micro_batches, chunks, costs, programs, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
-        self.placement, self.costs, self.steps = placement, costs, steps
-        self.objects, self.limits = objects, buffers
+        self.placement, self.costs, self.programs = placement, costs, programs
+        self.steps = tuple(program.steps for program in programs)
         self._peers = {}
         self.prices: dict[tuple[type, type], tuple[float, ...]] = {}  # _price
         self.lanes: list[list] = []  # stage -> the channels of its lanes
@@ -163,16 +158,15 @@ class _Fast(_Simulation):
             if any(c != c for table in (self.costs, self.host_costs, *self.stage_costs.values())
                    for c in table.values()):
                 raise _Bail  # NaN: max() would depend on the order things happen in
-            self.trains = trains_of(self.objects, (i for steps in self.steps
-                                                   for step in steps for i in step))
+            self.trains = trains_of(self.programs)
             peaks = self._setup()
             self._run()
         except _Bail:
             return None
         return self._result_of(max(self.clock), self.timeline, peaks, self.wait)
 
-    def _checked(self, stage: int, stream: list) -> int:
-        limit = self.limits[stage]
+    def _checked(self, stage: int, stream: tuple) -> int:
+        limit = self.programs[stage].num_buffers
         ends = tuple((self._peer(stage, c, -1) is not None, self._peer(stage, c, 1) is not None)
                      for c in range(self.C))
         return _check_stage(stream, 1 << 62 if limit is None else limit, (self.M, self.C),
@@ -181,15 +175,14 @@ class _Fast(_Simulation):
     # -- setup: plans, transfers, code -------------------------------------------------
 
     def _setup(self) -> list[int]:
-        """Each stage planned (the runtime's plan, as lists), checked, its transfers placed
-        and its code compiled; its peak of live buffers, per stage."""
+        """Each stage's program checked, its transfers placed and its code compiled; its peak
+        of live buffers, per stage."""
         self.code: list[list] = []
         self.chans: dict[tuple, list] = {}  # (sender, receiver, lane) -> [transfers, sends, recvs]
         peaks = []
-        for s, steps in enumerate(self.steps):
-            plan = _plan(steps, s, self.S, self.C, self.placement, self.skips or (), False)
-            peaks.append(self._checked(s, plan[0]))
-            self.code.append(self._code(s, plan))
+        for s, program in enumerate(self.programs):
+            peaks.append(self._checked(s, program.stream))
+            self.code.append(self._code(s, program))
         if any(chan[1] != chan[2] for chan in self.chans.values()):
             raise _Bail  # a send never received, or a receive nothing is sent to
         return peaks
@@ -235,14 +228,16 @@ class _Fast(_Simulation):
             if role(send).kind == role(recv).kind else ())
         return price
 
-    def _code(self, stage: int, plan: tuple) -> list:
+    def _code(self, stage: int, program) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
         per instruction its send's host cost, the ends of transfers posted there, then what it
         does. Bails where one of the stage's lanes carries more than one channel (then a
         lane's units are not one transfer's end each)."""
         code: list[tuple] = []
         append = code.append
-        stream, _, posts, peers, local, lanes = plan
+        plan = program.plan  # (its fields, not the program's forwarding properties)
+        stream, posts, peers, local, lanes = plan.stream, plan.posts, plan.peers, plan.local, \
+            plan.lanes
         host, chans = self.host_costs, self.chans
         # a compute's cost depends on its class and chunk only (the check has seen every
         # chunk in range): [class][chunk]

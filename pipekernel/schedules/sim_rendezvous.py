@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
-from pipekernel.schedules.comm import RECVS, SENDS, CommPlan, plan_communication
+from pipekernel.schedules.comm import RECVS, SENDS, CommPlan
 from pipekernel.schedules.sim_deadlock import _DeadlockReport
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _kind, PAIRED, _Progress,
                                            _Simulation, _Where, _World, role)
@@ -22,8 +22,9 @@ _RUN, _SEND, _RECV, _TICK, _SLOW = "run", "send", "recv", "tick", "slow"
 class _Rendezvous(_DeadlockReport, _Simulation):
     """Each stage runs its CommPlan; sends rendezvous, a rank's lane completes in order."""
 
-    semantics = "rendezvous"
-    posting: Callable[..., CommPlan] = staticmethod(plan_communication)
+    #: another posting policy to prove instead of the programs' own plans (simulate's
+    #: ``posting=``), called like :func:`~pipekernel.schedules.comm.plan_communication`
+    posting: Callable[..., CommPlan] | None = None
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -48,13 +49,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         sends: dict[tuple[int, int], list[_Op]] = {}
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
-            if len(st.stream) == sum(map(len, self.steps[s])):  # nothing but instructions
-                steps = self.steps[s]  # tuples: a posting policy only reads them
-            else:
-                steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
-            extra = {"skips": self.skips} if self.skips else {}
-            plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
-                                placement=self.placement, trains=self.trains, **extra)
+            plan = self._plan(s)
             self.plans.append(plan)
             groups, op_at = self._place_posts(s, plan)
             self.op_at.append(op_at)
@@ -73,6 +68,15 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self.code = [self._compile(s) for s in range(n_stages)]
         self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
                           if self.host_costs else None for s, st in enumerate(self.stages)]
+
+    def _plan(self, stage: int) -> CommPlan:
+        """The stage's plan: its program's own (what the runtime runs), or the ``posting``
+        policy's for the program's steps."""
+        if self.posting is None:
+            return self.programs[stage].plan
+        extra = {"skips": self.skips} if self.skips else {}
+        return self.posting(self.steps[stage], stage=stage, num_stages=self.S, chunks=self.C,
+                            placement=self.placement, trains=self.trains, **extra)
 
     def _match(self, sends: dict[tuple, list[_Op]], recvs: dict[tuple, list[_Op]]) -> None:
         """Pair each (sender, receiver, lane)'s sends and receives in posting order, each
