@@ -118,10 +118,10 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         that stage's pairs of those chunks, ahead of ``costs``.
     :param semantics: ``"rendezvous"``, the only one (see the module docstring; the
         lenient ``"buffered"`` model, which passed plans that hang on NCCL, is gone).
-    :param posting: the function that computes each stage's
-        :class:`~pipekernel.schedules.comm.CommPlan`, called like
-        :func:`~pipekernel.schedules.comm.plan_communication` (the default, the
-        plan the runtime executes) — to check another posting policy.
+    :param posting: a function that computes each stage's
+        :class:`~pipekernel.schedules.comm.CommPlan` for its program's steps, called like
+        :func:`~pipekernel.schedules.comm.plan_communication` — to check another posting
+        policy. Default: each program's own plan, the one the runtime posts.
     :param skips: skip edges ``(producer position, consumer position)``
         (:mod:`pipekernel.schedules.skips`): each stage's steps get the skip
         transfers the engine inserts, and the plan their lanes, before simulating.
