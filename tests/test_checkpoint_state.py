@@ -190,3 +190,20 @@ def test_an_attribute_set_once_at_the_first_call_is_no_side_effect_of_the_recomp
     for _ in range(2):
         stage(torch.randn(6, 4)).sum().backward()
     assert stage._modules["1"].seen_width == WIDTH
+
+
+def test_deepspeeds_recomputed_runs_keep_buffers_too():
+    """The DeepSpeed compatibility checkpoints its own runs of layers: the same mechanism."""
+    from pipekernel.deepspeed.pipe import _Recomputed
+
+    def run(recomputed):
+        torch.manual_seed(0)
+        block = NormBlock()
+        call = _Recomputed([(1, block, None)], 0) if recomputed else (lambda m, v: m(v))
+        for x, _ in data(0):
+            call(block, x.repeat(1, 2)).pow(2).mean().backward()
+        return block.state_dict()
+
+    plain, recomputed = run(False), run(True)
+    assert int(recomputed["bn.num_batches_tracked"]) == 4
+    assert_state_equal(recomputed, plain, "deepspeed")

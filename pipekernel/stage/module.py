@@ -254,7 +254,9 @@ class PipelineModule:
     :param activation_checkpoint_interval: ``k > 0`` keeps only the input of every
         run of ``k`` consecutive layers of a stage during a forward with grad
         enabled and recomputes the run in backward (non-reentrant
-        ``torch.utils.checkpoint``, RNG state preserved so dropout matches);
+        ``torch.utils.checkpoint``, RNG state preserved so dropout matches; the
+        recompute leaves every buffer as the forward left it, and a Python attribute it
+        changes is a ``ConfigError``: :mod:`pipekernel.stage.recompute`);
         ``0`` (default) stores every activation.
     :param overlapped_forward_backward: how a stage runs a ``ForwardBackward`` (the pairs
         of ``dualpipev`` and ``zbv``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.
