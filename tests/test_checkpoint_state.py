@@ -102,6 +102,21 @@ def test_one_process_checkpointing_keeps_buffers_and_dropout_masks(interval):
     assert int(state["3.calls"]) == 8 and int(state["1.bn.num_batches_tracked"]) == 8
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_checkpointing_keeps_buffers_and_dropout_masks():
+    """cuDNN's BatchNorm writes the running statistics its own way: the same outcome."""
+    def train(k):
+        torch.manual_seed(0)
+        return reference_train(bn_model(k, p=0.3), sgd, [[data(s)] for s in range(2)], 4,
+                               device="cuda")
+
+    losses, state = train(0)
+    ck_losses, ck_state = train(1)
+    assert_parity(ck_losses, losses, ck_state, state, rtol=1e-5, atol=1e-6)
+    assert_state_equal(ck_state, state, "cuda")
+
+
 CASES = [("1f1b", None, 1), ("interleaved", 2, 1), ("zb-h1", None, 1), ("zbv", 2, 1),
          ("dualpipev", 2, 1), ("1f1b", None, 3), ("zbv", 2, 2)]
 STEPS = 2

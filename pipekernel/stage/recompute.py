@@ -12,7 +12,9 @@ recomputation would have:
   device sync) and identity before and after; a buffer whose counter moved or which was
   rebound was *written by the forward*. Only such buffers cost anything: a copy of each
   as it was before the forward is kept with the micro-batch's graph (the first forward of
-  a segment copies all of the segment's buffers once, to learn which are written). The
+  a segment copies all of the segment's buffers once and compares values, one host
+  synchronisation, to learn which are written: some kernels write without moving the
+  version counter, BatchNorm's running statistics among them). The
   recompute runs with those buffers bound to fresh copies of their pre-forward values,
   so it computes what the original forward computed (a layer whose output depends on
   its counter included) and writes into throwaway copies; the live buffers are bound
@@ -150,7 +152,7 @@ def _same(old: tuple[Any, int | None], new: tuple[Any, int | None] | None) -> bo
         return False
     if old[1] is not None or new[1] is not None:  # tensors: the same one, unwritten
         return old[0] is new[0] and old[1] == new[1]
-    return type(old[0]) is type(new[0]) and old[0] == new[0]
+    return old[0] is new[0] or (type(old[0]) is type(new[0]) and old[0] == new[0])
 
 
 def _check_attributes(watch: SegmentWatch, before: dict) -> None:
