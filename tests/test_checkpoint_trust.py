@@ -298,9 +298,10 @@ def _ds_module():
     ("mp_rank_00_model_states.pt", _hostile), ("layer_02-model_states.pt", _hostile),
     ("mp_rank_01_model_states.pt", _truncate), ("layer_01-model_states.pt", _garbage),
     ("mp_rank_00_model_states.pt", _wrong_type), ("layer_03-model_states.pt", _wrong_type),
-    ("layer_02-model_states.pt", _missing), ("mp_rank_00_model_states.pt", _missing)],
+    ("layer_02-model_states.pt", _missing), ("mp_rank_00_model_states.pt", _missing),
+    ("layer_02-model_states.pt", _wrong_shape)],
     ids=["hostile-mp_rank", "hostile-layer", "truncated", "garbage", "wrong-type-mp_rank",
-         "wrong-type-layer", "missing-layer", "missing-mp_rank"])
+         "wrong-type-layer", "missing-layer", "missing-mp_rank", "wrong-shape-layer"])
 def test_deepspeed_converter_refuses_broken_and_hostile_files(tmp_path, name, corrupt):
     from pipekernel.deepspeed.checkpoint import convert
     root = _ds_copy(tmp_path)

@@ -284,6 +284,7 @@ def convert(ds_dir: str | os.PathLike, pk_dir: str | os.PathLike, tag: str | Non
     trust = bool(trust_checkpoint)
     _check_complete(os.path.join(ds_root, tag), module, entries, sources, ranks)
     states = {index: _layer_state(path, trust) for index, path in sources.items()}
+    _check_shapes(module, states, sources)
     shapes = {f"{i}.{k}": list(v.shape) for i, sd in states.items() for k, v in sd.items()}
     opt, hyper = (_optimizer_by_name(module, ranks, shapes, trust)
                   if optimizer and module is not None and ranks else ({}, {}))
@@ -333,6 +334,29 @@ def _check_complete(directory: str, module: Any, entries: list[dict], sources: d
                                 f"{index}, {type(layer).__name__}) is missing",
                                 hint="the checkpoint is incomplete, or of another model: copy "
                                      "the whole tag directory")
+
+
+def _check_shapes(module: Any, states: dict[int, dict], sources: dict[int, str]) -> None:
+    """With the model: ``DataError`` naming the first layer file whose tensors are not
+    the layer's (names or shapes), before anything is converted or loaded."""
+    if module is None:
+        return
+    specs = module._layer_specs
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for index, state in sorted(states.items()):
+            spec = specs[index] if index < len(specs) else None
+            layer = spec.build() if isinstance(spec, pk.LayerSpec) else spec
+            if not isinstance(layer, nn.Module):
+                continue
+            ours = {k: list(v.shape) for k, v in layer.state_dict().items()}
+            theirs = {k: list(v.shape) for k, v in state.items()}
+            for key in [*ours, *(k for k in theirs if k not in ours)]:
+                if ours.get(key) != theirs.get(key):
+                    raise DataError(f"checkpoint file {sources[index]} holds {key!r} of shape "
+                                    f"{theirs.get(key, 'missing')} and layer {index} "
+                                    f"({type(layer).__name__}) has {ours.get(key, 'missing')}",
+                                    hint="load it into the model it was saved from (the same "
+                                         "layers and sizes)")
 
 
 def _rank_name(stage: int) -> str:
