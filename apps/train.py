@@ -111,6 +111,19 @@ def _check_plan(cfg: TrainConfig) -> None:
                    top_k=cfg.top_k).partition(cfg.stages * chunks, pm)
 
 
+def _check_inputs(cfg: TrainConfig) -> None:
+    """``--data`` (readable, long enough for ``--context``) and an ``--hf`` path that does
+    not exist, refused before any process starts."""
+    if cfg.data is not None:
+        split_corpus(load_corpus(cfg.data, cfg.corpus_bytes)[0], cfg.context)
+    spec = cfg.hf
+    if spec and not os.path.exists(spec) and (os.sep in spec or "/" in spec
+                                              or spec.endswith(".json")):
+        raise pk.ConfigError(f"--hf {spec}: no such file or directory",
+                             hint="pass a save_pretrained directory, a config .json file or a "
+                                  "model type such as llama")
+
+
 def _check_experts(cfg: TrainConfig) -> None:
     from pipekernel.grid.expert_parallel import check_config
     if not isinstance(cfg.experts, int) or cfg.experts < 0:
@@ -643,6 +656,7 @@ def run(cfg: TrainConfig) -> dict[str, Any] | None:
     """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
     _positive(cfg)
     _check_plan(cfg)
+    _check_inputs(cfg)
     _check_extras(cfg)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
