@@ -60,3 +60,12 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.micro_batches * self.micro_batch_size * self.context * self.data_parallel
+
+
+def partition_method(text: str) -> str | list[int]:
+    """``"0,3,6"`` -> explicit boundaries ``[0, 3, 6]``; any other text is a method name
+    (the ``--partition`` flag's two forms)."""
+    parts = text.split(",")
+    if len(parts) > 1 and all(p.strip().isdigit() for p in parts):
+        return [int(p) for p in parts]
+    return text

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 import pipekernel as pk
-from pipekernel.apps.config import TrainConfig
+from pipekernel.apps.config import TrainConfig, partition_method
 
 __all__ = ["hf_config", "hf_module", "as_dicts", "describe", "save", "TakesIds"]
 
@@ -54,7 +54,6 @@ def hf_module(cfg: TrainConfig) -> pk.PipelineModule:
         raise pk.ConfigError(f"--hf {spec}: a vocabulary of {vocab} cannot hold the 256 byte "
                              "values the training text is made of",
                              hint="use a config with vocab_size >= 256")
-    from pipekernel.apps.train import partition_method
     return hf.pipeline_module(spec if weights else config, num_stages=cfg.stages,
                               partition=partition_method(cfg.partition), seed=cfg.seed)
 

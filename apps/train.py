@@ -28,7 +28,7 @@ import torch
 
 import pipekernel as pk
 from pipekernel.schedules.placement import parts_of
-from pipekernel.apps.config import TrainConfig
+from pipekernel.apps.config import TrainConfig, partition_method
 from pipekernel.apps import hf_model
 from pipekernel.apps.gpt import generate, gpt_module
 from pipekernel.grid.expert_parallel import whole_state_dict
@@ -272,14 +272,6 @@ def gather_full_state(engine: pk.PipelineEngine, module: pk.PipelineModule
             state[key] = flat[offset:offset + n].view(shape).cpu()
             offset += n
     return state if engine.rank == 0 else None
-
-
-def partition_method(text: str) -> Any:
-    """``"0,3,6"`` -> explicit boundaries ``[0, 3, 6]``; any other text is a method name."""
-    parts = text.split(",")
-    if len(parts) > 1 and all(p.strip().isdigit() for p in parts):
-        return [int(p) for p in parts]
-    return text
 
 
 def _batch(ids: Any, cfg: TrainConfig, step: int, replica: int, salt: int = 0) -> list:

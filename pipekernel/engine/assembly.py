@@ -1,12 +1,14 @@
-"""Building an engine: functions from explicit inputs to one frozen :class:`Assembly`.
+"""Building an engine, first half: functions from explicit inputs to the frozen parts of
+one :class:`Assembly`.
 
-:func:`assemble` runs the phases in the order every rank must run them (each may
-communicate, and collectives pair up by order): check the options, choose the layout
-(topology, schedule, chunks, placement; the planner's with ``schedule="auto"``), agree on
-the configuration, partition, build the stage, then the step (:mod:`.assembly_step`:
-groups, parameter sync, torch parallelism, reducers, optimizer) and the kernel. Each phase
-takes what it reads as arguments and returns a frozen value; nothing here holds the
-engine. The engine (:mod:`pipekernel.engine.engine`) keeps the result and reads it.
+The phases, in the order every rank must run them (each may communicate, and collectives
+pair up by order): check the options, choose the layout (topology, schedule, chunks,
+placement; the planner's with ``schedule="auto"``), agree on the configuration, partition,
+build the stage. :mod:`.assembly_step` builds the step on top (groups, parameter sync,
+torch parallelism, reducers, optimizer, kernel) and its :func:`~.assembly_step.assemble`
+runs all the phases. Each phase takes what it reads as arguments and returns a frozen
+value; nothing here holds the engine. The engine (:mod:`pipekernel.engine.engine`) keeps
+the result and reads it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from pipekernel.stage.module import PipelineModule
 from pipekernel.stage.partitioning import PartitionContext, PartitionReport
 from pipekernel.stage.skip_routing import check_schedules, router_for
 
-__all__ = ["Options", "Layout", "Parts", "Stage", "Assembly", "assemble", "check_options",
+__all__ = ["Options", "Layout", "Parts", "Stage", "Assembly", "check_options",
            "choose_layout", "agree", "partition", "build_stage", "require_layout_lanes"]
 
 _partition_log = logging.getLogger("pipekernel.partition")
@@ -101,7 +103,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Assembly:
-    """Everything one engine is built of (:func:`assemble`), read-only.
+    """Everything one engine is built of (:func:`~.assembly_step.assemble`), read-only.
 
     ``optimizer`` and ``lr_scheduler`` change only through
     :meth:`~pipekernel.PipelineEngine.set_optimizer`, which makes a new assembly.
@@ -129,19 +131,6 @@ class Assembly:
 
     def replace(self, **changes: Any) -> Assembly:
         return dataclasses.replace(self, **changes)
-
-
-def assemble(module: PipelineModule, optimizer: Any, micro_batches: int, options: Options,
-             pm: Any, transport: Any) -> Assembly:
-    """Build every part of an engine over ``transport`` (collective: every rank, same
-    arguments). The stage-parallel hook sees a :class:`~.assembly_step.StageBuild`."""
-    from pipekernel.engine.assembly_step import build_step
-
-    layout = choose_layout(module, optimizer, micro_batches, options, pm, transport)
-    agree(module, layout, options, transport)
-    parts = partition(module, optimizer, layout, pm, transport)
-    stage = build_stage(module, layout, parts, options, pm, transport)
-    return build_step(module, optimizer, options, pm, transport, layout, parts, stage)
 
 
 def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,

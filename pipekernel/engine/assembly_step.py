@@ -1,4 +1,5 @@
-"""Building an engine, second half: the step's parts and the kernel.
+"""Building an engine, second half: the step's parts and the kernel, and :func:`assemble`,
+which runs both halves in order.
 
 After :mod:`pipekernel.engine.assembly` built the stage: the precision policy, the process
 groups (every rank creates every group, in the same order), the parameter sync, torch
@@ -13,8 +14,9 @@ from typing import Any
 
 import torch
 
-from pipekernel.engine.assembly import (Assembly, Layout, Options, Parts, Stage,
-                                        check_max_grad_norm)
+from pipekernel.engine.assembly import (Assembly, Layout, Options, Parts, Stage, agree,
+                                        build_stage, check_max_grad_norm, choose_layout,
+                                        partition)
 from pipekernel.engine.parallelize import check_stage_parallel
 from pipekernel.extend.views import Placed
 from pipekernel.errors import ConfigError
@@ -29,7 +31,7 @@ from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
 from pipekernel.step.grad_reduce import GradReducer
 from pipekernel.step.optimizer_step import BatchStep
 
-__all__ = ["StageBuild", "build_step", "make_optimizer", "make_lr_scheduler"]
+__all__ = ["assemble", "StageBuild", "build_step", "make_optimizer", "make_lr_scheduler"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,18 @@ class StageBuild(Placed):
     @property
     def schedule(self) -> str:
         return self.schedule_cls.name
+
+
+def assemble(module: PipelineModule, optimizer: Any, micro_batches: int, options: Options,
+             pm: Any, transport: Any) -> Assembly:
+    """Build every part of an engine over ``transport`` (collective: every rank, same
+    arguments): the first half's phases, then the step. The stage-parallel hook sees a
+    :class:`StageBuild`."""
+    layout = choose_layout(module, optimizer, micro_batches, options, pm, transport)
+    agree(module, layout, options, transport)
+    parts = partition(module, optimizer, layout, pm, transport)
+    stage = build_stage(module, layout, parts, options, pm, transport)
+    return build_step(module, optimizer, options, pm, transport, layout, parts, stage)
 
 
 def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any,

@@ -1,5 +1,5 @@
 """The engine (layer 3): a short loop over a frozen :class:`~pipekernel.engine.assembly.Assembly`
-(built by :func:`~pipekernel.engine.assembly.assemble`) and one small
+(built by :func:`~pipekernel.engine.assembly_step.assemble`) and one small
 :class:`~pipekernel.engine.state.RunState`; ``train_batch`` / ``eval_batch`` / checkpoints.
 
 The engine implements :class:`pipekernel.plugin.EngineView`, the typed read-only view that
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from pipekernel.comm import clusters, teardown  # noqa: F401 - teardown binds at import
-from pipekernel.engine.assembly import Assembly, assemble, check_options
-from pipekernel.engine.assembly_step import make_lr_scheduler, make_optimizer
+from pipekernel.engine.assembly import Assembly, check_options
+from pipekernel.engine.assembly_step import assemble, make_lr_scheduler, make_optimizer
 from pipekernel.engine.faults import engine_board, root_cause
 from pipekernel.engine.fields import EngineFields
 from pipekernel.engine.programs import (agree_micro_batches, check_micro_batch_count,
