@@ -508,7 +508,7 @@ def _cpu_seconds(engine: pk.PipelineEngine) -> list[float]:
     by rank. Each rank reads its own clock: a launcher sees none of it (its ranks are the
     fork server's children, not its own), so ``time pipekernel train`` cannot show it.
     A collective: every rank calls it at the same point."""
-    from pipekernel.engine.agreement import all_gather_objects
+    from pipekernel.comm.agreement import all_gather_objects
 
     mine = time.process_time()
     if engine.transport.world_size == 1:

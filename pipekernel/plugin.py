@@ -6,8 +6,8 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
 
 * hooks: :data:`hookimpl` / :data:`hookspec` (pluggy markers of project ``"pipekernel"``);
 * transports: :class:`Transport`, :class:`Handle`, :class:`P2POp`, :func:`wait_sliced`, and
-  the conformance suite (:func:`check_transport` starts processes,
-  :func:`run_transport_conformance` runs it on ranks you started);
+  the conformance suite on ranks you started (:func:`run_transport_conformance`; the
+  helper that starts the processes, ``check_transport``, is in :mod:`pipekernel.testing`);
 * embedding: :class:`Kernel` (the instruction loop with your handlers),
   :func:`make_plugin_manager`;
 * schedules: :class:`Schedule`, :data:`BUILTIN_SCHEDULES`, :func:`simulate`,
@@ -61,12 +61,11 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
                                                ReduceGrads, ReduceTiedGrads, SendActivation,
                                                SendGrad, SendSkip, SendSkipGrad,
                                                SkipInstruction)
-from pipekernel.testing import check_transport
 # what the built-in plugins and transports use (one line each in docs/api.md)
 from pipekernel.comm.attempt import attempt, attempt_prefix, keyed_store
 from pipekernel.comm.collectives import TORCH_REDUCE_OPS
 from pipekernel.comm.teardown import bind_defaults_before_init
-from pipekernel.engine.agreement import (all_gather_objects, broadcast_object,
+from pipekernel.comm.agreement import (all_gather_objects, broadcast_object,
                                          compute_on_one, raise_on_every_rank)
 from pipekernel.extend.installed import entry_points
 from pipekernel.extend.views import EngineView, RuntimeView, StageView
@@ -79,7 +78,7 @@ from pipekernel.step.precision import Precision, cast_floats
 
 __all__ = [
     "hookimpl", "hookspec", "make_plugin_manager", "Kernel",
-    "Transport", "Handle", "P2POp", "wait_sliced", "check_transport", "run_transport_conformance",
+    "Transport", "Handle", "P2POp", "wait_sliced", "run_transport_conformance",
     "Schedule", "BUILTIN_SCHEDULES", "simulate", "SimulationResult", "plan_communication",
     "CommPlan", "lanes_needed", "Program", "compile_program",
     "Instruction", "MicroBatchInstruction", "SkipInstruction", "LoadMicroBatch", "Forward",

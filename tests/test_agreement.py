@@ -1,4 +1,4 @@
-"""The one agreement-across-ranks helper module (pipekernel.engine.agreement, issue 29
+"""The one agreement-across-ranks helper module (pipekernel.comm.agreement, issue 29
 item 3): values and errors exchanged between ranks, every rank raising the same error."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class Unpicklable(Exception):
 def _worker():
     import torch
 
-    from pipekernel.engine.agreement import (all_gather_objects, broadcast_object,
+    from pipekernel.comm.agreement import (all_gather_objects, broadcast_object,
                                              compute_on_one, raise_on_every_rank)
     from pipekernel.errors import ConfigError, DataError
     from pipekernel.transports.gloo import GlooTransport

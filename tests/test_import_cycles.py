@@ -150,3 +150,17 @@ def test_no_import_circles():
     bad = [c for c in cycles if frozenset(c) not in ALLOWED]
     assert not bad, "import circles (break each by concern):\n" + "\n".join(
         "  " + " <-> ".join(c) for c in bad)
+
+
+def test_the_plugin_face_reaches_nothing_in_engine():
+    """``pipekernel.plugin`` is what plugin authors import: it and every module it reaches
+    (imports anywhere in a file) stay out of ``pipekernel.engine`` (the package inits a
+    dotted import also runs are not counted)."""
+    graph = _without_packages(_graph())
+    seen, todo = set(), ["pipekernel.plugin"]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    reached = sorted(m for m in seen if m.startswith("pipekernel.engine"))
+    assert not reached, f"pipekernel.plugin reaches {reached}"

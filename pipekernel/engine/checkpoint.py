@@ -80,7 +80,7 @@ from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VER
                                                 _fsync_dir, _read_layer, _read_rank,
                                                 _write_file, latest_tag, layer_file,
                                                 rank_file, read_meta)
-from pipekernel.engine.agreement import check_consistency, raise_on_every_rank
+from pipekernel.comm.agreement import check_consistency, raise_on_every_rank
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.views import EngineView
 from pipekernel.nested import map_tensors
@@ -140,7 +140,7 @@ def _layer_meta(module: Any) -> list[dict[str, Any]]:
 def _agree(transport: Any, error: BaseException | None, rank: int) -> None:
     """Raise on every rank if any rank has ``error`` (the lowest failing rank's error,
     with its rank); return normally when all succeeded
-    (:func:`pipekernel.engine.agreement.raise_on_every_rank`)."""
+    (:func:`pipekernel.comm.agreement.raise_on_every_rank`)."""
     raise_on_every_rank(transport, error, hint="look at this rank's traceback above: its "
                         "checkpoint step failed there; every rank stopped with it")
 

@@ -8,7 +8,7 @@ data-alignment fingerprint lives with the stage, :mod:`pipekernel.stage.fingerpr
   :class:`~pipekernel.errors.PeerAbort` naming the failing rank, stage,
   micro-batch and instruction — within about a second, not after the timeout.
   Nothing is read while no wait blocks: the hot path pays nothing.
-* :func:`check_consistency` (:mod:`pipekernel.engine.agreement`) — one all-reduce of a hash of the fields every rank
+* :func:`check_consistency` (:mod:`pipekernel.comm.agreement`) — one all-reduce of a hash of the fields every rank
   must agree on (schedule, chunks, micro-batches, stages, partition bounds, layer
   count, precision, pipekernel version); only on a mismatch a detailed exchange
   follows, and every rank raises a ``ConfigError`` naming the fields and the
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipekernel.comm.attempt import attempt_prefix, store_host
-from pipekernel.engine.agreement import all_gather_objects, check_consistency  # noqa: F401
+from pipekernel.comm.agreement import all_gather_objects, check_consistency  # noqa: F401
 from pipekernel.errors import PeerAbort, TransportError, TransportTimeout, describe_where
 
 __all__ = ["AbortBoard", "engine_board", "root_cause", "check_consistency", "all_gather_objects"]

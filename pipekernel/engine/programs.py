@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipekernel.engine.agreement import check_consistency
+from pipekernel.comm.agreement import check_consistency
 from pipekernel.errors import ConfigError
 from pipekernel.kernel.program import LoadedProgram
 from pipekernel.schedules.program import compile_program
