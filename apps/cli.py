@@ -201,6 +201,7 @@ def plan_for_args(args: argparse.Namespace) -> object:
     import pipekernel as pk
     from pipekernel.apps.gpt import gpt_module
     from pipekernel.engine.planner import plan_module
+    from pipekernel.extend.manager import make_plugin_manager
 
     torch.set_num_threads(args.threads)
     module = gpt_module(args.dim, args.layers, args.heads, args.context,
@@ -213,7 +214,7 @@ def plan_for_args(args: argparse.Namespace) -> object:
                       transfer_s=args.transfer_ms / 1e3, repeats=args.repeats,
                       split_overhead=args.split_overhead)
     return plan_module(module, request, num_stages=args.stages,
-                       micro_batches=args.micro_batches, pm=pk.make_plugin_manager())
+                       micro_batches=args.micro_batches, pm=make_plugin_manager())
 
 
 def train_command(args: argparse.Namespace, plan: object) -> str:

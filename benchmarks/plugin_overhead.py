@@ -14,6 +14,7 @@ import argparse
 import time
 
 import pipekernel as pk
+from pipekernel.plugin import Kernel, make_plugin_manager
 from pipekernel.schedules import instructions as isa
 
 
@@ -32,7 +33,7 @@ class Counter:
 
 def per_instruction_ns(hook, steps, repeats=5) -> float:
     handlers = {cls: (lambda i: None) for cls in (isa.Forward, isa.Backward, isa.SendActivation)}
-    kernel = pk.Kernel(handlers, hook=hook, rank=0, stage=0)
+    kernel = Kernel(handlers, hook=hook, rank=0, stage=0)
     count = sum(len(s) for s in steps)
     best = float("inf")
     for _ in range(repeats):
@@ -49,9 +50,9 @@ def main() -> None:
     steps = [[isa.Forward(m), isa.SendActivation(m), isa.Backward(m)] for m in range(n)]
     cases = {
         "no plugin manager": None,
-        "plugin manager, no instruction hooks": pk.make_plugin_manager(autoload=False).hook,
-        "1 monitor plugin": pk.make_plugin_manager([Counter()], autoload=False).hook,
-        "3 monitor plugins": pk.make_plugin_manager([Counter(), Counter(), Counter()],
+        "plugin manager, no instruction hooks": make_plugin_manager(autoload=False).hook,
+        "1 monitor plugin": make_plugin_manager([Counter()], autoload=False).hook,
+        "3 monitor plugins": make_plugin_manager([Counter(), Counter(), Counter()],
                                                     autoload=False).hook,
     }
     results = {name: per_instruction_ns(hook, steps) for name, hook in cases.items()}

@@ -17,6 +17,7 @@ import collections
 import torch
 
 import pipekernel as pk
+from pipekernel.plugin import Kernel, make_plugin_manager
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules import GPipe
 
@@ -77,8 +78,8 @@ def train(steps=4, micro_batches=3):
     model = make_model()
     host = HostHandlers(model, torch.optim.SGD(model.parameters(), lr=0.1), micro_batches)
     timer = Timer()
-    pm = pk.make_plugin_manager([timer], autoload=False)
-    kernel = pk.Kernel(host.table(), hook=pm.hook, rank=0, stage=0)
+    pm = make_plugin_manager([timer], autoload=False)
+    kernel = Kernel(host.table(), hook=pm.hook, rank=0, stage=0)
     program = GPipe(1, 0, micro_batches).steps()
     means = []
     for items in batches(steps, micro_batches):

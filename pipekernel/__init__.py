@@ -13,27 +13,21 @@ from pipekernel.engine.engine import PipelineEngine
 from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
                                PeerAbort, PipelineError, ScheduleError, TransportError,
                                TransportTimeout, UnknownNameError)
-from pipekernel.extend.hookspecs import hookimpl, hookspec
-from pipekernel.kernel.loop import Kernel
+from pipekernel.extend.hookspecs import hookimpl
 from pipekernel.engine.launch import LaunchInterrupted, RankError, launch
-from pipekernel.stage.module import LayerSpec, PipelineModule, StageModule, TiedLayerSpec
+from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.stage.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.engine.planner import Plan, auto
-from pipekernel.extend.manager import make_plugin_manager
 from pipekernel.stage.skips import Skip, pop, skippable, stash
 from pipekernel.stage.aux_loss import add_aux_loss, aux_losses
 from pipekernel.stage.packing import document_ids, document_mask, pack
-from pipekernel.grid.topology import Topology
-from pipekernel.comm.transport import P2POp
 
 try:
     __version__ = version("pipekernel")
 except PackageNotFoundError:  # running from a source tree
     __version__ = "0.0.0"
 
-# For users. Plugin, schedule and transport authors import from pipekernel.plugin (docs/api.md);
-# Kernel, make_plugin_manager, hookspec, P2POp, StageModule and Topology stay importable here
-# for existing code but belong to that audience.
+# For users. Plugin, schedule and transport authors import from pipekernel.plugin (docs/api.md).
 __all__ = [
     # model
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import pipekernel as pk
+from pipekernel.plugin import P2POp
 from pipekernel.errors import TransportError, TransportTimeout
 from pipekernel.transports.gloo import GlooTransport
 
@@ -85,10 +86,10 @@ class RendezvousTransport(GlooTransport):
         return futures
 
     def isend(self, tensor, dst, tag=0):
-        return self._post_group([pk.P2POp("send", tensor, dst, tag)])[0]
+        return self._post_group([P2POp("send", tensor, dst, tag)])[0]
 
     def irecv(self, tensor, src, tag=0):
-        return self._post_group([pk.P2POp("recv", tensor, src, tag)])[0]
+        return self._post_group([P2POp("recv", tensor, src, tag)])[0]
 
     def _worker(self, tag):
         """Run lane ``tag``'s units one after the other (one NCCL communicator)."""

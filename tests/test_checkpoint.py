@@ -12,6 +12,7 @@ from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
+from pipekernel.stage.module import StageModule
 from pipekernel.engine import checkpoint as ckpt
 from pipekernel.engine.launch import RankError
 from pipekernel.testing import assert_parity, reference_eval, reference_train, run_ranks
@@ -118,7 +119,7 @@ def test_round_trip_then_training_continues_like_the_reference(saved, case):
 def test_load_sequential_matches_the_single_process_reference(saved):
     root, _ = saved("2")
     model = pk.load_sequential(root, mlp())
-    assert isinstance(model, pk.StageModule) and not model.training
+    assert isinstance(model, StageModule) and not model.training
     _, ref_state = _reference([1, 1])
     assert set(model.state_dict()) == set(ref_state)
     for key, value in model.state_dict().items():

@@ -9,6 +9,7 @@ from models import mlp, mlp_data, sgd, tied_lm, token_data
 from torch import nn
 
 import pipekernel as pk
+from pipekernel.plugin import make_plugin_manager
 from pipekernel.schedules import instructions as isa
 from pipekernel.testing import reference_eval, reference_train, run_ranks
 
@@ -281,7 +282,7 @@ def test_a_silent_peer_ends_in_an_error_naming_it():
 
 
 def test_unknown_names_list_the_available_ones():
-    pm = pk.make_plugin_manager()
+    pm = make_plugin_manager()
     from pipekernel.extend.manager import make_precision, resolve_schedule
     with pytest.raises(pk.UnknownNameError, match="unknown schedule 'zz'(.|\n)*1f1b, dualpipev, gpipe"):
         resolve_schedule(pm, "zz")

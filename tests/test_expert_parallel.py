@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pipekernel as pk
+from pipekernel.grid.topology import Topology
 from pipekernel.apps.gpt import VOCAB, gpt_module
 from pipekernel.grid import expert_parallel
 from pipekernel.testing import assert_parity, reference_train, run_ranks
@@ -145,7 +146,7 @@ def test_the_moe_layer_refuses_bad_sizes_by_name():
 
 
 def test_the_groups_follow_the_data_parallel_ranks():
-    topo = pk.Topology.from_world(8, 0, 2, 4)
+    topo = Topology.from_world(8, 0, 2, 4)
     parallel, data_groups = expert_parallel.expert_groups(topo, 2)
     assert parallel == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert data_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]

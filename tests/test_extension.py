@@ -7,6 +7,7 @@ from models import mlp, mlp_data, sgd
 from plugins_for_tests import Recorder, ScaledGradsPlugin, ScaledOneFOneB, ScaleGrads, flat
 
 import pipekernel as pk
+from pipekernel.plugin import Kernel
 from pipekernel.errors import InstructionError, UnknownNameError
 from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
 from pipekernel.schedules import simulate
@@ -58,7 +59,7 @@ def test_schedule_and_handler_come_only_with_the_plugin():
     pm = make_plugin_manager([ScaledGradsPlugin()], autoload=False)
     assert resolve_schedule(pm, "1f1b-scaled") is ScaledOneFOneB
     with pytest.raises(InstructionError, match="no handler for instruction ScaleGrads"):
-        pk.Kernel({}, rank=0, stage=0).run([[ScaleGrads()]])
+        Kernel({}, rank=0, stage=0).run([[ScaleGrads()]])
 
 
 def two_engines_worker():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pipekernel as pk
+from pipekernel.plugin import Kernel, make_plugin_manager
 from pipekernel.schedules import instructions as isa
 from pipekernel.grid.topology import Topology
 from pipekernel.comm.wire import decode, encode, flatten, unflatten
@@ -26,7 +27,7 @@ class Recorder:
 def test_kernel_dispatches_in_order_and_calls_hooks():
     done = []
     recorder = Recorder()
-    pm = pk.make_plugin_manager([recorder], autoload=False)
+    pm = make_plugin_manager([recorder], autoload=False)
     clock = [0.0]  # seconds pass only inside handlers: 2 per forward, 0.5 per send
 
     def forward(i):
@@ -37,7 +38,7 @@ def test_kernel_dispatches_in_order_and_calls_hooks():
         clock[0] += 0.5
         done.append(f"any:{i}")
 
-    kernel = pk.Kernel({isa.Forward: forward, isa.MicroBatchInstruction: other},
+    kernel = Kernel({isa.Forward: forward, isa.MicroBatchInstruction: other},
                        hook=pm.hook, rank=3, stage=1, clock=lambda: clock[0])
     kernel.run([[isa.Forward(0), isa.SendActivation(0)], [isa.Forward(1)]])
     assert done == ["f0", "any:SEND_F0", "f1"]  # MRO lookup serves subclasses
@@ -62,7 +63,7 @@ def test_kernel_walks_a_plan_by_index_and_resolves_its_handlers_once():
             Table.lookups += 1
             return super().get(key, default)
 
-    kernel = pk.Kernel({isa.MicroBatchInstruction: lambda i: done.append(str(i))},
+    kernel = Kernel({isa.MicroBatchInstruction: lambda i: done.append(str(i))},
                        enter=entered.append)
     kernel.handlers = Table(kernel.handlers)
     for _ in range(3):
@@ -72,7 +73,7 @@ def test_kernel_walks_a_plan_by_index_and_resolves_its_handlers_once():
     # one MRO walk per instruction type (3 types, 2-3 classes each), none per instruction
     assert Table.lookups <= 9
     with pytest.raises(pk.InstructionError, match=r"step 1, micro-batch 0"):
-        pk.Kernel({isa.LoadMicroBatch: lambda i: None, isa.Forward: lambda i: None,
+        Kernel({isa.LoadMicroBatch: lambda i: None, isa.Forward: lambda i: None,
                    isa.SendActivation: lambda i: 1 / 0}).run(plan)
 
 
@@ -95,7 +96,7 @@ def test_one_container_walker_keeps_every_container():
 
 
 def test_kernel_missing_handler_names_rank_stage_step_and_instruction():
-    kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=5, stage=2)
+    kernel = Kernel({isa.Forward: lambda i: None}, rank=5, stage=2)
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]])
     text = str(info.value)
@@ -108,7 +109,7 @@ def test_kernel_failing_handler_is_wrapped_with_its_place_and_cause():
     def broken(instruction):
         raise ZeroDivisionError("bad math")
 
-    kernel = pk.Kernel({isa.Backward: broken}, rank=0, stage=0)
+    kernel = Kernel({isa.Backward: broken}, rank=0, stage=0)
     with pytest.raises(pk.InstructionError, match=r"micro-batch 4, instruction B4\] "
                        r"ZeroDivisionError in the handler of B4: bad math") as info:
         kernel.run([[isa.Backward(4, buffer=1)]])
@@ -117,8 +118,8 @@ def test_kernel_failing_handler_is_wrapped_with_its_place_and_cause():
 
 
 def test_kernel_without_hook_implementations_skips_hook_calls():
-    pm = pk.make_plugin_manager(autoload=False)
-    kernel = pk.Kernel({isa.Forward: lambda i: None}, hook=pm.hook)
+    pm = make_plugin_manager(autoload=False)
+    kernel = Kernel({isa.Forward: lambda i: None}, hook=pm.hook)
     assert kernel._hooks() == (None, None)
 
 
@@ -174,7 +175,7 @@ def test_errors_pickle_with_their_location():
 
 def test_errors_say_which_batch_in_words():
     # the engine tells the kernel which batch runs: a train step or an eval after one
-    kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=1, stage=0)
+    kernel = Kernel({isa.Forward: lambda i: None}, rank=1, stage=0)
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]], train_step=126)
     assert str(info.value).startswith("[rank 1, stage 0, train step 126 (1-based), schedule step 1, "

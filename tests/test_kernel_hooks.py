@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 import pipekernel as pk
+from pipekernel.plugin import make_plugin_manager
 from pipekernel.schedules import instructions as isa
 from pipekernel.errors import InstructionError, TransportTimeout
 from pipekernel.kernel.loop import Kernel
@@ -35,7 +36,7 @@ class Wrapper:
 
 
 def run(plugins, steps, handlers=None):
-    pm = pk.make_plugin_manager(plugins, autoload=False)
+    pm = make_plugin_manager(plugins, autoload=False)
     handlers = handlers or {isa.Forward: lambda i: None}
     Kernel(handlers, hook=pm.hook, rank=0, stage=3).run(steps)
 

@@ -6,6 +6,7 @@ from models import MODELS, adam, sgd
 from sweep import Sweep
 
 import pipekernel as pk
+from pipekernel.grid.topology import Topology
 from pipekernel.testing import assert_parity, reference_train
 
 STEPS = 4
@@ -42,7 +43,7 @@ def check_parity(case):
         assert_parity(losses, ref_losses, state, ref_state)
         covered |= set(state)
     assert covered == set(ref_state), "stages together must hold every parameter"
-    assert [s for _, _, s, _ in results] == [pk.Topology(stages, dp, 1, r).stage
+    assert [s for _, _, s, _ in results] == [Topology(stages, dp, 1, r).stage
                                              for r in range(stages * dp)]
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
+from pipekernel.plugin import make_plugin_manager
 from pipekernel.plugins.partition import balance, measure_layers, stage_costs
 from pipekernel.testing import run_ranks
 
@@ -298,7 +299,7 @@ class HeadAlone:
 
 def test_third_party_method_by_name_and_report():
     module = unequal("head-alone")
-    pm = pk.make_plugin_manager([HeadAlone()])
+    pm = make_plugin_manager([HeadAlone()])
     context = pk.PartitionContext(module=module, num_stages=3)
     bounds = module.partition(3, pm, context)
     assert bounds[-2:] == [7, 8]

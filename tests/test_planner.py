@@ -9,6 +9,7 @@ import torch
 from models import mlp, mlp_data, sgd
 
 import pipekernel as pk
+from pipekernel.plugin import make_plugin_manager
 from pipekernel.errors import ConfigError
 from pipekernel.engine.planner import Auto, LayerCosts, search
 from pipekernel.plugins.partition import balance
@@ -154,7 +155,7 @@ def test_ranks_measuring_different_costs_are_caught():
 def test_auto_without_a_sample_says_how_to_give_one():
     from pipekernel.engine.planner import plan_module
     with pytest.raises(ConfigError, match="needs a sample micro-batch"):
-        plan_module(mlp(), Auto(), num_stages=2, micro_batches=4, pm=pk.make_plugin_manager())
+        plan_module(mlp(), Auto(), num_stages=2, micro_batches=4, pm=make_plugin_manager())
 
 
 def test_a_host_link_occupies_the_stages_and_favours_fewer_micro_batches():

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 import pipekernel as pk
+from pipekernel.plugin import Kernel
 from pipekernel.kernel.program import LoadedProgram
 from pipekernel.schedules import BUILTIN_SCHEDULES
 from pipekernel.schedules import instructions as isa
@@ -78,12 +79,12 @@ def test_the_kernel_runs_the_handlers_a_loaded_program_holds():
     program = compile_program(BUILTIN_SCHEDULES["gpipe"], stage=0, num_stages=2,
                               micro_batches=2)
     table, done = {isa.Instruction: lambda ins: done.append(("table", str(ins)))}, []
-    kernel = pk.Kernel(table)
+    kernel = Kernel(table)
     handlers = kernel.resolve(program.stream)
     assert handlers is not None and len(handlers) == len(program.stream)
     mine = tuple((lambda ins, n=n: done.append((n, str(ins)))) for n in range(len(handlers)))
     kernel.run(LoadedProgram(program, mine, (None,) * len(mine), ((),) * len(mine)))
     assert done == [(n, str(ins)) for n, ins in enumerate(program.stream)]
-    assert pk.Kernel({isa.Forward: lambda ins: None}).resolve(program.stream) is None
+    assert Kernel({isa.Forward: lambda ins: None}).resolve(program.stream) is None
     with pytest.raises(pk.InstructionError, match="no handler for instruction"):
-        pk.Kernel({isa.Forward: lambda ins: None}).run(program)
+        Kernel({isa.Forward: lambda ins: None}).run(program)

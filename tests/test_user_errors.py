@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
+from pipekernel.plugin import Kernel
 from pipekernel.extend.manager import make_plugin_manager, make_precision, make_transport, \
     resolve_schedule
 from pipekernel.schedules import format_grid, simulate, BUILTIN_SCHEDULES
@@ -34,7 +35,7 @@ def test_instruction_error_names_the_failing_layer_and_its_class():
     module = pk.PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4), Broken(), nn.Linear(4, 4)],
                                num_stages=2, partition=[0, 1, 4])
     stage = module.build_stage(1, [0, 1, 4])
-    kernel = pk.Kernel({isa.Forward: lambda i: stage(torch.zeros(2, 4))}, rank=1, stage=1)
+    kernel = Kernel({isa.Forward: lambda i: stage(torch.zeros(2, 4))}, rank=1, stage=1)
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(3)]])
     assert str(info.value).startswith(
