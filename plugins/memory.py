@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pipekernel.plugin import EngineView, hookimpl
-from pipekernel.stage.memory import MemoryLedger
+from pipekernel.plugin import EngineView, MemoryLedger, hookimpl
 
 __all__ = ["MemoryMeter"]
 
