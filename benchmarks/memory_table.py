@@ -44,9 +44,13 @@ def _cell(schedule: str, micro_batches: int, interval: int, dim: int, batch: int
               pk.LayerSpec(nn.Linear, dim, 4)]
     module = pk.PipelineModule(layers, loss_fn=nn.MSELoss(), partition="uniform", seed=3,
                                activation_checkpoint_interval=interval, num_stages=2)
-    engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
-                               micro_batches=micro_batches, schedule=schedule,
-                               chunks=chunks if chunks > 1 else None, transport="gloo", plugins=[meter], timeout=120)
+    try:
+        engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+                                   micro_batches=micro_batches, schedule=schedule,
+                                   chunks=chunks if chunks > 1 else None, transport="gloo",
+                                   plugins=[meter], timeout=120)
+    except pk.ConfigError as err:  # e.g. too few micro-batches for the schedule
+        return {"refused": str(err).splitlines()[0]}
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
         data = [(torch.randn(batch, 8, generator=g), torch.randn(batch, 4, generator=g))
