@@ -1,0 +1,166 @@
+"""The run-time sentinel (``PipelineEngine(check_every=K)``, pipekernel/engine/sentinel.py):
+exact hashes, the option's errors, bugs injected by the test (monkeypatches on one rank,
+no switch in the product) named on every rank at the step they happen, and clean runs of
+1f1b, zbv and dualpipev with data parallelism that raise nothing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipekernel as pk
+from pipekernel.engine.sentinel import DEFAULT_CHECK_EVERY, check_every_option, tensor_hash
+from pipekernel.testing import run_ranks
+from tests.models import adam, tied_lm, token_data
+
+
+# -- unit: the hash and the option -------------------------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16,
+                                   torch.float16, torch.int64, torch.uint8, torch.bool])
+def test_hash_sees_one_flipped_bit_and_a_swap(dtype):
+    g = torch.Generator().manual_seed(0)
+    t = (torch.randn(5, 7, generator=g) * 50).to(dtype)
+    h = tensor_hash(t)
+    assert h.dtype == torch.int64 and h.dim() == 0 and 0 <= int(h) < 2 ** 62
+    assert int(tensor_hash(t.clone())) == int(h)
+    bits = t.clone().reshape(-1).view(torch.uint8)
+    bits[13] ^= 1  # one bit of one element
+    assert int(tensor_hash(bits.view(dtype).reshape(5, 7))) != int(h)
+    if dtype != torch.bool:
+        swapped = t.clone().reshape(-1)
+        swapped[[0, 1]] = swapped[[1, 0]]
+        if not torch.equal(swapped, t.reshape(-1)):
+            assert int(tensor_hash(swapped)) != int(h)
+
+
+@pytest.mark.fast
+def test_hash_sees_the_sign_bit_of_a_float64():
+    assert int(tensor_hash(torch.tensor(2.0, dtype=torch.float64))) != \
+        int(tensor_hash(torch.tensor(-2.0, dtype=torch.float64)))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10"])
+def test_check_every_refuses_what_is_not_a_positive_int(bad):
+    with pytest.raises(pk.ConfigError, match=r"check_every must be a positive int or None"):
+        check_every_option(bad)
+    assert check_every_option(None) is None and check_every_option(7) == 7
+    assert isinstance(DEFAULT_CHECK_EVERY, int) and DEFAULT_CHECK_EVERY > 0
+
+
+# -- multi-rank: 2 stages x 2 replicas ---------------------------------------------------
+def _engine(schedule, check_every, micro_batches=4):
+    return pk.PipelineEngine(tied_lm(num_stages=2), optimizer=adam, micro_batches=micro_batches,
+                             schedule=schedule, transport="gloo", data_parallel_size=2,
+                             timeout=60, check_every=check_every)
+
+
+def _train(engine, steps, inject=None):
+    """Train ``steps`` batches; ``inject(engine, step)`` runs before each (a test's bug)."""
+    for step in range(steps):
+        if inject is not None:
+            inject(engine, step + 1)
+        engine.train_batch(iter(token_data(step, engine.data_parallel_rank,
+                                           engine.micro_batches)))
+
+
+def _caught(engine, steps, inject):
+    try:
+        _train(engine, steps, inject)
+    except pk.ConsistencyError as err:
+        return {"check": err.check, "parameter": err.parameter, "step": err.train_step,
+                "ranks": err.ranks, "stage": err.stage, "text": str(err),
+                "perturbed": getattr(engine, "perturbed", None)}
+    finally:
+        engine.close()
+    return None
+
+
+def _perturb_replica(engine, step):
+    """On rank 1 (stage 0, replica 1) at step 3: one element of its last block parameter
+    moves by one ulp inside the optimizer step (a replica that diverged)."""
+    if step != 3 or engine.rank != 1:
+        return
+    name, param = [(n, p) for n, p in engine.module.named_parameters() if "lin" in n][-1]
+    engine.perturbed = name  # what the test expects named
+    opt, step_fn = engine.optimizer, engine.optimizer.step
+
+    def step_then_perturb(*args, **kwargs):
+        out = step_fn(*args, **kwargs)
+        with torch.no_grad():
+            param.view(-1)[0] = torch.nextafter(param.view(-1)[0], torch.tensor(1e9))
+        opt.step = step_fn
+        return out
+    opt.step = step_then_perturb
+
+
+def _skip_tied_reduction(engine, step):
+    """From step 2 on, every rank skips the sum of the tied gradients over stages."""
+    if step == 2:
+        engine.batch_step.reduce_tied_grads = lambda: None
+
+
+def _skip_replica_step(engine, step):
+    """Rank 3 (stage 1, replica 1) skips its optimizer step at step 2."""
+    if step == 2 and engine.rank == 3:
+        opt, step_fn = engine.optimizer, engine.optimizer.step
+
+        def skip(*args, **kwargs):
+            opt.step = step_fn
+        opt.step = skip
+
+
+_INJECT = {"replica": _perturb_replica, "tied": _skip_tied_reduction,
+           "skipped_step": _skip_replica_step}
+
+
+def _injected(schedule, bug):
+    torch.set_num_threads(1)
+    return _caught(_engine(schedule, 1), 4, _INJECT[bug])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_a_diverged_replica_is_named_on_every_rank_at_its_step(schedule):
+    results = run_ranks(_injected, 4, schedule, "replica", timeout=240)
+    assert all(r is not None for r in results), results
+    name = results[1]["perturbed"]
+    assert name is not None and name.endswith("lin.bias")
+    assert all({k: r[k] for k in ("check", "step", "parameter", "stage")} ==
+               {"check": "replicas", "step": 3, "parameter": name, "stage": 0}
+               for r in results)
+    # two replicas: neither is the majority, both are named with their values
+    assert all(r["ranks"] in ([0], [1]) for r in results)
+    assert "rank(s) [1] hold" in results[2]["text"] and "rank(s) [0] hold" in results[2]["text"]
+    assert "train step 3" in results[3]["text"] and name in results[3]["text"]
+
+
+def test_a_tied_copy_not_reduced_is_named():
+    results = run_ranks(_injected, 4, "1f1b", "tied", timeout=240)
+    assert all(r is not None and r["check"] == "tied" and r["step"] == 2 for r in results), results
+    assert all("embed" in r["parameter"] and "weight" in r["parameter"] for r in results)
+
+
+def test_a_replica_that_skipped_its_step_is_named():
+    results = run_ranks(_injected, 4, "dualpipev", "skipped_step", timeout=240)
+    assert all(r is not None and r["step"] == 2 and r["stage"] == 1 for r in results), results
+    assert all(r["check"].startswith("replicas") for r in results)
+
+
+def _clean(schedules, steps):
+    torch.set_num_threads(1)
+    done = {}
+    for schedule in schedules:
+        engine = _engine(schedule, 1)
+        try:
+            _train(engine, steps)
+            done[schedule] = (engine.sentinel.last_clean, engine.global_steps)
+        finally:
+            engine.close()
+    return done
+
+
+def test_clean_runs_raise_nothing():
+    steps = 60
+    results = run_ranks(_clean, 4, ["1f1b", "zbv", "dualpipev"], steps, timeout=400)
+    assert all(r == {s: (steps, steps) for s in ("1f1b", "zbv", "dualpipev")}
+               for r in results), results
