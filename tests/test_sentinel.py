@@ -49,10 +49,20 @@ def test_check_every_refuses_what_is_not_a_positive_int(bad):
 
 
 # -- multi-rank: 2 stages x 2 replicas ---------------------------------------------------
-def _engine(schedule, check_every, micro_batches=4):
-    return pk.PipelineEngine(tied_lm(num_stages=2), optimizer=adam, micro_batches=micro_batches,
+def _token_sum(logits, labels):
+    return (torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                              labels.reshape(-1), reduction="sum"),
+            torch.tensor(labels.numel()))
+
+
+def _engine(schedule, check_every, micro_batches=4, tokens=False):
+    module = tied_lm(num_stages=2)
+    if tokens:
+        module.loss_fn = _token_sum
+    return pk.PipelineEngine(module, optimizer=adam, micro_batches=micro_batches,
                              schedule=schedule, transport="gloo", data_parallel_size=2,
-                             timeout=60, check_every=check_every)
+                             timeout=60, check_every=check_every,
+                             loss_reduction="tokens" if tokens else "mean")
 
 
 def _train(engine, steps, inject=None):
@@ -110,13 +120,20 @@ def _skip_replica_step(engine, step):
         opt.step = skip
 
 
+def _scale_twice(engine, step):
+    """Stage 1 (ranks 2, 3) scales its gradients by the token count twice from step 2."""
+    if step == 2 and engine.stage == 1:
+        once = engine.batch_step._token_scale
+        engine.batch_step._token_scale = lambda total: once(total) * once(total)
+
+
 _INJECT = {"replica": _perturb_replica, "tied": _skip_tied_reduction,
-           "skipped_step": _skip_replica_step}
+           "skipped_step": _skip_replica_step, "scaled_twice": _scale_twice}
 
 
 def _injected(schedule, bug):
     torch.set_num_threads(1)
-    return _caught(_engine(schedule, 1), 4, _INJECT[bug])
+    return _caught(_engine(schedule, 1, tokens=bug == "scaled_twice"), 4, _INJECT[bug])
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
@@ -144,6 +161,14 @@ def test_a_replica_that_skipped_its_step_is_named():
     results = run_ranks(_injected, 4, "dualpipev", "skipped_step", timeout=240)
     assert all(r is not None and r["step"] == 2 and r["stage"] == 1 for r in results), results
     assert all(r["check"].startswith("replicas") for r in results)
+
+
+def test_a_stage_that_scaled_its_gradients_twice_is_named():
+    results = run_ranks(_injected, 4, "1f1b", "scaled_twice", timeout=240)
+    assert all(r is not None and r["step"] == 2 and r["check"] == "normalisation"
+               and r["parameter"] == "gradient scale" for r in results), results
+    # under 1f1b its tied copies (stages 0 and 1) diverge too: the cause is named first
+    assert all(sorted(r["ranks"]) in ([0, 1], [2, 3]) for r in results)
 
 
 def _clean(schedules, steps):

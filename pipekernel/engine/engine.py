@@ -327,25 +327,30 @@ class PipelineEngine(EngineFields):
         state.trained_micro_batches += self.micro_batches
         state.skipped_steps += not step.last_step_taken
         state.last_loss, state.last_grad_norm = loss, step.last_grad_norm
-        sentinel = self.sentinel
+        sentinel, checked = self.sentinel, None
         if sentinel is not None and sentinel.due(state.global_steps):
-            self._check_invariants(sentinel)
+            checked = self._check_invariants(sentinel)
         metrics = {"step": state.global_steps, "seconds": time.perf_counter() - start,
                    "skipped": not step.last_step_taken, **self.precision.metrics()}
         if self.max_grad_norm is not None:
             metrics["grad_norm"] = state.last_grad_norm
         if step.last_aux_loss is not None:  # part of loss (stage/aux_loss.py)
             metrics["aux_loss"] = step.last_aux_loss
+        if checked is not None:  # the sentinel ran (and passed) after this step
+            metrics["check_seconds"] = checked
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
         return loss  # type: ignore[return-value]
 
-    def _check_invariants(self, sentinel: Sentinel) -> None:
-        """Run the sentinel's checks (every rank together); a failure is this rank's."""
+    def _check_invariants(self, sentinel: Sentinel) -> float:
+        """Run the sentinel's checks (every rank together); their seconds. A failure ends
+        the run on every rank alike (each read the same reduced vector)."""
+        start = time.perf_counter()
         try:
             sentinel.check()
         except BaseException as err:
             self.failed = err
             raise
+        return time.perf_counter() - start
 
     def eval_batch(self, data_iter: Iterator | None = None, compute_loss: bool = True,
                    return_outputs: bool = False, micro_batches: int | None = None) -> Any:

@@ -52,6 +52,18 @@ def check_every_option(value: Any) -> int | None:
     return value
 
 
+_WEIGHTS: dict[Any, torch.Tensor] = {}  # device -> 1, 3, 5, ... (grown as needed)
+
+
+def _weights(n: int, device: Any) -> torch.Tensor:
+    """The first ``n`` odd numbers on ``device``, cached (a check re-reads, not rebuilds)."""
+    cached = _WEIGHTS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = torch.arange(max(n, 1024), dtype=torch.int64, device=device) * 2 + 1
+        _WEIGHTS[device] = cached
+    return cached[:n]
+
+
 def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
     """An exact hash of ``tensor``'s bytes: a 0-dim int64 on its device, in ``[0, 2**62)``.
 
@@ -66,8 +78,9 @@ def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, ints.numel(), _CHUNK):
         part = ints[start:start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), dtype=torch.int64,
-                               device=flat.device) * 2 + 1
+        weights = _weights(part.numel(), flat.device)
+        if start:
+            weights = weights + 2 * start
         total = total + (part * weights).sum()
     # fold the top two bits in: a flipped sign or top exponent bit still shows
     return total.bitwise_and(_MASK).bitwise_xor(total.bitwise_right_shift(62).bitwise_and(3))
@@ -80,6 +93,7 @@ class _Slot:
     check: str
     entry: str  # the parameter (global layer index key) or quantity
     stage: int | None
+    more: str = ""
 
 
 class Sentinel:
@@ -92,6 +106,7 @@ class Sentinel:
         self.cell = topo.model_rank * topo.shard_size + topo.shard_rank
         tied = engine.pipeline_module.tied_stages(engine.bounds, engine.part_stages.__getitem__)
         self.tied_keys = sorted(k for k, stages in tied.items() if len(stages) > 1)
+        self.tied_stages = tied
         self.width: int | None = None  # parameters per stage slot (the most of any stage)
         self.tied_width: int | None = None
         self.last_clean: int | None = None
@@ -128,37 +143,41 @@ class Sentinel:
         values = counts.tolist()
         self.width, self.tied_width = values[0], max(values[1:], default=0)
 
-    def _layout(self) -> list[_Slot]:
-        """Every slot of the vector, in order (the same on every rank)."""
-        slots: list[_Slot] = []
-        for stage in range(self.engine.num_stages):
-            for _ in range(self.cells):
-                for j in range(self.width):
-                    slots += [_Slot("replicas", f"parameter #{j}", stage),
-                              _Slot("replicas (optimizer state)", f"parameter #{j}", stage)]
-        for key in self.tied_keys:
-            for _ in range(self.cells):
-                slots += [_Slot("tied", f"tied layer {key!r} parameter #{j}", None)
-                          for j in range(self.tied_width)]
-        slots += [_Slot("normalisation", "micro-batch count", None),
-                  _Slot("normalisation", "gradient scale", None)]
-        return slots
+    def _bases(self) -> tuple[int, int, int]:
+        """Where the tied section, the normalisation section and the end are."""
+        tied = self.engine.num_stages * self.cells * self.width * 2
+        norm = tied + len(self.tied_keys) * self.cells * self.tied_width
+        return tied, norm, norm + 2
+
+    def _describe(self, index: int) -> _Slot:
+        """What slot ``index`` of the vector compares (the same on every rank)."""
+        tied, norm, _ = self._bases()
+        if index < tied:
+            stage = index // (self.cells * self.width * 2)
+            check = "replicas (optimizer state)" if index % 2 else "replicas"
+            return _Slot(check, f"parameter #{(index % (self.width * 2)) // 2}", stage)
+        if index < norm:
+            key = self.tied_keys[(index - tied) // (self.cells * self.tied_width)]
+            return _Slot("tied", f"tied layer {key!r} parameter #"
+                                 f"{(index - tied) % self.tied_width}", None,
+                         f" (its copies on stages {self.tied_stages[key]})")
+        return _Slot("normalisation", ("micro-batch count", "gradient scale")[index - norm],
+                     None)
 
     def _mine(self, device: Any) -> tuple[torch.Tensor, list[int]]:
         """This rank's hashes and the slot index of each."""
         engine, values, where = self.engine, [], []
+        tied_base, norm, _ = self._bases()
         base = (engine.stage * self.cells + self.cell) * self.width * 2
         for j, (_, p) in enumerate(self._params()):
             values += [tensor_hash(p), self._opt_hash(p, device)]
             where += [base + 2 * j, base + 2 * j + 1]
-        tied_base = engine.num_stages * self.cells * self.width * 2
         for i, key in enumerate(self.tied_keys):
             if key in engine.tied_groups:
                 start = tied_base + (i * self.cells + self.cell) * self.tied_width
                 for j, p in enumerate(engine.module.tied_modules[key].parameters()):
                     values.append(tensor_hash(p))
                     where.append(start + j)
-        norm = tied_base + len(self.tied_keys) * self.cells * self.tied_width
         step = engine.batch_step
         scale = torch.tensor(float(getattr(step, "last_grad_scale", 1.0)), dtype=torch.float64)
         values += [torch.tensor(step.micro_batches, dtype=torch.int64, device=device),
@@ -175,10 +194,9 @@ class Sentinel:
         with torch.no_grad():
             if self.width is None:
                 self._agree_widths(device)
-            slots = self._layout()
             mine, where = self._mine(device)
             index = torch.tensor(where, dtype=torch.int64, device=device)
-            vec = torch.full((2, len(slots)), _NONE, dtype=torch.int64, device=device)
+            vec = torch.full((2, self._bases()[2]), _NONE, dtype=torch.int64, device=device)
             vec[0, index] = mine
             vec[1, index] = -mine
             engine.transport.all_reduce(vec, "max")  # the one collective of a clean check
@@ -188,9 +206,10 @@ class Sentinel:
         if not bad:
             self.last_clean = step
             return
-        slot = bad[0]
+        # a normalisation mismatch is the cause of the others it brings: named first
+        slot = min(bad, key=lambda i: (i < self._bases()[1], i))
         ranks, name = self._who(slot, where, mine, device)
-        self._raise(slots[slot], ranks, name, step, len(bad))
+        self._raise(self._describe(slot), ranks, name, step, len(bad))
 
     def _who(self, slot: int, where: list[int], mine: torch.Tensor, device: Any
              ) -> tuple[dict[int, int], str]:
@@ -202,7 +221,8 @@ class Sentinel:
         if slot in where:
             vec[engine.rank] = mine[where.index(slot)]
             name = self._name_of(slot).encode()[:_NAME_BYTES]
-            vec[world:world + len(name)] = torch.tensor(list(name), dtype=torch.int64)
+            vec[world:world + len(name)] = torch.tensor(list(name), dtype=torch.int64,
+                                                        device=device)
         engine.transport.all_reduce(vec, "max")
         values = vec.tolist()
         held = {r: v for r, v in enumerate(values[:world]) if v != _NONE}
@@ -212,10 +232,9 @@ class Sentinel:
     def _name_of(self, slot: int) -> str:
         """This rank's name for one of its own slots."""
         engine = self.engine
-        tied_base = engine.num_stages * self.cells * self.width * 2
+        tied_base, norm, _ = self._bases()
         if slot < tied_base:
             return self._params()[(slot % (self.width * 2)) // 2][0]
-        norm = tied_base + len(self.tied_keys) * self.cells * self.tied_width
         if slot >= norm:
             return ""
         key = self.tied_keys[(slot - tied_base) // (self.cells * self.tied_width)]
@@ -230,19 +249,17 @@ class Sentinel:
             groups.setdefault(value, []).append(rank)
         # the odd one out: the value fewest ranks hold (with two, both are named)
         ordered = sorted(groups.values(), key=lambda ranks: (len(ranks), ranks))
-        odd = ordered[0]
+        odd = ordered[0] if ordered else []
         said = "; ".join(f"rank(s) {ranks} hold {value:#x}" for value, ranks in groups.items())
         since = (f"the last clean check was after train step {self.last_clean}"
                  if self.last_clean is not None else "this was the first check")
         what = name or slot.entry
-        stage = slot.stage if slot.stage is not None else None
         raise ConsistencyError(
-            f"consistency check {slot.check!r} failed at train step {step} (1-based): "
-            f"{what} differs: {said} ({count} value(s) differ in all; {since}, checks run "
-            f"every {self.every} step(s))",
+            f"consistency check {slot.check!r} failed: {what}{slot.more} differs: {said} "
+            f"({count} value(s) differ in all; {since}; checks run every {self.every} "
+            f"step(s))",
             hint=_HINTS[slot.check.split(" ")[0]], check=slot.check, parameter=what,
-            ranks=odd, rank=odd[0], stage=stage if stage is not None else None,
-            train_step=step)
+            ranks=odd, rank=odd[0] if odd else None, stage=slot.stage, train_step=step)
 
 
 _HINTS = {
