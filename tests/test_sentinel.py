@@ -189,3 +189,36 @@ def test_clean_runs_raise_nothing():
     results = run_ranks(_clean, 4, ["1f1b", "zbv", "dualpipev"], steps, timeout=400)
     assert all(r == {s: (steps, steps) for s in ("1f1b", "zbv", "dualpipev")}
                for r in results), results
+
+
+LAYOUTS = [{"data_parallel_shard": 2}, {"data_parallel_size": 2, "zero_stage": 1},
+           {"data_parallel_size": 2, "precision": "bf16"}, {"tensor_parallel_size": 2}]
+
+
+def _layouts(layouts, steps):
+    from tests.models import mlp, mlp_data
+    torch.set_num_threads(1)
+    done = []
+    try:  # the constructor refuses a bad value on every rank, before anything is built
+        pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, timeout=60, check_every=0)
+    except pk.ConfigError as err:
+        done.append(str(err).splitlines()[0])
+    for kw in layouts:
+        engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=2,
+                                   timeout=60, check_every=1, **kw)
+        try:
+            for step in range(steps):
+                engine.train_batch(iter(mlp_data(step, engine.data_parallel_rank, 2)))
+            done.append(engine.sentinel.last_clean)
+        finally:
+            engine.close()
+    return done
+
+
+def test_fsdp_zero_low_precision_and_tensor_parallel_layouts_pass_clean():
+    """DTensor shards, ZeRO-1's sharded optimizer state, bf16's fp32 master copies and
+    tensor-parallel ranks: the checks run (every step) and find nothing."""
+    results = run_ranks(_layouts, 4, LAYOUTS, 3, timeout=300)
+    refused = "check_every must be a positive int or None, got 0"
+    assert all(refused in r[0] for r in results), results
+    assert [r[1:] for r in results] == [[3] * len(LAYOUTS)] * 4, results
