@@ -40,6 +40,28 @@ def test_hash_sees_the_sign_bit_of_a_float64():
 
 
 @pytest.mark.fast
+def test_the_hash_of_a_tensor_in_chunks_is_its_hash_whole(monkeypatch):
+    from pipekernel.engine import sentinel
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    whole = int(tensor_hash(t))
+    monkeypatch.setattr(sentinel, "_CHUNK", 7)  # 143 chunks, the last one short
+    assert int(tensor_hash(t)) == whole
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_hash_is_the_same_on_the_gpu():
+    """Integer sums modulo 2**64 do not depend on the reduction order: a replica on a GPU
+    hashes as one on the CPU (large tensors too: several chunks)."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64):
+        for n in (7, (1 << 24) + 5):
+            t = (torch.randn(n, generator=g) * 9).to(dtype)
+            assert int(tensor_hash(t)) == int(tensor_hash(t.cuda()))
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10"])
 def test_check_every_refuses_what_is_not_a_positive_int(bad):
     with pytest.raises(pk.ConfigError, match=r"check_every must be a positive int or None"):
