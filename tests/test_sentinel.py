@@ -158,7 +158,7 @@ def _injected(schedule, bug):
     return _caught(_engine(schedule, 1, tokens=bug == "scaled_twice"), 4, _INJECT[bug])
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
 def test_a_diverged_replica_is_named_on_every_rank_at_its_step(schedule):
     results = run_ranks(_injected, 4, schedule, "replica", timeout=240)
     assert all(r is not None for r in results), results
