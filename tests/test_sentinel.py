@@ -153,9 +153,9 @@ _INJECT = {"replica": _perturb_replica, "tied": _skip_tied_reduction,
            "skipped_step": _skip_replica_step, "scaled_twice": _scale_twice}
 
 
-def _injected(schedule, bug):
+def _injected(schedule, bug, every=1):
     torch.set_num_threads(1)
-    return _caught(_engine(schedule, 1, tokens=bug == "scaled_twice"), 4, _INJECT[bug])
+    return _caught(_engine(schedule, every, tokens=bug == "scaled_twice"), 5, _INJECT[bug])
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv", "dualpipev"])
@@ -171,6 +171,14 @@ def test_a_diverged_replica_is_named_on_every_rank_at_its_step(schedule):
     assert all(r["ranks"] in ([0], [1]) for r in results)
     assert "rank(s) [1] hold" in results[2]["text"] and "rank(s) [0] hold" in results[2]["text"]
     assert "train step 3" in results[3]["text"] and name in results[3]["text"]
+
+
+def test_with_check_every_2_a_fault_at_step_3_is_seen_at_step_4_after_a_clean_2():
+    results = run_ranks(_injected, 4, "1f1b", "replica", 2, timeout=240)
+    assert all(r is not None and r["step"] == 4 and r["check"] == "replicas"
+               for r in results), results
+    assert "the last clean check was after train step 2; checks run every 2 step(s)" \
+        in results[0]["text"]
 
 
 def test_a_tied_copy_not_reduced_is_named():
