@@ -142,6 +142,24 @@ def _skip_replica_step(engine, step):
         opt.step = skip
 
 
+def _perturb_moment(engine, step):
+    """On rank 2 (stage 1, replica 0) at step 2, after the step: one element of AdamW's
+    first moment of its first parameter moves (the parameters stay equal this step)."""
+    if step != 2 or engine.rank != 2:
+        return
+    name, param = next(iter(engine.module.named_parameters()))
+    engine.perturbed = name
+    opt, step_fn = engine.optimizer, engine.optimizer.step
+
+    def step_then_perturb(*args, **kwargs):
+        out = step_fn(*args, **kwargs)
+        with torch.no_grad():
+            opt.state[param]["exp_avg"].view(-1)[0] += 1.0
+        opt.step = step_fn
+        return out
+    opt.step = step_then_perturb
+
+
 def _scale_twice(engine, step):
     """Stage 1 (ranks 2, 3) scales its gradients by the token count twice from step 2."""
     if step == 2 and engine.stage == 1:
@@ -150,7 +168,8 @@ def _scale_twice(engine, step):
 
 
 _INJECT = {"replica": _perturb_replica, "tied": _skip_tied_reduction,
-           "skipped_step": _skip_replica_step, "scaled_twice": _scale_twice}
+           "skipped_step": _skip_replica_step, "scaled_twice": _scale_twice,
+           "moment": _perturb_moment}
 
 
 def _injected(schedule, bug, every=1):
@@ -179,6 +198,14 @@ def test_with_check_every_2_a_fault_at_step_3_is_seen_at_step_4_after_a_clean_2(
                for r in results), results
     assert "the last clean check was after train step 2; checks run every 2 step(s)" \
         in results[0]["text"]
+
+
+def test_a_replica_whose_optimizer_state_diverged_is_named():
+    results = run_ranks(_injected, 4, "zbv", "moment", timeout=240)
+    name = results[2]["perturbed"]
+    assert all(r is not None and r["step"] == 2 and r["stage"] == 1
+               and r["check"] == "replicas (optimizer state)" and r["parameter"] == name
+               for r in results), results
 
 
 def test_a_tied_copy_not_reduced_is_named():
