@@ -12,6 +12,8 @@ and a sample walks the stage's parameters and buffers twice per instruction, whi
 step with many small instructions notices; ``benchmarks/memory_table.py`` shows the
 numbers. Byte counts are exact and device independent (storages, not an allocator's
 rounding); on CUDA the monitor's ``peak_memory_mb`` is the allocator's figure beside them.
+Known limit: under a split backward (zero-bubble and V schedules) ``saved`` is an upper
+bound (docs/memory.md says why).
 """
 from __future__ import annotations
 
