@@ -86,7 +86,7 @@ def main() -> None:
                 print(f"{schedule:<12}{m:>3}{interval:>5}{stage:>6}  refused: {row['refused']}")
                 continue
             print(f"{schedule:<12}{m:>3}{interval:>5}{stage:>6}"
-                  + "".join(f"{row[f'memory_{c}_bytes']:>11}" for c in CATEGORIES)
+                  + "".join(f"{row.get(f'memory_{c}_bytes', '-'):>11}" for c in CATEGORIES)
                   + f"{row['memory_peak_bytes']:>11}")
 
 

@@ -124,3 +124,13 @@ def test_engine_reports_memory_by_category(interval):
         assert after["saved"] == 0  # nothing saved outlives the runtime's buffers
         assert samples > 10
     print([r[0] for r in results])
+
+
+def test_split_backward_schedules_report_no_saved_category():
+    # saved_tensors_hooks + the split backward never free the packed tensors: the meter
+    # must not record them there (it would leak), and says so by leaving the key out
+    metrics, params, _, after, _ = run_ranks(_worker, 2, "zb-h1", 4, 0)[1]
+    assert "memory_saved_bytes" not in metrics
+    assert metrics["memory_params_bytes"] == params
+    assert metrics["memory_peak_bytes"] == sum(
+        metrics[f"memory_{c}_bytes"] for c in ("params", "grads", "optimizer", "buffers"))

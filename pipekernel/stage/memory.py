@@ -77,17 +77,20 @@ class MemoryLedger:
         self._params, self._optimizer, self._buffers = params, optimizer, buffers
         self._saved: dict[int, list[int]] = {}  # storage data_ptr -> [bytes, live tensors]
         self._hooks: Any = None
+        self.recording = False
         self._skip: set[int] = set()  # parameter storages: counted as params, never saved
         self.peak: dict[str, int] = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self.samples = 0
 
     # ------------------------------------------------------------ recording
-    def start(self) -> None:
-        """Reset the peak and record saved tensors from now (the calling thread)."""
+    def start(self, saved: bool = True) -> None:
+        """Reset the peak and, with ``saved``, record saved tensors from now (the calling
+        thread); without, ``metrics()`` leaves ``memory_saved_bytes`` out."""
         self.peak, self.peak_total, self.samples = dict.fromkeys(CATEGORIES, 0), 0, 0
         self._skip = {p.untyped_storage().data_ptr() for p in self._params()}
-        if self._hooks is None:
+        self.recording = saved
+        if saved and self._hooks is None:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._hooks.__enter__()
             _ACTIVE.append(self)
@@ -160,7 +163,8 @@ class MemoryLedger:
     def metrics(self) -> dict[str, int]:
         """The step's peak, flat (``memory_peak_bytes`` and each category's bytes at it,
         ``memory_<category>_bytes``), for ``train_batch``'s metrics."""
-        out = {f"memory_{name}_bytes": self.peak[name] for name in CATEGORIES}
+        out = {f"memory_{name}_bytes": self.peak[name] for name in CATEGORIES
+               if name != "saved" or self.recording}
         out["memory_peak_bytes"] = self.peak_total
         return out
 
