@@ -10,7 +10,8 @@ from pipekernel.stage.moe import MoE
 from pipekernel.stage.paired import overlap_all_to_all
 from pipekernel.engine.checkpoint import load_sequential
 from pipekernel.engine.engine import PipelineEngine
-from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
+from pipekernel.errors import (ConfigError, ConsistencyError, DataError, InstructionError,
+                               NonFiniteLossError,
                                PeerAbort, PipelineError, ScheduleError, TransportError,
                                TransportTimeout, UnknownNameError)
 from pipekernel.extend.hookspecs import hookimpl, hookspec
@@ -22,6 +23,7 @@ from pipekernel.engine.planner import Plan, auto
 from pipekernel.extend.manager import make_plugin_manager
 from pipekernel.stage.skips import Skip, pop, skippable, stash
 from pipekernel.stage.aux_loss import add_aux_loss, aux_losses
+from pipekernel.stage.packing import document_ids, document_mask, pack
 from pipekernel.grid.topology import Topology
 from pipekernel.comm.transport import P2POp
 
@@ -38,11 +40,13 @@ __all__ = [
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
     "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
     "add_aux_loss", "aux_losses", "MoE", "expert_parallel", "overlap_all_to_all",
+    "pack", "document_ids", "document_mask",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
     # errors
     "PipelineError", "ConfigError", "UnknownNameError", "DataError", "ScheduleError",
     "InstructionError", "TransportError", "TransportTimeout", "PeerAbort", "NonFiniteLossError",
+    "ConsistencyError",
     "RankError", "LaunchInterrupted",
     "__version__",
 ]
