@@ -116,7 +116,8 @@ class PipelineEngine(EngineFields):
         between stages and the receiver all-gathers them over its tensor-parallel group
         (default ``True``; ``False`` sends the whole tensors from every rank).
     :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
-        (ZeRO-1, :mod:`pipekernel.grid.zero`); ``0`` (default) replicates it.
+        (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, :mod:`pipekernel.grid.zero`);
+        ``0`` (default) replicates it.
     :param data_parallel_shard: ``N > 1`` shards each stage's parameters, gradients and
         optimizer state over ``N`` ranks with FSDP2 (``fully_shard``, the built-in plugin
         :mod:`pipekernel.plugins.fsdp`), timed by the schedule
