@@ -71,6 +71,7 @@ from pipekernel.extend.installed import entry_points
 from pipekernel.extend.views import EngineView, RuntimeView, StageView
 from pipekernel.grid.stage_parallel import find as find_stage_parallel
 from pipekernel.nested import describe, map_tensors, tensors_of, tensors_to
+from pipekernel.stage.memory import MemoryLedger
 from pipekernel.stage.partitioning import Balance, Memory, Profile
 from pipekernel.stage.skips import SkipScope
 from pipekernel.stage.split_backward import backward_input, backward_weight
@@ -89,5 +90,5 @@ __all__ = [
     "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "TORCH_REDUCE_OPS",
     "attempt", "attempt_prefix", "keyed_store", "bind_defaults_before_init", "entry_points",
     "EngineView", "StageView", "RuntimeView", "broadcast_object", "compute_on_one",
-    "raise_on_every_rank", "tensors_to", "describe",
+    "raise_on_every_rank", "tensors_to", "describe", "MemoryLedger",
 ]

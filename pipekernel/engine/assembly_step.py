@@ -270,9 +270,15 @@ def make_optimizer(optimizer: Any, where: Any, data_group: Any) -> torch.optim.O
                                    "...): ZeRO-1 builds it over this replica's shard")
         return optimizer
     if callable(optimizer) and where.parallel.zero_stage and topology.data_size > 1:
+        from pipekernel.grid.mesh import mesh_unavailable
         from pipekernel.grid.zero import ZeroOptimizer
-        return ZeroOptimizer(params, optimizer, where.transport, data_group,
-                             topology.data_rank, topology.data_size)
+        why = mesh_unavailable(where.transport)
+        if why:
+            raise ConfigError(f"zero_stage=1 runs torch's ZeroRedundancyOptimizer, which needs "
+                              f"torch process groups: {why}",
+                              hint="use transport='gloo' or 'nccl' over the whole job, or "
+                                   "data_parallel_shard=N (FSDP2)", rank=where.rank)
+        return ZeroOptimizer(params, optimizer, data_group)
     if callable(optimizer):
         return optimizer(params)
     raise ConfigError(f"optimizer must be a factory or a torch optimizer, got {optimizer!r}",

@@ -162,6 +162,8 @@ class RuntimeView(Protocol):
     * ``outputs``: the last-stage outputs of the last ``eval_batch(return_outputs=True)``;
     * ``flush()``: wait for the sends still in flight (before a checkpoint or a collective
       outside a batch);
+    * ``held_tensors()``: what the runtime holds now (buffers, posted receives, sends in
+      flight), for memory accounting (``pipekernel.stage.memory``);
     * ``stage``, ``chunks``, ``micro_batches`` (of the running batch), ``transport``.
     """
 
@@ -176,3 +178,5 @@ class RuntimeView(Protocol):
     def inputs_of(self, instruction: Any) -> Any: ...
 
     def flush(self) -> None: ...
+
+    def held_tensors(self) -> list[Any]: ...

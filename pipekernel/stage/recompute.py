@@ -46,6 +46,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pipekernel.errors import ConfigError
+from pipekernel.stage.memory import note_saved
 
 __all__ = ["checkpoint", "SegmentWatch"]
 
@@ -98,6 +99,7 @@ class _Run:
         keep = before if watch.written is None else \
             {key: before[key] for key in watch.written if key in before}
         copies: dict[int, torch.Tensor] = {}  # one copy per tensor (shared buffers)
+        note_saved(x)  # the recompute keeps the segment's input: count it as saved
         with torch.no_grad():
             for _, tensor, _ in keep.values():
                 if id(tensor) not in copies:

@@ -179,7 +179,7 @@ class StageRuntime:
         self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: list[Any] = []        # handles of sends in flight
+        self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
 
@@ -252,8 +252,30 @@ class StageRuntime:
     def flush(self) -> None:
         """Wait for every send still in flight."""
         sends, self._sends = self._sends, []
-        for handle in sends:
+        for handle, _ in sends:
             handle.wait()
+
+    def _prune_sends(self) -> None:
+        """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
+        buffer lives exactly as long as its transfer: a query, no device sync."""
+        if any(handle.is_completed() for handle, _ in self._sends):
+            for handle, _ in self._sends:
+                if handle.is_completed():
+                    handle.wait()
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def held_tensors(self) -> list[Any]:
+        """What the runtime holds now, for memory accounting (stage/memory.py): every
+        buffer's fields (inputs, outputs held until sent, gradients, skip stashes, the
+        weight-pass state), posted receives, send buffers whose transfer has not
+        completed, and hand-offs within the stage."""
+        self._prune_sends()
+        held: list[Any] = [b for b in self.buffers if b is not _EMPTY]
+        held += [t for _, t in self._sends]
+        held += list(self._recvs.values())
+        held += list(self._local.values())
+        held += list(self.labels.values())
+        return held
 
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
@@ -341,15 +363,13 @@ class StageRuntime:
             control += ctrl
         control_handles = self.transport.control.batch_isend_irecv(control) if control else []
         handles = self.transport.batch_isend_irecv(data) if data else []
-        if len(self._sends) > 16:  # drop finished sends (wait() re-raises a failed one)
-            for handle in self._sends:
-                if handle.is_completed():
-                    handle.wait()
-            self._sends = [h for h in self._sends if not h.is_completed()]
+        self._prune_sends()
         for pending, d0, dn, c0, cn in spans:
             if pending is None:
-                self._sends += handles[d0:d0 + dn]
-                self._sends += control_handles[c0:c0 + cn]
+                self._sends += [(h, op.tensor) for h, op in
+                                zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
+                self._sends += [(h, op.tensor) for h, op in
+                                zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
             else:
                 pending.handles = handles[d0:d0 + dn]
                 pending.control_handles = control_handles[c0:c0 + cn]
