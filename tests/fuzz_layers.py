@@ -39,7 +39,11 @@ class ToTuple(Block):
 
     def forward(self, h):
         h = super().forward(h)
-        return h, h > 0, (h.detach() * 3).round().long(), (h * 0.5).to(self.dtype)
+        # a bf16 tensor with grad would round the gradient at the scale the loss reduction
+        # backwards: under loss_reduction="tokens" that is another scale than one
+        # process's (docs/loss.md), a bf16-sized difference no fp32 bound holds: no grad
+        other = h * 0.5 if self.dtype.itemsize >= 4 else h.detach() * 0.5
+        return h, h > 0, (h.detach() * 3).round().long(), other.to(self.dtype)
 
 
 class FromTuple(Block):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from fuzzing import SCHEDULES, draw_setups, judge, key, reference, run_setups, summary
 
-SEED, COUNT = 2026, 12
+SEED, COUNT = 2026, 16
 #: minimal setups the long run found failing (kept as regression tests), as JSON
 REGRESSIONS: list[str] = []
 
@@ -35,9 +35,11 @@ def test_the_schedules_come_from_the_plugin_manager():
     assert {"1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev"} <= set(SCHEDULES)
 
 
-def test_drawing_is_seeded():
-    assert [key(s) for s in draw_setups(SEED, 5)] == [key(s) for s in draw_setups(SEED, 5)]
-    assert [key(s) for s in draw_setups(SEED, 5)] != [key(s) for s in draw_setups(SEED + 1, 5)]
+def test_drawing_is_seeded_and_covers_every_schedule():
+    first = [key(s) for s in draw_setups(SEED, COUNT)]
+    assert first == [key(s) for s in draw_setups(SEED, COUNT)]
+    assert first != [key(s) for s in draw_setups(SEED + 1, COUNT)]
+    assert {json.loads(s)["schedule"] for s in first} == set(SCHEDULES)
 
 
 def _setup(**changes) -> dict:
