@@ -16,7 +16,7 @@ import pipekernel as pk
 
 #: one layer each; "tuple", "dict" and "nested" are pairs of layers
 KINDS = ("linear", "layernorm", "tuple", "dict", "nested", "tied", "stash", "pop", "buffer",
-         "inplace", "relu_input", "dropout", "function")
+         "inplace", "relu_input", "dropout", "function", "frozen", "unused", "view")
 
 
 class Block(nn.Module):
@@ -175,12 +175,45 @@ class Cube(Block):
         return CubeFn.apply(torch.tanh(self.lin(h)), 0.1) + h
 
 
+class Frozen(Block):
+    """A Linear whose weight does not train (``requires_grad=False``); its bias does."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.lin.weight.requires_grad_(False)
+
+
+class Unused(Block):
+    """Holds a parameter no forward uses: its gradient stays ``None``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.spare = nn.Linear(dim, dim)
+
+
+class ToView(Block):
+    """h -> (a transposed view, a broadcast view with stride 0): non-contiguous tensors
+    with grad on the wire."""
+
+    def forward(self, h):
+        h = super().forward(h)
+        return h.transpose(1, 2), h[:, :1, :].expand(-1, h.shape[1], -1)
+
+
+class FromView(Block):
+    def forward(self, inputs):
+        transposed, first = inputs
+        return super().forward(transposed.transpose(1, 2)) + 0.5 * first
+
+
 def _one(kind: str, dim: int, index: int, wire_dtype: str) -> list[Any]:
     simple = {"linear": Block, "layernorm": nn.LayerNorm, "buffer": Buffered,
-              "inplace": InPlace, "relu_input": ReluInput, "function": Cube}
+              "inplace": InPlace, "relu_input": ReluInput, "function": Cube,
+              "frozen": Frozen, "unused": Unused}
     if kind in simple:
         return [pk.LayerSpec(simple[kind], dim)]
-    pairs = {"dict": (ToDict, FromDict), "nested": (ToNested, FromNested)}
+    pairs = {"dict": (ToDict, FromDict), "nested": (ToNested, FromNested),
+             "view": (ToView, FromView)}
     if kind in pairs:
         return [pk.LayerSpec(pairs[kind][0], dim), pk.LayerSpec(pairs[kind][1], dim)]
     if kind == "tuple":

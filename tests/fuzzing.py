@@ -61,6 +61,8 @@ def setups(draw: Callable, schedule: str | None = None) -> dict[str, Any]:
         # any count, or a multiple of the stages (what interleaved and V schedules need)
         "micro_batches": draw(st.one_of(st.integers(1, 6),
                                         st.integers(1, 3).map(lambda k: k * stages))),
+        # the second step's count, if it changes (train_batch(..., micro_batches=n))
+        "ramp": draw(st.sampled_from([None, None, None, 1, 2, 4, 6])),
         "partition": draw(st.sampled_from(["uniform", "parameters"])),
         "width": draw(st.sampled_from([8, 12, 16])),
         "kinds": draw(st.lists(st.sampled_from(KINDS), min_size=2, max_size=8)),
@@ -167,11 +169,18 @@ def _item(setup: dict[str, Any], g: torch.Generator, length: int) -> tuple[Any, 
     return inputs, labels.masked_fill(ignored, -100)
 
 
+def counts(setup: dict[str, Any]) -> list[int]:
+    """The micro-batch count of each step."""
+    ramp = setup.get("ramp")
+    return [setup["micro_batches"]] + [ramp or setup["micro_batches"]] * (STEPS - 1)
+
+
 def data(setup: dict[str, Any], step: int, replica: int) -> list[tuple[Any, Any]]:
     """The micro-batches of one step of one replica (lengths vary if the setup says so)."""
     g = torch.Generator().manual_seed(setup["seed"] * 7919 + 1000 * step + replica)
-    lengths = (torch.randint(2, 6, (setup["micro_batches"],), generator=g).tolist()
-               if setup["vary_length"] else [3] * setup["micro_batches"])
+    count = counts(setup)[step]
+    lengths = (torch.randint(2, 6, (count,), generator=g).tolist()
+               if setup["vary_length"] else [3] * count)
     return [_item(setup, g, n) for n in lengths]
 
 
@@ -202,8 +211,9 @@ def train_setup(setup: dict[str, Any]) -> tuple:
             micro_batches=setup["micro_batches"], schedule=setup["schedule"],
             chunks=setup["chunks"], data_parallel_size=setup["dp"], timeout=30, transport="gloo",
             max_grad_norm=setup["max_grad_norm"], loss_reduction=setup["loss_reduction"])
-        losses = [engine.train_batch(iter(data(setup, step, engine.data_parallel_rank))).item()
-                  for step in range(STEPS)]
+        losses = [engine.train_batch(iter(data(setup, step, engine.data_parallel_rank)),
+                                     micro_batches=count).item()
+                  for step, count in enumerate(counts(setup))]
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         return "ok", losses, state
     except REFUSALS as err:
@@ -265,7 +275,7 @@ def reference(setup: dict[str, Any]) -> tuple[list[float], dict[str, torch.Tenso
         lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
     torch.manual_seed(0)
     return reference_train(build_module(setup), OPTIMIZERS[setup["optimizer"]], batches,
-                           setup["micro_batches"], hook=hook,
+                           counts(setup), hook=hook,
                            loss_reduction=setup["loss_reduction"])
 
 
@@ -312,7 +322,7 @@ def features(setup: dict[str, Any]) -> list[str]:
            f"inputs={setup['inputs']}", f"labels={setup['labels']}",
            f"loss_reduction={setup['loss_reduction']}", f"checkpoint={setup['checkpoint']}",
            f"max_grad_norm={setup['max_grad_norm']}", f"optimizer={setup['optimizer']}",
-           f"input_dtype={setup['input_dtype']}"]
+           f"input_dtype={setup['input_dtype']}", f"ramp={setup.get('ramp')}"]
     out += [f"layer={k}" for k in sorted(set(setup["kinds"]))]
     out += [flag for flag in ("tie_embed", "vary_length") if setup[flag]]
     return out + (["ignore=-100"] if setup["ignore"] else [])

@@ -48,7 +48,7 @@ def _setup(**changes) -> dict:
              "labels": "classes", "loss_reduction": "tokens", "max_grad_norm": 0.05,
              "micro_batches": 3, "optimizer": "adamw", "partition": "uniform",
              "schedule": "1f1b", "seed": 3, "stages": 2, "tie_embed": True,
-             "vary_length": True, "width": 8, "wire_dtype": "float64"}
+             "vary_length": True, "width": 8, "wire_dtype": "float64", "ramp": 2}
     return {**setup, **changes}
 
 
@@ -90,3 +90,22 @@ def test_the_drawn_data_keeps_a_counted_label_and_varies_lengths():
     assert all((labels != -100).any() for _, labels in items)
     assert len({tuple(inputs.shape) for inputs, _ in data(_setup(micro_batches=6), 0, 0)}) > 1
     assert data(_setup(), 0, 0)[0][0].dtype == torch.int64
+
+
+def test_a_failure_shrinks_to_a_minimal_setup(monkeypatch):
+    """minimise() draws the run again and lets hypothesis shrink the first failure: here
+    a fake oracle fails every setup with a custom autograd Function in it (no ranks)."""
+    import fuzzing
+
+    def fake_judge(setup, outcomes):
+        return ("mismatch", "fake") if "function" in setup["kinds"] else ("ok", "")
+
+    monkeypatch.setattr(fuzzing, "run_setups", lambda setups: {key(s): [] for s in setups})
+    monkeypatch.setattr(fuzzing, "judge", fake_judge)
+    setups = draw_setups(SEED, 40)
+    verdicts = {key(s): fake_judge(s, None) for s in setups}
+    assert any(v[0] == "mismatch" for v in verdicts.values())
+    setup, verdict = fuzzing.minimise(SEED, 40, verdicts, budget=500)
+    assert verdict == ("mismatch", "fake")
+    assert sorted(setup["kinds"]) == ["function", "linear"]
+    assert (setup["stages"], setup["dp"], setup["checkpoint"], setup["seed"]) == (2, 1, 0, 0)
