@@ -353,13 +353,24 @@ def _add_convert_deepspeed(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-layers", type=int, default=None, metavar="N",
                    help="the model's layer count, when its last layers have no weights "
                         "(default: the highest layer file + 1)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="unpickle the files fully, running whatever code they name: only "
+                        "for a checkpoint from a source you trust (default: data only; "
+                        "docs/checkpoints.md)")
     p.set_defaults(func=_run_convert_deepspeed)
 
 
 def _run_convert_deepspeed(args: argparse.Namespace) -> int:
     from pipekernel.deepspeed import convert
+    from pipekernel.errors import UntrustedCheckpointError
 
-    print(convert(args.ds_dir, args.pk_dir, args.tag, num_layers=args.num_layers))
+    try:
+        print(convert(args.ds_dir, args.pk_dir, args.tag, num_layers=args.num_layers,
+                      trust_checkpoint=args.trust_checkpoint))
+    except UntrustedCheckpointError as err:
+        err.hint = ("if the checkpoint comes from a source you trust, add --trust-checkpoint; "
+                    "otherwise do not convert it")
+        raise
     return 0
 
 

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KIND_COLOURS", "kind_of", "rows_from_trace", "rows_from_simulation", "draw_timeline",
+__all__ = ["KIND_COLOURS", "GAP_LABEL", "kind_of", "rows_from_trace", "kept_steps",
+           "steps_title", "has_gaps", "legend_labels", "rows_from_simulation", "draw_timeline",
            "draw_trace", "draw_simulation"]
 
 #: Colour of each kind of block.
@@ -20,6 +21,8 @@ KIND_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52",
                 "send": "#8C8C8C", "other": "#CCCCCC"}
 _LABELS = {"forward": "forward", "backward": "backward", "wait": "waiting on a receive",
            "send": "send", "other": "load / reduce / step"}
+#: The legend's entry for time in no block (drawn blank).
+GAP_LABEL = "gap: idle, no instruction running"
 
 # A block is (start, duration, kind, label); a row is (row label, [blocks]).
 Block = tuple[float, float, str, str]
@@ -51,14 +54,10 @@ def rows_from_trace(trace: Mapping[str, Any] | str | Path, *, last_steps: int | 
     """
     if not isinstance(trace, Mapping):
         trace = json.loads(Path(trace).read_text())
-    # instruction slices only (the monitor also puts whole-step slices, cat "step", on tid 1)
-    events = [e for e in trace.get("traceEvents", [])
-              if e.get("ph") == "X" and e.get("cat") != "step" and e.get("tid", 0) == 0]
-    if last_steps is not None:
-        steps = sorted({e.get("args", {}).get("step") for e in events} - {None})
-        keep = set(steps[-last_steps:])
-        if keep:
-            events = [e for e in events if e.get("args", {}).get("step") in keep]
+    events = _instructions(trace)
+    keep = set(kept_steps(trace, last_steps)) if last_steps is not None else set()
+    if keep:
+        events = [e for e in events if e.get("args", {}).get("step") in keep]
     if not events:
         return []
     origin = min(float(e["ts"]) for e in events)
@@ -74,6 +73,49 @@ def rows_from_trace(trace: Mapping[str, Any] | str | Path, *, last_steps: int | 
         label = f"rank {rank}" + (f" (stage {stage})" if stage is not None else "")
         rows.append((label, sorted(by_rank[rank])))
     return rows
+
+
+def _instructions(trace: Mapping[str, Any]) -> list[dict[str, Any]]:
+    # instruction slices only (the monitor also puts whole-step slices, cat "step", on tid 1)
+    return [e for e in trace.get("traceEvents", [])
+            if e.get("ph") == "X" and e.get("cat") != "step" and e.get("tid", 0) == 0]
+
+
+def kept_steps(trace: Mapping[str, Any] | str | Path, last_steps: int | None = 2) -> list[int]:
+    """The step numbers (``args.step``, as in ``metrics.csv``) :func:`rows_from_trace`
+    draws: the last ``last_steps`` of the trace (``None``: all)."""
+    if not isinstance(trace, Mapping):
+        trace = json.loads(Path(trace).read_text())
+    steps = sorted({e.get("args", {}).get("step") for e in _instructions(trace)} - {None})
+    return steps if last_steps is None else steps[-last_steps:]
+
+
+def steps_title(steps: Sequence[int], title: str = "") -> str:
+    """A picture's title that says which steps it shows."""
+    shown = "no step" if not steps else f"step {steps[0]}" if len(steps) == 1 else \
+        f"steps {steps[0]}-{steps[-1]}" if list(steps) == list(range(steps[0], steps[-1] + 1)) \
+        else "steps " + ", ".join(str(s) for s in steps)
+    return f"{shown} (numbered as in metrics.csv)" + (f": {title}" if title else "")
+
+
+def has_gaps(rows: Sequence[Row]) -> bool:
+    """Whether some row has time in no block (idle: the picture shows it blank)."""
+    end = max((s + d for _, blocks in rows for s, d, _, _ in blocks), default=0.0)
+    for _, blocks in rows:
+        reached = 0.0
+        for start, dur, _, _ in sorted(blocks):
+            if start > reached + 1e-9 * max(end, 1.0):
+                return True
+            reached = max(reached, start + dur)
+        if reached < end - 1e-9 * max(end, 1.0):
+            return True
+    return False
+
+
+def legend_labels(rows: Sequence[Row]) -> list[str]:
+    """The legend's entries: each kind of block drawn, and the gaps when there are any."""
+    used = [_LABELS[k] for k in KIND_COLOURS if any(b[2] == k for _, bl in rows for b in bl)]
+    return used + ([GAP_LABEL] if has_gaps(rows) else [])
 
 
 def _stage_of(trace: Mapping[str, Any], rank: int) -> int | None:
@@ -118,8 +160,9 @@ def draw_timeline(rows: Sequence[Row], path: str | Path, *, title: str = "",
     ax.set_xlabel(unit)
     if title:
         ax.set_title(title, fontsize=10)
-    used = [k for k in KIND_COLOURS if any(b[2] == k for _, bl in rows for b in bl)]
-    ax.legend(handles=[Patch(color=KIND_COLOURS[k], label=_LABELS[k]) for k in used],
+    colours = {_LABELS[k]: KIND_COLOURS[k] for k in KIND_COLOURS}
+    ax.legend(handles=[Patch(facecolor=colours.get(label, "white"), edgecolor="#999999",
+                             label=label) for label in legend_labels(rows)],
               loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
@@ -129,9 +172,13 @@ def draw_timeline(rows: Sequence[Row], path: str | Path, *, title: str = "",
 
 def draw_trace(trace: Mapping[str, Any] | str | Path, path: str | Path, *,
                last_steps: int | None = 2, title: str = "") -> Path:
-    """A PNG of the last ``last_steps`` steps of a merged Chrome trace."""
+    """A PNG of the last ``last_steps`` steps of a merged Chrome trace; its title starts
+    with the steps it shows (:func:`steps_title`), then ``title``."""
+    if not isinstance(trace, Mapping):
+        trace = json.loads(Path(trace).read_text())
     rows = rows_from_trace(trace, last_steps=last_steps)
-    return draw_timeline(rows, path, title=title, unit="ms", label_blocks=True)
+    return draw_timeline(rows, path, title=steps_title(kept_steps(trace, last_steps), title),
+                         unit="ms", label_blocks=True)
 
 
 def draw_simulation(result: Any, path: str | Path, *, title: str = "") -> Path:

@@ -32,9 +32,10 @@ from pipekernel.apps.config import TrainConfig
 from pipekernel.apps import hf_model
 from pipekernel.apps.gpt import generate, gpt_module
 from pipekernel.grid.expert_parallel import whole_state_dict
+from pipekernel.plugin import all_gather_objects
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
-           "stage_table", "partition_method", "run", "worker"]
+           "stage_table", "partition_method", "run", "worker", "lr_factor", "lr_change"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -68,6 +69,40 @@ def _positive(cfg: TrainConfig) -> None:
     from pipekernel.grid.parallel import ParallelConfig
     ParallelConfig.make(rank_order=cfg.rank_order, zero_stage=cfg.zero_stage)  # clear errors
     _check_experts(cfg)
+
+
+def _check_plan(cfg: TrainConfig) -> None:
+    """What every rank would refuse, refused here before any process starts: the schedule
+    (name, trains, chunks, its micro-batch rule, e.g. dualpipev's 2 x stages), the
+    precision and transport names, and the partition where no measurement is needed."""
+    from pipekernel.engine.planner import is_auto
+    from pipekernel.extend.manager import (check_transport_name, make_plugin_manager,
+                                           make_precision, provided_names, resolve_schedule)
+    from pipekernel.schedules.placement import check_placement
+
+    pm = make_plugin_manager()
+    make_precision(pm, cfg.precision, {})
+    check_transport_name(pm, cfg.transport)
+    if is_auto(cfg.schedule):
+        return  # the planner chooses schedule, chunks and partition on the ranks
+    cls = resolve_schedule(pm, cfg.schedule)
+    if not cls.trains:
+        raise pk.ConfigError(f"--schedule {cfg.schedule!r} does not train",
+                             hint="pass a training schedule: --schedule 1f1b (or gpipe, "
+                                  "interleaved, zb-h1, zbv, dualpipev, ...)")
+    chunks = cls.default_chunks if cfg.chunks is None else cfg.chunks
+    for stage in range(cfg.stages):  # the schedule's own errors, as a rank would raise them
+        cls(cfg.stages, stage, cfg.micro_batches, chunks)
+    if chunks > 1:
+        check_placement(cls.placement, chunks)
+    method = partition_method(cfg.partition)
+    # builtin methods that measure nothing, and names no plugin lists (to refuse them)
+    known = provided_names(pm, "partition")
+    if not cfg.hf and (isinstance(method, list) or method in ("parameters", "uniform")
+                       or method.startswith("type:") or method not in known):
+        gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
+                   partition=method, seed=cfg.seed, experts=cfg.experts,
+                   top_k=cfg.top_k).partition(cfg.stages * chunks, pm)
 
 
 def _check_experts(cfg: TrainConfig) -> None:
@@ -207,16 +242,17 @@ def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -
     return float(engine.eval_batch(iter(batch)))
 
 
-def _describe_ranks(engine: pk.PipelineEngine) -> list[str]:
-    """The rank order and which rank is which stage and replica (nodes by
+def _describe_ranks(engine: pk.PipelineEngine, pids: list[int] | None = None) -> list[str]:
+    """The rank order and which rank is which stage and replica, with its pid (nodes by
     ``LOCAL_WORLD_SIZE`` under torchrun); a summary line for more than 32 ranks."""
     from pipekernel.grid.topology import format_rank_map
 
     topo = engine.topology
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None
     zero = ", ZeRO-1 optimizer state" if engine.parallel.zero_stage else ""
-    head = f"ranks (order {topo.order}, innermost first{zero}):"
-    lines = format_rank_map(topo, per_node)
+    head = f"ranks (order {topo.order}, innermost first{zero}; kill -USR1 a pid, or the " \
+           f"launcher's, for every rank's position):"
+    lines = format_rank_map(topo, per_node, pids)
     if len(lines) > 32:
         lines = lines[:4] + [f"... ({len(lines) - 8} more)"] + lines[-4:]
     return [head, *("  " + line for line in lines)]
@@ -274,9 +310,31 @@ def _print(*lines: str) -> None:
 # -- the per-rank job -------------------------------------------------------------------
 
 
+def lr_factor(cfg: TrainConfig) -> Any:
+    """The learning rate's factor at step ``s`` (``LambdaLR``): warm up for 5% of
+    ``--steps``, then cosine decay to 10% at ``--steps``. It depends on ``--steps``, so a
+    resume with another ``--steps`` continues on another schedule (:func:`lr_change`)."""
+    warmup = max(1, cfg.steps // 20)  # a short run still settles
+    return lambda s: min((s + 1) / warmup,
+                         0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))
+
+
+def lr_change(scheduler: Any, cfg: TrainConfig) -> str | None:
+    """After a resume: a warning when this run's schedule (``--lr``, ``--steps``) gives
+    another learning rate at the checkpoint's step than the saved run used there, else
+    ``None``. ``scheduler`` holds the checkpoint's state (its last rates)."""
+    step = scheduler.last_epoch
+    saved = scheduler.get_last_lr()[0]
+    now = cfg.lr * lr_factor(cfg)(step)
+    if math.isclose(saved, now, rel_tol=1e-9, abs_tol=1e-15):
+        return None
+    return (f"warning: the learning-rate schedule changed at the resume: the checkpoint's run "
+            f"had lr {saved:.3g} at step {step}; this run's (--lr {cfg.lr:g}, warm-up then "
+            f"cosine decay to --steps {cfg.steps}) gives {now:.3g} there and continues on it. "
+            "To keep the saved run's schedule, pass its --steps and --lr")
+
+
 def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> pk.PipelineEngine:
-    # warm up for 5% of the steps, then cosine decay to 10%: a short run still settles
-    warmup = max(1, cfg.steps // 20)
     return pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                                            weight_decay=0.01),
@@ -287,12 +345,11 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         expert_parallel_size=cfg.expert_parallel,
         loss_reduction="tokens" if cfg.hf else "mean",
         # the engine steps it after every step taken and saves it in checkpoints
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(
-            (s + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * min(s / cfg.steps, 1.0))))))
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
 
 
 def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.PipelineModule,
-                 data: bytes, source: str) -> None:
+                 data: bytes, source: str, pids: list[int]) -> None:
     params = sum(module.parameter_counts())
     _print(f"pipekernel train: {cfg.stages} stage(s) x {cfg.data_parallel} replica(s) on "
            f"{getattr(engine.transport, 'backend', cfg.transport)} ({engine.transport.device}), schedule {cfg.schedule}, "
@@ -306,7 +363,7 @@ def _print_start(cfg: TrainConfig, engine: pk.PipelineEngine, module: pk.Pipelin
            f"batch: {cfg.micro_batches} micro-batches x {cfg.micro_batch_size} sequences x "
            f"{cfg.context} bytes x {cfg.data_parallel} replica(s) = {cfg.tokens_per_step} "
            f"tokens per step",
-           *_describe_ranks(engine),
+           *_describe_ranks(engine, pids),
            f"partition ({cfg.partition}):", *_describe_partition(module, engine.bounds,
                                                              engine.part_stages))
 
@@ -377,8 +434,9 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     engine = _make_engine(cfg, module, monitor)
     rank0 = engine.rank == 0
     first_step = _resume(engine, cfg) if cfg.resume else 0
+    pids = all_gather_objects(engine.transport, os.getpid())  # for kill -USR1
     if rank0:
-        _print_start(cfg, engine, module, data, source)
+        _print_start(cfg, engine, module, data, source, pids)
     held_before = _eval_loss(engine, held_ids, cfg)
     losses, seconds = _train(engine, cfg, train_ids, first_step)
     held_after = _eval_loss(engine, held_ids, cfg)
@@ -386,14 +444,28 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     saved = hf_model.save(engine, cfg) if cfg.hf else None
     summaries = monitor.gather()
     state = gather_full_state(engine, module)
+    cpu = _cpu_seconds(engine)
     monitor.close()
     engine.close()
     if not rank0:
         return None
     run = {"losses": losses, "seconds": seconds, "first_step": first_step,
            "heldout_before": held_before, "heldout_after": held_after,
-           "bounds": list(engine.bounds), "stages": summaries, "hf": saved}
+           "bounds": list(engine.bounds), "stages": summaries, "hf": saved, "cpu": cpu}
     return _summarise(cfg, module, state, monitor, run)
+
+
+def _cpu_seconds(engine: pk.PipelineEngine) -> list[float]:
+    """Every rank's CPU seconds so far (user + system, all its threads, since it started),
+    by rank. Each rank reads its own clock: a launcher sees none of it (its ranks are the
+    fork server's children, not its own), so ``time pipekernel train`` cannot show it.
+    A collective: every rank calls it at the same point."""
+    from pipekernel.engine.agreement import all_gather_objects
+
+    mine = time.process_time()
+    if engine.transport.world_size == 1:
+        return [mine]
+    return [float(v) for v in all_gather_objects(engine.transport, mine)]
 
 
 def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, torch.Tensor],
@@ -409,8 +481,8 @@ def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, tor
     if paths.get("trace"):
         from pipekernel.apps.timeline import draw_trace
         timeline = str(draw_trace(paths["trace"], out / "timeline.png", last_steps=2,
-                                  title=f"last 2 steps: {cfg.stages} stages, {cfg.schedule}, "
-                                        f"{cfg.micro_batches} micro-batches"))
+                                  title=f"the last 2 of {cfg.steps}; {cfg.stages} stages, "
+                                        f"{cfg.schedule}, {cfg.micro_batches} micro-batches"))
     losses, seconds = run["losses"], run["seconds"]
     summary = {
         "config": dataclasses.asdict(cfg), "losses": losses, "loss_first": losses[0],
@@ -418,6 +490,7 @@ def _summarise(cfg: TrainConfig, module: pk.PipelineModule, state: dict[str, tor
         "loss_last5": sum(losses[-5:]) / len(losses[-5:]),
         "heldout_before": run["heldout_before"], "heldout_after": run["heldout_after"],
         "seconds": seconds, "tokens_per_s": cfg.tokens_per_step * len(losses) / seconds,
+        "cpu_seconds": run["cpu"],
         "first_step": run["first_step"], "bounds": run["bounds"], "stages": run["stages"],
         "sample": sample.decode("utf-8", "replace"),
         "paths": {**paths, "timeline": timeline, "hf": run["hf"]},
@@ -474,6 +547,9 @@ def _resume(engine: pk.PipelineEngine, cfg: TrainConfig) -> int:
             f", reshaped from {info['meta']['topology']['num_stages']} stage(s) x "
             f"{info['meta']['topology']['data_parallel_size']} replica(s)")
         _print(f"resumed from {info['directory']} at step {step}{reshaped}")
+        changed = lr_change(engine.lr_scheduler, cfg)
+        if changed:
+            _print(changed)
     return step
 
 
@@ -483,6 +559,9 @@ def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
         f"held-out {s['heldout_before']:.3f} -> {s['heldout_after']:.3f}",
         f"{len(s['losses'])} steps in {s['seconds']:.1f}s, {s['tokens_per_s']:,.0f} tokens/s"
         + (f" (resumed at step {s['first_step']})" if s["first_step"] else ""),
+        f"CPU: {sum(s['cpu_seconds']):.1f} s over {len(s['cpu_seconds'])} rank(s) (each "
+        "rank's own process time since it started: user + system, all threads; the "
+        "launcher's not included)",
         "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
         "slowest stage at the end of the step, bubble = (wait + drain) / step):",
         *stage_table(s["stages"] or []),
@@ -520,6 +599,7 @@ def _check_extras(cfg: TrainConfig) -> None:
 def run(cfg: TrainConfig) -> dict[str, Any] | None:
     """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
     _positive(cfg)
+    _check_plan(cfg)
     _check_extras(cfg)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])

@@ -42,8 +42,9 @@ class Windows(Dataset):
 
 
 class GPT(LightningModule):
-    """The contract of docs/lightning.md: configure_model returns the PipelineModule,
-    manual optimization, the strategy runs each pipelined step."""
+    """The contract of docs/lightning.md: configure_model returns the PipelineModule and
+    the strategy runs each pipelined step (manual optimization here; Lightning's automatic
+    optimization, the default, works the same)."""
 
     def __init__(self, dim: int = 96, layers: int = 4, heads: int = 4, context: int = 64,
                  lr: float = 3e-3, batch_size: int = 64, steps: int = 40,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
+    "UntrustedCheckpointError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
     "NonFiniteLossError", "describe_where", "did_you_mean", "shorten",
 ]
@@ -21,7 +22,8 @@ _WHERE_FIELDS = tuple(key for key, _ in _WHERE)
 
 
 def describe_where(where: object) -> str:
-    """``"rank 1, stage 1, train step 126, schedule step 6, micro-batch 3, instruction F3"``
+    """``"rank 1, stage 1, train step 126 (1-based), schedule step 6, micro-batch 3,
+    instruction F3"``
     from an object's (or a mapping's) location fields; unknown ones are left out.
 
     ``train step N``: the N-th training batch of the job (``engine.global_steps + 1``
@@ -31,7 +33,10 @@ def describe_where(where: object) -> str:
     batch's schedule.
     """
     get = where.get if isinstance(where, dict) else (lambda k: getattr(where, k, None))
-    return ", ".join(f"{words} {get(key)}" for key, words in _WHERE if get(key) is not None)
+    # the one 1-based number (a count of batches, as checkpoint tags and progress bars count
+    # them) says so; ranks, stages, schedule steps and micro-batches count from 0
+    return ", ".join(f"{words} {get(key)}" + (" (1-based)" if key == "train_step" else "")
+                     for key, words in _WHERE if get(key) is not None)
 
 
 def did_you_mean(name: object, choices: object) -> str:
@@ -135,6 +140,18 @@ class InstructionError(PipelineError):
 
 class DataError(PipelineError, ValueError):
     """The data iterator ran out or yielded something of the wrong structure."""
+
+
+class UntrustedCheckpointError(DataError):
+    """A checkpoint file that is not data only: unpickling it would run code (an object
+    of ``global_name``, the global torch's data-only loader refused; ``None`` when torch
+    named none). ``path``: the file. Raised before anything was loaded; the hint names
+    the switch that loads it anyway (docs/checkpoints.md)."""
+
+    def __init__(self, message: str, *, path: str | None = None,
+                 global_name: str | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.path, self.global_name = path, global_name
 
 
 class NonFiniteLossError(PipelineError):

@@ -186,7 +186,7 @@ def format_positions(positions: Mapping[int, Mapping[str, Any]], seen_from: int 
     for rank, p in sorted(positions.items()):
         where = [f"rank {rank} (stage {p.get('stage')}, {p.get('host')} pid {p.get('pid')}):"]
         if p.get("train_step") is not None:
-            where.append(f"train step {p['train_step']},")
+            where.append(f"train step {p['train_step']} (1-based),")
         if p.get("schedule_step") is not None:
             where.append(f"schedule step {p['schedule_step']},")
         if p.get("instruction"):

@@ -159,11 +159,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: examples took 20 s in one run and 145 s in another, so they go early.
 _LONGEST = {name: rank for rank, name in enumerate((
     "test_docs.py", "test_restart.py", "test_hf_families.py", "test_deepspeed_examples.py",
-    "test_hf_expert_parallel.py", "test_cli.py", "test_hf.py", "test_exit.py",
+    "test_hf_expert_parallel.py", "test_cli.py", "test_hf.py", "test_exit.py", "test_orphans.py",
     "test_checkpoint_dcp.py", "test_ray_train.py", "test_checkpoint.py",
-    "test_exit_shutdown.py", "test_paired.py", "test_lightning.py", "test_faults.py",
-    "test_comm_model.py", "test_engine.py", "test_launchers.py", "test_fuzz.py",
-    "test_skips.py", "test_monitor.py", "test_dtensor_tp.py"))}
+    "test_exit_shutdown.py", "test_paired.py", "test_lightning.py", "test_checkpoint_trust.py",
+    "test_faults.py",
+    "test_comm_model.py", "test_engine.py", "test_launchers.py", "test_fuzz.py", "test_skips.py",
+    "test_monitor.py", "test_dtensor_tp.py"))}
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,25 @@ def test_train_rejects_bad_sizes_before_starting_processes(capsys):
     assert "--experts 3 is not divisible by --expert-parallel 2" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,text", [
+    (["--schedule", "1f1bx"], "unknown schedule '1f1bx' (did you mean '1f1b'?)"),
+    (["--schedule", "dualpipev", "--micro-batches", "2"],
+     "dualpipev with 2 stage(s) needs micro_batches >= 4 (2 x num_stages), got 2"),
+    (["--schedule", "inference"], "--schedule 'inference' does not train"),
+    (["--chunks", "2"], "schedule '1f1b' supports exactly 1 chunk(s) per stage, got chunks=2"),
+    (["--precision", "fp33"], "unknown precision 'fp33' (did you mean 'fp32'?)"),
+    (["--transport", "glo"], "unknown transport 'glo' (did you mean 'gloo'?)"),
+    (["--partition", "0,1,2"], "partition boundaries [0, 1, 2] do not cover all 6 layers"),
+    (["--partition", "uniforn"], "no partition plugin understands partition='uniforn'")])
+def test_train_checks_the_plan_before_starting_processes(capsys, flags, text):
+    """Each of these used to start every rank first, each raising the same error (the
+    fast tier refuses to start processes: a check that came too late fails here)."""
+    assert cli.main(["train", *flags]) == 1
+    err = capsys.readouterr().err
+    assert text in err and "how to fix" in err and "Traceback" not in err
+    assert err.startswith("pipekernel train: error: ")
+
+
 def _losses_from_csv(path: str) -> list[float]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -132,12 +152,20 @@ def _check_run(out_dir: Path, stdout: str, ranks: int, steps: int) -> dict:
     # which rank is which (the rank order, innermost first)
     assert "ranks (order tp-dp-pp, innermost first" in stdout
     assert "rank 1: stage 1, replica 0" in stdout
+    # each rank's pid, for kill -USR1 (the ranks are not the launcher's children)
+    pids = [re.search(rf"rank {r}: stage \d+, replica \d+, pid (\d+)", stdout)
+            for r in range(ranks)]
+    assert all(pids) and len({m.group(1) for m in pids}) == ranks, stdout
     assert summary["bounds"][0] == 0 and summary["bounds"][-1] == 4
     for rank in range(ranks):
         assert any(line.split()[:1] == [str(rank)] for line in stdout.splitlines()), stdout
     for key in ("csv", "trace", "timeline"):
         assert summary["paths"][key] in stdout
     assert "sample (prompt" in stdout
+    # each rank's own CPU seconds (a launcher sees none of them), summed in the report
+    cpu = summary["cpu_seconds"]
+    assert len(cpu) == ranks and all(c > 0.2 for c in cpu) and len(set(cpu)) == ranks, cpu
+    assert f"CPU: {sum(cpu):.1f} s over {ranks} rank(s)" in stdout
     return summary
 
 
@@ -224,6 +252,29 @@ def test_timeline_rows_from_a_trace(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     assert draw_trace(path, tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_the_timeline_says_which_steps_it_shows_and_names_the_gaps(tmp_path, monkeypatch):
+    from pipekernel.apps import timeline
+
+    def ev(pid, name, cat, ts, dur, step):
+        return {"ph": "X", "pid": pid, "tid": 0, "name": name, "cat": cat, "ts": ts,
+                "dur": dur, "args": {"stage": pid, "micro_batch": 0, "step": step}}
+
+    trace = {"traceEvents": [ev(0, "F0", "Forward", 1000 * s, 500, s) for s in (7, 8, 9)]
+             + [ev(0, "B0", "Backward", 1000 * s + 500, 500, s) for s in (7, 8, 9)]}
+    assert timeline.kept_steps(trace, 2) == [8, 9] and timeline.kept_steps(trace, None) == [7, 8, 9]
+    seen = {}
+    monkeypatch.setattr(timeline, "draw_timeline",
+                        lambda rows, path, **kw: seen.update(rows=rows, **kw) or Path(path))
+    timeline.draw_trace(trace, tmp_path / "t.png", last_steps=2, title="2 stages")
+    assert seen["title"] == "steps 8-9 (numbered as in metrics.csv): 2 stages"
+    # steps 8 and 9 back to back fill the row: no gap, no gap entry
+    assert timeline.legend_labels(seen["rows"]) == ["forward", "backward"]
+    gappy = [("rank 0", [(0.0, 1.0, "forward", "F0"), (3.0, 1.0, "backward", "B0")])]
+    assert timeline.legend_labels(gappy)[-1] == timeline.GAP_LABEL
+    ended = [("rank 0", [(0.0, 4.0, "forward", "F0")]), ("rank 1", [(0.0, 1.0, "send", "S")])]
+    assert timeline.has_gaps(ended)  # rank 1 idles after its send, until the picture's end
 
 
 # -- pipekernel plan -------------------------------------------------------------------------

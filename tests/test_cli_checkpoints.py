@@ -64,7 +64,9 @@ def test_keep_last_then_resume_a_tag_then_a_corrupt_latest_names_the_older_tag(t
 
     resumed = run(dataclasses.replace(cfg, resume="global_step3", out=str(tmp_path / "b")))
     assert resumed["first_step"] == 3 and resumed["losses"] == straight["losses"][3:]
-    assert f"resumed from {ck / 'global_step3'} at step 3" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert f"resumed from {ck / 'global_step3'} at step 3" in out
+    assert "learning-rate schedule changed" not in out  # the same --steps: the same schedule
     assert (ck / "latest").read_text().strip() == "global_step5"
 
     (ck / "global_step5" / layer_file(0)).write_bytes(b"not a checkpoint")
@@ -79,7 +81,10 @@ def test_keep_last_then_resume_a_tag_then_a_corrupt_latest_names_the_older_tag(t
     assert "global_step3, global_step4" in err
     # and that advice works
     assert cli.main([*argv, "global_step4"]) == 0
-    capfd.readouterr()
+    # --steps 6 where the checkpoint's run had 5: the cosine decay moved, and it says so
+    out = capfd.readouterr().out
+    assert "the learning-rate schedule changed at the resume" in out
+    assert "cosine decay to --steps 6" in out and "step 4" in out
     # a tag that is not there: the ones that are
     assert cli.main([*argv, "global_step7"]) == 1
     err = capfd.readouterr().err
@@ -98,3 +103,26 @@ def test_a_corrupt_checkpoint_names_the_older_tags_to_load_instead(tmp_path):
     assert info.value.hint == (f"load an older tag (global_step1 under {tmp_path}): "
                                "engine.load_checkpoint(root, tag=...), or pipekernel train "
                                "--resume TAG")
+
+
+def test_lr_change_compares_the_saved_rate_with_this_runs_schedule():
+    import torch
+
+    from pipekernel.apps.train import lr_change, lr_factor
+
+    def scheduler(steps, lr=3e-3, run=0, state=None):
+        cfg = TrainConfig(steps=steps, lr=lr)
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+        for _ in range(run):
+            opt.step()
+            sched.step()
+        if state is not None:
+            sched.load_state_dict(state)
+        return sched, cfg
+
+    saved = scheduler(450, run=100)[0].state_dict()
+    assert lr_change(*scheduler(450, state=saved)) is None
+    text = lr_change(*scheduler(900, state=saved))
+    assert "at step 100" in text and "to --steps 900" in text
+    assert lr_change(*scheduler(450, lr=1e-3, state=saved)) is not None

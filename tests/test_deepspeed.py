@@ -90,6 +90,65 @@ def test_unimplemented_keys_are_named_together_or_warned_with_the_option():
     assert settings.micro_batches == 1 and any("'amp'" in str(w.message) for w in seen)
 
 
+#: (config, the refused key's words): a typo gets the closest key, nested ones included
+TYPOS = [
+    ({"train_micro_batch_size_per_gpus": 2}, "'train_micro_batch_size_per_gpus' (not a key "
+     "pipekernel.deepspeed knows: did you mean 'train_micro_batch_size_per_gpu'?)"),
+    ({"gradient_clippin": 1.0}, "did you mean 'gradient_clipping'?"),
+    ({"zero_optimization": {"stage": 1, "reduce_bucket_sise": 5}},
+     "'zero_optimization.reduce_bucket_sise' (not a key pipekernel.deepspeed knows: did you "
+     "mean 'reduce_bucket_size'?)"),
+    ({"fp16": {"enabled": True, "loss_scale_windo": 100}}, "did you mean 'loss_scale_window'?"),
+    ({"pipeline": {"activation_checkpoint_intervall": 1}},
+     "did you mean 'activation_checkpoint_interval'?"),
+    ({"optimizer": {"type": "AdamW", "param": {}}}, "'optimizer.param' (not a key "
+     "pipekernel.deepspeed knows: did you mean 'params'?)"),
+]
+
+
+@pytest.mark.parametrize("extra,words", TYPOS, ids=[w.split("'")[1] for _, w in TYPOS])
+def test_a_mistyped_key_gets_the_key_it_resembles(extra, words):
+    with pytest.raises(ConfigError) as err:
+        _parse(extra)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"train_batch_size": 8, "train_micro_batch_size_per_gpus": 4}, "it sets the batch size"),
+    ({"gradient_accumulation_step": 4}, "it sets the batch size"),
+    ({"elasticity": {"enabled": True, "max_train_batch_size": 64}},
+     "it changes the batch size as the world changes"),
+    ({"data_efficiency": {"enabled": True}}, "it chooses which samples")])
+def test_warn_never_drops_a_key_that_changes_the_batch(extra, why):
+    """``unsupported='warn'`` would have trained on micro-batches of 2 (the default the
+    test's config gives) where the config asked for 4: refused, saying why."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either: an error
+        with pytest.raises(ConfigError) as err:
+            _parse(extra, world=2, unsupported="warn")
+    text = str(err.value)
+    assert "unsupported='warn' does not drop these: without them a batch would not be what " \
+           "the config says" in text and why in text
+    # other keys are still only warned about, and named with it
+    with pytest.raises(ConfigError) as err:
+        _parse({**extra, "checkpoint": {}}, world=2, unsupported="warn")
+    assert "'checkpoint'" in str(err.value) and "drops only the others" in str(err.value)
+
+
+def test_every_batch_key_deepspeed_defines_is_implemented_or_never_dropped():
+    """DeepSpeed itself: its constants name the keys; each one that is about batches or
+    gradient accumulation is implemented here or refused even with unsupported='warn'."""
+    _deepspeed()
+    from deepspeed.runtime import constants
+    keys = {v for v in vars(constants).values() if isinstance(v, str) and v.isidentifier()
+            and ("batch" in v or "accumulation" in v)}
+    assert {"train_batch_size", "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps"} <= keys
+    from pipekernel.deepspeed import config_keys
+    for key in keys - set(dsconfig.SUPPORTED_KEYS):
+        assert config_keys.changes_batch(key), key
+
+
 #: (config, data-parallel size, DeepSpeed's result or its error message)
 BATCHES = [
     ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 2, (16, 2, 4)),

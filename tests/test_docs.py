@@ -176,3 +176,116 @@ def test_the_api_reference_covers_every_public_name(module):
     missing = [n for n in mod.__all__ if n != "__version__" and f"`{n}" not in text]
     assert not missing, f"docs/api.md lacks {missing} of {module}.__all__"
     assert all(hasattr(mod, n) for n in mod.__all__)
+
+
+def _readme_commands():
+    """README's "Two commands on a fresh machine": its command lines, by number."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Two commands on a fresh machine\n+```bash\n(.*?)```", readme, re.S)
+    lines = [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
+    assert len(lines) == 2, lines
+    return lines
+
+
+def test_readme_command_1_installs_only_the_main_jobs_extra():
+    install = _readme_commands()[0]
+    assert install.startswith("pip install torch==") and install.endswith("&& pipekernel train")
+    extras = re.findall(r'-e "\.\[([\w,]+)\]"', install)
+    assert extras == ["train"], install  # not the test extra: that goes with command 2
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    # what `pipekernel train` imports beyond the core (apps/cli.py's docstring: tqdm, matplotlib)
+    assert {re.split(r"[<>=\[]", r)[0] for r in declared["optional-dependencies"]["train"]} \
+        == {"tqdm", "matplotlib"}
+    pin = re.search(r"torch==[\d.]+", install).group(0)
+    assert (ROOT / ".ci" / "constraints.txt").read_text().splitlines()[0] == pin
+    assert f"pip install -q {pin}" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_command_2_installs_the_test_extra_and_is_what_ci_runs():
+    command = _readme_commands()[1]
+    assert command.startswith('pip install -e ".[test]" -c .ci/constraints.txt && '
+                              "python -m pytest ")
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == command  # the last thing CI does, verbatim
+
+
+# -- docs/train.md's flag table is the parser's ----------------------------------------------
+
+def _subparser(name):
+    import argparse
+
+    from pipekernel.apps.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _flag_table():
+    """``{flag: default cell}`` of docs/train.md's flag table."""
+    text = (ROOT / "docs" / "train.md").read_text()
+    table = text[text.index("| flag | default | meaning |"):]
+    rows = [line.split("|")[1:3] for line in table.splitlines()[2:]
+            if line.startswith("|")][:100]
+    rows = rows[:next((i for i, r in enumerate(rows) if len(r) < 2), len(rows))]
+    out = {}
+    for flags, defaults in rows:
+        names = re.findall(r"`(--[\w-]+)", flags)
+        cells = [c.strip() for c in defaults.strip().split(", ")] if len(names) > 1 \
+            else [defaults.strip()]
+        assert len(cells) == len(names), (flags, defaults)
+        out.update(zip(names, cells))
+    return out
+
+
+#: how the table writes a default that is no literal value
+_PROSE = {"--chunks": "the schedule's", "--data": "stdlib", "--checkpoint-dir": "`<out>/checkpoints`",
+          "--hf": "off", "--resume": "off", "--no-progress": "", "--corpus-bytes": "2 MB"}
+
+
+def test_the_train_flag_table_has_every_flag_with_the_parsers_default():
+    table = _flag_table()
+    actions = [a for a in _subparser("train")._actions if a.option_strings != ["-h", "--help"]]
+    flags = {a.option_strings[-1]: a.default for a in actions}
+    assert sorted(set(flags) - set(table)) == [], "docs/train.md's flag table lacks these"
+    assert sorted(set(table) - set(flags)) == [], "docs/train.md's flag table has no such flag"
+    for flag, default in flags.items():
+        cell = table[flag]
+        if flag in _PROSE:
+            assert cell == _PROSE[flag], (flag, cell)
+            assert default in (None, False) or flag == "--corpus-bytes" and default == 2e6
+        elif isinstance(default, str):
+            assert cell.strip("`").strip('"') == default, (flag, cell, default)
+        else:
+            assert float(cell) == default, (flag, cell, default)
+
+
+@pytest.mark.parametrize("command", ["plan", "schedule"])
+def test_every_flag_of_plan_and_schedule_is_in_their_section(command):
+    text = (ROOT / "docs" / "train.md").read_text()
+    section = text[text.index(f"## `pipekernel {command}`"):]
+    section = section[:section.find("\n## ", 1) if "\n## " in section[1:] else None]
+    flags = {a.option_strings[-1] for a in _subparser(command)._actions
+             if a.option_strings and a.option_strings != ["-h", "--help"]}
+    assert sorted(f for f in flags if f not in section) == [], \
+        f"docs/train.md's pipekernel {command} section does not name these flags"
+
+
+def test_the_documented_train_report_has_the_lines_the_code_prints(capsys):
+    """docs/train.md's run shows the report the code prints now (numbers aside): the CPU
+    line included, so the docs cannot promise a figure nothing reports."""
+    from pipekernel.apps.config import TrainConfig
+    from pipekernel.apps.train import _report
+
+    _report(TrainConfig(sample_bytes=0), {
+        "loss_first5": 4.983, "loss_last5": 1.683, "heldout_before": 5.73,
+        "heldout_after": 1.64, "losses": [0.0] * 450, "seconds": 138.0,
+        "tokens_per_s": 13356.0, "first_step": 0, "cpu_seconds": [48.9, 49.0],
+        "stages": [], "paths": {}})
+    text = (ROOT / "docs" / "train.md").read_text()
+    block = text[text.index("$ pipekernel train\n"):]
+    block = block[:block.index("```")]
+    digits = re.compile(r"\d[\d,.]*")
+    shown = {digits.sub("N", line) for line in block.splitlines()}
+    printed = [line for line in capsys.readouterr().out.splitlines() if line != "files:"]
+    assert [line for line in printed if digits.sub("N", line) not in shown] == []
+    assert any(line.startswith("CPU: ") for line in printed)

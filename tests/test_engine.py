@@ -243,7 +243,7 @@ def bad_input_worker(case):
 
 @pytest.mark.parametrize("case,match", [
     # both stages read the iterator (inputs, labels); whichever runs dry first reports
-    ("short_iter", r"stage [01], train step 1, schedule step \d+, micro-batch 2, "
+    ("short_iter", r"stage [01], train step 1 \(1-based\), schedule step \d+, micro-batch 2, "
                    r"instruction LOAD2\] the data "
                    r"iterator ran out at micro-batch 2 of 4"),
     ("no_loss", "train_batch needs a loss function on the last stage(.|\n)*loss_fn="),
@@ -274,8 +274,9 @@ def stalled_worker():
 
 
 def test_a_silent_peer_ends_in_an_error_naming_it():
-    with pytest.raises(pk.RankError, match=r"rank 1 failed(.|\n)*stage 1, train step 1, schedule step 0, "
-                       r"micro-batch 0, instruction RECV_F0\] rank 1 waited 3s to receive from rank 0"):
+    with pytest.raises(pk.RankError, match=r"rank 1 failed(.|\n)*stage 1, train step 1 \(1-based\), "
+                       r"schedule step 0, micro-batch 0, instruction RECV_F0\] rank 1 waited 3s "
+                       r"to receive from rank 0"):
         run_ranks(stalled_worker, 2, timeout=300)
 
 

@@ -220,14 +220,14 @@ def fault_file(tmp_path):
 
 
 # -- the faults ---------------------------------------------------------------------------
-ABORT = (r"rank {r} failed first \(stage {r}, train step {t}, schedule step \d+, "
+ABORT = (r"rank {r} failed first \(stage {r}, train step {t} \(1-based\), schedule step \d+, "
          r"micro-batch {m}, instruction {ins}\) with {typ}")
 
 
 def test_a_layer_that_raises_ends_every_rank_naming_it(fault_file):
     results, codes = run_faulty(worker, 4, "raise", 4, fault_file)
     expect = {r: ABORT.format(r=2, t=2, m=1, ins="F1", typ="InstructionError") for r in (0, 1, 3)}
-    expect[2] = (r"\[rank 2, stage 2, train step 2, schedule step \d+, micro-batch 1, "
+    expect[2] = (r"\[rank 2, stage 2, train step 2 \(1-based\), schedule step \d+, micro-batch 1, "
                  r"instruction F1\] ValueError.*boom")
     _check("layer raises", results, codes, fault_file, expect)
     for r in (0, 1, 3):  # the failing rank's location travels with the error
@@ -249,7 +249,7 @@ def test_the_store_hosts_death_is_named_not_its_closed_connection(fault_file):
     # a raw env:// launch (no torchrun agent): rank 0 serves the store, so killing it
     # closes the store too; every survivor names rank 0 (not "connection closed")
     results, codes = run_faulty(worker, 2, "kill-first", 2, fault_file, tcp_store=True)
-    expect = {r: r"^\[rank 0, train step 2\] the store's host, rank 0, is gone: rank 0 died "
+    expect = {r: r"^\[rank 0, train step 2 \(1-based\)\] the store's host, rank 0, is gone: rank 0 died "
                  r"or failed first \(the store connection failed: .*\n  how to fix: rank 0: "
                  r"look at its log and exit code; under torchrun the agent hosts the store "
                  r"instead, and --max-restarts restarts a job that lost a rank"
@@ -268,19 +268,19 @@ def test_configuration_mismatch_is_an_error_on_every_rank(fault_file):
 
 def test_iterator_running_out_on_the_first_stage_only(fault_file):
     results, codes = run_faulty(worker, 4, "short-iter", 4, fault_file)
-    expect = {r: r"rank 0 failed first \(stage 0, train step 2, schedule step \d+, "
+    expect = {r: r"rank 0 failed first \(stage 0, train step 2 \(1-based\), schedule step \d+, "
                  r"micro-batch 2.*DataError.*ran out"
               for r in (1, 2, 3)}
-    expect[0] = (r"\[rank 0, stage 0, train step 2, schedule step \d+, micro-batch 2, "
+    expect[0] = (r"\[rank 0, stage 0, train step 2 \(1-based\), schedule step \d+, micro-batch 2, "
                  r"instruction LOAD2\].*ran out")
     _check("first stage's iterator runs out", results, codes, fault_file, expect)
 
 
 def test_labels_of_the_wrong_structure_on_the_last_stage(fault_file):
     results, codes = run_faulty(worker, 4, "bad-labels", 4, fault_file)
-    expect = {r: r"rank 3 failed first \(stage 3, train step 2, schedule step \d+, "
+    expect = {r: r"rank 3 failed first \(stage 3, train step 2 \(1-based\), schedule step \d+, "
                  r"micro-batch 0.*loss_fn" for r in range(3)}
-    expect[3] = (r"\[rank 3, stage 3, train step 2, schedule step \d+, micro-batch 0.*"
+    expect[3] = (r"\[rank 3, stage 3, train step 2 \(1-based\), schedule step \d+, micro-batch 0.*"
                  r"loss_fn\(outputs, labels\) failed")
     _check("wrong label structure", results, codes, fault_file, expect)
 
@@ -288,7 +288,7 @@ def test_labels_of_the_wrong_structure_on_the_last_stage(fault_file):
 def test_loaders_shuffled_differently_are_caught(fault_file):
     results, codes = run_faulty(worker, 2, "shuffled", 2, fault_file)
     expect = {0: r"rank 1 failed first.*micro-batch 0.*DataError.*fingerprints differ",
-              1: r"\[rank 1, stage 1, train step 1, schedule step 0, micro-batch 0.*"
+              1: r"\[rank 1, stage 1, train step 1 \(1-based\), schedule step 0, micro-batch 0.*"
                  r"micro-batch 0: the labels the last "
                  r"stage read are not the ones the first stage read"}
     _check("loaders shuffled differently", results, codes, fault_file, expect)
@@ -296,7 +296,7 @@ def test_loaders_shuffled_differently_are_caught(fault_file):
 
 def test_a_nan_loss_is_an_error_naming_step_micro_batch_and_stage(fault_file):
     results, codes = run_faulty(worker, 2, "nonfinite", 2, fault_file)
-    pattern = r"loss is NaN/inf at train step 2 .*micro-batch\(es\) \[2\] .*stage 1"
+    pattern = r"loss is NaN/inf at train step 2 \(1-based\) .*micro-batch\(es\) \[2\] .*stage 1"
     _check("NaN loss", results, codes, fault_file, {0: pattern, 1: pattern})
 
 

@@ -177,7 +177,7 @@ def test_errors_say_which_batch_in_words():
     kernel = pk.Kernel({isa.Forward: lambda i: None}, rank=1, stage=0)
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.Forward(0)], [isa.OptimizerStep()]], train_step=126)
-    assert str(info.value).startswith("[rank 1, stage 0, train step 126, schedule step 1, "
+    assert str(info.value).startswith("[rank 1, stage 0, train step 126 (1-based), schedule step 1, "
                                       "instruction STEP] no handler for ")
     with pytest.raises(pk.InstructionError) as info:
         kernel.run([[isa.OptimizerStep()]], eval_after=125)

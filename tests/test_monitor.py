@@ -444,7 +444,7 @@ def test_format_positions_reports_missing_and_stale_ranks():
                                  "schedule_step": 2, "instruction": "RECV_B1",
                                  "type": "RecvGrad", "state": "waiting", "seconds": 12.0,
                                  "updated": now - 3}}, seen_from=0, world_size=2)
-    assert "train step 4, schedule step 2, RECV_B1 (RecvGrad) waiting for 12.0s" in text
+    assert "train step 4 (1-based), schedule step 2, RECV_B1 (RecvGrad) waiting for 12.0s" in text
     assert "as of 3.0s ago" in text and "ranks [1]: no position available" in text
 
 

@@ -62,6 +62,9 @@ ZBV = case("tied", 2, 1, 4, "zbv", optimizer=adam)
 ZBV_MIXED = case("masked", 2, 1, 3, "zbv")
 ZB_H2 = case("mlp", 2, 1, 5, "zb-h2", optimizer=adam)
 DUALPIPEV = case("tied", 2, 1, 4, "dualpipev", optimizer=adam)
+# V-Min and V-Half (issue 46): p = 2 at each schedule's minimum, p = 4 above it
+V_MIN = [case("mlp", 2, 1, 3, "v-min", optimizer=adam), case("mlp", 4, 1, 6, "v-min")]
+V_HALF = [case("tied", 2, 1, 4, "v-half", optimizer=adam), case("mlp", 4, 1, 5, "v-half")]
 DICTS = [case("dicts", 4, 1, 4, "zb-h1"), case("dicts", 2, 1, 4, "interleaved", 2)]
 
 
@@ -105,6 +108,11 @@ def test_dualpipev_two_stages():
     # full backwards paired with forwards in the steady state, I/W splits in the drain,
     # the tied embedding on the first and the last part (both on stage 0)
     check(DUALPIPEV)
+
+
+@pytest.mark.parametrize("case", V_MIN + V_HALF, ids=str)
+def test_controllable_memory_v_schedules(case):
+    check(case)
 
 
 def bad_chunks_worker():

@@ -237,3 +237,129 @@ def test_a_dict_sample_is_resized_by_rows():
     resized = _resize(sample, 3)
     assert resized["input_ids"].shape == (3, 3) and resized["mask"].shape == (3, 3)
     assert resized["n"] == 1 and resized["input_ids"][2].tolist() == [0, 1, 2]
+
+
+# -- an engine never changes what a batch is (issue 43) ----------------------------------------
+
+def test_an_engine_chooses_at_its_own_count_and_lists_the_others_as_what_ifs():
+    costs = fixed_batch_costs(overhead=0.0)  # alone, 8 micro-batches would win
+    only = {"1f1b": TRAINING["1f1b"]}
+    assert search(costs, 2, only, balance=balance).micro_batches == 8
+    plan = search(costs, 2, only, balance=balance, runs=2)
+    assert (plan.micro_batches, plan.runs) == (2, 2)
+    assert plan.candidates[0].micro_batches == 2 and not plan.candidates[0].what_if
+    others = [c for c in plan.candidates if c.micro_batches != 2]
+    assert others and all(c.what_if and "what-if" in c.note for c in others)
+    assert plan.predicted_step_s > min(c.predicted_step_s for c in others)
+    line = plan.announce()
+    assert "for your 2 micro-batches per step" in line and "8 micro-batches would be" in line
+    rows = [r for r in plan.format().splitlines() if r.lstrip().startswith(("*", "1 ", "2 "))]
+    assert rows[0].startswith("*") and " 2 time" in rows[0]  # the chosen one first, marked
+
+
+def test_a_budget_only_another_count_fits_says_so_and_is_refused():
+    costs = fixed_batch_costs(act=1e6)  # 1F1B holds <= 2 in flight: more, smaller is less
+    only = {"1f1b": TRAINING["1f1b"]}
+    free = search(costs, 2, only, balance=balance, runs=1)
+    budget = min(c.peak_bytes for c in free.candidates if c.micro_batches == 8) * 1.01
+    with pytest.raises(ConfigError, match=r"no candidate at 1 micro-batches .*8 micro-batches "
+                                          r"would fit"):
+        search(costs, 2, only, balance=balance, runs=1, memory_budget=budget)
+
+
+def _tutorial():
+    """The tutorial's pipeline program (docs/tutorial.md, section 2), its definitions only."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "docs" / "tutorial.md").read_text()
+    body = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "pk.launch(main" in b][0]
+    space = {"__name__": "tutorial"}
+    exec(compile(body, "docs/tutorial.md", "exec"), space)
+    return space
+
+
+def _tutorial_engine(t, schedule, partition="parameters", chunks=None, plugins=()):
+    from torch import nn
+    layers = [pk.LayerSpec(nn.Embedding, t["VOCAB"], t["DIM"]),
+              *[pk.LayerSpec(t["Block"], t["DIM"]) for _ in range(t["LAYERS"])],
+              pk.LayerSpec(nn.Linear, t["DIM"], t["VOCAB"])]
+    module = pk.PipelineModule(layers, loss_fn=t["loss_fn"], num_stages=2, seed=1234,
+                               partition=partition)
+    return pk.PipelineEngine(module, micro_batches=t["MICRO_BATCHES"], schedule=schedule,
+                             chunks=chunks, plugins=list(plugins), timeout=60,
+                             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+
+
+def _train(t, engine):
+    losses = [engine.train_batch(iter(t["batch"](step))).item() for step in range(t["STEPS"])]
+    plan, m = engine.plan, engine.micro_batches
+    engine.close()
+    return losses, plan, m
+
+
+class FewerIsFaster:
+    """Injected costs where each micro-batch carries a large fixed cost: alone, the planner
+    would take the fewest micro-batches (2 of the candidates 2, 4, 8)."""
+
+    @pk.hookimpl(tryfirst=True)
+    def pipekernel_partition(self, method, layers, num_stages, context):
+        from pipekernel.stage.partitioning import Profile
+        if not isinstance(method, Profile):
+            return None
+        rows, n = method.sample.shape[0], len(layers)
+        seconds = [(rows + 100.0) * 1e-3] * n
+        context.layer_costs, context.layer_forward_seconds = seconds, [s / 3 for s in seconds]
+        context.layer_static_bytes, context.layer_activation_bytes = [1000.0] * n, [1.0 * rows] * n
+        return [0, n] if num_stages == 1 else None
+
+
+def _tutorial_worker():
+    t = _tutorial()
+    sample = t["batch"](0)[0][0]
+    auto = _train(t, _tutorial_engine(t, pk.auto(sample=sample, repeats=1, warmup=0)))
+    plan = auto[1]
+    fixed = _train(t, _tutorial_engine(t, plan.schedule, list(plan.bounds), plan.chunks))
+    import contextlib
+    import io
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):  # what rank 0 says at start
+        engine = _tutorial_engine(t, pk.auto(sample=sample, micro_batches=[2, 4, 8],
+                                             measure_link=False), plugins=[FewerIsFaster()])
+    return auto, fixed, (*_train(t, engine), said.getvalue())
+
+
+@pytest.fixture(scope="module")
+def tutorial_runs():
+    return run_ranks(_tutorial_worker, 2)
+
+
+def _plain_losses(t):
+    from pipekernel.testing import reference_train
+    from torch import nn
+    layers = [pk.LayerSpec(nn.Embedding, t["VOCAB"], t["DIM"]),
+              *[pk.LayerSpec(t["Block"], t["DIM"]) for _ in range(t["LAYERS"])],
+              pk.LayerSpec(nn.Linear, t["DIM"], t["VOCAB"])]
+    module = pk.PipelineModule(layers, loss_fn=t["loss_fn"], num_stages=1, seed=1234)
+    batches = [[t["batch"](step)] for step in range(t["STEPS"])]
+    return reference_train(module, lambda p: torch.optim.AdamW(p, lr=1e-2), batches,
+                           t["MICRO_BATCHES"])[0]
+
+
+def test_the_tutorial_with_auto_trains_the_batch_it_wrote(tutorial_runs):
+    (auto, plan, m), (fixed, _, fixed_m), _ = tutorial_runs[0]
+    assert m == fixed_m == plan.micro_batches == 4  # the tutorial's MICRO_BATCHES
+    assert auto == pytest.approx(fixed, rel=1e-6, abs=1e-6)
+    assert auto == pytest.approx(_plain_losses(_tutorial()), rel=1e-6, abs=1e-6)
+    assert tutorial_runs[1][0][0] == auto  # every rank gets the same loss
+
+
+def test_auto_preferring_another_count_still_trains_the_users(tutorial_runs):
+    (auto, _, _), _, (prefers, plan, m, said) = tutorial_runs[0]
+    assert m == plan.micro_batches == plan.runs == 4
+    assert plan.announce() in said.splitlines()  # rank 0 says it at start, and only rank 0
+    assert "schedule 'auto'" not in tutorial_runs[1][2][3]
+    best = min((c for c in plan.candidates if c.predicted_step_s is not None),
+               key=lambda c: c.predicted_step_s)
+    assert best.micro_batches == 2 and best.what_if  # the planner alone would have taken 2
+    assert "2 micro-batches would be predicted" in plan.announce()
+    assert prefers == pytest.approx(auto, rel=1e-6, abs=1e-6)

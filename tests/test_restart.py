@@ -109,7 +109,7 @@ def _check_recovered(out: Path, proc: subprocess.CompletedProcess, world: int) -
     assert first["resumed_from"] == (KILL_STEP - 1) // SAVE_EVERY * SAVE_EVERY == 4
     # the first attempt's survivors named the lost rank (as their pipeline peer, or in
     # the data-parallel group whose all-reduce it left: whichever wait noticed first) and when
-    assert re.search(rf"\[rank \d, stage \d, train step {KILL_STEP}, schedule step \d+"
+    assert re.search(rf"\[rank \d, stage \d, train step {KILL_STEP} \(1-based\), schedule step \d+"
                      rf"[^\]\n]*\] [^\n]*(from rank 1|to rank 1|over ranks \[0, 1\])",
                      log), log[-4000:]
     seconds = first["time"] - float((out / "kill-0").read_text())
@@ -154,7 +154,7 @@ def test_a_second_kill_past_the_restart_budget_ends_the_job_naming_the_first_fai
     assert not (out / "weights-0.pt").exists()
     # torchrun names the killed rank; rank 0's own error names it with the train step
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -9", log), log[-4000:]
-    assert re.search(rf"\[rank 0, stage 0, train step {KILL_STEP}, schedule step \d+, "
+    assert re.search(rf"\[rank 0, stage 0, train step {KILL_STEP} \(1-based\), schedule step \d+, "
                      rf"micro-batch \d+, instruction \w+\] rank 0 failed to (receive from|"
                      rf"send to) rank 1", log), log[-4000:]
 

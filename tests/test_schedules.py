@@ -38,10 +38,11 @@ def test_every_builtin_schedule_simulates_for_all_sizes(name):
 
 
 def test_registry_names_match_classes():
-    from pipekernel.schedules import ZBH1, ZBH2, ZBV, DualPipeV, Interleaved1F1B
+    from pipekernel.schedules import ZBH1, ZBH2, ZBV, DualPipeV, Interleaved1F1B, VHalf, VMin
     assert BUILTIN_SCHEDULES == {"1f1b": OneFOneB, "gpipe": GPipe, "inference": Inference,
                                  "interleaved": Interleaved1F1B, "zb-h1": ZBH1, "zb-h2": ZBH2,
-                                 "zbv": ZBV, "dualpipev": DualPipeV}
+                                 "zbv": ZBV, "dualpipev": DualPipeV, "v-min": VMin,
+                                 "v-half": VHalf}
     assert all(cls.name == name for name, cls in BUILTIN_SCHEDULES.items())
     assert Inference.trains is False and OneFOneB.trains and GPipe.trains
 

@@ -202,6 +202,8 @@ def test_every_builtin_schedule_is_deadlock_free_with_skip_edges(name):
             parts = stages * chunks
             everything = [(p, q) for p in range(parts) for q in range(p + 1, parts)]
             fewest = 2 * stages if name == "dualpipev" else stages  # dualpipev: M >= 2 S
+            if hasattr(cls, "min_micro_batches"):  # v-min, v-half: their own minimum
+                fewest = max(fewest, cls.min_micro_batches(stages))
             for micro_batches in (fewest, 2 * stages + 1 if name != "interleaved" else 2 * stages):
                 for edges in [[e] for e in everything] + [everything]:
                     simulate(cls, stages, micro_batches, chunks, skips=edges)

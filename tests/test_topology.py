@@ -6,7 +6,9 @@ import itertools
 import pytest
 
 import pipekernel as pk
-from pipekernel.grid.topology import Topology, format_rank_map, parse_rank_order, rank_map
+from pipekernel.errors import ConfigError
+from pipekernel.grid.topology import Topology, format_rank_map, parse_rank_order, rank_map, \
+    world_size_rules
 
 
 def test_default_order_is_tensor_innermost_pipeline_outermost():
@@ -81,3 +83,20 @@ def test_two_node_example_keeps_tensor_and_data_groups_inside_a_node():
     assert all(len({node[r] for r in g}) == 2 for g in topo.pipe_groups())
     lines = format_rank_map(topo, ranks_per_node=4)
     assert lines[5] == "rank 5: stage 1, replica 0, tp 1 (node 1)"
+
+
+def test_a_world_size_error_names_every_rule_it_breaks():
+    """Fixing the one rule an error named used to uncover the next (issue 43)."""
+    with pytest.raises(ConfigError) as info:
+        Topology.from_world(6, 0, 4, data_parallel_size=2)
+    text = str(info.value)
+    assert "world size 6 is not divisible by 4 pipeline stages; and data_parallel_size=2 " \
+           "does not match world size 6: it needs 8 processes (4 stages x 2 replica(s))" in text
+    assert "how to fix: launch 8 processes" in text
+    with pytest.raises(ConfigError) as info:
+        Topology.from_world(6, 0, 4, data_parallel_size=2, shard_size=2)
+    assert str(info.value).count("; and ") == 2  # stages, shards and replicas: all three
+    assert "data_parallel_shard=2 needs a multiple of 8 processes" in str(info.value)
+    assert world_size_rules(8, 2, 4) == []
+    assert world_size_rules(8, 2, None, model_size=2, shard_size=2) == []
+    assert world_size_rules(8, 0, None) == ["num_stages=0 must be >= 1"]

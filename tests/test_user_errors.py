@@ -4,6 +4,7 @@ defaults. Exact wording is asserted: it is what users read."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,11 +176,48 @@ def test_a_second_ctrl_c_kills_the_workers_and_still_prints_the_summary(tmp_path
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert "in _stop_workers\n" not in err  # no raw traceback from inside the launcher
-    assert err.rstrip().splitlines()[-1] == (
+    assert "Traceback" not in err  # no raw traceback from inside the launcher
+    # the summary comes first (where pk.launch was called from, after it)
+    assert err.lstrip().splitlines()[0] == (
         "pipekernel.engine.launch.LaunchInterrupted: launch interrupted (Ctrl-C), then killed by "
         "a second Ctrl-C: stopped ranks [0, 1]; no rank had failed")
+    assert err.rstrip().endswith("pk.launch(stubborn, 2)")
     assert proc.returncode != 0
+
+
+# -- an error through pk.launch ------------------------------------------------------------------
+
+BAD_SCHEDULE = textwrap.dedent("""
+    import torch, pipekernel as pk
+
+    def job():
+        layers = [pk.LayerSpec(torch.nn.Linear, 4, 4) for _ in range(2)]
+        module = pk.PipelineModule(layers, loss_fn=torch.nn.MSELoss(), num_stages=2)
+        pk.PipelineEngine(module, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                          micro_batches=2, schedule="1f1bx", transport="gloo")
+
+    if __name__ == "__main__":
+        pk.launch(job, 2)
+""")
+
+
+def test_an_error_through_pk_launch_starts_with_pipekernels_message_said_once(tmp_path):
+    """Not the launcher's own traceback frames first, then the message, then the message
+    again at the end of the rank's traceback: the message, the rank's frames, the caller."""
+    script = tmp_path / "bad_schedule.py"
+    script.write_text(BAD_SCHEDULE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=240)
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    assert re.fullmatch(r"pipekernel\.engine\.launch\.RankError: rank [01] failed: unknown "
+                        r"schedule '1f1bx' \(did you mean '1f1b'\?\)", err.splitlines()[0]), err
+    assert err.count("unknown schedule '1f1bx'") == 1, err
+    assert "launch.py" not in err  # neither the launcher's frames nor the worker's own
+    assert 'bad_schedule.py", line 7, in job' in err  # the rank's frames stay
+    assert err.rstrip().endswith("raised by pk.launch, called from (most recent call last):\n"
+                                 f'    File "{script}", line 11, in <module>\n'
+                                 "      pk.launch(job, 2)")
 
 
 # -- the schedule grid hides nothing -----------------------------------------------------------

@@ -114,7 +114,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None,
     :param lr_scheduler: a scheduler ``f(optimizer)`` (or a built one, with a built
         optimizer), unless the config names one.
     :param unsupported: ``"error"`` (default): an unimplemented config key raises
-        ``ConfigError`` naming it; ``"warn"``: a warning, and the key has no effect.
+        ``ConfigError`` naming it; ``"warn"``: a warning, and the key has no effect,
+        except a key that would change what a batch is (a batch-size key or a typo of
+        one, ``elasticity``, ...): that stays an error.
     :param engine_options: extra :class:`pipekernel.PipelineEngine` keyword arguments
         (``schedule``, ``timeout``, ``plugins``, ...).
     :returns: ``(engine, optimizer, training_dataloader, lr_scheduler)``.

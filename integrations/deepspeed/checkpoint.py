@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,11 +44,12 @@ from torch import nn
 import pipekernel as pk
 from pipekernel.engine.checkpoint_files import (LAYER_FORMAT_VERSION, _write_file, layer_file,
                                                 rank_file)
-from pipekernel.errors import ConfigError, DataError
+from pipekernel.engine.checkpoint_data import load_file
+from pipekernel.errors import ConfigError, DataError, PipelineError, UntrustedCheckpointError
 
 from .config import batch_sizes
 
-__all__ = ["convert", "load", "is_deepspeed_checkpoint", "DS_KEYS"]
+__all__ = ["convert", "load", "is_deepspeed_checkpoint", "DS_KEYS", "SAFE_GLOBALS", "SWITCH"]
 
 _LAYER = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
 _RANK = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -79,16 +81,58 @@ def is_deepspeed_checkpoint(directory: str) -> bool:
                                             for n in os.listdir(directory))
 
 
-def _torch_load(path: str) -> Any:
+@dataclass
+class FragmentAddress:
+    """Stands in for DeepSpeed's ``deepspeed.utils.tensor_fragment.fragment_address`` (two
+    ints, where a parameter lies in a flat fp32 partition) when an ``mp_rank`` file is read
+    as data: no DeepSpeed import, nothing that runs."""
+
+    numel: int
+    start: int
+
+
+#: The non-tensor globals DeepSpeed 0.19 pickles into the files pipekernel reads, allowed
+#: by name for those reads only: ``fragment_address`` (the ``param_slice_mappings`` of a
+#: bf16 run's ``mp_rank`` files). Found by saving real DeepSpeed 0.19.8 pipeline
+#: checkpoints at fp32, fp16, bf16, ZeRO-1 and bf16 + ZeRO-1
+#: (``tests/fixtures/deepspeed/probe_globals.py``); its ZeRO ``*optim_states.pt`` files,
+#: which pipekernel does not read, also pickle ``LossScaler`` and ``ZeroStageEnum``.
+SAFE_GLOBALS = [(FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address")]
+
+#: The switches that load a DeepSpeed checkpoint that is not data only.
+SWITCH = ('trust_checkpoint=True (engine.load_checkpoint / convert), or "'
+          + "pipekernel_trust_checkpoints" + '": true in the DeepSpeed config')
+
+
+def _torch_load(path: str, trust: bool = False) -> dict:
+    """A DeepSpeed checkpoint file as data only (:data:`SAFE_GLOBALS` allowed), all of
+    it when ``trust``; ``DataError`` naming the file when missing, corrupt, not a dict, or
+    (``UntrustedCheckpointError``) not data only."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        loaded = load_file(path, path, trust=trust, allowed=SAFE_GLOBALS, switch=SWITCH)
+    except PipelineError:
+        raise
     except FileNotFoundError:
-        raise DataError(f"checkpoint file {path} is missing") from None
-    except Exception:  # noqa: BLE001 - DeepSpeed pickles more than tensors in mp_rank files
-        try:
-            return torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # noqa: BLE001
-            raise DataError(f"checkpoint file {path} is truncated or corrupt: {err}") from err
+        raise DataError(f"checkpoint file {path} is missing",
+                        hint="the checkpoint is incomplete: copy the whole tag directory"
+                        ) from None
+    except Exception as err:  # noqa: BLE001 - torch raises many types for a bad zip
+        raise DataError(f"checkpoint file {path} is truncated or corrupt: {err}",
+                        hint="copy the file again, or load an older tag") from err
+    if not isinstance(loaded, dict):
+        raise DataError(f"checkpoint file {path} holds a {type(loaded).__name__}, not the "
+                        "dict DeepSpeed writes", hint="pass a directory DeepSpeed's "
+                        "save_checkpoint wrote")
+    return loaded
+
+
+def _layer_state(path: str, trust: bool) -> dict[str, torch.Tensor]:
+    """A ``layer_XX-model_states.pt`` file: a layer's ``state_dict`` (tensors by name)."""
+    state = _torch_load(path, trust)
+    if not all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items()):
+        raise DataError(f"checkpoint file {path} is not a layer's state_dict (tensors by "
+                        "name)", hint="pass a directory DeepSpeed's save_checkpoint wrote")
+    return state
 
 
 def _scan(directory: str) -> tuple[dict[int, str], dict[int, str]]:
@@ -132,8 +176,8 @@ def _ds_parameter_names(module: Any, bounds: list[int], stage: int) -> list[str]
     return names + [f"{i}.{n}" for i, m in plain for n, _ in m.named_parameters()]
 
 
-def _optimizer_by_name(module: Any, ranks: dict[int, str], shapes: dict[str, list]
-                       ) -> tuple[dict[str, Any], dict[str, dict]]:
+def _optimizer_by_name(module: Any, ranks: dict[int, str], shapes: dict[str, list],
+                       trust: bool = False) -> tuple[dict[str, Any], dict[str, dict]]:
     """``({parameter name: its optimizer state}, {name: its group's hyperparameters})``
     from every stage's ``mp_rank`` file (see the module docstring for when it applies)."""
     with torch.random.fork_rng(devices=[]):
@@ -141,7 +185,7 @@ def _optimizer_by_name(module: Any, ranks: dict[int, str], shapes: dict[str, lis
     state_by_name: dict[str, Any] = {}
     hyper_by_name: dict[str, dict] = {}
     for stage, path in sorted(ranks.items()):
-        saved = _torch_load(path).get("optimizer")
+        saved = _torch_load(path, trust).get("optimizer")
         if not (isinstance(saved, dict) and set(saved) == {"state", "param_groups"}):
             kinds = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ConfigError(f"{path}: the optimizer state is not a plain torch.optim state "
@@ -214,7 +258,7 @@ def _layer_entries(module: Any, layers: dict[int, str], num_layers: int
 
 def convert(ds_dir: str | os.PathLike, pk_dir: str | os.PathLike, tag: str | None = None, *,
             module: Any = None, num_layers: int | None = None,
-            optimizer: bool = True) -> str:
+            optimizer: bool = True, trust_checkpoint: bool = False) -> str:
     """Write DeepSpeed checkpoint ``ds_dir/tag`` (default: ``ds_dir/latest``) as a
     pipekernel checkpoint ``pk_dir/tag`` (and ``pk_dir/latest``), loadable at any stage
     count by ``engine.load_checkpoint(pk_dir)`` or :func:`pipekernel.load_sequential`.
@@ -225,8 +269,11 @@ def convert(ds_dir: str | os.PathLike, pk_dir: str | os.PathLike, tag: str | Non
     :param num_layers: the model's layer count (default: the module's, else the highest
         layer file + 1: pass it when the last layers have no weights).
     :param optimizer: convert the optimizer state (needs ``module``).
+    :param trust_checkpoint: unpickle the files fully; by default they load as data only
+        (tensors and :data:`SAFE_GLOBALS`), and a file that would run code is refused.
     :returns: the pipekernel checkpoint directory.
-    :raises DataError: missing files. :raises ConfigError: what cannot be converted, named.
+    :raises DataError: missing, corrupt or not data-only files (named).
+    :raises ConfigError: what cannot be converted, named.
     """
     ds_root, pk_root = os.fspath(ds_dir), os.fspath(pk_dir)
     tag = _tag(ds_root, tag)
@@ -234,11 +281,15 @@ def convert(ds_dir: str | os.PathLike, pk_dir: str | os.PathLike, tag: str | Non
     count = (num_layers or (len(module._layer_specs) if module is not None else None)
              or max(layers) + 1)
     entries, sources = _layer_entries(module, layers, count)
-    states = {index: _torch_load(path) for index, path in sources.items()}
+    trust = bool(trust_checkpoint)
+    _check_complete(os.path.join(ds_root, tag), module, entries, sources, ranks)
+    states = {index: _layer_state(path, trust) for index, path in sources.items()}
+    _check_shapes(module, states, sources)
     shapes = {f"{i}.{k}": list(v.shape) for i, sd in states.items() for k, v in sd.items()}
-    opt, hyper = (_optimizer_by_name(module, ranks, shapes)
+    opt, hyper = (_optimizer_by_name(module, ranks, shapes, trust)
                   if optimizer and module is not None and ranks else ({}, {}))
-    first = _torch_load(ranks[min(ranks)]) if ranks else {}
+    first = _torch_load(ranks[min(ranks)], trust) if ranks else {}
+    _check_counters(first, ranks[min(ranks)] if ranks else "")
     for entry in entries:
         if "file" in entry:
             entry["shapes"] = {k: list(v.shape) for k, v in states[entry["index"]].items()}
@@ -255,6 +306,77 @@ def convert(ds_dir: str | os.PathLike, pk_dir: str | os.PathLike, tag: str | Non
                 json.dumps(_meta(first, entries, len(ranks))).encode())
     _write_file(os.path.join(pk_root, "latest"), (tag + "\n").encode())
     return out
+
+
+def _check_complete(directory: str, module: Any, entries: list[dict], sources: dict[int, str],
+                    ranks: dict[int, str]) -> None:
+    """``DataError`` naming the first file a complete checkpoint has and ``directory``
+    lacks: an ``mp_rank`` file of a stage below the highest, or (with the model) the file
+    of a layer with weights."""
+    for stage in range(max(ranks, default=-1) + 1):
+        if stage not in ranks:
+            raise DataError(f"checkpoint file {os.path.join(directory, _rank_name(stage))} "
+                            "is missing", hint="the checkpoint is incomplete: copy the whole "
+                                               "tag directory")
+    if module is None:
+        return
+    specs = module._layer_specs
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for entry in entries:
+            index = entry["index"]
+            if entry["canonical"] != index or index in sources:
+                continue
+            spec = specs[index]
+            layer = spec.build() if isinstance(spec, pk.LayerSpec) else spec
+            if isinstance(layer, nn.Module) and layer.state_dict():
+                name = f"layer_{index:02d}-model_states.pt"
+                raise DataError(f"checkpoint file {os.path.join(directory, name)} (layer "
+                                f"{index}, {type(layer).__name__}) is missing",
+                                hint="the checkpoint is incomplete, or of another model: copy "
+                                     "the whole tag directory")
+
+
+def _check_shapes(module: Any, states: dict[int, dict], sources: dict[int, str]) -> None:
+    """With the model: ``DataError`` naming the first layer file whose tensors are not
+    the layer's (names or shapes), before anything is converted or loaded."""
+    if module is None:
+        return
+    specs = module._layer_specs
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for index, state in sorted(states.items()):
+            spec = specs[index] if index < len(specs) else None
+            layer = spec.build() if isinstance(spec, pk.LayerSpec) else spec
+            if not isinstance(layer, nn.Module):
+                continue
+            ours = {k: list(v.shape) for k, v in layer.state_dict().items()}
+            theirs = {k: list(v.shape) for k, v in state.items()}
+            for key in [*ours, *(k for k in theirs if k not in ours)]:
+                if ours.get(key) != theirs.get(key):
+                    raise DataError(f"checkpoint file {sources[index]} holds {key!r} of shape "
+                                    f"{theirs.get(key, 'missing')} and layer {index} "
+                                    f"({type(layer).__name__}) has {ours.get(key, 'missing')}",
+                                    hint="load it into the model it was saved from (the same "
+                                         "layers and sizes)")
+
+
+def _rank_name(stage: int) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt"
+
+
+def _check_counters(first: dict, path: str) -> None:
+    """``DataError`` unless the counters and the scheduler state of an ``mp_rank`` file
+    have DeepSpeed's types (checked before anything is written or applied)."""
+    for key in ("global_steps", "skipped_steps", "global_samples", "dp_world_size"):
+        value = first.get(key, 0)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise DataError(f"checkpoint file {path}: {key!r} is {value!r}, not a count",
+                            hint="pass a directory DeepSpeed's save_checkpoint wrote")
+    for key in ("lr_scheduler", "ds_config"):
+        if not isinstance(first.get(key) or {}, dict):
+            raise DataError(f"checkpoint file {path}: {key!r} is a "
+                            f"{type(first.get(key)).__name__}, not a dict",
+                            hint="pass a directory DeepSpeed's save_checkpoint wrote")
 
 
 def _rank_payload(first: dict) -> dict:
@@ -291,26 +413,39 @@ def _meta(first: dict, entries: list[dict], stages: int) -> dict:
 
 
 def load(shim: Any, root: str | os.PathLike, tag: str | None = None, *, optimizer: bool = True,
-         lr_scheduler: bool = True, counters: bool = True) -> tuple[str, Any]:
+         lr_scheduler: bool = True, counters: bool = True,
+         trust_checkpoint: bool = False) -> tuple[str, Any]:
     """``engine.load_checkpoint`` of :class:`~pipekernel.deepspeed.engine.PipelineEngine`:
     a pipekernel checkpoint loads directly, a DeepSpeed one through :func:`convert` into a
-    temporary directory of this rank. Every rank calls it.
+    temporary directory of this rank. Every rank calls it. Data only unless
+    ``trust_checkpoint`` (an ``UntrustedCheckpointError`` names the facade's switches).
 
     :returns: ``(directory, client_state)``.
     """
+    try:
+        return _load(shim, root, tag, optimizer, lr_scheduler, counters, trust_checkpoint)
+    except UntrustedCheckpointError as err:
+        err.hint = (f"if the checkpoint comes from a source you trust, load it with {SWITCH}; "
+                    "otherwise do not load it (nothing was loaded)")
+        raise
+
+
+def _load(shim: Any, root: str | os.PathLike, tag: str | None, optimizer: bool,
+          lr_scheduler: bool, counters: bool, trust: bool) -> tuple[str, Any]:
     root = os.fspath(root)
     tag = _tag(root, tag)
     directory = os.path.join(root, tag)
     engine = shim.engine
     keep = _Kept(engine, optimizer, lr_scheduler, counters)
     if not is_deepspeed_checkpoint(directory):
-        info = engine.load_checkpoint(root, tag)
+        info = engine.load_checkpoint(root, tag, trust_checkpoint=trust)
         keep.restore()
         return info["directory"], info["client_state"]
     scratch = tempfile.mkdtemp(prefix="pk-from-deepspeed-")
     try:
-        convert(root, scratch, tag, module=shim.module, optimizer=optimizer)
-        info = engine.load_checkpoint(scratch, tag)
+        convert(root, scratch, tag, module=shim.module, optimizer=optimizer,
+                trust_checkpoint=trust)
+        info = engine.load_checkpoint(scratch, tag, trust_checkpoint=trust)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     keep.restore()

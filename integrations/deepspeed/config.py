@@ -4,8 +4,8 @@
 Every key is either implemented (mapped to a pipekernel setting below), accepted because
 it changes nothing in pipekernel (disabled, at its default or about performance only:
 :mod:`.config_keys`, logged once), or refused by name: an unknown or unimplemented key raises :class:`~pipekernel.errors.ConfigError`
-(``unsupported="warn"``: a warning instead, and the key has no effect). Nothing is
-silently ignored.
+(``unsupported="warn"``: a warning instead, and the key has no effect, unless dropping
+it would change what a batch is: then it stays an error). Nothing is silently ignored.
 
 The batch-size arithmetic is DeepSpeed's own (``deepspeed/runtime/config.py``,
 ``_set_batch_related_parameters`` / ``_batch_assertion``), with its messages, where the
@@ -35,7 +35,7 @@ SUPPORTED_KEYS = (
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "gradient_clipping",
     "steps_per_print", "wall_clock_breakdown", "zero_optimization", "pipeline",
-    "dataloader_drop_last",
+    "dataloader_drop_last", "pipekernel_trust_checkpoints",
 )
 _FP16_KEYS = ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window",
               "hysteresis", "min_loss_scale")
@@ -52,6 +52,9 @@ class Settings:
     :ivar precision: ``"fp32"``, ``"fp16"`` or ``"bf16"``; ``precision_options`` the fp16
         loss scaling as :class:`pipekernel.plugins.precision.LossScaler` options.
     :ivar max_grad_norm: ``gradient_clipping`` (``None``: ``0``, DeepSpeed's "off").
+    :ivar trust_checkpoints: ``pipekernel_trust_checkpoints`` (pipekernel's own key,
+        default false): ``load_checkpoint`` unpickles checkpoint files fully instead of as
+        data only (docs/checkpoints.md). Only for checkpoints from a source you trust.
     """
 
     train_batch_size: int
@@ -68,6 +71,7 @@ class Settings:
     activation_checkpoint_interval: int | None = None
     partition_activations: bool = True
     drop_last: bool = False
+    trust_checkpoints: bool = False
     raw: dict = field(default_factory=dict)
 
 
@@ -139,7 +143,8 @@ def batch_sizes(config: dict, world_size: int) -> tuple[int, int, int]:
 
 
 class _Refusals:
-    """Collects unimplemented keys; raises once naming all of them (or warns)."""
+    """Collects unimplemented keys; raises once naming all of them (or warns). A key whose
+    loss would change what one batch is is refused even with ``unsupported='warn'``."""
 
     def __init__(self, mode: str) -> None:
         if mode not in ("error", "warn"):
@@ -147,20 +152,37 @@ class _Refusals:
                               hint="pass unsupported='error' (refuse unimplemented keys) or "
                                    "'warn'")
         self.mode, self.keys = mode, []
+        self.batch: list[str] = []
 
     def add(self, key: str, why: str = "not implemented by pipekernel.deepspeed") -> None:
         self.keys.append(f"{key!r} ({why})")
+        batch = config_keys.changes_batch(key)
+        if batch is not None:
+            self.batch.append(f"{key!r}: {batch}")
+
+    def batch_first(self) -> None:
+        """Before the batch arithmetic: a refused key about the batch (a typo of one
+        included) would make its result, or its error, about another batch."""
+        if self.batch:
+            self.mode = "error"
+            self.done()
 
     def done(self) -> None:
         if not self.keys:
             return
         text = "DeepSpeed config keys pipekernel does not implement: " + "; ".join(self.keys)
-        if self.mode == "warn":
+        if self.mode == "warn" and not self.batch:
             warnings.warn(text + " -- they have no effect", stacklevel=3)
             return
-        raise ConfigError(text, hint="remove them, or pass initialize(..., "
-                                     "unsupported='warn') to run without them "
-                                     "(see docs/deepspeed.md for the keys implemented)")
+        hint = ("fix or remove them, or pass initialize(..., unsupported='warn') to run "
+                "without them (see docs/deepspeed.md for the keys implemented)")
+        if self.batch:
+            text += (" -- unsupported='warn' does not drop these: without them a batch would "
+                     "not be what the config says (" + "; ".join(self.batch) + ")")
+            hint = ("fix or remove them; " + ("unsupported='warn' drops only the others"
+                                               if len(self.batch) < len(self.keys) else
+                                               "see docs/deepspeed.md for the keys implemented"))
+        raise ConfigError(text, hint=hint)
 
 
 def parse(config: Any, *, world_size: int, num_stages: int,
@@ -174,9 +196,10 @@ def parse(config: Any, *, world_size: int, num_stages: int,
     refusals = _Refusals(unsupported)
     for key in raw:
         if key not in SUPPORTED_KEYS:
-            reason = config_keys.check_top_level(key, raw[key])
+            reason = config_keys.check_top_level(key, raw[key], SUPPORTED_KEYS)
             if reason is not None:
                 refusals.add(key, reason)
+    refusals.batch_first()
     if world_size % num_stages:
         raise ConfigError(f"num_stages ({num_stages}) must divide distributed world size "
                           f"({world_size})",
@@ -200,6 +223,7 @@ def parse(config: Any, *, world_size: int, num_stages: int,
     settings.steps_per_print = steps
     settings.wall_clock_breakdown = _flag(raw, "wall_clock_breakdown", False)
     settings.drop_last = _flag(raw, "dataloader_drop_last", False)
+    settings.trust_checkpoints = _flag(raw, "pipekernel_trust_checkpoints", False)
     _zero(raw, settings, refusals)
     _pipeline(raw, settings, refusals, num_stages)
     refusals.done()
@@ -223,7 +247,7 @@ def _section(raw: dict, name: str, keys: tuple[str, ...], refusals: _Refusals) -
                           hint=f'e.g. "{name}": {{"type": ..., "params": {{...}}}}')
     for key in section:
         if key not in keys:
-            refusals.add(f"{name}.{key}")
+            refusals.add(f"{name}.{key}", config_keys.unknown(key, keys))
     params = section.get("params", {})
     if not isinstance(params, dict):
         raise ConfigError(f"{name}.params must be an object, got {params!r}",
@@ -242,7 +266,7 @@ def _precision(raw: dict, settings: Settings, refusals: _Refusals) -> None:
     for name, section, known in (("fp16", fp16, _FP16_KEYS), ("bf16", bf16, ("enabled",))):
         for key in section:
             if key not in known:
-                reason = config_keys.check_precision_key(name, key, section[key])
+                reason = config_keys.check_precision_key(name, key, section[key], known)
                 if reason is not None:
                     refusals.add(f"{name}.{key}", reason)
     fp16_on = _flag(fp16, "enabled", False, "fp16.")
@@ -303,7 +327,7 @@ def _pipeline(raw: dict, settings: Settings, refusals: _Refusals, num_stages: in
                           hint='write "pipeline": {...} with its settings as keys')
     for key in section:
         if key not in _PIPELINE_DEFAULTS:
-            refusals.add(f"pipeline.{key}")
+            refusals.add(f"pipeline.{key}", config_keys.unknown(key, _PIPELINE_DEFAULTS))
     interval = section.get("activation_checkpoint_interval")
     if interval is not None:
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 0:

@@ -10,11 +10,13 @@ name with the reason, like every key pipekernel does not implement.
 """
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["check_top_level", "check_zero_key", "check_precision_key", "note"]
+__all__ = ["check_top_level", "check_zero_key", "check_precision_key", "note", "unknown",
+           "changes_batch", "BATCH_KEYS"]
 
 _log = logging.getLogger("pipekernel.deepspeed")
 _noted: set[str] = set()
@@ -38,6 +40,37 @@ _ZERO_DEFAULTS = {"load_from_fp32_weights": True, "elastic_checkpoint": False,
                   "zero_quantized_weights": False, "zero_quantized_gradients": False,
                   "zero_quantized_nontrainable_weights": False, "legacy_stage1": False,
                   "parameter_alignment": False, "mics_shard_size": -1}
+
+
+#: the keys that say what one batch is (DeepSpeed's batch arithmetic)
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu",
+              "gradient_accumulation_steps")
+#: sections that, enabled, change the batch: its size over time or which samples it holds
+_BATCH_SECTIONS = {"elasticity": "it changes the batch size as the world changes",
+                   "data_efficiency": "it chooses which samples (and how long) a batch holds",
+                   "curriculum_learning": "it changes the sequence length of the batches"}
+
+
+def unknown(key: str, known: Iterable[str]) -> str:
+    """The refusal reason of a key this reader does not know: with the closest key it
+    knows when one is close (a typo such as ``train_micro_batch_size_per_gpus``)."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.8)
+    if close:
+        return f"not a key pipekernel.deepspeed knows: did you mean {close[0]!r}?"
+    return "not implemented by pipekernel.deepspeed"
+
+
+def changes_batch(key: str) -> str | None:
+    """Why dropping the refused ``key`` (dotted when nested) would change what one batch is
+    (a batch-size key, a typo of one, a section that reshapes batches), else ``None``:
+    such a key is refused even with ``unsupported='warn'``."""
+    top, leaf = key.split(".", 1)[0], key.rsplit(".", 1)[-1]
+    if top in _BATCH_SECTIONS:
+        return _BATCH_SECTIONS[top]
+    if (leaf in BATCH_KEYS or difflib.get_close_matches(leaf, BATCH_KEYS, n=1, cutoff=0.8)
+            or "batch" in leaf or "accumulation" in leaf):
+        return "it sets the batch size"
+    return None
 
 
 def note(key: str, why: str) -> None:
@@ -100,11 +133,12 @@ _TOP_LEVEL: dict[str, tuple[Callable[[Any], str | None], str]] = {
 }
 
 
-def check_top_level(key: str, value: Any) -> str | None:
+def check_top_level(key: str, value: Any, implemented: Iterable[str] = ()) -> str | None:
     """``None`` when ``key`` is accepted with no effect (noted in the log), else the
-    reason it is refused (a key this module does not know: ``"not implemented"``)."""
+    reason it is refused (a key this module does not know: :func:`unknown`, against
+    ``implemented`` and the keys accepted here)."""
     if key not in _TOP_LEVEL:
-        return "not implemented by pipekernel.deepspeed"
+        return unknown(key, [*implemented, *_TOP_LEVEL])
     check, why = _TOP_LEVEL[key]
     refusal = check(value)
     if refusal is None:
@@ -132,7 +166,8 @@ def check_zero_key(key: str, value: Any) -> str | None:
         if refusal is None:
             note(name, "at its default")
         return refusal
-    return "not implemented by pipekernel.deepspeed"
+    return unknown(key, ["stage", "offload_optimizer", "offload_param", *_ZERO_PERFORMANCE,
+                         *_ZERO_DEFAULTS])
 
 
 #: fp16/bf16 keys accepted at their DeepSpeed default.
@@ -140,11 +175,12 @@ _PRECISION_DEFAULTS = {"fp16": {"auto_cast": False, "consecutive_hysteresis": Fa
                        "bf16": {"immediate_grad_update": False, "check_grad_overflow": True}}
 
 
-def check_precision_key(section: str, key: str, value: Any) -> str | None:
+def check_precision_key(section: str, key: str, value: Any,
+                        implemented: Iterable[str] = ()) -> str | None:
     """``fp16.<key>`` / ``bf16.<key>`` beyond those implemented: as :func:`check_top_level`."""
     defaults = _PRECISION_DEFAULTS[section]
     if key not in defaults:
-        return "not implemented by pipekernel.deepspeed"
+        return unknown(key, [*implemented, *defaults])
     refusal = _equals(defaults[key])(value)
     if refusal is None:
         note(f"{section}.{key}", "at its default")

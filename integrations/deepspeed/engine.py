@@ -212,8 +212,15 @@ class PipelineEngine(EngineSurface):
     def load_checkpoint(self, load_dir: str | os.PathLike, tag: str | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Any = None) -> tuple[str, Any]:
+                        custom_load_fn: Any = None, *, trust_checkpoint: bool | None = None
+                        ) -> tuple[str, Any]:
         """Load a checkpoint pipekernel or DeepSpeed wrote, at any stage count.
+
+        The files load as data only (tensors, numbers, containers and the one inert
+        DeepSpeed class its files hold); a file that would run code when unpickled is
+        refused (``UntrustedCheckpointError``, a ``DataError``) unless
+        ``trust_checkpoint=True`` or, when it is ``None``, the config's
+        ``"pipekernel_trust_checkpoints": true`` (docs/checkpoints.md).
 
         :returns: ``(directory loaded, client_state)`` as DeepSpeed.
         """
@@ -225,7 +232,9 @@ class PipelineEngine(EngineSurface):
         from .checkpoint import load
         return load(self, load_dir, tag, optimizer=load_optimizer_states and not load_module_only,
                     lr_scheduler=load_lr_scheduler_states and not load_module_only,
-                    counters=not load_module_only)
+                    counters=not load_module_only,
+                    trust_checkpoint=(self._config.trust_checkpoints if trust_checkpoint is None
+                                      else bool(trust_checkpoint)))
 
     def close(self) -> None:
         self.engine.close()

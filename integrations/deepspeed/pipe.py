@@ -35,6 +35,7 @@ from torch import nn
 import pipekernel as pk
 from pipekernel.errors import ConfigError
 from pipekernel.schedules.instructions import Backward, BackwardInput, BackwardWeight, Forward
+from pipekernel.stage import recompute
 from pipekernel.stage.module import StageModule
 
 from .topology import PipeDataParallelTopology, PipelineParallelGrid, check_topology
@@ -279,7 +280,7 @@ class PipelineModule(nn.Module):
             funcs = [module if forward_fn is None else forward_fn
                      for _, module, forward_fn in self._calls]
             calls = _checkpointed(calls, funcs, self.activation_checkpoint_interval,
-                                  self._checkpointable)
+                                  self._checkpointable, self.stage_id)
         return StageModule(calls, dict(self.tied_modules), self.stage_id, 0)
 
     def _checkpointable(self, funcs: Sequence[Any]) -> bool:
@@ -334,7 +335,8 @@ class PipelineModule(nn.Module):
         return next(s for s in range(self.num_stages) if layer_idx < self.parts[s + 1])
 
 
-def _checkpointed(calls: list, funcs: list, interval: int, checkpointable: Callable) -> list:
+def _checkpointed(calls: list, funcs: list, interval: int, checkpointable: Callable,
+                  stage: int) -> list:
     """DeepSpeed's activation checkpointing of a stage: runs of ``interval`` layers
     (counted from the stage's first), each recomputed in backward when
     ``checkpointable(funcs of the run)`` (DeepSpeed's forward functions: a tied module
@@ -348,7 +350,7 @@ def _checkpointed(calls: list, funcs: list, interval: int, checkpointable: Calla
         if not checkpointable(funcs[start:start + interval]):
             out += run
             continue
-        out.append((run[0][0], run[0][1], _Recomputed(run)))
+        out.append((run[0][0], run[0][1], _Recomputed(run, stage)))
         out += [(index, module, _passthrough) for index, module, _ in run[1:]]
     return out
 
@@ -359,10 +361,12 @@ def _passthrough(module: Any, x: Any) -> Any:
 
 class _Recomputed:
     """A run of calls under non-reentrant checkpointing (its RNG state kept, so dropout
-    draws the same masks when recomputed)."""
+    draws the same masks when recomputed; its buffers left as the forward left them,
+    :mod:`pipekernel.stage.recompute`)."""
 
-    def __init__(self, run: list) -> None:
+    def __init__(self, run: list, stage: int) -> None:
         self.run = run
+        self.watch = recompute.SegmentWatch([(index, module) for index, module, _ in run], stage)
 
     def _forward(self, x: Any) -> Any:
         for _, module, forward_fn in self.run:
@@ -372,8 +376,7 @@ class _Recomputed:
     def __call__(self, module: Any, x: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._forward(x)
-        return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False,
-                                                 preserve_rng_state=True)
+        return recompute.checkpoint(self._forward, x, self.watch)
 
 
 class _ForwardCounter:

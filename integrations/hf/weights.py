@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipekernel.errors import ConfigError
+from pipekernel.errors import ConfigError, DataError
 
 __all__ = ["ModelSource", "CheckpointSource", "ConfigSource", "make_source", "meta_model"]
 
@@ -121,11 +121,13 @@ class CheckpointSource(_MetaSource):
         handles: dict[str, Any] = {}
 
         def read(key: str) -> torch.Tensor:
-            filename = self.files[key]
-            if filename not in handles:
-                handles[filename] = safe_open(os.path.join(self.directory, filename),
-                                              framework="pt")
-            tensor = handles[filename].get_tensor(key)
+            filename = os.path.join(self.directory, self.files[key])
+            try:
+                if filename not in handles:
+                    handles[filename] = safe_open(filename, framework="pt")
+                tensor = handles[filename].get_tensor(key)
+            except Exception as err:  # noqa: BLE001 - safetensors' and the OS's errors
+                raise _unreadable(filename, key, err) from err
             self.bytes_read += tensor.numel() * tensor.element_size()
             return tensor
 
@@ -141,6 +143,13 @@ class CheckpointSource(_MetaSource):
                                       f"{full!r} (after transformers' key conversion)",
                                       hint="load a checkpoint saved from the same model "
                                            "configuration")
+                if values[key].shape != state[name].shape:
+                    where = self.files.get(key, "converted")
+                    raise DataError(f"the checkpoint {self.directory!r} holds {key!r} of shape "
+                                    f"{list(values[key].shape)} ({where}) and the model's "
+                                    f"{full!r} is {list(state[name].shape)}",
+                                    hint="load a checkpoint saved from the same model "
+                                         "configuration (config.json)")
                 state[name].copy_(values[key])
 
     def _convert(self, target: str, read: Any) -> dict[str, torch.Tensor]:
@@ -191,21 +200,44 @@ def _needed(plan: dict[str, list], wanted: dict[str, str], model: nn.Module) -> 
             or t.rpartition(".")[0] in roots or any(t.startswith(r + ".") for r in roots)]
 
 
+def _unreadable(path: str, key: str, error: BaseException) -> DataError:
+    what = "is missing" if isinstance(error, FileNotFoundError) else \
+        f"is truncated or corrupt ({type(error).__name__}: {error})"
+    return DataError(f"checkpoint file {path} (tensor {key!r}) {what}",
+                     hint="copy the checkpoint directory again (every shard its index names)")
+
+
 def _weight_map(directory: str) -> dict[str, str]:
-    """``{tensor name: safetensors file}`` of a checkpoint directory."""
+    """``{tensor name: safetensors file}`` of a checkpoint directory. Only safetensors is
+    read (it holds no code); a directory of pickled ``.bin`` files is refused by name."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
+        try:
+            with open(index) as f:
+                found = json.load(f)["weight_map"]
+            if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+                raise TypeError(f"weight_map is a {type(found).__name__} of non-file names")
+            return dict(found)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise DataError(f"checkpoint index {index} is truncated or corrupt: "
+                            f"{type(err).__name__}: {err}",
+                            hint="save the model again with save_pretrained(path)") from err
     single = os.path.join(directory, "model.safetensors")
     if os.path.exists(single):
         from safetensors import safe_open
-        with safe_open(single, framework="pt") as f:
-            return {key: "model.safetensors" for key in f.keys()}
-    raise ConfigError(f"{directory!r} holds no model.safetensors nor "
-                      "model.safetensors.index.json",
-                      hint="save the model with save_pretrained(path) (safetensors, the default), "
-                           "or pass the loaded model itself")
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {key: "model.safetensors" for key in f.keys()}
+        except Exception as err:  # noqa: BLE001 - safetensors' errors
+            raise _unreadable(single, "*", err) from err
+    others = sorted(n for n in os.listdir(directory) if n.endswith((".bin", ".pt", ".pth",
+                                                                     ".ckpt")))
+    raise DataError(f"{directory!r} holds no model.safetensors nor "
+                    "model.safetensors.index.json"
+                    + (f" (it holds {', '.join(others[:3])}: pickles, which pipekernel does "
+                       "not unpickle)" if others else ""),
+                    hint="save the model with save_pretrained(path) (safetensors, the default), "
+                         "or pass the loaded model itself")
 
 
 def _aliases(model: nn.Module, key: str) -> list[str]:

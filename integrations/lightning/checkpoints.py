@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from pipekernel.engine.checkpoint_data import load_file
 from pipekernel.engine.checkpoint_files import _read_layer, read_meta
-from pipekernel.errors import ConfigError
+from pipekernel.errors import ConfigError, DataError, PipelineError, UntrustedCheckpointError
 
 __all__ = ["pipeline_dir", "CHECKPOINT_TAG", "CheckpointMixin"]
 
@@ -121,7 +122,22 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                         ) -> dict[str, Any]:
         """Load the pipekernel checkpoint of ``checkpoint_path`` (at any stage or replica
-        count; bit-exact at the same shape) and return the Trainer's state saved with it."""
+        count; bit-exact at the same shape) and return the Trainer's state saved with it.
+
+        ``weights_only`` is Lightning's (``Trainer.fit(..., weights_only=...)``): ``None``
+        (the default) and ``True`` load every file as data only — as Lightning's own
+        strategies do for a local file, torch's ``weights_only`` default — and only
+        ``False`` unpickles fully; a file that needs it otherwise raises
+        ``UntrustedCheckpointError`` naming the global and that switch."""
+        try:
+            return self._load_pipeline_checkpoint(checkpoint_path, weights_only is False)
+        except UntrustedCheckpointError as err:
+            err.hint = ("if the checkpoint comes from a source you trust, resume with "
+                        "trainer.fit(..., ckpt_path=..., weights_only=False); otherwise do not "
+                        "load it (nothing was loaded)")
+            raise
+
+    def _load_pipeline_checkpoint(self, checkpoint_path: Any, trust: bool) -> dict[str, Any]:
         path = self.broadcast(os.fspath(checkpoint_path))
         engine = self._need_engine("load_checkpoint")
         directory = pipeline_dir(path)
@@ -130,14 +146,20 @@ class CheckpointMixin:
                               hint="resume from a checkpoint saved with "
                                    "Trainer(strategy=PipelineStrategy(...)); a plain Lightning "
                                    "checkpoint loads with LightningModule.load_from_checkpoint")
-        result = engine.load_checkpoint(directory)
+        result = engine.load_checkpoint(directory, trust_checkpoint=trust)
         blob = (result.get("client_state") or {}).get("lightning")
         if blob is None:
             raise ConfigError(f"{directory} holds a pipekernel checkpoint without the Trainer's "
                               "state", hint="resume it with PipelineEngine.load_checkpoint; "
                               "Trainer(ckpt_path=...) needs one saved through the Trainer")
-        return torch.load(io.BytesIO(blob), map_location="cpu",
-                          weights_only=bool(weights_only))
+        where = f"{directory} (the Trainer's state in rank files' client_state)"
+        try:
+            return load_file(io.BytesIO(blob), where, trust=trust)
+        except PipelineError:
+            raise
+        except Exception as err:  # noqa: BLE001 - torch raises many types for bad bytes
+            raise DataError(f"checkpoint {where} is truncated or corrupt: {err}",
+                            hint="resume from another checkpoint") from err
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """The stage's weights came with :meth:`load_checkpoint`; this loads the rest."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ class Options:
 @dataclass(frozen=True)
 class Layout:
     """Where this rank sits and what it runs: the topology, the schedules, the chunks and
-    their placement, the micro-batch count (the planner may choose it) and the plan."""
+    their placement, the micro-batch count (the user's, also under ``"auto"``) and the plan."""
 
     topology: Topology
     schedule_cls: Any
@@ -169,7 +170,7 @@ def check_max_grad_norm(max_grad_norm: Any) -> None:
 def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
                   options: Options, pm: Any, transport: Any) -> Layout:
     """The topology, the schedule (the planner's with ``"auto"``), chunks and placement;
-    the micro-batch count (the planner may choose it)."""
+    the micro-batch count is the caller's (the planner chooses at it, never changes it)."""
     world, rank = transport.world_size, transport.rank
     parallel, schedule, chunks = options.parallel, options.schedule, options.chunks
     tp, shard = parallel.tensor_parallel_size, parallel.data_parallel_shard
@@ -187,7 +188,7 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
                               "schedule=pk.auto(chunks=[1, 2])", rank=rank)
         plan = _auto_plan(module, schedule, num_stages, micro_batches, optimizer, pm, transport,
                           parallel.expert_parallel_size, topology)
-        schedule, chunks, micro_batches = plan.schedule, plan.chunks, plan.micro_batches
+        schedule, chunks = plan.schedule, plan.chunks  # the batch stays the user's
     schedule_cls = resolve_schedule(pm, schedule)
     chosen = schedule_cls.default_chunks if chunks is None else chunks
     if not isinstance(chosen, int) or isinstance(chosen, bool) or chosen < 1:
@@ -211,9 +212,11 @@ def _auto_plan(module: PipelineModule, request: Any, num_stages: int, micro_batc
                        num_stages=num_stages, micro_batches=micro_batches, pm=pm,
                        transport=transport, device=transport.device,
                        optimizer=_factory(optimizer),
-                       expert_parallel_size=expert_parallel_size, topology=topology)
+                       expert_parallel_size=expert_parallel_size, topology=topology,
+                       runs=micro_batches)
     check_consistency(transport, plan.fields(), "plan (schedule='auto')")
     if transport.rank == 0:
+        print(plan.announce(), file=sys.stderr, flush=True)
         _plan_log.info("%s", plan.format())
     return plan
 

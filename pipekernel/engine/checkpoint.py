@@ -396,7 +396,8 @@ def _check_model(meta: dict, module: Any, directory: str,
                     hint="load it with the layer list it was saved from")
 
 
-def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None) -> dict[str, Any]:
+def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
+         trust_checkpoint: bool = False) -> dict[str, Any]:
     """Load checkpoint ``tag`` (default: the one ``root/latest`` names) into ``engine``.
 
     Collective: every rank calls it. Each rank reads the layer files of the layers it
@@ -404,25 +405,26 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None) ->
     parameter name), the precision policy's state, the LR scheduler and the step
     counters are restored. RNG states are restored when the shape (stages, replicas,
     chunks, placement, bounds) is the one saved, which makes the resume bit-exact.
-    Nothing changes on any rank unless every rank could read everything it needs.
+    Nothing changes on any rank unless every rank could read everything it needs. Files
+    load as data only; ``trust_checkpoint=True`` unpickles fully (docs/checkpoints.md).
 
     :returns: ``{"directory", "tag", "global_steps", "skipped_steps", "data_position"
         (micro-batches this replica had consumed), "client_state" (this rank's, or
         rank 0's after a reshape), "exact" (same shape: RNG restored), "meta"}``.
-    :raises DataError: a missing or truncated file (names the file and the layer).
+    :raises DataError: a missing, corrupt or ill-typed file (names it and the layer);
+        ``UntrustedCheckpointError`` one not data only (names the global and the switch).
     :raises ConfigError: another model (names the layer and the shapes), a newer format.
     """
     root = os.fspath(root)
-    rank, transport = engine.rank, engine.transport
+    rank, transport, trust = engine.rank, engine.transport, bool(trust_checkpoint)
     found, error = _attempt(read_meta, root, tag)
     _agree(transport, error, rank)
     if checkpoint_dcp.is_dcp(found[1]):  # saved by sharded stages
-        return checkpoint_dcp.load(engine, root, tag, *found)
+        return checkpoint_dcp.load(engine, root, tag, *found, trust=trust)
     if checkpoint_dcp.wanted(engine):
-        return checkpoint_dcp.load_layer_files(engine, *found)
+        return checkpoint_dcp.load_layer_files(engine, *found, trust=trust)
     local = _local_layers(engine.module, engine.pipeline_module)
-    tp_group = engine.tp_group
-    ep = engine.ep_group
+    tp_group, ep = engine.tp_group, engine.ep_group
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
@@ -434,9 +436,9 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None) ->
                      [(i, canonical_layers[i]) for i in needed],
                      lambda layer: expert_parallel.full_shapes(
                          layer, ep, tp.full_shapes(layer, tp_group)))
-        payloads = {i: _read_layer(directory, meta, i) for i in needed}
+        payloads = {i: _read_layer(directory, meta, i, trust) for i in needed}
         exact = _same_layout(meta["topology"], _layout(engine))
-        mine = _read_rank(directory, rank if exact else 0)
+        mine = _read_rank(directory, rank if exact else 0, trust)
         return directory, meta, payloads, mine, exact
 
     result, error = _attempt(read)
@@ -456,7 +458,8 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None) ->
             "exact": exact, "meta": meta}
 
 
-def resume(engine: EngineView, root: str | os.PathLike) -> dict[str, Any] | None:
+def resume(engine: EngineView, root: str | os.PathLike, *,
+           trust_checkpoint: bool = False) -> dict[str, Any] | None:
     """Load the checkpoint ``root/latest`` names if there is one: the one call that makes
     a job (re)started by torchrun, a scheduler or by hand continue where it left off.
 
@@ -481,7 +484,7 @@ def resume(engine: EngineView, root: str | os.PathLike) -> dict[str, Any] | None
         err.hint = (f"{root} must be one directory every rank shares (a shared file "
                     "system), or hold the same checkpoints on every node")
         raise
-    return None if tag is None else load(engine, root, tag)
+    return None if tag is None else load(engine, root, tag, trust_checkpoint=trust_checkpoint)
 
 
 def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: bool,
@@ -567,7 +570,8 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
 # -- inference ---------------------------------------------------------------------------
 
 def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None,
-                    device: torch.device | str | None = None) -> nn.Module:
+                    device: torch.device | str | None = None, *,
+                    trust_checkpoint: bool = False) -> nn.Module:
     """The whole model of checkpoint ``tag`` (default ``latest``) as one
     :class:`~pipekernel.stage.module.StageModule` — chained like ``nn.Sequential``,
     ``state_dict`` keys ``"{global layer}.{name}"`` — with the checkpoint's weights
@@ -576,12 +580,15 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
 
     :param module: the :class:`~pipekernel.PipelineModule` the checkpoint was saved
         from (its layer list; the partitioning does not matter).
-    :raises DataError: a missing or truncated file. :raises ConfigError: another model.
+    :param trust_checkpoint: unpickle everything (only for files from a source you trust);
+        by default the files load as data only, as in :func:`load`.
+    :raises DataError: a missing, truncated or corrupt file, or one that is not data only.
+    :raises ConfigError: another model.
     """
     root = os.fspath(root)
     directory, meta = read_meta(root, tag)
     if checkpoint_dcp.is_dcp(meta):  # saved by sharded stages: DCP reads whole tensors
-        full = checkpoint_dcp.load_sequential(directory, meta, module)
+        full = checkpoint_dcp.load_sequential(directory, meta, module, trust=trust_checkpoint)
         return (full.to(device) if device is not None else full).eval()
     num = len(module.layers)
     if meta["num_layers"] != num:
@@ -591,10 +598,12 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
     _check_model(meta, module, directory,
                  [(index, layer) for name, index, layer in local
                   if int(name) == index and _has_state(layer)])
-    with torch.no_grad():
+    states = {index: _read_layer(directory, meta, index, trust_checkpoint)["state"]
+              for name, index, layer in local if int(name) == index and _has_state(layer)}
+    with torch.no_grad():  # every file read (and checked) before the first is applied
         for name, index, layer in local:
-            if int(name) == index and _has_state(layer):
-                layer.load_state_dict(_read_layer(directory, meta, index)["state"])
+            if index in states and int(name) == index:
+                layer.load_state_dict(states[index])
     if device is not None:
         full = full.to(device)
     return full.eval()

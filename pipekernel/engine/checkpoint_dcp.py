@@ -74,8 +74,9 @@ from typing import Any
 import torch
 
 from pipekernel.engine import checkpoint as _ckpt
+from pipekernel.engine import checkpoint_data
 from pipekernel.engine.checkpoint_files import FORMAT_VERSION, rank_file
-from pipekernel.errors import ConfigError, DataError
+from pipekernel.errors import ConfigError, DataError, PipelineError
 from pipekernel.grid import expert_parallel
 
 __all__ = ["DCP_DIR", "FORMAT", "check_engine", "is_dcp", "load", "load_sequential", "save",
@@ -321,6 +322,8 @@ def _dcp(call: Any, *args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
     except CheckpointException as err:
         rank, (cause, _) = min(err.failures.items())
+        if isinstance(cause, PipelineError):  # ours (a refused or corrupt file): as it is
+            raise cause from err
         if isinstance(cause, OSError):
             raise type(cause)(cause.errno, f"{cause.strerror or cause} (on rank {rank})",
                               cause.filename) from err
@@ -380,7 +383,7 @@ def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
     return {"data_parallel_shard": 1, "expert_parallel_size": 1, **saved} == ours
 
 
-def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
+def _read(engine: Any, directory: str, meta: dict, trust: bool = False) -> tuple[dict, bool]:
     """This rank's file (its own at the same layout, rank 0's otherwise), after checking
     that the model is the checkpoint's (shapes are the whole tensors')."""
     local = _ckpt._local_layers(engine.module, engine.pipeline_module)
@@ -393,16 +396,19 @@ def _read(engine: Any, directory: str, meta: dict) -> tuple[dict, bool]:
                            layer, engine.ep_group,
                            {k: list(v.shape) for k, v in layer.state_dict().items()}))
     exact = _same_layout(meta["topology"], layout(engine))
-    return _ckpt._read_rank(directory, engine.rank if exact else 0), exact
+    return _ckpt._read_rank(directory, engine.rank if exact else 0, trust), exact
 
 
-def _load_tensors(engine: Any, directory: str) -> None:
+def _load_tensors(engine: Any, directory: str, trust: bool = False) -> None:
     """DCP reads the checkpoint into this rank's state (its DTensors' local shards, whole
     tensors elsewhere), which ``set_state_dict`` then puts into the stage and optimizer."""
-    import torch.distributed.checkpoint as dcp
-
     state, keys = _state(engine)
-    _dcp(dcp.load, state, checkpoint_id=os.path.join(directory, DCP_DIR))
+    # read into copies, not into the stage's tensors (get_state_dict's values are them):
+    # a file refused or corrupt half-way then changes nothing; the cost is a second copy
+    # of this rank's model and optimizer state while the load runs
+    state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    # data only unless trusted: DCP alone unpickles its metadata and non-tensor values fully
+    _dcp(checkpoint_data.dcp_load, state, os.path.join(directory, DCP_DIR), trust)
     _set_state(engine, state, keys)
 
 
@@ -423,20 +429,21 @@ def _set_state(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> None
                        options=StateDictOptions(flatten_optimizer_state_dict=True))
 
 
-def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict) -> dict[str, Any]:
+def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict, *,
+         trust: bool = False) -> dict[str, Any]:
     """:func:`pipekernel.engine.checkpoint.load` of a DCP checkpoint (``meta`` read from
     ``directory``), into an engine of any layout DCP maps: the same contract."""
     rank, transport = engine.rank, engine.transport
 
     def read() -> tuple[dict, bool]:
         check_engine(engine, "load_checkpoint")
-        return _read(engine, directory, meta)
+        return _read(engine, directory, meta, trust)
 
     result, error = _ckpt._attempt(read)
     _ckpt._agree(transport, error, rank)
     mine, exact = result
     # collective (DCP agrees on its read plan and raises on every rank itself)
-    _, error = _ckpt._attempt(_load_tensors, engine, directory)
+    _, error = _ckpt._attempt(_load_tensors, engine, directory, trust)
     _ckpt._agree(transport, _read_error(error, directory), rank)
     _, error = _ckpt._attempt(_apply_counters, engine, mine, exact, meta)
     _ckpt._agree(transport, error, rank)
@@ -489,7 +496,8 @@ def _from_layer_files(key: str, payloads: dict[int, dict]) -> Any:
     return payloads.get(int(parts[2]), {}).get(field, {}).get(sub, {}).get(name)
 
 
-def load_layer_files(engine: Any, directory: str, meta: dict) -> dict[str, Any]:
+def load_layer_files(engine: Any, directory: str, meta: dict, *,
+                     trust: bool = False) -> dict[str, Any]:
     """Load a checkpoint of pipekernel's layer files (saved without sharding) into an
     engine with sharded stages: each rank reads the whole tensors of its layers and
     ``set_state_dict(full_state_dict=True)`` cuts its shards. The layout differs from the
@@ -498,10 +506,10 @@ def load_layer_files(engine: Any, directory: str, meta: dict) -> dict[str, Any]:
 
     def read() -> tuple[dict, dict]:
         check_engine(engine, "load_checkpoint")
-        mine, _ = _read(engine, directory, meta)
+        mine, _ = _read(engine, directory, meta, trust)
         local = _ckpt._local_layers(engine.module, engine.pipeline_module)
         needed = sorted({index for _, index, layer in local if _ckpt._has_state(layer)})
-        return mine, {i: _ckpt._read_layer(directory, meta, i) for i in needed}
+        return mine, {i: _ckpt._read_layer(directory, meta, i, trust) for i in needed}
 
     result, error = _ckpt._attempt(read)
     _ckpt._agree(transport, error, rank)
@@ -538,11 +546,10 @@ def _set_full(engine: Any, payloads: dict[int, dict]) -> None:
 
 # -- one process --------------------------------------------------------------------------
 
-def load_sequential(directory: str, meta: dict, module: Any) -> torch.nn.Module:
+def load_sequential(directory: str, meta: dict, module: Any, *,
+                    trust: bool = False) -> torch.nn.Module:
     """The whole model of a DCP checkpoint as one stage (see
     :func:`pipekernel.engine.checkpoint.load_sequential`), read in this process alone."""
-    import torch.distributed.checkpoint as dcp
-
     num = len(module.layers)
     full = module.build_stage(0, [0, num])
     layers = [(index, layer) for name, index, layer in _ckpt._local_layers(full, module)
@@ -553,7 +560,7 @@ def load_sequential(directory: str, meta: dict, module: Any) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            _dcp(dcp.load, state, checkpoint_id=os.path.join(directory, DCP_DIR),
+            _dcp(checkpoint_data.dcp_load, state, os.path.join(directory, DCP_DIR), trust,
                  no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP raises many types for a bad directory
         raise _read_error(err, directory) from err

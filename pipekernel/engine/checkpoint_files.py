@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, DataError
+from pipekernel.engine.checkpoint_data import load_file
+from pipekernel.errors import ConfigError, DataError, PipelineError
 
 #: The newest format this code reads (it reads this version and older) and writes:
 #: 2 is a checkpoint of sharded stages through torch.distributed.checkpoint
@@ -110,12 +111,16 @@ def read_meta(root: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
     return directory, meta
 
 
-def _read_layer(directory: str, meta: dict, index: int) -> dict[str, Any]:
+def _read_layer(directory: str, meta: dict, index: int, trust: bool = False) -> dict[str, Any]:
+    """Layer ``index``'s file, as data only unless ``trust``
+    (:mod:`pipekernel.engine.checkpoint_data`)."""
     name = layer_file(index)
     path = os.path.join(directory, name)
     what = meta["layers"][index]["type"]
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = load_file(path, path, trust=trust)
+    except PipelineError:
+        raise
     except FileNotFoundError:
         raise DataError(f"checkpoint file {path} for layer {index} ({what}) is missing",
                         hint=_older(directory, incomplete=True)) from None
@@ -125,13 +130,41 @@ def _read_layer(directory: str, meta: dict, index: int) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("layer") != index:
         raise DataError(f"checkpoint file {path} does not hold layer {index}",
                         hint="the checkpoint directory was modified by hand")
+    _check_layer_payload(path, payload, meta["layers"][index].get("shapes"))
     return payload
 
 
-def _read_rank(directory: str, rank: int) -> dict[str, Any]:
+def _check_layer_payload(path: str, payload: dict, shapes: dict | None) -> None:
+    """``DataError`` unless the file holds what a layer file holds: its tensors of the
+    shapes ``meta.json`` lists (checked against the model before), the optimizer state and
+    hyperparameters as dicts per parameter. Checked when read, so a bad file is refused
+    before anything is applied."""
+    state = payload.get("state")
+    fix = "the checkpoint directory was modified by hand: load an older tag"
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise DataError(f"checkpoint file {path}: 'state' is not a dict of tensors "
+                        f"({type(state).__name__})", hint=fix)
+    if shapes is not None:
+        got = {k: list(v.shape) for k, v in state.items()}
+        if got != shapes:
+            wrong = sorted(k for k in {*got, *shapes} if got.get(k) != shapes.get(k))
+            raise DataError(f"checkpoint file {path} holds {wrong[0]!r} of shape "
+                            f"{got.get(wrong[0], 'missing')}, and its meta.json says "
+                            f"{shapes.get(wrong[0], 'missing')}", hint=fix)
+    for field in ("optimizer", "param_groups"):
+        value = payload.get(field, {})
+        if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise DataError(f"checkpoint file {path}: {field!r} is not a dict of dicts per "
+                            f"parameter ({type(value).__name__})", hint=fix)
+
+
+def _read_rank(directory: str, rank: int, trust: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s file, as data only unless ``trust``."""
     path = os.path.join(directory, rank_file(rank))
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        payload = load_file(path, path, trust=trust)
+    except PipelineError:
+        raise
     except FileNotFoundError:
         raise DataError(f"checkpoint file {path} (rank {rank}'s RNG, precision and "
                         f"scheduler state) is missing",
@@ -139,6 +172,33 @@ def _read_rank(directory: str, rank: int) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001
         raise DataError(f"checkpoint file {path} (rank {rank}'s state) is truncated or "
                         f"corrupt: {err}", hint=_older(directory)) from err
+    _check_rank_payload(path, rank, payload)
+    return payload
+
+
+def _check_rank_payload(path: str, rank: int, payload: Any) -> None:
+    """``DataError`` unless ``payload`` has the types a rank file holds (checked when read:
+    a bad file is refused before anything is applied)."""
+    fix = "the checkpoint directory was modified by hand: load an older tag"
+    if not isinstance(payload, dict):
+        raise DataError(f"checkpoint file {path} holds a {type(payload).__name__}, not rank "
+                        f"{rank}'s state", hint=fix)
+    rng = payload.get("rng", {})
+    cpu = rng.get("cpu") if isinstance(rng, dict) else None
+    checks = (("rng", isinstance(rng, dict) and isinstance(rng.get("python", ()), (tuple, list))
+               and (cpu is None or torch.is_tensor(cpu) and cpu.dtype == torch.uint8
+                    and cpu.shape == torch.get_rng_state().shape)),
+              ("precision", isinstance(payload.get("precision", {}), dict)),
+              ("lr_scheduler", isinstance(payload.get("lr_scheduler") or {}, dict)))
+    for field, ok in checks:
+        if not ok:
+            raise DataError(f"checkpoint file {path}: {field!r} is not what pipekernel wrote "
+                            f"({type(payload.get(field)).__name__})", hint=fix)
+    for field in ("global_steps", "skipped_steps", "data_position"):
+        value = payload.get(field, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise DataError(f"checkpoint file {path}: {field!r} is {value!r}, not a count",
+                            hint=fix)
 
 
 # -- the tags under a root: listing and pruning ------------------------------------------------

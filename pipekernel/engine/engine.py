@@ -47,8 +47,9 @@ class PipelineEngine(EngineFields):
         every rank together.
     :param schedule: training schedule name (``"1f1b"``, ``"gpipe"``, ...), or
         ``"auto"`` / ``pk.auto(memory_budget=..., ...)``: profile the layers and choose
-        schedule, chunks, micro-batch count and partition by simulation (the choice
-        in ``engine.plan``; see :mod:`pipekernel.engine.planner`).
+        schedule, chunks and partition by simulation for ``micro_batches`` (the batch is
+        never changed; the choice in ``engine.plan``, rank 0 prints it; see
+        :mod:`pipekernel.engine.planner`).
     :param eval_schedule: schedule name ``eval_batch`` runs (default ``"inference"``:
         forward only).
     :param transport: transport name (entry point of ``pipekernel.transports``);
@@ -183,9 +184,8 @@ class PipelineEngine(EngineFields):
                                              expert_parallel_size, tensor_parallel_plan))
             self._assembly: Assembly = assemble(module, optimizer, micro_batches, options, pm,
                                                 made)
-            counted = self._assembly.layout.micro_batches  # the planner may choose it
-            self.state.micro_batches = self.state.checked_micro_batches = counted
-            self.state.skips_proven = {counted}
+            self.state.checked_micro_batches = micro_batches
+            self.state.skips_proven = {micro_batches}
             pm.hook.pipekernel_configure(engine=self)
         except BaseException as err:
             self.abort_board.publish(err)  # the others stop waiting for this rank
@@ -362,13 +362,16 @@ class PipelineEngine(EngineFields):
         from pipekernel.engine.checkpoint import save
         return save(self, path, tag, client_state, format)
 
-    def load_checkpoint(self, path: Any, tag: str | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, path: Any, tag: str | None = None, *,
+                        trust_checkpoint: bool = False) -> dict[str, Any]:
         """Load ``path/tag`` (default ``path/latest``), saved at any pipeline or
-        data-parallel degree. Every rank calls it. See :func:`pipekernel.engine.checkpoint.load`."""
+        data-parallel degree. Every rank calls it. The files load as data only; a file
+        that would run code when unpickled is refused unless ``trust_checkpoint=True``
+        (docs/checkpoints.md). See :func:`pipekernel.engine.checkpoint.load`."""
         from pipekernel.engine.checkpoint import load
-        return load(self, path, tag)
+        return load(self, path, tag, trust_checkpoint=trust_checkpoint)
 
-    def resume(self, path: Any) -> dict[str, Any] | None:
+    def resume(self, path: Any, *, trust_checkpoint: bool = False) -> dict[str, Any] | None:
         """Continue from the newest checkpoint under ``path`` if there is one: load the
         checkpoint ``path/latest`` names and return :meth:`load_checkpoint`'s dict, or
         return ``None`` (nothing changed: a fresh start) when there is none. Every rank
@@ -377,7 +380,7 @@ class PipelineEngine(EngineFields):
         restarted after a failure (``torchrun --max-restarts``) loses at most ``k``
         steps. See :func:`pipekernel.engine.checkpoint.resume` and docs/faults.md."""
         from pipekernel.engine.checkpoint import resume
-        return resume(self, path)
+        return resume(self, path, trust_checkpoint=trust_checkpoint)
 
     def abort(self, error: BaseException) -> None:
         """Mark this rank failed with ``error`` (raised outside the engine: the caller's

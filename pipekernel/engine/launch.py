@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipekernel.comm import clusters
+from pipekernel.engine import lifeline as lifeline_mod
 from pipekernel.comm.clusters import World
 from pipekernel.errors import ConfigError, PipelineError, shorten
 
@@ -76,16 +77,6 @@ def free_port() -> int:
 
 def _interrupted(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"terminated by {signal.Signals(signum).name}")
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this worker when the launching process dies."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def start_context() -> Any:
@@ -155,7 +146,8 @@ def _received(fds: tuple[Any, ...]) -> tuple[int, ...]:
 
 def _worker(fn: Callable, args: Sequence[Any], rank: int, env: dict[str, str],
             results: Any, threads: int | None, path: list[str] | None = None,
-            output: tuple[int, ...] = ()) -> None:
+            output: tuple[int, ...] = (), lifeline: int | None = None,
+            launcher_pid: int | None = None) -> None:
     # a forked worker inherits the server's environment, path and output, fixed when it
     # started: take the launcher's as they are now, as a spawned worker would
     os.environ.clear()
@@ -165,11 +157,15 @@ def _worker(fn: Callable, args: Sequence[Any], rank: int, env: dict[str, str],
     for target, fd in zip((1, 2), output):
         os.dup2(fd, target)
         os.close(fd)
-    _die_with_parent()
-    # Ctrl-C reaches the launcher, which ends the workers with SIGTERM: they unwind
-    # (KeyboardInterrupt), report and destroy their process group
+    # Ctrl-C (and a closed terminal's SIGHUP) reach the launcher, which ends the workers
+    # with SIGTERM: they unwind (KeyboardInterrupt), report and destroy their process group
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _interrupted)
+    lifeline_mod.report_on_signal(rank)
+    if lifeline is not None:  # after the SIGTERM handler: the watch may use it at once
+        lifeline_mod.watch_launcher(lifeline, rank, launcher_pid or 0)
     try:
         if threads:
             import torch
@@ -211,29 +207,31 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
     world = _launched_world(nprocs)
     if world is not None:
         return _join(fn, args, world, nprocs, threads)
+    try:
+        return _launch_local(fn, nprocs, args, timeout, threads, env)
+    except (PipelineError, KeyboardInterrupt) as err:
+        _mark_for_the_user(err)
+        raise
+
+
+def _launch_local(fn: Callable[..., Any], nprocs: int, args: Sequence[Any],
+                  timeout: float | None, threads: int | None,
+                  env: dict[str, str] | None) -> list[Any]:
+    """:func:`launch` on this machine: start, collect, stop and clean up the workers."""
     ctx = start_context()
-    output = _LauncherOutput() if ctx.get_start_method() == "forkserver" else ()
     results = ctx.Queue()
-    port = str(free_port())
     store_dir = tempfile.mkdtemp(prefix="pipekernel-store-")
-    local = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+    local = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
              "PIPEKERNEL_INIT_METHOD": "file://" + os.path.join(store_dir, "store")}
     if "GLOO_SOCKET_IFNAME" not in os.environ and os.path.exists("/sys/class/net/lo"):
         local["GLOO_SOCKET_IFNAME"] = "lo"
-    procs = []
-    old_term = None
-    if threading.current_thread() is threading.main_thread():
-        old_term = signal.signal(signal.SIGTERM, _interrupted)
+    procs: list[Any] = []
+    lifeline = lifeline_mod.Lifeline()
+    restore = _launcher_signals(procs)
     finished = False
     try:
-        for rank in range(nprocs):
-            rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                        "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), **local,
-                        **(env or {})}
-            proc = ctx.Process(target=_worker, args=(fn, args, rank, rank_env, results,
-                                                     threads, list(sys.path), output), daemon=True)
-            proc.start()
-            procs.append(proc)
+        _start_workers(ctx, procs, fn, args, nprocs, threads, {**local, **(env or {})},
+                       results, lifeline)
         try:
             values = _collect(procs, results, nprocs, timeout)
         except KeyboardInterrupt as interrupt:
@@ -247,9 +245,74 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
-        if old_term is not None:
-            signal.signal(signal.SIGTERM, old_term)
+        lifeline.close()  # after the workers ended: closing it earlier would stop them
+        restore()
         shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _start_workers(ctx: Any, procs: list[Any], fn: Callable[..., Any], args: Sequence[Any],
+                   nprocs: int, threads: int | None, local: dict[str, str], results: Any,
+                   lifeline: lifeline_mod.Lifeline) -> None:
+    """Start ``nprocs`` workers into ``procs``, each holding the read end of ``lifeline``."""
+    output = _LauncherOutput() if ctx.get_start_method() == "forkserver" else ()
+    for rank in range(nprocs):
+        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), **local}
+        proc = ctx.Process(target=_worker, daemon=True,
+                           args=(fn, args, rank, rank_env, results, threads, list(sys.path),
+                                 output, lifeline, os.getpid()))
+        proc.start()
+        procs.append(proc)
+    lifeline.started()
+
+
+def _launcher_signals(procs: list[Any]) -> Callable[[], None]:
+    """In the main thread: SIGTERM and SIGHUP (a closed terminal; not when ignored, as
+    under ``nohup``) stop the workers as Ctrl-C does; SIGUSR1 is passed on to them (their
+    hang report). Returns the function that restores the previous handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _interrupted)}
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None and signal.getsignal(hup) is not signal.SIG_IGN:
+        old[hup] = signal.signal(hup, _interrupted)
+    usr1 = getattr(signal, "SIGUSR1", None)
+    restore_usr1 = lifeline_mod.forward_signal(usr1, procs) if usr1 else (lambda: None)
+
+    def restore() -> None:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        restore_usr1()
+    return restore
+
+
+#: the hook an uncaught error not from :func:`launch` goes to (see :func:`_mark_for_the_user`)
+_previous_excepthook: Callable[..., Any] = sys.excepthook
+
+
+def _mark_for_the_user(err: BaseException) -> None:
+    """An error leaving :func:`launch` uncaught is shown pipekernel's message first: its
+    own text (the failing rank's error and traceback are in it), then where ``launch`` was
+    called, without the launcher's internal frames Python would print before it. Other
+    errors go to the hook there was (installed once, only when such an error leaves)."""
+    global _previous_excepthook
+    try:
+        err._pk_launch = True  # type: ignore[attr-defined]
+    except AttributeError:
+        return
+    if sys.excepthook is not _show_launch_error:
+        _previous_excepthook, sys.excepthook = sys.excepthook, _show_launch_error
+
+
+def _show_launch_error(kind: type, value: BaseException, tb: Any) -> None:
+    if not getattr(value, "_pk_launch", False):
+        _previous_excepthook(kind, value, tb)
+        return
+    where = _frames(tb).rstrip().replace("\n", "\n  ")
+    text = f"{kind.__module__}.{kind.__qualname__}: {value}"
+    if where:
+        text += f"\n  raised by pk.launch, called from (most recent call last):\n  {where}"
+    print(text, file=sys.stderr, flush=True)
 
 
 def _launched_world(nprocs: int) -> World | None:
@@ -359,11 +422,21 @@ def _format_traceback(err: BaseException) -> str:
         chain.append(current)
         current = current.__cause__ or (None if current.__suppress_context__
                                         else current.__context__)
-    parts = [f"Traceback (most recent call last):\n"
-             f"{''.join(traceback.format_tb(e.__traceback__))}"
-             f"{type(e).__name__}: {shorten(str(e), lines=3, width=300)}"
+    parts = [f"Traceback (most recent call last):\n{_frames(e.__traceback__)}{_last_line(e)}"
              for e in reversed(chain)]
     return "\n\nThe above exception led to the following exception:\n\n".join(parts)
+
+
+def _frames(tb: Any) -> str:
+    """A traceback's frames without this module's (the worker's own frame says nothing)."""
+    here = os.path.abspath(__file__)
+    return "".join(traceback.format_list(
+        [f for f in traceback.extract_tb(tb) if os.path.abspath(f.filename) != here]))
+
+
+def _last_line(err: BaseException) -> str:
+    """A traceback's last line: the error's type and (shortened) message."""
+    return f"{type(err).__name__}: {shorten(str(err), lines=3, width=300)}"
 
 
 def _failure_text(rank: int, value: Any, tb: str | None) -> str:
@@ -371,6 +444,9 @@ def _failure_text(rank: int, value: Any, tb: str | None) -> str:
     first line says what failed and where, the backend's text (if any) comes after."""
     if isinstance(value, PipelineError):
         headline = str(value)
+        last = _last_line(value)
+        if tb and tb.endswith(last):  # said once, in the headline
+            tb = tb[:-len(last)] + f"{type(value).__name__} (the message above)"
     elif isinstance(value, BaseException):
         headline = f"{type(value).__name__}: {shorten(str(value))}"
     else:  # an exception that could not be pickled: its traceback's last line

@@ -1,4 +1,4 @@
-"""``schedule="auto"``: choose schedule × chunks × micro-batches × partition from measured costs.
+"""``schedule="auto"``: choose schedule × chunks × partition (× micro-batches) from measured costs.
 
 :func:`plan_module` profiles the layers once per candidate micro-batch size (the
 partition plugin's ``pk.profile``: measured on global rank 0 and broadcast, so every
@@ -34,6 +34,10 @@ The model behind a prediction (see ``docs/planning.md``):
   overlap hides;
 * the global batch per replica is fixed (``micro_batches × rows of the sample``):
   ``m`` micro-batches each hold ``batch / m`` rows, profiled at that size;
+* an engine never changes what a batch is: it trains the micro-batches the user's iterator
+  gives (``runs=micro_batches``), so it chooses among the candidates at that count only;
+  other counts (``pk.auto(micro_batches=[...])``) are priced as *what-ifs*, listed and
+  never run. ``pipekernel plan``, which trains nothing, chooses among every count;
 * a stage's memory is its layers' parameter + gradient + optimizer-state bytes plus
   the simulated peak of live micro-batches × the activation bytes of one
   micro-batch of its chunks (averaged over chunks).
@@ -44,6 +48,7 @@ through the plugin manager, never by importing a plugin.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,9 +74,12 @@ class Auto:
         registered training schedule).
     :param chunks: chunks (virtual stages) per stage to consider, where a schedule
         supports them.
-    :param micro_batches: micro-batch counts to consider (each must divide the
-        batch); default: half, once, twice and four times the engine's
-        ``micro_batches``, those that divide the batch.
+    :param micro_batches: micro-batch counts to price (each must divide the batch). An
+        engine trains its own ``micro_batches`` (the batch the iterator gives), so it
+        chooses among that count only and lists the others as what-ifs; default there:
+        only its count. ``pipekernel plan`` (no training) chooses among them all;
+        default there: half, once, twice and four times the base count, those that
+        divide the batch.
     :param sample: one micro-batch of first-stage inputs at the engine's
         ``micro_batches`` (default: the sample of ``partition=pk.profile(sample)``).
     :param transfer_s: seconds one activation or gradient transfer takes, beyond the
@@ -170,6 +178,9 @@ class Candidate:
     stage_bytes: tuple[float, ...] = ()
     fits: bool = False
     note: str = ""
+    #: priced at a micro-batch count the engine does not run (it trains the user's
+    #: count): listed for comparison, never chosen
+    what_if: bool = False
 
     @property
     def peak_bytes(self) -> float | None:
@@ -177,9 +188,11 @@ class Candidate:
         return max(self.stage_bytes) if self.stage_bytes else None
 
     def rank_key(self) -> tuple:
-        """Sort key: runnable and fitting first, then faster, then deterministic ties."""
+        """Sort key: runnable first, then those that may run (not what-ifs), fitting
+        first, then faster, then deterministic ties."""
         runnable = self.predicted_step_s is not None
-        return (not runnable, not self.fits, self.predicted_step_s if runnable else 0.0,
+        return (not runnable, self.what_if, not self.fits,
+                self.predicted_step_s if runnable else 0.0,
                 self.schedule, self.chunks, self.micro_batches, self.partition)
 
 
@@ -202,11 +215,35 @@ class Plan:
     #: the name of the model's ``overlapped_forward_backward`` (``""``: none, the pairs
     #: run as their two steps)
     executor: str = ""
+    #: the micro-batch count an engine trains (its own; the plan was chosen at it), or
+    #: ``None`` where any count could be chosen (``pipekernel plan``)
+    runs: int | None = None
 
     def fields(self) -> dict[str, Any]:
         """The choice as plain values (every rank must hold the same)."""
         return {"schedule": self.schedule, "chunks": self.chunks,
                 "micro_batches": self.micro_batches, "bounds": list(self.bounds)}
+
+    def announce(self) -> str:
+        """One line for the start of a run: what was chosen, and that the batch is the
+        user's (with the fastest what-if count, when one is predicted faster)."""
+        text = (f"pipekernel: schedule 'auto' chose {self.schedule}, chunks {self.chunks}, "
+                f"partition {self.partition} {list(self.bounds)}, predicted "
+                f"{1e3 * self.predicted_step_s:.2f} ms/step")
+        if self.runs is None:
+            return f"{text}, at {self.micro_batches} micro-batches per step"
+        text += (f", for your {self.runs} micro-batches per step (auto never changes the "
+                 f"batch: each step trains the {self.runs} micro-batches your iterator gives)")
+        faster = [c for c in self.candidates if c.what_if and c.fits
+                  and c.predicted_step_s is not None
+                  and c.predicted_step_s < self.predicted_step_s]
+        if faster:
+            f = min(faster, key=lambda c: c.predicted_step_s)  # type: ignore[arg-type,return-value]
+            text += (f"; {f.micro_batches} micro-batches would be predicted "
+                     f"{1e3 * f.predicted_step_s:.2f} ms/step ({f.schedule}, chunks {f.chunks}): "  # type: ignore[operator]
+                     f"give the same batch as {f.micro_batches} micro-batches and "
+                     f"micro_batches={f.micro_batches} to use it")
+        return text
 
     def format(self, top: int | None = None) -> str:
         """The ranked candidates as a text table (the chosen one first, marked ``*``)."""
@@ -251,7 +288,7 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
            balance: Balancer, chunks: Sequence[int] = (1, 2),
            memory_budget: float | None = None, transfer_s: float = 0.0,
            split_overhead: float = 1.0, link: Link | None = None,
-           executor: Callable[..., Any] | None = None) -> Plan:
+           executor: Callable[..., Any] | None = None, runs: int | None = None) -> Plan:
     """Simulate every candidate under ``costs`` and pick the fastest that fits.
 
     :param costs: ``{micro-batch count: per-layer costs of one such micro-batch}``.
@@ -268,6 +305,9 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
         ``ForwardBackward`` then runs as one step, priced by
         :func:`~pipekernel.engine.all_to_all_cost.pair_cost` (its halves' all-to-alls
         hidden under each other's compute); without one it runs as its two steps.
+    :param runs: the micro-batch count that will run (an engine's: the batch its iterator
+        gives); the plan is chosen among the candidates at it, the other counts are
+        listed as what-ifs (``Candidate.what_if``). ``None``: any count may be chosen.
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
     found, streams = [], {}
@@ -286,23 +326,43 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
                                      memory_budget, (transfer_s, split_overhead, link,
                                                      executor))
+    if runs is not None:
+        found = [c if c.micro_batches == runs else dataclasses.replace(
+            c, what_if=True, note=f"what-if: the engine runs {runs}"
+                                  + (f"; {c.note}" if c.note else "")) for c in found]
     ranked = tuple(sorted(found, key=Candidate.rank_key))
-    best = ranked[0] if ranked else None
-    if best is None or best.predicted_step_s is None:
-        reasons = "; ".join(sorted({f"{c.schedule}: {c.note}" for c in ranked})) or "none"
-        raise ConfigError(f"schedule='auto' found no runnable candidate for {num_stages} "
-                          f"stage(s) ({reasons})",
-                          hint="widen pk.auto(schedules=..., chunks=..., micro_batches=...)")
-    if not best.fits:
-        raise ConfigError(
-            f"schedule='auto': no candidate fits memory_budget={format_bytes(memory_budget)} per "
-            f"stage; the smallest needs {format_bytes(min(c.peak_bytes for c in ranked if c.peak_bytes))}",
-            hint="raise memory_budget, use more stages, or try more micro-batches / "
-                 "activation checkpointing")
+    best = _best(ranked, num_stages, memory_budget, runs)
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
                 best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
                 dict(costs), link,
-                getattr(executor, "__name__", type(executor).__name__) if executor else "")
+                getattr(executor, "__name__", type(executor).__name__) if executor else "",
+                runs)
+
+
+def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
+          runs: int | None) -> Candidate:
+    """The first of ``ranked`` if it may run (at ``runs`` micro-batches, within ``budget``)."""
+    best = ranked[0] if ranked else None
+    at = f" at {runs} micro-batches (the engine's count)" if runs is not None else ""
+    if best is None or best.predicted_step_s is None or best.what_if:
+        reasons = "; ".join(sorted({f"{c.schedule}: {c.note}" for c in ranked
+                                    if not c.what_if})) or "none"
+        raise ConfigError(f"schedule='auto' found no runnable candidate for {num_stages} "
+                          f"stage(s){at} ({reasons})",
+                          hint="widen pk.auto(schedules=..., chunks=...)" if runs is not None
+                          else "widen pk.auto(schedules=..., chunks=..., micro_batches=...)")
+    if not best.fits:
+        sizes = [c.peak_bytes for c in ranked if c.peak_bytes and not c.what_if]
+        other = next((c for c in ranked if c.what_if and c.fits
+                      and c.predicted_step_s is not None), None)
+        raise ConfigError(
+            f"schedule='auto': no candidate{at} fits memory_budget={format_bytes(budget)} per "
+            f"stage; the smallest needs {format_bytes(min(sizes))}"
+            + (f" ({other.micro_batches} micro-batches would fit: {other.schedule}, "
+               f"{format_bytes(other.peak_bytes)})" if other is not None else ""),
+            hint="raise memory_budget, use more stages, activation checkpointing, or give "
+                 "the batch as more (smaller) micro-batches")
+    return best
 
 
 def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
@@ -407,12 +467,16 @@ def _sample_of(module: Any, request: Auto, profile: type) -> Any:
     return sample
 
 
-def _counts(request: Auto, micro_batches: int, rows: int) -> list[int]:
-    """The micro-batch counts to profile, each dividing the batch's rows."""
+def _counts(request: Auto, micro_batches: int, rows: int, runs: int | None) -> list[int]:
+    """The micro-batch counts to profile, each dividing the batch's rows (``runs``, the
+    count an engine trains, always among them)."""
     total = rows * micro_batches
-    counts = sorted(set(request.micro_batches or
-                        [n for n in (micro_batches // 2, micro_batches, 2 * micro_batches,
-                                     4 * micro_batches) if n >= 1 and total % n == 0]))
+    if runs is not None:
+        default = [runs]
+    else:
+        default = [n for n in (micro_batches // 2, micro_batches, 2 * micro_batches,
+                               4 * micro_batches) if n >= 1 and total % n == 0]
+    counts = sorted(set(request.micro_batches or default) | ({runs} if runs else set()))
     for n in counts:
         if not isinstance(n, int) or n < 1 or total % n:
             raise ConfigError(f"pk.auto(micro_batches=...) has {n!r}, which does not divide "
@@ -424,7 +488,8 @@ def _counts(request: Auto, micro_batches: int, rows: int) -> list[int]:
 
 def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: int, pm: Any,
                 transport: Any = None, device: Any = None, optimizer: Any = None,
-                expert_parallel_size: int = 1, topology: Any = None) -> Plan:
+                expert_parallel_size: int = 1, topology: Any = None,
+                runs: int | None = None) -> Plan:
     """Profile ``module``'s layers for each candidate micro-batch size and :func:`search`.
 
     Every rank of ``transport`` must call it at the same point (the profile is measured
@@ -432,18 +497,20 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     costs and the same plan).
 
     :param micro_batches: the engine's count; the sample is one micro-batch of it.
+    :param runs: the count that will train (an engine passes its ``micro_batches``: it
+        never changes what a batch is); the plan is chosen at it, other counts of the
+        request are what-ifs. ``None`` (``pipekernel plan``): any count may be chosen.
     :param expert_parallel_size: the engine's ``E``; above 1 (with ``topology``, the
         engine's), every rank also times its expert-parallel layers' all-to-alls
         (:func:`~pipekernel.engine.all_to_all_cost.measure_all_to_all`) into
         ``LayerCosts.all_to_all_s``.
     """
     from pipekernel.stage.partitioning import Balance, PartitionContext, Profile
-    from pipekernel.extend.manager import registered_schedules
 
     sample = _sample_of(module, request, Profile)
     rows = _rows(sample)
     total = rows * micro_batches
-    counts = _counts(request, micro_batches, rows)
+    counts = _counts(request, micro_batches, rows, runs)
     if transport is not None:  # every rank profiles the same sizes, in the same order
         from pipekernel.engine.faults import check_consistency
         check_consistency(transport, {"sample rows": rows, "micro-batch counts": counts},
@@ -454,12 +521,7 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
         ep_group = planner_group(topology, transport, expert_parallel_size)
     costs = {n: _profile(module, request, _resize(sample, total // n), n, pm,
                          (transport, device, optimizer, ep_group)) for n in counts}
-    table = registered_schedules(pm)
-    names = request.schedules or [k for k, cls in table.items() if getattr(cls, "trains", True)]
-    unknown = [k for k in names if k not in table]
-    if unknown:
-        raise ConfigError(f"pk.auto(schedules=...) names unknown schedule(s) {unknown}",
-                          hint=f"available: {', '.join(sorted(table))}")
+    schedules = _schedules(request, pm)
     cache: dict[tuple, list[int]] = {}
 
     def balance(weights: Sequence[float], parts: int) -> list[int]:
@@ -476,10 +538,24 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
         largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
                       default=0.0)
         link = measure_link(transport, largest)
-    return search(costs, num_stages, {k: table[k] for k in names}, balance=balance,
+    return search(costs, num_stages, schedules, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
-                  link=link, executor=getattr(module, "overlapped_forward_backward", None))
+                  link=link, executor=getattr(module, "overlapped_forward_backward", None),
+                  runs=runs)
+
+
+def _schedules(request: Auto, pm: Any) -> dict[str, Any]:
+    """``{name: class}`` of the schedules to search (the request's, else every training one)."""
+    from pipekernel.extend.manager import registered_schedules
+
+    table = registered_schedules(pm)
+    names = request.schedules or [k for k, cls in table.items() if getattr(cls, "trains", True)]
+    unknown = [k for k in names if k not in table]
+    if unknown:
+        raise ConfigError(f"pk.auto(schedules=...) names unknown schedule(s) {unknown}",
+                          hint=f"available: {', '.join(sorted(table))}")
+    return {k: table[k] for k in names}
 
 
 def _profile(module: Any, request: Auto, sample: Any, n: int, pm: Any, where: tuple) -> LayerCosts:
@@ -502,8 +578,6 @@ def _with_all_to_all(costs: LayerCosts, module: Any, sample: Any, ep_group: Any,
     """``costs`` with the expert all-to-alls measured on ``ep_group`` (none: unchanged)."""
     if ep_group is None:
         return costs
-    import dataclasses
-
     from pipekernel.engine.all_to_all_cost import measure_all_to_all
     measured = measure_all_to_all(module, sample, ep_group, transport=transport,
                                   device=device or "cpu", repeats=request.repeats,

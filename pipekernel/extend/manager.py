@@ -32,7 +32,7 @@ from pipekernel.step.precision import REQUIRED
 
 __all__ = ["make_plugin_manager", "PluginManager", "PluginLoadError", "PLUGINS_GROUP", "TRANSPORTS_GROUP",
            "DISABLE_ENV", "NO_AUTOLOAD_ENV", "entry_points", "plugin_name", "resolve_schedule",
-           "make_transport", "make_precision", "provided_names"]
+           "make_transport", "check_transport_name", "make_precision", "provided_names"]
 
 DISABLE_ENV = "PIPEKERNEL_DISABLE_PLUGINS"
 NO_AUTOLOAD_ENV = "PIPEKERNEL_DISABLE_PLUGIN_AUTOLOAD"
@@ -295,15 +295,28 @@ def make_transport(pm: pluggy.PluginManager, name: str, options: dict[str, Any])
         return transport
     transport = pm.hook.pipekernel_make_transport(name=name, options=options)
     if transport is None:
-        installed = [ep.name for ep in entry_points(TRANSPORTS_GROUP)]
-        names = ", ".join(installed) or "none"
-        raise UnknownNameError(
-            f"unknown transport {name!r}{did_you_mean(name, [*installed, 'auto'])}; "
-            f"installed transports: {names}",
-            hint=f"pick one of the installed names (or 'auto'), install a package that "
-                 f"provides {name!r}, or " + _PUBLISH_HINT.format(
-                     group=TRANSPORTS_GROUP, name=name, obj="MyTransport"))
+        raise _unknown_transport(name)
     return transport
+
+
+def check_transport_name(pm: pluggy.PluginManager, name: str) -> None:
+    """Raise what :func:`make_transport` would for a name no installed transport (entry
+    point) and no plugin (``pipekernel_list_names(kind="transport")``) has, without making
+    one: a launcher checks before it starts any process."""
+    known = [ep.name for ep in entry_points(TRANSPORTS_GROUP)]
+    if name != "auto" and name not in known and name not in provided_names(pm, "transport"):
+        raise _unknown_transport(name)
+
+
+def _unknown_transport(name: str) -> UnknownNameError:
+    installed = [ep.name for ep in entry_points(TRANSPORTS_GROUP)]
+    names = ", ".join(installed) or "none"
+    return UnknownNameError(
+        f"unknown transport {name!r}{did_you_mean(name, [*installed, 'auto'])}; "
+        f"installed transports: {names}",
+        hint=f"pick one of the installed names (or 'auto'), install a package that "
+             f"provides {name!r}, or " + _PUBLISH_HINT.format(
+                 group=TRANSPORTS_GROUP, name=name, obj="MyTransport"))
 
 
 def make_precision(pm: pluggy.PluginManager, name: str, options: dict[str, Any]) -> Any:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["Topology", "DEFAULT_RANK_ORDER", "parse_rank_order", "rank_map", "format_rank_map"]
+__all__ = ["Topology", "DEFAULT_RANK_ORDER", "parse_rank_order", "rank_map", "format_rank_map",
+           "world_size_rules"]
 
 #: The default rank order, innermost axis first (see the module docstring).
 DEFAULT_RANK_ORDER = "tp-dp-pp"
@@ -54,14 +55,46 @@ def rank_map(order: str, pipe_size: int, data_size: int = 1, model_size: int = 1
     return [(s, d, m) for d, s, m in (topo.coords(r) for r in range(topo.world_size))]
 
 
-def format_rank_map(topology: Topology, ranks_per_node: int | None = None) -> list[str]:
-    """One line per rank: ``"rank 5: stage 1, replica 0, tp 1 (node 0)"``."""
+def world_size_rules(world_size: int, num_stages: int, data_parallel_size: int | None,
+                     model_size: int = 1, shard_size: int = 1) -> list[str]:
+    """Every rule of the grid that ``world_size`` processes break, in words (empty: none).
+
+    A world is ``num_stages x model_size`` ranks per replica, ``data_parallel_size``
+    replicas of ``shard_size`` shards each; one error names all the rules it breaks, so
+    that fixing one does not uncover the next."""
+    if num_stages < 1:
+        return [f"num_stages={num_stages} must be >= 1"]
+    cell = num_stages * model_size
+    tp = f" x {model_size} tensor-parallel ranks" if model_size > 1 else ""
+    broken = []
+    if world_size % cell:
+        broken.append(f"world size {world_size} is not divisible by {num_stages} pipeline "
+                      f"stages{tp}")
+    if shard_size > 1 and world_size % (cell * shard_size):
+        broken.append(f"data_parallel_shard={shard_size} needs a multiple of "
+                      f"{cell * shard_size} processes ({num_stages} stages{tp} x "
+                      f"{shard_size} shards), not {world_size}")
+    if data_parallel_size is not None and \
+            data_parallel_size * shard_size * cell != world_size:
+        shards = f" x {shard_size} shards" if shard_size > 1 else ""
+        broken.append(f"data_parallel_size={data_parallel_size}{shards} does not match world "
+                      f"size {world_size}: it needs {data_parallel_size * shard_size * cell} "
+                      f"processes ({num_stages} stages{tp} x {data_parallel_size} "
+                      f"replica(s){shards})")
+    return broken
+
+
+def format_rank_map(topology: Topology, ranks_per_node: int | None = None,
+                    pids: list[int] | None = None) -> list[str]:
+    """One line per rank: ``"rank 5: stage 1, replica 0, tp 1, pid 4242 (node 0)"`` (the
+    pid when ``pids`` gives each rank's: what ``kill -USR1`` needs)."""
     lines = []
     for rank in range(topology.world_size):
         data, stage, model = topology.coords(rank)
         node = f" (node {rank // ranks_per_node})" if ranks_per_node else ""
         tp = f", tp {model}" if topology.model_size > 1 else ""
-        lines.append(f"rank {rank}: stage {stage}, replica {data}{tp}{node}")
+        pid = f", pid {pids[rank]}" if pids else ""
+        lines.append(f"rank {rank}: stage {stage}, replica {data}{tp}{pid}{node}")
     return lines
 
 
@@ -110,29 +143,15 @@ class Topology:
         """Build the grid for ``world_size`` ranks split into ``num_stages`` stages of
         ``model_size`` tensor-parallel ranks each; ``data_parallel_size`` counts the
         replicas (``dp_replicate``), each of ``shard_size`` shards."""
-        if num_stages < 1 or world_size % (num_stages * model_size):
-            raise ConfigError(
-                f"world size {world_size} is not divisible by {num_stages} pipeline stages"
-                + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else ""),
-                hint="launch a multiple of num_stages * tensor_parallel_size processes, or "
-                     "change num_stages", rank=rank)
+        broken = world_size_rules(world_size, num_stages, data_parallel_size, model_size,
+                                  shard_size)
+        if broken:
+            cell = max(num_stages, 1) * model_size * shard_size
+            fix = (f"launch {cell * data_parallel_size} processes, or omit data_parallel_size "
+                   f"and launch a multiple of {cell}" if data_parallel_size is not None else
+                   f"launch a multiple of {cell} processes, or change num_stages")
+            raise ConfigError("; and ".join(broken), hint=fix, rank=rank)
         dp = world_size // (num_stages * model_size)
-        if dp % shard_size:
-            raise ConfigError(
-                f"data_parallel_shard={shard_size} does not divide the {dp} data-parallel "
-                f"rank(s) of world size {world_size} with {num_stages} stage(s)"
-                + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else ""),
-                hint=f"launch a multiple of {num_stages * model_size * shard_size} processes "
-                     f"or choose a data_parallel_shard dividing {dp}", rank=rank)
-        if data_parallel_size is not None and data_parallel_size * shard_size != dp:
-            shards = f" x {shard_size} shards" if shard_size > 1 else ""
-            raise ConfigError(
-                f"data_parallel_size={data_parallel_size}{shards} does not match world size "
-                f"{world_size} with {num_stages} stages"
-                + (f" x {model_size} tensor-parallel ranks" if model_size > 1 else "")
-                + f" (which gives {dp // shard_size})",
-                hint=f"launch {num_stages * data_parallel_size * shard_size * model_size} "
-                     f"processes or omit data_parallel_size", rank=rank)
         return cls(num_stages, dp, model_size, rank, order, shard_size)
 
     @property

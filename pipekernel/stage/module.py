@@ -11,11 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from pipekernel.nested import map_tensors
-from pipekernel.stage import skips
+from pipekernel.stage import recompute, skips
 from pipekernel.errors import ConfigError, did_you_mean
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
@@ -108,6 +107,8 @@ class StageModule(nn.Module):
                 self.add_module(str(index), layer)
             self._calls.append((index, layer, forward_fn))
         self.tied_modules = dict(tied)  # key -> module (not registered twice)
+        #: first global index of a checkpointed segment -> what its forward writes
+        self._watches: dict[int, recompute.SegmentWatch] = {}
         self.first_index = layers[0][0] if layers else 0
         sizes = list(parts) if parts is not None else [len(layers)]
         self._parts, start = [], 0
@@ -142,10 +143,16 @@ class StageModule(nn.Module):
         if not k or not torch.is_grad_enabled():
             return _run_calls(calls, x)
         # Non-reentrant checkpointing keeps only each chunk's input and recomputes
-        # the chunk in backward; the saved RNG state makes dropout draw the same mask.
+        # the chunk in backward; the saved RNG state makes dropout draw the same mask,
+        # and the recompute leaves the buffers as the forward left them (recompute.py).
         for start in range(0, len(calls), k):
-            x = torch.utils.checkpoint.checkpoint(_run_segment, calls[start:start + k], x,
-                                                  use_reentrant=False, preserve_rng_state=True)
+            segment = calls[start:start + k]
+            watch = self._watches.get(segment[0][0])
+            if watch is None:
+                watch = self._watches[segment[0][0]] = recompute.SegmentWatch(
+                    [(index, layer) for index, layer, _ in segment], self.stage)
+            x = recompute.checkpoint(lambda v, segment=segment: _run_segment(segment, v),
+                                     x, watch)
         return x
 
 
@@ -247,7 +254,9 @@ class PipelineModule:
     :param activation_checkpoint_interval: ``k > 0`` keeps only the input of every
         run of ``k`` consecutive layers of a stage during a forward with grad
         enabled and recomputes the run in backward (non-reentrant
-        ``torch.utils.checkpoint``, RNG state preserved so dropout matches);
+        ``torch.utils.checkpoint``, RNG state preserved so dropout matches; the
+        recompute leaves every buffer as the forward left it, and a Python attribute it
+        changes is a ``ConfigError``: :mod:`pipekernel.stage.recompute`);
         ``0`` (default) stores every activation.
     :param overlapped_forward_backward: how a stage runs a ``ForwardBackward`` (the pairs
         of ``dualpipev`` and ``zbv``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.

@@ -261,7 +261,7 @@ class BatchStep:
         (averaged over replicas) into those of the loss averaged over all tokens."""
         if total_tokens <= 0:
             raise DataError(
-                f"train step {self.global_steps + 1}: the batch has {total_tokens:g} tokens "
+                f"train step {self.global_steps + 1} (1-based): the batch has {total_tokens:g} tokens "
                 f"over its {self.micro_batches} micro-batch(es) and "
                 f"{self.topology.data_size} replica(s) (loss_reduction='tokens')",
                 hint="the token_count loss_fn returns must be > 0 over the batch: check "
@@ -317,7 +317,7 @@ class BatchStep:
 
     def _raise_nonfinite(self, mbs: list[int], ranks: list[int]) -> None:
         raise NonFiniteLossError(
-            f"the loss is NaN/inf at train step {self.global_steps + 1} "
+            f"the loss is NaN/inf at train step {self.global_steps + 1} (1-based) "
             f"(global_steps={self.global_steps}) for micro-batch(es) {mbs} on rank(s) "
             f"{ranks} (the loss of the last stage, stage {self.num_stages - 1}, or an "
             f"auxiliary loss a layer added); this step's gradients were not finite either",
