@@ -16,7 +16,8 @@ import pipekernel as pk
 
 #: one layer each; "tuple", "dict" and "nested" are pairs of layers
 KINDS = ("linear", "layernorm", "tuple", "dict", "nested", "tied", "stash", "pop", "buffer",
-         "inplace", "relu_input", "dropout", "function", "frozen", "unused", "view")
+         "inplace", "relu_input", "dropout", "function", "frozen", "unused", "view",
+         "running")
 
 
 class Block(nn.Module):
@@ -206,10 +207,29 @@ class FromView(Block):
         return super().forward(transposed.transpose(1, 2)) + 0.5 * first
 
 
-def _one(kind: str, dim: int, index: int, wire_dtype: str) -> list[Any]:
+class Running(Block):
+    """A running mean updated by every training forward (a BatchNorm-like buffer): it
+    depends on how often and in which order the forwards ran, and a recompute
+    (activation checkpointing) must leave it as the forward left it."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.register_buffer("mean", torch.zeros(dim))
+
+    def forward(self, h):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * h.mean((0, 1)))
+        return super().forward(h - self.mean)
+
+
+def _one(kind: str, dim: int, index: int, wire_dtype: str, replicas: int) -> list[Any]:
     simple = {"linear": Block, "layernorm": nn.LayerNorm, "buffer": Buffered,
               "inplace": InPlace, "relu_input": ReluInput, "function": Cube,
-              "frozen": Frozen, "unused": Unused}
+              "frozen": Frozen, "unused": Unused,
+              # each replica's running mean sees its own micro-batches only, one process
+              # sees every replica's: comparable with one replica
+              "running": Running if replicas == 1 else Buffered}
     if kind in simple:
         return [pk.LayerSpec(simple[kind], dim)]
     pairs = {"dict": (ToDict, FromDict), "nested": (ToNested, FromNested),
@@ -225,7 +245,8 @@ def _one(kind: str, dim: int, index: int, wire_dtype: str) -> list[Any]:
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
-def build_layers(kinds: list[str], dim: int, wire_dtype: str = "float64") -> list[Any]:
+def build_layers(kinds: list[str], dim: int, wire_dtype: str = "float64",
+                 replicas: int = 1) -> list[Any]:
     """The middle layers for ``kinds``: the first "stash" with a "pop" after it pairs with
     the next "pop" (one skip connection per model: each name is stashed once); any other
     "stash" or "pop" is a plain :class:`Block`."""
@@ -242,5 +263,5 @@ def build_layers(kinds: list[str], dim: int, wire_dtype: str = "float64") -> lis
         elif kind in ("stash", "pop"):
             layers.append(pk.LayerSpec(Block, dim))
         else:
-            layers.extend(_one(kind, dim, i, wire_dtype))
+            layers.extend(_one(kind, dim, i, wire_dtype, replicas))
     return layers

@@ -144,7 +144,8 @@ LOSSES = {("regression", "mean"): mse_mean, ("regression", "tokens"): mse_tokens
 def build_module(setup: dict[str, Any], num_stages: int | None = None) -> pk.PipelineModule:
     """The model of ``setup`` (``num_stages=None``: for the one-process reference)."""
     first, head = _ends(setup)
-    layers = [first, *build_layers(setup["kinds"], setup["width"], setup["wire_dtype"]), head]
+    layers = [first, *build_layers(setup["kinds"], setup["width"], setup["wire_dtype"],
+                                   setup["dp"]), head]
     return pk.PipelineModule(layers, loss_fn=LOSSES[setup["labels"], setup["loss_reduction"]],
                              num_stages=num_stages, partition=setup["partition"],
                              seed=setup["seed"],
