@@ -59,10 +59,14 @@ def setups(draw: Callable, schedule: str | None = None) -> dict[str, Any]:
         "schedule": schedule or draw(st.sampled_from(SCHEDULES)),
         "chunks": draw(st.sampled_from([None, None, None, None, None, 1, 2, 3])),
         # any count, or a multiple of the stages (what interleaved and V schedules need)
-        "micro_batches": draw(st.one_of(st.integers(1, 6),
+        # (4 first: hypothesis's first draws and shrinks go to the first choice, and the
+        # V schedules refuse fewer than 3 or 2 x stages)
+        "micro_batches": draw(st.one_of(st.sampled_from([4, 1, 2, 3, 5, 6]),
                                         st.integers(1, 3).map(lambda k: k * stages))),
         # the second step's count, if it changes (train_batch(..., micro_batches=n))
         "ramp": draw(st.sampled_from([None, None, None, 1, 2, 4, 6])),
+        # an eval_batch between the steps, which must change nothing the training sees
+        "eval_between": draw(st.booleans()),
         "partition": draw(st.sampled_from(["uniform", "parameters"])),
         "width": draw(st.sampled_from([8, 12, 16])),
         "kinds": draw(st.lists(st.sampled_from(KINDS), min_size=2, max_size=8)),
@@ -179,7 +183,7 @@ def counts(setup: dict[str, Any]) -> list[int]:
 def data(setup: dict[str, Any], step: int, replica: int) -> list[tuple[Any, Any]]:
     """The micro-batches of one step of one replica (lengths vary if the setup says so)."""
     g = torch.Generator().manual_seed(setup["seed"] * 7919 + 1000 * step + replica)
-    count = counts(setup)[step]
+    count = counts(setup)[step] if step < STEPS else setup["micro_batches"]  # 99: eval
     lengths = (torch.randint(2, 6, (count,), generator=g).tolist()
                if setup["vary_length"] else [3] * count)
     return [_item(setup, g, n) for n in lengths]
@@ -212,9 +216,12 @@ def train_setup(setup: dict[str, Any]) -> tuple:
             micro_batches=setup["micro_batches"], schedule=setup["schedule"],
             chunks=setup["chunks"], data_parallel_size=setup["dp"], timeout=30, transport="gloo",
             max_grad_norm=setup["max_grad_norm"], loss_reduction=setup["loss_reduction"])
-        losses = [engine.train_batch(iter(data(setup, step, engine.data_parallel_rank)),
-                                     micro_batches=count).item()
-                  for step, count in enumerate(counts(setup))]
+        losses = []
+        for step, count in enumerate(counts(setup)):
+            if step and setup.get("eval_between"):
+                engine.eval_batch(iter(data(setup, 99, engine.data_parallel_rank)))
+            losses.append(engine.train_batch(iter(data(setup, step, engine.data_parallel_rank)),
+                                             micro_batches=count).item())
         state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
         return "ok", losses, state
     except REFUSALS as err:
@@ -325,7 +332,7 @@ def features(setup: dict[str, Any]) -> list[str]:
            f"max_grad_norm={setup['max_grad_norm']}", f"optimizer={setup['optimizer']}",
            f"input_dtype={setup['input_dtype']}", f"ramp={setup.get('ramp')}"]
     out += [f"layer={k}" for k in sorted(set(setup["kinds"]))]
-    out += [flag for flag in ("tie_embed", "vary_length") if setup[flag]]
+    out += [flag for flag in ("tie_embed", "vary_length", "eval_between") if setup.get(flag)]
     return out + (["ignore=-100"] if setup["ignore"] else [])
 
 
