@@ -346,8 +346,9 @@ def strata(seed: int, count: int) -> list[tuple[str, int, int]]:
     small = max(1, count // 20) if refused else 0
     share, extra = divmod(count - small, len(training))
     sizes = [share + (i < extra) for i in range(len(training))] + ([small] if refused else [])
-    return [(name, seed * 1_000 + i, n) for i, (name, n) in enumerate(zip(training + refused,
-                                                                          sizes)) if n]
+    # one more each: a draw's first setup is hypothesis's simplest, dropped (draw_setups)
+    return [(name, seed * 1_000 + i, n + 1)
+            for i, (name, n) in enumerate(zip(training + refused, sizes)) if n]
 
 
 def _hypothesis(schedule: str, seed: int, count: int, prop: Callable, shrinking: bool) -> None:
@@ -365,7 +366,7 @@ def draw_setups(seed: int, count: int) -> list[dict[str, Any]]:
         drawn: dict[str, dict[str, Any]] = {}
         _hypothesis(schedule, sub_seed, n, lambda setup: drawn.update({key(setup): setup}),
                     False)
-        per_schedule.append(list(drawn.values()))
+        per_schedule.append(list(drawn.values())[1:])  # not the simplest: see strata()
     mixed = [group[i] for i in range(max(map(len, per_schedule), default=0))
              for group in per_schedule if i < len(group)]
     return list({key(s): s for s in mixed}.values())
