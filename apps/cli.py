@@ -109,6 +109,9 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--experts", type=int, default=d.experts,
                    help="a mixture of this many experts as every block's MLP (0: dense)")
     g.add_argument("--top-k", type=int, default=d.top_k, help="experts per token")
+    g.add_argument("--pack", action="store_true",
+                   help="pack the corpus's documents (cut at blank lines) into rows, each "
+                        "attending within its own documents (docs/sequences.md)")
     g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
                    help="train a Hugging Face causal LM instead: a save_pretrained directory, "
                         "a config (.json or directory) or a model type such as llama (random, "

@@ -45,6 +45,7 @@ class TrainConfig:
     experts: int = 0  # > 0: every block's MLP is a mixture of this many experts (pk.MoE)
     top_k: int = 2  # experts per token
     expert_parallel: int = 1  # replicas each stage's experts are spread over
+    pack: bool = False  # documents packed into rows, attention within each (docs/sequences.md)
 
     @property
     def checkpoints(self) -> str:

@@ -3,6 +3,12 @@
 Bytes, not a learned character table: the vocabulary (256) is the same on every
 rank and every machine whatever the corpus, so no rank has to agree with another
 on it, and any file (UTF-8 or not) can be trained on.
+
+Packed rows (``pipekernel train --pack``): the layers also take the dict
+:func:`pipekernel.pack` makes (``{"input_ids", "position_ids"}``); the embeddings read
+the positions restarting per document and hand ``{"hidden", "documents"}`` on, so every
+block, on whatever stage, attends within documents (:func:`pipekernel.document_mask`), and
+:func:`packed_token_loss` counts the labelled tokens (``loss_reduction="tokens"``).
 """
 from __future__ import annotations
 
@@ -14,14 +20,15 @@ from torch.nn import functional as F
 import pipekernel as pk
 
 __all__ = ["VOCAB", "Embed", "Block", "MoEBlock", "Head", "gpt_layers", "gpt_module",
-           "token_loss", "generate"]
+           "token_loss", "packed_token_loss", "generate"]
 
 #: Byte-level vocabulary.
 VOCAB = 256
 
 
 class Embed(nn.Module):
-    """Token + learned position embedding: ``(B, T) int64 -> (B, T, dim)``."""
+    """Token + learned position embedding: ``(B, T) int64 -> (B, T, dim)``; a packed
+    ``{"input_ids", "position_ids"}`` -> ``{"hidden", "documents"}``."""
 
     def __init__(self, vocab: int, dim: int, context: int) -> None:
         super().__init__()
@@ -30,7 +37,11 @@ class Embed(nn.Module):
         nn.init.normal_(self.tokens.weight, std=0.02)
         nn.init.normal_(self.positions.weight, std=0.02)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor | dict) -> torch.Tensor | dict:
+        if isinstance(ids, dict):  # a packed row: positions restart at every document
+            pos = ids["position_ids"]
+            return {"hidden": self.tokens(ids["input_ids"]) + self.positions(pos),
+                    "documents": pk.document_ids(pos)}
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.tokens(ids) + self.positions(positions)
 
@@ -51,12 +62,18 @@ class Block(nn.Module):
     def _mlp(self, dim: int) -> nn.Module:
         return nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor | dict) -> torch.Tensor | dict:
+        if isinstance(h, dict):  # packed: the boundaries came with the activations
+            mask = pk.document_mask(h["documents"])
+            return {**h, "hidden": self._block(h["hidden"], mask)}
+        return self._block(h, None)
+
+    def _block(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         batch, length, dim = h.shape
         q, k, v = self.qkv(self.norm1(h)).split(dim, dim=-1)
         q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
                    for t in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         h = h + self.proj(attn.transpose(1, 2).reshape(batch, length, dim))
         return h + self.mlp(self.norm2(h))
 
@@ -82,13 +99,24 @@ class Head(nn.Module):
         super().__init__()
         self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(h))
+    def forward(self, h: torch.Tensor | dict) -> torch.Tensor:
+        return self.out(self.norm(h["hidden"] if isinstance(h, dict) else h))
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-byte cross-entropy over every position."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+
+
+def packed_token_loss(logits: torch.Tensor, labels: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of the next-byte losses, labelled tokens)`` of packed rows, labels -100 at each
+    document's end and on padding (``loss_reduction="tokens"``)."""
+    labels = labels.reshape(-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels,
+                           ignore_index=-100,
+                           reduction="sum")
+    return loss, (labels != -100).sum()
 
 
 def gpt_layers(dim: int, layers: int, heads: int, context: int, *, experts: int = 0,
@@ -102,10 +130,12 @@ def gpt_layers(dim: int, layers: int, heads: int, context: int, *, experts: int 
 
 def gpt_module(dim: int, layers: int, heads: int, context: int, *, num_stages: int | None,
                partition: object = "parameters", seed: int = 0, experts: int = 0,
-               top_k: int = 2) -> pk.PipelineModule:
-    """The model as a seeded :class:`pipekernel.PipelineModule` (``experts``: MoE blocks)."""
+               top_k: int = 2, pack: bool = False) -> pk.PipelineModule:
+    """The model as a seeded :class:`pipekernel.PipelineModule` (``experts``: MoE blocks;
+    ``pack``: trained on packed rows, :func:`packed_token_loss`)."""
     return pk.PipelineModule(gpt_layers(dim, layers, heads, context, experts=experts,
-                                        top_k=top_k), loss_fn=token_loss,
+                                        top_k=top_k),
+                             loss_fn=packed_token_loss if pack else token_loss,
                              num_stages=num_stages, partition=partition, seed=seed)
 
 

@@ -34,8 +34,9 @@ from pipekernel.apps.gpt import generate, gpt_module
 from pipekernel.grid.expert_parallel import whole_state_dict
 from pipekernel.plugin import all_gather_objects
 
-__all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "gather_full_state",
-           "stage_table", "partition_method", "run", "worker", "lr_factor", "lr_change"]
+__all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "make_packed_batch",
+           "documents", "gather_full_state", "stage_table", "partition_method", "run", "worker",
+           "lr_factor", "lr_change"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -69,6 +70,11 @@ def _positive(cfg: TrainConfig) -> None:
     from pipekernel.grid.parallel import ParallelConfig
     ParallelConfig.make(rank_order=cfg.rank_order, zero_stage=cfg.zero_stage)  # clear errors
     _check_experts(cfg)
+    if cfg.pack and cfg.hf:
+        raise pk.ConfigError("--pack packs documents for the built-in GPT; --hf models take "
+                             "Hugging Face's packed rows from their own collator",
+                             hint="drop --pack, and see docs/sequences.md for "
+                                  "DataCollatorWithFlattening through pipekernel.hf")
 
 
 def _check_plan(cfg: TrainConfig) -> None:
@@ -103,6 +109,19 @@ def _check_plan(cfg: TrainConfig) -> None:
         gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
                    partition=method, seed=cfg.seed, experts=cfg.experts,
                    top_k=cfg.top_k).partition(cfg.stages * chunks, pm)
+
+
+def _check_inputs(cfg: TrainConfig) -> None:
+    """``--data`` (readable, long enough for ``--context``) and an ``--hf`` path that does
+    not exist, refused before any process starts."""
+    if cfg.data is not None:
+        split_corpus(load_corpus(cfg.data, cfg.corpus_bytes)[0], cfg.context)
+    spec = cfg.hf
+    if spec and not os.path.exists(spec) and (os.sep in spec or "/" in spec
+                                              or spec.endswith(".json")):
+        raise pk.ConfigError(f"--hf {spec}: no such file or directory",
+                             hint="pass a save_pretrained directory, a config .json file or a "
+                                  "model type such as llama")
 
 
 def _check_experts(cfg: TrainConfig) -> None:
@@ -191,6 +210,33 @@ def make_batch(ids: torch.Tensor, cfg: TrainConfig, step: int, replica: int,
     return batch
 
 
+def documents(ids: torch.Tensor) -> list[torch.Tensor]:
+    """The corpus cut at blank lines (``\\n\\n``) into documents of at least 2 bytes, for
+    ``--pack``: paragraphs of text, the top-level blocks of source files."""
+    breaks = ((ids[:-1] == 10) & (ids[1:] == 10)).nonzero().reshape(-1) + 2
+    cuts = [0, *breaks.tolist(), len(ids)]
+    return [ids[a:b] for a, b in zip(cuts, cuts[1:]) if b - a >= 2]
+
+
+def make_packed_batch(docs: list[torch.Tensor], cfg: TrainConfig, step: int, replica: int,
+                      salt: int = 0) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """``micro_batches`` packed micro-batches (``--pack``): random documents packed into
+    ``micro_batch_size`` rows of ``context`` bytes (:func:`pipekernel.pack`), as
+    ``({"input_ids", "position_ids"}, next-byte labels, -100 at each document's end)``;
+    deterministic in ``(seed, step, replica, salt)`` as :func:`make_batch`."""
+    g = torch.Generator().manual_seed(((cfg.seed * 1_000_003 + salt) * 1_000_003 + step)
+                                      * 1009 + replica)
+    room, batch = cfg.micro_batch_size * cfg.context, []
+    for _ in range(cfg.micro_batches):
+        chosen: list[torch.Tensor] = []
+        while sum(len(d) for d in chosen) < room:
+            chosen.append(docs[int(torch.randint(len(docs), (1,), generator=g))])
+        rows = pk.pack(chosen, cfg.context, cfg.micro_batch_size)
+        batch.append(({"input_ids": rows["input_ids"], "position_ids": rows["position_ids"]},
+                      rows["labels"]))
+    return batch
+
+
 # -- helpers on the engine --------------------------------------------------------------
 
 
@@ -236,8 +282,16 @@ def partition_method(text: str) -> Any:
     return text
 
 
-def _eval_loss(engine: pk.PipelineEngine, ids: torch.Tensor, cfg: TrainConfig) -> float:
-    batch = make_batch(ids, cfg, 0, engine.data_parallel_rank, salt=1)
+def _batch(ids: Any, cfg: TrainConfig, step: int, replica: int, salt: int = 0) -> list:
+    """The step's micro-batches: packed documents with ``--pack`` (``ids`` is then the
+    list of documents), random windows otherwise."""
+    if cfg.pack:
+        return make_packed_batch(ids, cfg, step, replica, salt)
+    return make_batch(ids, cfg, step, replica, salt)
+
+
+def _eval_loss(engine: pk.PipelineEngine, ids: Any, cfg: TrainConfig) -> float:
+    batch = _batch(ids, cfg, 0, engine.data_parallel_rank, salt=1)
     batch = hf_model.as_dicts(batch) if cfg.hf else batch
     return float(engine.eval_batch(iter(batch)))
 
@@ -343,7 +397,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         expert_parallel_size=cfg.expert_parallel,
-        loss_reduction="tokens" if cfg.hf else "mean",
+        loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
 
@@ -387,7 +441,7 @@ def _save(engine: pk.PipelineEngine, cfg: TrainConfig) -> None:
                f"(--keep-last {cfg.keep_last}): {err}; training goes on")
 
 
-def _train(engine: pk.PipelineEngine, cfg: TrainConfig, train_ids: torch.Tensor,
+def _train(engine: pk.PipelineEngine, cfg: TrainConfig, train_ids: Any,
            first_step: int) -> tuple[list[float], float]:
     """Steps ``first_step .. cfg.steps - 1``: the losses and the seconds they took."""
     bar = None
@@ -400,7 +454,7 @@ def _train(engine: pk.PipelineEngine, cfg: TrainConfig, train_ids: torch.Tensor,
     start = time.perf_counter()
     for step in range(first_step, cfg.steps):
         t0 = time.perf_counter()
-        batch = make_batch(train_ids, cfg, step, engine.data_parallel_rank)
+        batch = _batch(train_ids, cfg, step, engine.data_parallel_rank)
         batch = hf_model.as_dicts(batch) if cfg.hf else batch
         loss = float(engine.train_batch(iter(batch)))
         losses.append(loss)
@@ -422,10 +476,12 @@ def worker(cfg: TrainConfig) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.threads)
     data, source = load_corpus(cfg.data, cfg.corpus_bytes)
     train_ids, held_ids = split_corpus(data, cfg.context)
+    if cfg.pack:
+        train_ids, held_ids = documents(train_ids), documents(held_ids)
     module = hf_model.hf_module(cfg) if cfg.hf else \
         gpt_module(cfg.dim, cfg.layers, cfg.heads, cfg.context, num_stages=cfg.stages,
                    partition=partition_method(cfg.partition), seed=cfg.seed,
-                   experts=cfg.experts, top_k=cfg.top_k)
+                   experts=cfg.experts, top_k=cfg.top_k, pack=cfg.pack)
     from pipekernel.plugins.monitor import Monitor
 
     # without a progress bar (logs, CI) the monitor's console line every N steps replaces it
@@ -600,6 +656,7 @@ def run(cfg: TrainConfig) -> dict[str, Any] | None:
     """Train: this rank only under torchrun, else ``cfg.world_size`` local processes."""
     _positive(cfg)
     _check_plan(cfg)
+    _check_inputs(cfg)
     _check_extras(cfg)
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])

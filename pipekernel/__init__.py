@@ -22,6 +22,7 @@ from pipekernel.engine.planner import Plan, auto
 from pipekernel.extend.manager import make_plugin_manager
 from pipekernel.stage.skips import Skip, pop, skippable, stash
 from pipekernel.stage.aux_loss import add_aux_loss, aux_losses
+from pipekernel.stage.packing import document_ids, document_mask, pack
 from pipekernel.grid.topology import Topology
 from pipekernel.comm.transport import P2POp
 
@@ -38,6 +39,7 @@ __all__ = [
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
     "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
     "add_aux_loss", "aux_losses", "MoE", "expert_parallel", "overlap_all_to_all",
+    "pack", "document_ids", "document_mask",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
     # errors

@@ -159,7 +159,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #: examples took 20 s in one run and 145 s in another, so they go early.
 _LONGEST = {name: rank for rank, name in enumerate((
     "test_docs.py", "test_restart.py", "test_hf_families.py", "test_deepspeed_examples.py",
-    "test_hf_expert_parallel.py", "test_cli.py", "test_hf.py", "test_exit.py", "test_orphans.py",
+    "test_hf_expert_parallel.py", "test_cli.py", "test_hf.py", "test_hf_packing.py",
+    "test_exit.py", "test_orphans.py",
     "test_checkpoint_dcp.py", "test_ray_train.py", "test_checkpoint.py",
     "test_exit_shutdown.py", "test_paired.py", "test_lightning.py", "test_checkpoint_trust.py",
     "test_faults.py",

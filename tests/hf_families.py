@@ -86,6 +86,28 @@ def batch(seed: int, rows: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def packed_batches(seed: int, flash: bool = True) -> list[dict[str, torch.Tensor]]:
+    """A packed step's two micro-batches, as Hugging Face's own collator makes them:
+    ``DataCollatorWithFlattening``'s row of three documents (``position_ids`` restarting,
+    first labels -100, no ``attention_mask``; with ``flash`` its ``cu_seq_lens_q/k`` and
+    ``max_length_q/k`` too), and two right-padded rows of several packed documents each
+    (position 0 and label -100 on the padding, as TRL's packing collator pads)."""
+    from transformers import DataCollatorWithFlattening
+    g = torch.Generator().manual_seed(1000 + seed)
+
+    def docs(count: int) -> list[dict[str, list[int]]]:
+        sizes = torch.randint(2, 6, (count,), generator=g).tolist()
+        return [{"input_ids": torch.randint(3, VOCAB, (n,), generator=g).tolist()} for n in sizes]
+
+    row = DataCollatorWithFlattening(return_flash_attn_kwargs=flash)(docs(3))
+    rows = [DataCollatorWithFlattening()(docs(k)) for k in (3, 2)]
+    width = max(r["input_ids"].shape[1] for r in rows) + 1
+    padded = {key: torch.cat([torch.nn.functional.pad(r[key], (0, width - r[key].shape[1]),
+                                                      value=-100 if key == "labels" else 0)
+                              for r in rows]) for key in ("input_ids", "labels", "position_ids")}
+    return [dict(row), padded]
+
+
 def build(model_type: str, seed: int = 0, **changes: Any) -> tuple[Any, str | None]:
     """``(model, None)``, or ``(None, why)``: the family does not build at small sizes, or its
     own forward fails on a padded batch in training mode (then the pipeline has no oracle).
@@ -125,11 +147,12 @@ def _why(e: Exception) -> str:
 
 def render(results: dict[str, dict[str, Any]]) -> str:
     """The markdown table of ``results`` (``{model_type: {"class", "verdict", "detail"}}``)."""
-    rows = ["| family | class | verdict | detail |", "|---|---|---|---|"]
+    rows = ["| family | class | verdict | packed rows | detail |", "|---|---|---|---|---|"]
     for name in sorted(results):
         r = results[name]
         detail = r.get("detail", "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{name}` | `{r['class']}` | {r['verdict']} | {detail} |")
+        packed = r.get("packed", "").replace("|", "\\|")
+        rows.append(f"| `{name}` | `{r['class']}` | {r['verdict']} | {packed} | {detail} |")
     counts: dict[str, int] = {}
     for r in results.values():
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1

@@ -109,7 +109,10 @@ def test_train_rejects_bad_sizes_before_starting_processes(capsys):
     (["--precision", "fp33"], "unknown precision 'fp33' (did you mean 'fp32'?)"),
     (["--transport", "glo"], "unknown transport 'glo' (did you mean 'gloo'?)"),
     (["--partition", "0,1,2"], "partition boundaries [0, 1, 2] do not cover all 6 layers"),
-    (["--partition", "uniforn"], "no partition plugin understands partition='uniforn'")])
+    (["--partition", "uniforn"], "no partition plugin understands partition='uniforn'"),
+    (["--data", "/no/such/corpus.txt"], "cannot read --data /no/such/corpus.txt"),
+    (["--data", __file__, "--context", "100000"], "too few for --context 100000"),
+    (["--hf", "/no/such/model_dir"], "--hf /no/such/model_dir: no such file or directory")])
 def test_train_checks_the_plan_before_starting_processes(capsys, flags, text):
     """Each of these used to start every rank first, each raising the same error (the
     fast tier refuses to start processes: a check that came too late fails here)."""

@@ -2,8 +2,11 @@
 
 transformers' own list (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, see ``tests/hf_families.py``)
 at small sizes, each trained one step at 2 stages in one 2-process world that loops over the
-families, against the same model trained in one process through its own ``forward`` (its
-own loss): every family that builds either matches (loss and every parameter <= 1e-5) or is
+families — two padded micro-batches and two packed ones as Hugging Face's own
+``DataCollatorWithFlattening`` makes them (with its flash-attention keys where the family's
+forward takes them) and as TRL pads packed rows — against the same model trained in one
+process through its own ``forward`` (its own loss, ``use_cache`` off as HF's ``Trainer``
+sets it): every family that builds either matches (loss and every parameter <= 1e-5) or is
 refused by ``pipeline_module`` with a ``ConfigError`` at build time; a mismatch or any other
 error fails. Each family's ``save_pretrained`` key set (every stage's) must be the one
 HF's own ``save_pretrained`` writes for the same model. The verdicts must equal ``tests/fixtures/hf_families.json``, from which
@@ -47,19 +50,38 @@ def items(replica=0):
     return [F.batch(10 * replica + i) for i in range(MICRO_BATCHES)]
 
 
-def reference(model, data):
-    """One SGD step of ``model`` through its own forward and loss: the token-weighted loss."""
+def reference(model, steps):
+    """SGD steps of ``model`` through its own forward and loss, ``use_cache`` off as HF's
+    ``Trainer`` sets it (with a cache transformers does not split packed documents): the
+    token-weighted loss of each step."""
     opt = sgd(model.parameters())
     model.train()
-    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)
-    loss_sum = 0.0
-    for b in data:
-        count = int((b["labels"][:, 1:] != -100).sum())
-        part = model(**b).loss * count  # the model's own (mean) loss, as a sum
-        (part / total).backward()
-        loss_sum += part.item()
-    opt.step()
-    return loss_sum / total
+    model.config.use_cache = False
+    losses = []
+    for data in steps:
+        total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in data)
+        loss_sum = 0.0
+        for b in data:
+            count = int((b["labels"][:, 1:] != -100).sum())
+            part = model(**b).loss * count  # the model's own (mean) loss, as a sum
+            (part / total).backward()
+            loss_sum += part.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss_sum / total)
+    return losses
+
+
+def packed_items(model):
+    """The packed step: with the flash-attention keys where the model's own forward takes
+    them (a family whose linear attention needs a kernel to keep documents apart raises)."""
+    try:
+        with torch.no_grad():
+            model(**F.packed_batches(0)[0], use_cache=False)
+    except Exception as e:  # noqa: BLE001 - its own forward refuses the keys: train without
+        return F.packed_batches(0, flash=False), \
+            f"exact (its own forward refuses the flash keys: {type(e).__name__})"
+    return F.packed_batches(0), "exact (with the flash keys)"
 
 
 def train_family(name, stages):
@@ -71,23 +93,29 @@ def train_family(name, stages):
         module = hf.pipeline_module(model, num_stages=stages)
     except ConfigError as e:
         return {"verdict": "refused", "detail": str(e).splitlines()[0]}
-    engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=MICRO_BATCHES,
+    packed, how = packed_items(model)
+    if module.packing_refused is not None:  # the probe refuses packed rows: one step only
+        packed, how = [], f"refused: {module.packing_refused}"[:120]
+    # one step of the padded micro-batches and the packed ones together (shapes change
+    # inside the step): one optimizer step checks both, at the cost of two more forwards
+    data = items() + packed
+    engine = pk.PipelineEngine(module, optimizer=sgd, micro_batches=len(data),
                                loss_reduction="tokens", timeout=90)
     try:
-        loss = engine.train_batch(iter(items())).item()
+        loss = engine.train_batch(iter(data)).item()
         state = {k.partition(".")[2]: v.detach().clone()
                  for k, v in engine.module.state_dict().items()}
         keys = sorted(stage_state(engine))  # what save_pretrained writes for this stage
     finally:
         engine.close()
-    ref_loss = reference(model, items())
+    ref_loss, = reference(model, [data])
     ref = model.state_dict()
     worst = max((v - ref[k]).abs().max().item() / max(1.0, ref[k].abs().max().item())
                 for k, v in state.items())
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         written = sorted(k for f in Path(directory).glob("*.safetensors") for k in load_file(f))
-    return {"verdict": "trains", "loss": abs(loss - ref_loss) / abs(ref_loss),
+    return {"verdict": "trains", "loss": abs(loss - ref_loss) / abs(ref_loss), "packed": how,
             "parameters": worst, "keys": keys, "hf_keys": written}
 
 
@@ -138,14 +166,17 @@ def test_every_family_trains_like_its_forward_or_is_refused():
     names = [name for name, _ in F.families()]
     results = _merge(run_ranks(_worker, 2, names, 2, timeout=1500))
     classes = dict(F.families())
-    table = {n: {"class": classes[n], "verdict": r["verdict"],
-                 "detail": r.get("detail", "")} for n, r in results.items()}
+    table = {n: {"class": classes[n], "verdict": r["verdict"], "detail": r.get("detail", ""),
+                 **({"packed": r["packed"]} if "packed" in r else {})}
+             for n, r in results.items()}
     if os.environ.get("PK_WRITE_FAMILIES"):
         F.RESULTS.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     _check(results)
     recorded = json.loads(F.RESULTS.read_text())
-    changed = {n: (recorded.get(n, {}).get("verdict"), table[n]["verdict"]) for n in table
-               if recorded.get(n, {}).get("verdict") != table[n]["verdict"]}
+    changed = {n: ((recorded.get(n, {}).get("verdict"), recorded.get(n, {}).get("packed")),
+                   (table[n]["verdict"], table[n].get("packed"))) for n in table
+               if (recorded.get(n, {}).get("verdict"), recorded.get(n, {}).get("packed"))
+               != (table[n]["verdict"], table[n].get("packed"))}
     assert not changed and set(recorded) == set(table), (
         f"verdicts changed (recorded, now): {changed}; families gone: "
         f"{sorted(set(recorded) - set(table))}: rerun with PK_WRITE_FAMILIES=1 and "

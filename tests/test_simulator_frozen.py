@@ -1,5 +1,5 @@
 """Layer 0: the simulator's answers are frozen. Every case of a grid of (schedule, stages,
-micro-batches, chunks, semantics, costs, skips, posting policy) gives exactly the result the
+micro-batches, chunks, costs, skips, posting policy) gives exactly the result the
 simulator gave before its event loop was rewritten for scale (issue 29, item 7): the makespan,
 bubble fraction, buffer counts, waits, the whole timeline and its ASCII grid (one digest), and
 for an invalid plan the full text of the error (deadlock cycles, mismatches) — so the proof under
@@ -83,13 +83,10 @@ def cases():
 
 def _variants(base: dict, stages: int, chunks: int):
     yield _key(base), base
-    yield _key(base, semantics="buffered"), dict(base, semantics="buffered")
     yield _key(base, costs="mixed"), dict(base, costs="mixed")
     if (stages + base["micro_batches"]) % 2:  # half the sizes: keeps the grid fast
         yield _key(base, costs="mixed", host="yes"), dict(base, costs="mixed", host="yes")
         yield _key(base, stage_costs="yes"), dict(base, stage_costs="yes")
-        yield (_key(base, semantics="buffered", costs="mixed"),
-               dict(base, semantics="buffered", costs="mixed"))
     positions = stages * chunks
     if positions >= 3:
         skips = sorted({(0, positions - 1), (positions // 2 - 1, positions // 2 + 1)})

@@ -11,7 +11,8 @@ Modules, one job each: :mod:`~pipekernel.hf.structure` (find the pieces),
 projection by the model's own forward), :mod:`~pipekernel.hf.probe` (what is refused at build
 time), :mod:`~pipekernel.hf.weights` (each stage's own weights, through transformers' key
 conversion), :mod:`~pipekernel.hf.module` (``pipeline_module``),
-:mod:`~pipekernel.hf.batches` (dict micro-batches), :mod:`~pipekernel.hf.loss` (the shifted
+:mod:`~pipekernel.hf.batches` (dict micro-batches), :mod:`~pipekernel.hf.packing` (packed
+rows: the checks), :mod:`~pipekernel.hf.loss` (the shifted
 causal-LM loss), :mod:`~pipekernel.hf.router` (the MoE router auxiliary loss across stages),
 :mod:`~pipekernel.hf.save` (``save_pretrained``). See ``docs/hf.md``.
 

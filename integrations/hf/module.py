@@ -8,6 +8,7 @@ layers and nothing else. Tied input/output embeddings are one ``TiedLayerSpec`` 
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from pipekernel.hf.experts import check_model, shard_experts
 from pipekernel.hf.head import Head, TiedHead
 from pipekernel.hf.layers import Chain, Decoder, Embed, Epilogue, Prologue, embed_tokens
 from pipekernel.hf.loss import causal_lm_loss, causal_lm_mean_loss
-from pipekernel.hf.probe import check_config, probe
+from pipekernel.hf.probe import check_config, probe, probe_packed
 from pipekernel.hf.router import RouterAux, find_router_aux
 from pipekernel.hf.structure import Structure, find_structure
 from pipekernel.hf.weights import make_source
@@ -41,12 +42,15 @@ class HFPipelineModule(PipelineModule):
     :ivar source: the weight source (``source.bytes_read``: checkpoint bytes read so far).
     :ivar router_aux: the router auxiliary loss the layers carry and add
         (:mod:`pipekernel.hf.router`), ``None`` when the model's forward adds none.
+    :ivar packing_refused: why packed rows are refused (the build-time probe found that
+        the pipeline does not reproduce the model's forward on one), ``None`` when they train.
     """
 
     config: Any
     structure: Structure
     source: Any
     router_aux: RouterAux | None
+    packing_refused: str | None
 
 
 def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
@@ -69,7 +73,9 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     :param check: run the layers once at build time on a tiny input against the model's own
         ``forward`` (:func:`~pipekernel.hf.probe.probe`: numbers with a model in memory, the
         structure with a directory or a config), so what cannot be reproduced is refused on
-        every rank before the first step.
+        every rank before the first step; and once on a packed row
+        (:func:`~pipekernel.hf.probe.probe_packed`): where that differs, packed micro-batches
+        are refused by name (``module.packing_refused`` says why).
     :param options: further :class:`~pipekernel.PipelineModule` options (``seed``,
         ``activation_checkpoint_interval``); ``loss_fn`` defaults to
         :func:`~pipekernel.hf.causal_lm_loss` (use ``loss_reduction="tokens"`` in the engine)
@@ -86,17 +92,22 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     check_config(source.model)
     router = find_router_aux(source.model, structure.base, structure.layers,
                              structure.num_layers)
+    refused = None
     if check:
         chain = _chain(_layer_specs(_Borrowed(source.model), structure, router))
         probe(source.model, chain, structure.tied, loss="loss_fn" not in options)
+        refused = probe_packed(source.model, chain)
+        if refused is not None:
+            refused = f"{type(source.model).__name__}: {refused}"
     specs = _layer_specs(source, structure, router)
     # with a router aux loss the objective is the model's own per-micro-batch loss, the
     # token mean plus the aux loss (loss_reduction="mean"; see docs/hf.md)
     options.setdefault("loss_fn", causal_lm_loss if router is None else causal_lm_mean_loss)
-    options.setdefault("batch_fn", split_batch)
+    options.setdefault("batch_fn", split_batch if refused is None
+                       else functools.partial(split_batch, refuse_packed=refused))
     module = HFPipelineModule(specs, num_stages=num_stages, partition=partition, **options)
     module.config, module.structure, module.source = source.config, structure, source
-    module.router_aux = router
+    module.router_aux, module.packing_refused = router, refused
     return module
 
 

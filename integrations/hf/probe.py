@@ -9,6 +9,10 @@ probe borrows its modules (no copy) and compares numbers; with a meta model (a d
 or a config) it runs on the meta device, which proves the structure (the order of calls,
 the chain of hidden states) but not the numbers.
 
+:func:`probe_packed` runs the same chain on a packed row (two documents, ``position_ids``
+restarting, no mask): what it cannot reproduce there is refused by name when a packed
+micro-batch comes (the layers train unpacked batches as before).
+
 :func:`check_config` refuses by name what a config asks for and the pipeline does not do.
 """
 from __future__ import annotations
@@ -21,9 +25,10 @@ from torch import nn
 from pipekernel.errors import ConfigError
 from pipekernel.stage.aux_loss import aux_losses
 
-__all__ = ["probe", "check_config"]
+__all__ = ["probe", "probe_packed", "check_config"]
 
 _DOCS = "see docs/hf.md, 'What is refused'"
+_UNSET = object()
 
 
 def check_config(model: nn.Module) -> None:
@@ -67,6 +72,41 @@ def probe(model: nn.Module, chain: list, tied: bool, loss: bool = True) -> None:
         _compare(model, got, out.logits)
         if loss:
             _compare_loss(model, out, ids, sum(float(a) for a in aux))
+
+
+def probe_packed(model: nn.Module, chain: list) -> str | None:
+    """Why ``chain`` does not reproduce ``model``'s forward on a packed row, or ``None``
+    (it does, or the meta device cannot tell). The row: two documents of three tokens,
+    ``position_ids`` ``[0, 1, 2, 0, 1, 2]``, no ``attention_mask``, as
+    ``DataCollatorWithFlattening`` yields; the forward runs with ``use_cache=False``, as
+    HF's ``Trainer`` and TRL train (with a cache transformers does not split the documents).
+    """
+    param = next(iter(model.parameters()), None)
+    if param is None or param.device.type == "meta":
+        return None
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.arange(1, 7, device=param.device).remainder(vocab)[None]
+    inputs = {"input_ids": ids, "position_ids": torch.arange(6, device=param.device)[None] % 3}
+    was, cached = model.training, model.config.__dict__.get("use_cache", _UNSET)
+    model.eval()
+    model.config.use_cache = False  # as HF's Trainer sets it, whatever forward takes
+    try:
+        with torch.no_grad(), aux_losses():
+            try:
+                ref = model(**inputs).logits
+            except Exception as e:  # noqa: BLE001 - the model itself cannot: say so
+                return f"its own forward fails on a packed row ({type(e).__name__}: {e})"[:300]
+            try:
+                _compare(model, _run(chain, inputs, model, False), ref)
+            except ConfigError as e:
+                return f"on a packed row, {e.message}"
+    finally:
+        model.train(was)
+        if cached is _UNSET:
+            del model.config.use_cache
+        else:
+            model.config.use_cache = cached
+    return None
 
 
 def _run(chain: list, inputs: dict, model: nn.Module, meta: bool) -> torch.Tensor | None:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 from pipekernel.schedules.instructions import (
@@ -153,23 +153,19 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
     stream, step_of, posts, peers, local, lanes = _plan(steps, stage, num_stages, chunks,
                                                         placement, skips)
     return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(map(tuple, map(sorted, posts))),  # in C: no frame per group
+                    posts=tuple(map(tuple, posts)),  # ascending already; in C: no frame per group
                     peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
 
 
 def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, chunks: int,
-          placement: str, skips: Sequence[tuple[int, int]],
-          with_steps: bool = True) -> tuple[list, ...]:
+          placement: str, skips: Sequence[tuple[int, int]]) -> tuple[list, ...]:
     """:func:`plan_communication`'s fields as lists — ``stream, step_of, posts, peers, local,
-    lanes``, each group of ``posts`` ascending — what the simulator reads (it makes no
-    :class:`CommPlan`; ``with_steps=False``: nor ``step_of``, then ``None``)."""
-    if with_steps:
-        stream, step_of = [], []
-        for index, step in enumerate(steps):
-            stream.extend(step)
-            step_of.extend([index] * (len(stream) - len(step_of)))
-    else:
-        stream, step_of = list(chain.from_iterable(steps)), None
+    lanes``, each group of ``posts`` ascending."""
+    if not isinstance(steps, (list, tuple)):
+        steps = list(steps)
+    stream = list(chain.from_iterable(steps))
+    # each instruction's step, all in C: no Python-level work per step
+    step_of = list(chain.from_iterable(map(repeat, range(len(steps)), map(len, steps))))
     n = len(stream)
     peers: list[tuple[int, int] | None] = [None] * n
     local = [False] * n

@@ -22,15 +22,23 @@ What it holds (the :class:`~pipekernel.schedules.comm.CommPlan` fields are re-ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import chain
 from typing import Any, NamedTuple
 
+from pipekernel.errors import ScheduleError
 from pipekernel.schedules.comm import CommPlan, plan_communication
-from pipekernel.schedules.instructions import (Backward, BackwardWeight, ForwardBackward,
-                                               Instruction)
+from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight,
+                                               ForwardBackward, Instruction, RecvActivation,
+                                               RecvGrad, SendActivation, SendGrad)
 from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.skips import add_skip_transfers
 
-__all__ = ["Program", "ChannelSpec", "compile_program", "program_of"]
+__all__ = ["Program", "ChannelSpec", "compile_program", "lower", "program_of"]
+
+_BACKWARDS = (Backward, BackwardInput, BackwardWeight, ForwardBackward)
+_WEIGHTS = (Backward, BackwardWeight, ForwardBackward)  # a pair's backward half is a Backward
+_PLAIN = frozenset((SendActivation, SendGrad, RecvActivation, RecvGrad))
 
 
 class ChannelSpec(NamedTuple):
@@ -55,13 +63,25 @@ class Program:
     trains: bool
     micro_batches: int
     skips: tuple[tuple[int, int], ...]
-    num_buffers: int
+    num_buffers: int | None
     steps: tuple[tuple[Instruction, ...], ...]
     plan: CommPlan
-    channels: tuple[ChannelSpec, ...]
-    channel_of: tuple[int | None, ...]
     last_weight: int
     last_weight_chunk: int | None
+
+    @property
+    def channels(self) -> tuple[ChannelSpec, ...]:
+        return self._channels[0]
+
+    @property
+    def channel_of(self) -> tuple[int | None, ...]:
+        return self._channels[1]
+
+    @cached_property
+    def _channels(self) -> tuple[tuple[ChannelSpec, ...], tuple[int | None, ...]]:
+        """Worked out from the plan on first read (the runtime's bind): the simulator, which
+        proves the same program, never needs them."""
+        return _channels(self.plan)
 
     @property
     def stage(self) -> int:
@@ -103,42 +123,69 @@ def compile_program(schedule_cls: Any, *, stage: int, num_stages: int, micro_bat
     (:func:`~pipekernel.schedules.ordered.unpaired_steps`: each ``ForwardBackward`` step
     split back into its two steps, or, for ``zbv``, its plan without pairs), for a stage
     that runs pairs one half after the other anyway."""
+    return lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
+                 num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
+                 placement=placement, skips=skips, paired=paired)
+
+
+def lower(schedule: Any, *, stage: int, num_stages: int, micro_batches: int, chunks: int = 1,
+          placement: str = "loop", skips: tuple[tuple[int, int], ...] | list = (),
+          paired: bool = True) -> Program:
+    """:func:`compile_program` of a schedule object already made (the one lowering the engine
+    runs and :func:`~pipekernel.schedules.simulator.simulate` proves): any object with
+    ``steps()``; without ``trains``, it trains if its steps hold a backward; without
+    ``num_buffers()``, ``num_buffers`` is ``None``.
+
+    :raises ScheduleError: when the object has no ``steps()``."""
+    if not callable(getattr(schedule, "steps", None)):
+        raise ScheduleError(f"schedule object {schedule!r} for stage {stage} has no steps()",
+                            hint="return a Schedule (or an object with steps())", stage=stage)
     skips = tuple(tuple(edge) for edge in skips)
-    schedule = schedule_cls(num_stages, stage, micro_batches, chunks)
-    steps = schedule.steps() if paired else unpaired_steps(schedule)
-    steps = add_skip_transfers(steps, stage=stage, num_stages=num_stages,
-                               chunks=chunks, placement=placement, edges=list(skips))
+    steps = tuple(map(tuple, schedule.steps() if paired else unpaired_steps(schedule)))
+    if skips:
+        steps = add_skip_transfers(steps, stage=stage, num_stages=num_stages,
+                                   chunks=chunks, placement=placement, edges=list(skips))
+    trains = getattr(schedule, "trains", None)
+    if not isinstance(trains, bool):
+        trains = any(isinstance(i, _BACKWARDS) for step in steps for i in step)
     plan = plan_communication(steps, stage=stage, num_stages=num_stages, chunks=chunks,
-                              placement=placement, trains=schedule_cls.trains, skips=skips)
-    return program_of(plan, steps, schedule=schedule_cls.name, trains=schedule_cls.trains,
-                      micro_batches=micro_batches, skips=skips,
-                      num_buffers=schedule.num_buffers())
+                              placement=placement, trains=trains, skips=skips)
+    num_buffers = getattr(schedule, "num_buffers", None)
+    return program_of(plan, steps, trains=trains, micro_batches=micro_batches, skips=skips,
+                      schedule=getattr(schedule, "name", "") or type(schedule).__name__,
+                      num_buffers=num_buffers() if callable(num_buffers) else None)
 
 
 def program_of(plan: CommPlan, steps: Any, *, schedule: str, trains: bool, micro_batches: int,
-               skips: tuple[tuple[int, int], ...] = (), num_buffers: int) -> Program:
+               skips: tuple[tuple[int, int], ...] = (), num_buffers: int | None) -> Program:
     """The :class:`Program` of a plan already made (e.g. one a test or a posting policy
-    changed): its channels numbered and its last weight-gradient index found."""
-    channels: list[ChannelSpec] = []
-    number: dict[tuple, int] = {}
-    channel_of: list[int | None] = [None] * len(plan.stream)
-    for index, group in enumerate(plan.posts):
-        for at in group:
-            ins = plan.stream[at]
-            key = (type(ins), ins.chunk, getattr(ins, "peer", None))
-            if key not in number:
-                number[key] = len(channels)
-                channels.append(ChannelSpec(key, plan.peers[at][0], plan.lanes[at]
-                                            if plan.lanes else None))
-            channel_of[at] = number[key]
-    weights = [i for i, ins in enumerate(plan.stream)
-               if isinstance(ins, (Backward, BackwardWeight, ForwardBackward))]
-    last = weights[-1] if weights else -1
-    last_ins = plan.stream[last] if weights else None
+    changed): its last weight-gradient index found (its channels are numbered when read)."""
+    last = next((i for i in range(len(plan.stream) - 1, -1, -1)
+                 if isinstance(plan.stream[i], _WEIGHTS)), -1)
+    last_ins = plan.stream[last] if last >= 0 else None
     if isinstance(last_ins, ForwardBackward):
         last_ins = last_ins.backward
     return Program(schedule=schedule, trains=trains, micro_batches=micro_batches,
                    skips=tuple(skips), num_buffers=num_buffers,
-                   steps=tuple(tuple(step) for step in steps), plan=plan,
-                   channels=tuple(channels), channel_of=tuple(channel_of), last_weight=last,
+                   steps=tuple(map(tuple, steps)), plan=plan,
+                   last_weight=last,
                    last_weight_chunk=last_ins.chunk if last_ins is not None else None)
+
+
+def _channels(plan: CommPlan) -> tuple[tuple[ChannelSpec, ...], tuple[int | None, ...]]:
+    """The plan's channels, numbered in posting order, and each stream index's number."""
+    stream, peers, lanes = plan.stream, plan.peers, plan.lanes
+    channels: list[ChannelSpec] = []
+    number: dict[tuple, int] = {}
+    channel_of: list[int | None] = [None] * len(stream)
+    plain = _PLAIN  # classes without a skip peer: no getattr (and its exception) per transfer
+    for at in chain.from_iterable(plan.posts):
+        ins = stream[at]
+        cls = type(ins)
+        key = (cls, ins.chunk, None if cls in plain else getattr(ins, "peer", None))
+        k = number.get(key)
+        if k is None:
+            k = number[key] = len(channels)
+            channels.append(ChannelSpec(key, peers[at][0], lanes[at] if lanes else None))
+        channel_of[at] = k
+    return tuple(channels), tuple(channel_of)

@@ -1,6 +1,8 @@
-"""What every simulated communication semantics shares (:mod:`pipekernel.schedules.simulator`):
-the result and its grid, the per-stage state, the instructions' semantics (buffers, forwards
-and backwards, micro-batch checks) and the event loop's skeleton. Layer 0: no torch."""
+"""The simulator's core (:mod:`pipekernel.schedules.simulator`), shared by its full and its fast
+path: the result and its grid, the one table of what each instruction class does
+(:func:`role`), the per-stage state, the instructions' semantics (buffers, forwards and
+backwards, micro-batch checks), costs, and the world collectives' rule (:class:`_World`).
+Layer 0: no torch."""
 from __future__ import annotations
 
 import math
@@ -12,13 +14,12 @@ from itertools import chain
 from operator import itemgetter, sub
 from typing import NamedTuple
 
-from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, ForwardBackward, Instruction, LoadMicroBatch,
     MicroBatchInstruction, OptimizerStep, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad,
     ReduceTiedGrads, SendActivation, SendGrad, SendSkip, SendSkipGrad, SkipInstruction,
 )
-from pipekernel.schedules.comm import peer_of
+from pipekernel.schedules.comm import P2P, SENDS, peer_of
 from pipekernel.schedules.skips import skip_edge_of
 
 #: Instruction classes that count as compute (in the timeline and the bubble). A
@@ -29,15 +30,13 @@ COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
 PAIRED = ForwardBackward
 #: Unit costs; every instruction class not listed costs 0.
 DEFAULT_COSTS: Mapping[type, float] = {cls: 1.0 for cls in COMPUTE}
-#: Communication semantics :func:`simulate` understands.
-SEMANTICS = ("rendezvous", "buffered")
+#: Communication semantics :func:`simulate` understands (the strictest any transport has).
+SEMANTICS = ("rendezvous",)
 #: Instructions every stage must enter together under rendezvous semantics.
 WORLD_COLLECTIVES = (ReduceTiedGrads, OptimizerStep)
 
 _BACKWARDS = (Backward, BackwardInput, BackwardWeight)
 _WRITES = (LoadMicroBatch, RecvActivation, Forward)
-_SENDS = (SendActivation, SendGrad, SendSkip, SendSkipGrad)
-_RECVS = (RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad)
 _END = "the end-of-batch loss all-reduce"
 
 
@@ -134,9 +133,22 @@ def _row(events, step: Fraction, columns: int) -> list[str]:
 
 
 def _kind(instruction: Instruction) -> str:
-    if isinstance(instruction, SkipInstruction):
-        return "skip" if isinstance(instruction, (SendSkip, RecvSkip)) else "skip grad"
-    return "activation" if isinstance(instruction, (SendActivation, RecvActivation)) else "grad"
+    """What a point-to-point instruction carries: ``"activation"``, ``"grad"``, ``"skip"`` or
+    ``"skip grad"``."""
+    return role(type(instruction)).kind
+
+
+# What a built-in micro-batch instruction class does, by exact class (:attr:`Role.code`): the
+# fast path's checks and entries branch on it (:mod:`~pipekernel.schedules.sim_fast`), the full
+# simulation on the handler of the same class (:data:`_HANDLERS`). ``code <= FORWARD`` writes
+# its buffer.
+LOAD, RECV_ACT, FORWARD, SEND_ACT, RECV_GRAD, BACKWARD, B_INPUT, B_WEIGHT, SEND_GRAD, \
+    SKIP_SEND, SKIP_RECV = range(11)
+_CODES = {LoadMicroBatch: LOAD, RecvActivation: RECV_ACT, Forward: FORWARD,
+          SendActivation: SEND_ACT, RecvGrad: RECV_GRAD, Backward: BACKWARD,
+          BackwardInput: B_INPUT, BackwardWeight: B_WEIGHT, SendGrad: SEND_GRAD,
+          SendSkip: SKIP_SEND, SendSkipGrad: SKIP_SEND, RecvSkip: SKIP_RECV,
+          RecvSkipGrad: SKIP_RECV}
 
 
 class Role(NamedTuple):
@@ -152,19 +164,21 @@ class Role(NamedTuple):
     kind: str | None
     handler: object
     paired: bool = False
+    code: int | None = None
 
 
 @lru_cache(maxsize=None)
 def role(cls: type) -> Role:
     """The :class:`Role` of instruction class ``cls`` (by ``issubclass``, as the
-    simulator's ``isinstance`` tests read it), worked out once per class."""
-    is_mb = issubclass(cls, MicroBatchInstruction)
-    p2p = issubclass(cls, _SENDS + _RECVS)
-    return Role(instruction=issubclass(cls, Instruction), micro_batch=is_mb, p2p=p2p,
-                send=issubclass(cls, _SENDS), compute=issubclass(cls, COMPUTE),
+    simulator's ``isinstance`` tests read it; ``handler`` and ``code`` by exact class),
+    worked out once per class: the one table both paths read."""
+    p2p = issubclass(cls, P2P)
+    return Role(instruction=issubclass(cls, Instruction),
+                micro_batch=issubclass(cls, MicroBatchInstruction), p2p=p2p,
+                send=issubclass(cls, SENDS), compute=issubclass(cls, COMPUTE),
                 world=issubclass(cls, WORLD_COLLECTIVES), writes=issubclass(cls, _WRITES),
                 kind=_kind_of_class(cls) if p2p else None, handler=_HANDLERS.get(cls),
-                paired=issubclass(cls, ForwardBackward))
+                paired=issubclass(cls, ForwardBackward), code=_CODES.get(cls))
 
 
 def _kind_of_class(cls: type) -> str:
@@ -218,29 +232,74 @@ class _StageState:
         return self.pc >= len(self.stream)
 
 
-def steps_of(obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
-    """The steps of ``stage``'s schedule object, as tuples."""
-    steps = getattr(obj, "steps", None)
-    if not callable(steps):
-        raise ScheduleError(f"schedule object {obj!r} for stage {stage} has no steps()",
-                            hint="return a Schedule (or an object with steps())",
-                            stage=stage)
-    return tuple(map(tuple, steps()))
+class _World:
+    """The world collectives of one batch, the rule both paths run: every stage enters each
+    (``ReduceTiedGrads``, ``OptimizerStep``, then the end-of-batch loss all-reduce,
+    :data:`_END`) in the same order, and it is released when its last member arrives, plus
+    the costliest member's cost. ``mismatch(k, members)`` is called at a release whose members
+    are not all the same collective; ``woken``, when given, gets the members of each release
+    (the stages that may run again)."""
+
+    __slots__ = ("size", "costs", "mismatch", "woken", "members", "released", "entered",
+                 "arrived")
+
+    def __init__(self, size: int, costs: Mapping[type, float], mismatch,
+                 woken: list | None = None) -> None:
+        self.size, self.costs, self.mismatch, self.woken = size, costs, mismatch, woken
+        self.members: list[dict[int, tuple]] = []  # k -> {stage: (arrival, instruction, where)}
+        self.released: list[float | None] = []  # k -> its release time, once released
+        self.entered = [0] * size  # per stage, the collectives it is through
+        self.arrived = [False] * size  # per stage, waiting in its next one
+
+    def enter(self, stage: int, clock: float, instruction: object,
+              where: object = None) -> float | None:
+        """Enter (or keep waiting in) ``stage``'s next collective at ``clock``; its release
+        time once it is released (the stage is then through it), else ``None``."""
+        k = self.entered[stage]
+        if not self.arrived[stage]:
+            self.arrived[stage] = True
+            if k == len(self.members):
+                self.members.append({})
+                self.released.append(None)
+            members = self.members[k]
+            members[stage] = (clock, instruction, where)
+            if len(members) == self.size:
+                self._release(k, members)
+        when = self.released[k]
+        if when is not None:
+            self.arrived[stage] = False
+            self.entered[stage] = k + 1
+        return when
+
+    def waiting(self, stage: int) -> bool:
+        """Whether ``stage`` is inside a collective not yet released."""
+        return self.arrived[stage] and self.entered[stage] < len(self.members)
+
+    def _release(self, k: int, members: dict[int, tuple]) -> None:
+        if len({type(i) if i is not _END else _END for _, i, _ in members.values()}) > 1:
+            self.mismatch(k, members)
+        cost = max((self.costs.get(type(i), 0.0) for _, i, _ in members.values()
+                    if i is not _END), default=0.0)
+        self.released[k] = max(t for t, _, _ in members.values()) + cost
+        if self.woken is not None:
+            self.woken += members  # every member waits in it but the last to arrive
 
 
-def trains_of(objects, instructions) -> bool:
-    """Whether a plan trains: the schedule objects' ``trains`` when they agree, else whether
-    any of ``instructions`` (every stage's) is a backward."""
-    flags = {getattr(obj, "trains", None) for obj in objects}
-    if flags <= {True, False} and len(flags) == 1:
+def trains_of(programs) -> bool:
+    """Whether a plan trains: its stages' programs' ``trains`` when they agree, else whether
+    any of their instructions is a backward."""
+    flags = {program.trains for program in programs}
+    if len(flags) == 1:
         return flags.pop()
-    return any(isinstance(i, (*_BACKWARDS, ForwardBackward)) for i in instructions)
+    return any(isinstance(i, (*_BACKWARDS, ForwardBackward))
+               for program in programs for i in program.stream)
 
 
 class _Simulation:
-    """What both semantics share: setup, instruction checks, buffers, final checks."""
+    """What the full and the fast path share: setup, instruction checks, buffers, costs,
+    final checks. Each stage runs its :class:`~pipekernel.schedules.program.Program`."""
 
-    semantics = ""
+    semantics = "rendezvous"
     #: ``{(stage, chunk): {class: cost}}`` overriding ``costs`` for compute (simulate's
     #: ``stage_costs``), and ``{(stage, forward chunk, backward chunk): {ForwardBackward:
     #: cost}}`` pricing a stage's pairs of those chunks
@@ -250,46 +309,29 @@ class _Simulation:
     #: the skip edges (simulate's ``skips``), sorted
     skips: list[tuple[int, int]] = []
 
-    def __init__(self, num_stages, micro_batches, chunks, costs, objects, placement) -> None:
+    def __init__(self, num_stages, micro_batches, chunks, costs, programs, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
-        self.placement = placement
+        self.placement, self.programs = placement, programs
         self.costs, self.problems = costs, []
-        self.steps = tuple(self._steps_of(obj, s) for s, obj in enumerate(objects))
-        self.stages = [_StageState(self._flatten(s), self._num_buffers(obj))
-                       for s, obj in enumerate(objects)]
-        self.trains = self._trains(objects)
+        self.steps = tuple(program.steps for program in programs)
+        self.stages = [_StageState(self._flatten(s), program.num_buffers)
+                       for s, program in enumerate(programs)]
+        self.trains = trains_of(programs)
         self.progress: dict[tuple[int, int, int], _Progress] = {}
         self.deadlocked = False
         self._peers: dict[tuple[int, int, int], tuple[int, int] | None] = {}
 
     # -- setup -------------------------------------------------------------------------
 
-    def _steps_of(self, obj, stage: int) -> tuple[tuple[Instruction, ...], ...]:
-        return steps_of(obj, stage)
-
     def _flatten(self, stage: int) -> list[tuple[int, Instruction]]:
-        steps = self.steps[stage]
-        if all(role(cls).instruction for cls in set(map(type, chain.from_iterable(steps)))):
-            # nothing but instructions (always, for a built-in schedule): one pass in C to
-            # check the classes, one comprehension to pair each with its step's index
-            return [(index, item) for index, step in enumerate(steps) for item in step]
-        stream = []
-        for index, step in enumerate(steps):
-            for item in step:
-                if role(type(item)).instruction:
-                    stream.append((index, item))
-                else:
-                    self.problems.append(f"stage {stage} step {index}: {item!r} is not an "
-                                         "Instruction")
+        """``(step index, instruction)`` of the stage's program stream; an item that is not an
+        instruction is reported (and then runs as nothing)."""
+        program = self.programs[stage]
+        stream = list(zip(program.step_of, program.stream))
+        if not all(role(cls).instruction for cls in set(map(type, program.stream))):
+            self.problems += [f"stage {stage} step {index}: {item!r} is not an Instruction"
+                              for index, item in stream if not role(type(item)).instruction]
         return stream
-
-    @staticmethod
-    def _num_buffers(obj) -> int | None:
-        method = getattr(obj, "num_buffers", None)
-        return method() if callable(method) else None
-
-    def _trains(self, objects) -> bool:
-        return trains_of(objects, (i for st in self.stages for _, i in st.stream))
 
     def _peer(self, stage: int, chunk: int, delta: int) -> tuple[int, int] | None:
         """(stage, chunk) of pipeline position ``p + delta``, or None past either end."""
@@ -320,7 +362,7 @@ class _Simulation:
             self.problems.append(f"{where}: no skip edge {producer} -> {consumer} was "
                                  f"declared (edges: {self.skips})")
             return
-        if isinstance(i, _SENDS):
+        if isinstance(i, SENDS):
             end = "last" if kind == "activation" else "first"
             self.problems.append(f"{where}: the {end} pipeline position has no peer to send "
                                  f"the {kind} to")
@@ -384,33 +426,6 @@ class _Simulation:
         return ok
 
     # -- instruction semantics -----------------------------------------------------------
-
-    def _fits(self, stage: int, i: MicroBatchInstruction) -> bool:
-        """``True`` when :meth:`_in_range` would find nothing wrong with ``i`` (no problem
-        to report): the event loops' fast paths take only such instructions."""
-        limit = self.stages[stage].num_buffers
-        return (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C
-                and (limit is None or 0 <= i.buffer < limit))
-
-    def _prepared(self, stage: int, i: MicroBatchInstruction) -> tuple:
-        """What :meth:`_run` looks up for ``i``, looked up once: ``(progress, writes a
-        buffer, handler)`` — the progress record is created now rather than at its first
-        instruction (a record never touched reads as a fresh one either way)."""
-        key = (stage, i.chunk, i.micro_batch)
-        p = self.progress.get(key)
-        if p is None:
-            p = self.progress[key] = _Progress()
-        r = role(type(i))
-        return p, r.writes, r.handler
-
-    def _run_prepared(self, stage: int, index: int, i: Instruction, prepared: tuple) -> None:
-        """:meth:`_run` with what it looks up given (:meth:`_prepared`)."""
-        p, writes, handler = prepared
-        where = _Where((stage, index, i))
-        if writes:
-            self._write_buffer(stage, where, i)
-        if handler is not None:
-            handler(self, stage, where, i, p)
 
     def _run(self, stage: int, where: str, i: Instruction) -> None:
         if isinstance(i, ForwardBackward):  # its halves, in order, at the pair's place

@@ -3,12 +3,9 @@ the stuck stages, what each waits for, and the wait-for cycle through units, pee
 collectives. Layer 0: no torch."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pipekernel.schedules.sim_base import _END, _RECVS
-
-if TYPE_CHECKING:
-    from pipekernel.schedules.sim_rendezvous import _Op
+from pipekernel.schedules.comm import RECVS
+from pipekernel.schedules.sim_base import _END
+from pipekernel.schedules.sim_units import _Op
 
 
 class _DeadlockReport:
@@ -30,7 +27,7 @@ class _DeadlockReport:
         st = self.stages[stage]
         if st.pc < len(st.stream):
             _, i = st.stream[st.pc]
-            if isinstance(i, _RECVS):
+            if isinstance(i, RECVS):
                 op = self.op_at[stage].get(st.pc)
                 return ("op", op) if op is not None else ("local", stage)
             return ("coll", stage)
@@ -80,7 +77,7 @@ class _DeadlockReport:
             st = self.stages[what]
             return f"its own hand-off to {st.stream[st.pc][1]}, which never ran", None, None
         if kind == "coll":
-            waiting = [s for s in range(self.S) if not self._in_collective(s)]
+            waiting = [s for s in range(self.S) if not self.world.waiting(s)]
             if not waiting:
                 return "the other stages (mismatched collectives)", None, None
             return f"for stage {waiting[0]}", self._blocked_on(waiting[0]), ", which "
@@ -99,9 +96,6 @@ class _DeadlockReport:
                     self._blocked_on(mate.rank), " ")
         behind = next(o for o in mate.unit.heads[mate.unit.lane].ops if o.done is None)
         return f"{arrow} {mate.name()}, queued behind {behind.name()}", ("op", behind), None
-
-    def _in_collective(self, stage: int) -> bool:
-        return self.arrived[stage] and self.coll[stage] < len(self.world)
 
     def _verb(self, node: tuple) -> str:
         """What the stage of ``node`` does while blocked on it: ``"waits RECV_F0"``."""
@@ -134,8 +128,3 @@ class _DeadlockReport:
     def _key(node: tuple) -> tuple:
         kind, what = node
         return (kind, id(what)) if kind == "op" else node
-
-    @staticmethod
-    def _rank(node: tuple) -> int:
-        kind, what = node
-        return what.rank if kind == "op" else what

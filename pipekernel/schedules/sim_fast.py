@@ -10,8 +10,7 @@ stream only, never on when the other stages run. So this path
 1. checks each stage's stream once, on its own (:func:`_check_stage`: the same conditions the
    full simulation's handlers test, and the once-per-micro-batch counts), which also gives the
    stage's peak of live buffers;
-2. turns the runtime's plan (:func:`~pipekernel.schedules.comm.plan_communication`, the same
-   call) into *transfers*, one plain list each — ``[done, send posted, receive posted, next
+2. turns the stage's program's plan (what the runtime posts) into *transfers*, one plain list each — ``[done, send posted, receive posted, next
    on its channel, send cost, receive cost, when the one before it was done, sender,
    receiver, ...]`` — matched per sender, receiver and lane in posting order as its second
    end is met. The runtime's lanes carry one channel per rank each
@@ -36,34 +35,29 @@ from __future__ import annotations
 from collections import deque
 from operator import add
 
-from pipekernel.schedules.comm import _plan
-from pipekernel.schedules.instructions import (
-    Backward, BackwardInput, BackwardWeight, Forward, LoadMicroBatch,
-    RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad, SendActivation, SendGrad, SendSkip,
-    SendSkipGrad, SkipInstruction,
+from pipekernel.schedules.sim_base import (
+    _CODES, _END, B_INPUT, B_WEIGHT, BACKWARD, FORWARD, RECV_ACT, RECV_GRAD, SEND_ACT,
+    SEND_GRAD, SKIP_RECV, SKIP_SEND, SimulationResult, _Simulation, _World, role, trains_of,
 )
-from pipekernel.schedules.sim_base import _END, SimulationResult, _Simulation, role, trains_of
 from pipekernel.schedules.skips import skip_edge_of
 
-# what each built-in micro-batch instruction class does (_check_stage, _code)
-_LOAD, _RECV_ACT, _FORWARD, _SEND_ACT, _RECV_GRAD, _BACKWARD, _B_INPUT, _B_WEIGHT, _SEND_GRAD, \
-    _SKIP_SEND, _SKIP_RECV = range(11)
-_KIND = {LoadMicroBatch: _LOAD, RecvActivation: _RECV_ACT, Forward: _FORWARD,
-         SendActivation: _SEND_ACT, RecvGrad: _RECV_GRAD, Backward: _BACKWARD,
-         BackwardInput: _B_INPUT, BackwardWeight: _B_WEIGHT, SendGrad: _SEND_GRAD,
-         SendSkip: _SKIP_SEND, SendSkipGrad: _SKIP_SEND, RecvSkip: _SKIP_RECV,
-         RecvSkipGrad: _SKIP_RECV}
-_SEND_KINDS = frozenset((_SEND_ACT, _SEND_GRAD, _SKIP_SEND))
-_P2P_KINDS = _SEND_KINDS | {_RECV_ACT, _RECV_GRAD, _SKIP_RECV}
-_TIMELINE = frozenset((_FORWARD, _BACKWARD, _B_INPUT, _B_WEIGHT))
-_SEND_CLASSES = frozenset(cls for cls, kind in _KIND.items() if kind in _SEND_KINDS)
-_TIMELINE_CLASSES = tuple(cls for cls, kind in _KIND.items() if kind in _TIMELINE)
+# the codes (:data:`~pipekernel.schedules.sim_base._CODES`, the one table) by what they do
+_SEND_KINDS = frozenset((SEND_ACT, SEND_GRAD, SKIP_SEND))
+_P2P_KINDS = _SEND_KINDS | {RECV_ACT, RECV_GRAD, SKIP_RECV}
+_TIMELINE = frozenset((FORWARD, BACKWARD, B_INPUT, B_WEIGHT))
+_SEND_CLASSES = frozenset(cls for cls, kind in _CODES.items() if kind in _SEND_KINDS)
+_TIMELINE_CLASSES = tuple(cls for cls, kind in _CODES.items() if kind in _TIMELINE)
 # the entries of a stage's code (_code), first element
 _TL, _SPOST, _RPOST, _RECV, _TICK, _LSEND, _LRECV, _COLL = range(8)
 
 
 class _Bail(Exception):
     """Something the full simulation would report (or this path does not model)."""
+
+
+def _mismatch(k: int, members: dict) -> None:
+    """Mismatched world collectives: the full simulation reports them."""
+    raise _Bail
 
 
 def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bool) -> int:
@@ -77,8 +71,8 @@ def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bo
     slots: dict[int, int] = {}
     peak = 0
     for ins in stream:
-        kind = _KIND.get(type(ins))
-        if kind is None or kind >= _SKIP_SEND:  # not a micro-batch instruction, or a skip:
+        kind = _CODES.get(type(ins))
+        if kind is None or kind >= SKIP_SEND:  # not a micro-batch instruction, or a skip:
             if kind is not None and not (0 <= ins.micro_batch < micro_batches  # range only
                                          and 0 <= ins.chunk < chunks and 0 <= ins.buffer < limit):
                 raise _Bail
@@ -87,32 +81,32 @@ def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bo
         if not (0 <= mb < micro_batches and 0 <= chunk < chunks and 0 <= buf < limit):
             raise _Bail
         x = chunk * micro_batches + mb
-        if kind <= _FORWARD:  # writes its buffer
+        if kind <= FORWARD:  # writes its buffer
             if slots.setdefault(buf, x) != x:  # held by another part
                 raise _Bail
             if len(slots) > peak:
                 peak = len(slots)
-            if kind == _RECV_ACT:
+            if kind == RECV_ACT:
                 recv_act[x] += 1
-            elif kind == _FORWARD:
+            elif kind == FORWARD:
                 if ends[chunk][0] and not recv_act[x]:
                     raise _Bail
                 forward[x] += 1
                 if not trains and not ends[chunk][1] and slots.get(buf) == x:
                     del slots[buf]
             continue
-        if kind == _SEND_GRAD:
+        if kind == SEND_GRAD:
             if not (backward[x] or b_input[x]):
                 raise _Bail
             continue
         if slots.get(buf) != x:  # the rest read their buffer
             raise _Bail
-        if kind == _SEND_ACT:
+        if kind == SEND_ACT:
             if not forward[x]:
                 raise _Bail
             if not trains:
                 del slots[buf]
-        elif kind == _RECV_GRAD:
+        elif kind == RECV_GRAD:
             recv_grad[x] += 1
         else:
             _backward(kind, x, counts, ends[chunk][1], trains)
@@ -127,9 +121,9 @@ def _backward(kind: int, x: int, counts: list, has_next: bool, trains: bool) -> 
     _, forward, recv_grad, backward, b_input, b_weight = counts
     if not trains or not forward[x] or (has_next and not recv_grad[x]):
         raise _Bail
-    if kind == _BACKWARD:
+    if kind == BACKWARD:
         backward[x] += 1
-    elif kind == _B_INPUT:
+    elif kind == B_INPUT:
         b_input[x] += 1
     else:
         b_weight[x] += 1
@@ -151,13 +145,10 @@ def _check_counts(counts: list, trains: bool) -> None:
 class _Fast(_Simulation):
     """The fast path (see the module docstring): :meth:`prove` gives the result, or ``None``."""
 
-    semantics = "rendezvous"
-
-    def __init__(self, num_stages, micro_batches, chunks, costs, steps, placement, objects,
-                 buffers) -> None:
+    def __init__(self, num_stages, micro_batches, chunks, costs, programs, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
-        self.placement, self.costs, self.steps = placement, costs, steps
-        self.objects, self.limits = objects, buffers
+        self.placement, self.costs, self.programs = placement, costs, programs
+        self.steps = tuple(program.steps for program in programs)
         self._peers = {}
         self.prices: dict[tuple[type, type], tuple[float, ...]] = {}  # _price
         self.lanes: list[list] = []  # stage -> the channels of its lanes
@@ -167,16 +158,15 @@ class _Fast(_Simulation):
             if any(c != c for table in (self.costs, self.host_costs, *self.stage_costs.values())
                    for c in table.values()):
                 raise _Bail  # NaN: max() would depend on the order things happen in
-            self.trains = trains_of(self.objects, (i for steps in self.steps
-                                                   for step in steps for i in step))
+            self.trains = trains_of(self.programs)
             peaks = self._setup()
             self._run()
         except _Bail:
             return None
         return self._result_of(max(self.clock), self.timeline, peaks, self.wait)
 
-    def _checked(self, stage: int, stream: list) -> int:
-        limit = self.limits[stage]
+    def _checked(self, stage: int, stream: tuple) -> int:
+        limit = self.programs[stage].num_buffers
         ends = tuple((self._peer(stage, c, -1) is not None, self._peer(stage, c, 1) is not None)
                      for c in range(self.C))
         return _check_stage(stream, 1 << 62 if limit is None else limit, (self.M, self.C),
@@ -185,15 +175,14 @@ class _Fast(_Simulation):
     # -- setup: plans, transfers, code -------------------------------------------------
 
     def _setup(self) -> list[int]:
-        """Each stage planned (the runtime's plan, as lists), checked, its transfers placed
-        and its code compiled; its peak of live buffers, per stage."""
+        """Each stage's program checked, its transfers placed and its code compiled; its peak
+        of live buffers, per stage."""
         self.code: list[list] = []
         self.chans: dict[tuple, list] = {}  # (sender, receiver, lane) -> [transfers, sends, recvs]
         peaks = []
-        for s, steps in enumerate(self.steps):
-            plan = _plan(steps, s, self.S, self.C, self.placement, self.skips or (), False)
-            peaks.append(self._checked(s, plan[0]))
-            self.code.append(self._code(s, plan))
+        for s, program in enumerate(self.programs):
+            peaks.append(self._checked(s, program.stream))
+            self.code.append(self._code(s, program))
         if any(chan[1] != chan[2] for chan in self.chans.values()):
             raise _Bail  # a send never received, or a receive nothing is sent to
         return peaks
@@ -239,14 +228,16 @@ class _Fast(_Simulation):
             if role(send).kind == role(recv).kind else ())
         return price
 
-    def _code(self, stage: int, plan: tuple) -> list:
+    def _code(self, stage: int, program) -> list:
         """The entries of ``stage``'s event loop (see the module docstring), in stream order:
         per instruction its send's host cost, the ends of transfers posted there, then what it
         does. Bails where one of the stage's lanes carries more than one channel (then a
         lane's units are not one transfer's end each)."""
         code: list[tuple] = []
         append = code.append
-        stream, _, posts, peers, local, lanes = plan
+        plan = program.plan  # (its fields, not the program's forwarding properties)
+        stream, posts, peers, local, lanes = plan.stream, plan.posts, plan.peers, plan.local, \
+            plan.lanes
         host, chans = self.host_costs, self.chans
         # a compute's cost depends on its class and chunk only (the check has seen every
         # chunk in range): [class][chunk]
@@ -256,7 +247,7 @@ class _Fast(_Simulation):
         waits = [None] * len(stream)  # stream index of a remote receive -> its transfer
         for pc, ins in enumerate(stream):
             cls = type(ins)
-            kind = _KIND.get(cls)
+            kind = _CODES.get(cls)
             group = posts[pc]
             if group:
                 if host and kind in _SEND_KINDS and not local[pc] and host.get(cls, 0.0):
@@ -293,7 +284,7 @@ class _Fast(_Simulation):
 
     def _local(self, stage: int, ins, kind: int, peer, append) -> None:
         """A hand-off to this stage itself, or bail (a transfer with no peer)."""
-        if peer is None or (isinstance(ins, SkipInstruction) and skip_edge_of(
+        if peer is None or (kind >= SKIP_SEND and skip_edge_of(
                 ins, stage, self.S, self.placement) not in self.skips):
             raise _Bail
         channel = self._channel(stage, ins)
@@ -328,14 +319,12 @@ class _Fast(_Simulation):
         self.pc, self.clock, self.wait = [0] * S, [0.0] * S, [0.0] * S
         self.timeline = [[] for _ in range(S)]
         self.pending = [0] * S
-        self.flushed, self.finished, self.arrived = [False] * S, [False] * S, [False] * S
+        self.flushed, self.finished = [False] * S, [False] * S
         self.flushing = [False] * S  # at the end of its stream, waiting for its sends
-        self.coll = [0] * S
-        self.world: list[dict] = []
-        self.released: list = []
         self.queues: list[dict] = [{} for _ in range(S)]
         finished, advance = self.finished, self._advance
         ready = self.ready = list(range(S - 1, -1, -1))
+        self.world = _World(S, self.costs, _mismatch, woken=ready)
         while ready:
             s = ready.pop()
             if not finished[s]:
@@ -441,32 +430,13 @@ class _Fast(_Simulation):
 
     def _collective(self, stage: int, i: object) -> bool:
         """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
-        k, clock = self.coll[stage], self.clock[stage]
-        if not self.arrived[stage]:
-            self.arrived[stage] = True
-            if k == len(self.world):
-                self.world.append({})
-                self.released.append(None)
-            self.world[k][stage] = (clock, i)
-            if len(self.world[k]) == self.S:
-                self._release(k)
-        when = self.released[k]
+        clock = self.clock[stage]
+        when = self.world.enter(stage, clock, i)
         if when is None:
             return False
         self.wait[stage] += when - clock
         self.clock[stage] = when
-        self.arrived[stage] = False
-        self.coll[stage] = k + 1
         return True
-
-    def _release(self, k: int) -> None:
-        members = self.world[k]
-        if len({type(i) if i is not _END else _END for _, i in members.values()}) > 1:
-            raise _Bail
-        cost = max((self.costs.get(type(i), 0.0) for _, i in members.values() if i is not _END),
-                   default=0.0)
-        self.released[k] = max(t for t, _ in members.values()) + cost
-        self.ready += members  # every member waits in it but the last to arrive
 
     def _finish(self, stage: int) -> None:
         """The end of the batch: wait for this stage's sends, then the loss all-reduce."""

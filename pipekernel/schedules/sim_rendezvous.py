@@ -1,5 +1,6 @@
-"""``semantics="rendezvous"``: the runtime's :class:`~pipekernel.schedules.comm.CommPlan` under
-NCCL rules (see :mod:`pipekernel.schedules.simulator`)."""
+"""The full simulation: every stage's :class:`~pipekernel.schedules.comm.CommPlan` run under
+NCCL's rules, every instruction checked as it runs, so that a broken plan is reported with
+where it went wrong (see :mod:`pipekernel.schedules.simulator`). Layer 0: no torch."""
 from __future__ import annotations
 
 from collections import deque
@@ -7,118 +8,28 @@ from collections.abc import Callable
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
-from pipekernel.schedules.comm import CommPlan, plan_communication
+from pipekernel.schedules.comm import RECVS, SENDS, CommPlan
 from pipekernel.schedules.sim_deadlock import _DeadlockReport
-from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _RECVS, _SENDS, _kind,
-                                           PAIRED, _Progress, _Simulation, _Where, role)
+from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _kind, PAIRED, _Progress,
+                                           _Simulation, _Where, _World, role)
+from pipekernel.schedules.sim_units import _Op, _Unit, _units
 
 
 # how _advance runs one instruction (_Rendezvous._compile)
 _RUN, _SEND, _RECV, _TICK, _SLOW = "run", "send", "recv", "tick", "slow"
 
 
-class _Op:
-    """One posted (or to be posted) point-to-point operation."""
-
-    __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done",
-                 "cost_send", "cost_recv")
-
-    def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
-                 ins: Instruction, send: bool) -> None:
-        self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
-        self.lane, self.send = lane, send
-        self.mate = self.unit = self.done = None  # unit: set when posted
-        # the transfer's duration: its two ends' costs, added in this order (set when matched)
-        self.cost_send = self.cost_recv = 0.0
-
-    def name(self) -> str:
-        return f"stage {self.rank}'s {self.ins}"
-
-    def where(self) -> str:
-        return f"stage {self.rank} step {self.step} ({self.ins})"
-
-
-class _Unit:
-    """A group's operations of one rank on one lane, to any peers: they progress together,
-    after every earlier unit of that rank on that lane (one ordered stream per rank).
-
-    Built once before the run (:func:`_units`): ``lane`` is the rank's dense lane number,
-    ``next`` the unit posted after it on that lane (the lane's order is the stream's, fixed
-    before the batch starts), ``heads`` and ``ends`` the rank's per-lane lists of the unit
-    heading each lane and the time its last unit ended. ``post`` is ``None`` until posted."""
-
-    __slots__ = ("ops", "post", "start", "end", "left", "active", "lane", "next", "heads",
-                 "ends")
-
-    def __init__(self, ops: list[_Op], lane: int, heads: list, ends: list) -> None:
-        self.ops, self.lane, self.heads, self.ends = ops, lane, heads, ends
-        self.post = self.next = None
-        self.start = self.end = 0.0
-        self.left, self.active = len(ops), False
-
-
-def _units(groups: dict[int, list[_Op]], n: int) -> tuple[list, list, list]:
-    """Per stream index, the units posted there (one per lane of its group, whatever the
-    peers, each unit's ops in stream order; ``()`` where nothing is posted), and the rank's
-    per-lane heads and ends (:class:`_Unit`), lanes numbered densely as first met."""
-    at: list = [()] * n
-    dense: dict[int | None, int] = {}
-    chains: list[list[_Unit]] = []  # per lane, its units in posting order
-    heads: list[_Unit | None] = []
-    ends: list[float] = []
-    for g in sorted(groups):
-        group = groups[g]
-        if len(group) == 1:  # nearly all: one op, one lane
-            op = group[0]
-            k = dense.get(op.lane)
-            if k is None:
-                k = _new_lane(dense, op.lane, chains, heads, ends)
-            unit = op.unit = _Unit(group, k, heads, ends)
-            chains[k].append(unit)
-            at[g] = (unit,)
-            continue
-        group.sort(key=lambda op: op.index)
-        split: dict[int | None, list[_Op]] = {}
-        for op in group:
-            split.setdefault(op.lane, []).append(op)
-        units = []
-        for lane, ops in split.items():
-            k = dense.get(lane)
-            if k is None:
-                k = _new_lane(dense, lane, chains, heads, ends)
-            unit = _Unit(ops, k, heads, ends)
-            for op in ops:
-                op.unit = unit
-            chains[k].append(unit)
-            units.append(unit)
-        at[g] = tuple(units)
-    for k, chain in enumerate(chains):
-        heads[k] = chain[0]
-        for unit, following in zip(chain, chain[1:]):
-            unit.next = following
-    return at, heads, ends
-
-
-def _new_lane(dense: dict, lane: int | None, chains: list, heads: list, ends: list) -> int:
-    """Number ``lane`` (the next dense number) and make room for it."""
-    k = dense[lane] = len(chains)
-    chains.append([])
-    heads.append(None)
-    ends.append(0.0)
-    return k
-
-
 class _Rendezvous(_DeadlockReport, _Simulation):
     """Each stage runs its CommPlan; sends rendezvous, a rank's lane completes in order."""
 
-    semantics = "rendezvous"
-    posting: Callable[..., CommPlan] = staticmethod(plan_communication)
+    #: another posting policy to prove instead of the programs' own plans (simulate's
+    #: ``posting=``), called like :func:`~pipekernel.schedules.comm.plan_communication`
+    posting: Callable[..., CommPlan] | None = None
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.local: dict[tuple[int, object], deque] = {}
-        self.world: list[dict[int, tuple[float, object, str]]] = []  # k -> {stage: arrival}
-        self.released: list[float | None] = []
+        self.world = _World(self.S, self.costs, self._mismatched_collective)
 
     # -- setup: plans, static matching -------------------------------------------------
 
@@ -131,8 +42,6 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self.heads: list[list[_Unit | None]] = []  # stage -> lane -> the unit heading it
         self.last_end: list[list[float]] = []  # stage -> lane -> when its last unit ended
         self.pending = [0] * n_stages  # posted, not yet completed ops per stage
-        self.coll = [0] * n_stages  # world collectives entered so far
-        self.arrived = [False] * n_stages  # entered the collective at pc
         self.flushed = [False] * n_stages
         self.finished = [False] * n_stages
         self.posted_upto = [-1] * n_stages
@@ -140,13 +49,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         sends: dict[tuple[int, int], list[_Op]] = {}
         recvs: dict[tuple[int, int], list[_Op]] = {}
         for s, st in enumerate(self.stages):
-            if len(st.stream) == sum(map(len, self.steps[s])):  # nothing but instructions
-                steps = self.steps[s]  # tuples: a posting policy only reads them
-            else:
-                steps = [[i for i in step if role(type(i)).instruction] for step in self.steps[s]]
-            extra = {"skips": self.skips} if self.skips else {}
-            plan = self.posting(steps, stage=s, num_stages=self.S, chunks=self.C,
-                                placement=self.placement, trains=self.trains, **extra)
+            plan = self._plan(s)
             self.plans.append(plan)
             groups, op_at = self._place_posts(s, plan)
             self.op_at.append(op_at)
@@ -165,6 +68,15 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self.code = [self._compile(s) for s in range(n_stages)]
         self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
                           if self.host_costs else None for s, st in enumerate(self.stages)]
+
+    def _plan(self, stage: int) -> CommPlan:
+        """The stage's plan: its program's own (what the runtime runs), or the ``posting``
+        policy's for the program's steps."""
+        if self.posting is None:
+            return self.programs[stage].plan
+        extra = {"skips": self.skips} if self.skips else {}
+        return self.posting(self.steps[stage], stage=stage, num_stages=self.S, chunks=self.C,
+                            placement=self.placement, trains=self.trains, **extra)
 
     def _match(self, sends: dict[tuple, list[_Op]], recvs: dict[tuple, list[_Op]]) -> None:
         """Pair each (sender, receiver, lane)'s sends and receives in posting order, each
@@ -463,7 +375,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         return self._finish(stage) or moved
 
     def _send_host_cost(self, stage: int, i: Instruction) -> float:
-        if not isinstance(i, _SENDS) or not (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C):
+        if not isinstance(i, SENDS) or not (0 <= i.micro_batch < self.M and 0 <= i.chunk < self.C):
             return 0.0  # out of range: _execute reports it
         peer = self._peer_of(stage, i)
         return 0.0 if peer is None or peer[0] == stage else self.host_costs.get(type(i), 0.0)
@@ -475,9 +387,9 @@ class _Rendezvous(_DeadlockReport, _Simulation):
             where = self._where(stage, index, i)
             if not self._in_range(stage, where, i):
                 return True
-            if isinstance(i, _RECVS):
+            if isinstance(i, RECVS):
                 return self._receive(stage, pc, where, i)
-            if isinstance(i, _SENDS):
+            if isinstance(i, SENDS):
                 self._send(stage, pc, where, i)
                 return True
             start = st.clock
@@ -531,34 +443,18 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     def _collective(self, stage: int, where: str, i: object) -> bool:
         """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
-        st, k = self.stages[stage], self.coll[stage]
-        if not self.arrived[stage]:
-            self.arrived[stage] = True
-            if k == len(self.world):
-                self.world.append({})
-                self.released.append(None)
-            self.world[k][stage] = (st.clock, i, where)
-            if len(self.world[k]) == self.S:
-                self._release_collective(k)
-        when = self.released[k]
+        st = self.stages[stage]
+        when = self.world.enter(stage, st.clock, i, where)
         if when is None:
             return False
         st.wait += when - st.clock
         st.clock = when
-        self.arrived[stage] = False
-        self.coll[stage] = k + 1
         return True
 
-    def _release_collective(self, k: int) -> None:
-        members = self.world[k]
-        kinds = {type(i) if i is not _END else _END for _, i, _ in members.values()}
-        if len(kinds) > 1:
-            listed = ", ".join(f"stage {s} is in {i if i is _END else w}"
-                               for s, (_, i, w) in sorted(members.items()))
-            self.problems.append(f"mismatched world collective #{k + 1}: {listed}")
-        cost = max((self.costs.get(type(i), 0.0) for _, i, _ in members.values()
-                    if i is not _END), default=0.0)
-        self.released[k] = max(t for t, _, _ in members.values()) + cost
+    def _mismatched_collective(self, k: int, members: dict[int, tuple]) -> None:
+        listed = ", ".join(f"stage {s} is in {i if i is _END else w}"
+                           for s, (_, i, w) in sorted(members.items()))
+        self.problems.append(f"mismatched world collective #{k + 1}: {listed}")
 
     def _finish(self, stage: int) -> bool:
         """The end of the batch: wait for this stage's sends, then the loss all-reduce."""

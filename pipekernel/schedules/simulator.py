@@ -1,11 +1,12 @@
 """Run every stage's schedule together, without a runtime (layer 0: no torch).
 
-:func:`simulate` executes all stages' instruction streams at once, event-driven,
-and proves that a schedule
+:func:`simulate` executes all stages' programs at once, event-driven — the
+:class:`~pipekernel.schedules.program.Program` each stage's engine runs, lowered by the same
+function (:func:`~pipekernel.schedules.program.lower`) — and proves that a schedule
 
 * matches every send with a receive, with the same kind, micro-batch and chunk,
   and leaves no message unreceived;
-* never deadlocks under the chosen communication semantics;
+* never deadlocks under NCCL's rules;
 * forwards every micro-batch exactly once per (stage, chunk) and, when it
   trains, backwards it exactly once (``Backward``, or ``BackwardInput`` then
   ``BackwardWeight``) after its forward and, except at the last pipeline
@@ -13,13 +14,11 @@ and proves that a schedule
 * never overwrites a buffer that still holds a live micro-batch (until its
   backward when training; until its forward and send for inference).
 
-Two communication semantics:
-
-``"rendezvous"`` (the default; the strictest any transport has: NCCL with one
-communicator per lane, and gloo for large messages — the contract in
-:mod:`pipekernel.comm.transport`). Each stage runs the
-:class:`~pipekernel.schedules.comm.CommPlan` that the runtime runs, computed by
-:func:`~pipekernel.schedules.comm.plan_communication` (or by the ``posting=`` hook):
+Communication semantics, ``"rendezvous"`` (the only one: the strictest any transport has,
+NCCL with one communicator per lane, and gloo for large messages — the contract in
+:mod:`pipekernel.comm.transport`). Each stage runs its program's
+:class:`~pipekernel.schedules.comm.CommPlan`, the one its runtime posts (or the plan of the
+``posting=`` hook, to check another policy):
 
 * before ``stream[i]`` runs, the group ``posts[i]`` is posted (non-blocking); a
   receive instruction waits for its own transfer to complete; a send never
@@ -50,10 +49,6 @@ communicator per lane, and gloo for large messages — the contract in
   there. A deadlock is reported with the stuck stages, what each waits for,
   and the wait-for *cycle* through units, peers and collectives.
 
-``"buffered"`` (the old, lenient model): sends never block and are buffered
-per channel ``(sender stage, receiver stage, "activation" | "grad")``, a
-receive blocks until its message was sent, collectives are free.
-
 Virtual stages: pipeline positions and peers come from the schedule's
 ``placement`` (:mod:`pipekernel.schedules.placement`).
 
@@ -67,11 +62,12 @@ its producer is rejected before simulating.
 All problems are collected and raised as one :class:`ScheduleError`.
 
 Cost: linear in the instructions of the plan (every stage's stream), with the cyclic
-garbage collector off while it runs. Under rendezvous with the runtime's own plan, a plan
+garbage collector off while it runs. With the programs' own plans (no ``posting=``), a plan
 with nothing to report is proved and timed by a fast path
 (:mod:`pipekernel.schedules.sim_fast`: each stage's stream checked on its own and compiled
 once into the entries that move time); whenever it finds something to report, the full
-simulation below runs and reports it. ``benchmarks/planner_scale.py`` prints the growth,
+simulation (:mod:`pipekernel.schedules.sim_rendezvous`) runs and reports it.
+``benchmarks/planner_scale.py`` prints the growth,
 ``tests/test_simulator_scale.py`` proves it by counting executed lines, and
 ``tests/test_simulator_frozen.py`` holds the answers fixed.
 """
@@ -83,15 +79,14 @@ from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import ForwardBackward, Instruction
-from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
+from pipekernel.schedules.program import lower
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
-                                           SimulationResult, _Simulation, format_grid, steps_of)
+                                           SimulationResult, format_grid)
 from pipekernel.schedules.sim_fast import _Fast
-from pipekernel.schedules.sim_buffered import _Buffered
 from pipekernel.schedules.sim_rendezvous import _Rendezvous
-from pipekernel.schedules.skips import add_skip_transfers, check_skip_edges
+from pipekernel.schedules.skips import check_skip_edges
 
 __all__ = ["simulate", "SimulationResult", "format_grid", "COMPUTE", "DEFAULT_COSTS",
            "SEMANTICS", "WORLD_COLLECTIVES"]
@@ -121,16 +116,16 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         differ), overriding ``costs`` for the classes listed there; a key ``(stage,
         forward chunk, backward chunk)`` with ``{ForwardBackward: duration}`` prices
         that stage's pairs of those chunks, ahead of ``costs``.
-    :param semantics: ``"rendezvous"`` (default) or ``"buffered"``; see the
-        module docstring.
-    :param posting: rendezvous only: the function that computes each stage's
-        :class:`~pipekernel.schedules.comm.CommPlan`, called like
-        :func:`~pipekernel.schedules.comm.plan_communication` (the default, the
-        plan the runtime executes) — to check another posting policy.
+    :param semantics: ``"rendezvous"``, the only one (see the module docstring; the
+        lenient ``"buffered"`` model, which passed plans that hang on NCCL, is gone).
+    :param posting: a function that computes each stage's
+        :class:`~pipekernel.schedules.comm.CommPlan` for its program's steps, called like
+        :func:`~pipekernel.schedules.comm.plan_communication` — to check another posting
+        policy. Default: each program's own plan, the one the runtime posts.
     :param skips: skip edges ``(producer position, consumer position)``
         (:mod:`pipekernel.schedules.skips`): each stage's steps get the skip
         transfers the engine inserts, and the plan their lanes, before simulating.
-    :param host_costs: rendezvous only: ``{send or receive class: seconds}`` the stage
+    :param host_costs: ``{send or receive class: seconds}`` the stage
         itself spends on a transfer to or from another stage (packing and posting a
         send, unpacking a receive once its data is there): unlike ``costs`` they
         occupy the stage, delaying what it runs next. Local hand-offs cost nothing.
@@ -148,40 +143,39 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         the grid so far, missing or repeated forwards/backwards, overwritten live buffers).
     """
     _check_sizes(num_stages, micro_batches, chunks)
-    _check_semantics(semantics, host_costs, posting)
+    _check_semantics(semantics)
     paired = _priced_pairs(costs, stage_costs) if paired is None else paired
-    return _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+    return _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
                     stage_costs, skips, host_costs, paired)
 
 
-def _checked(schedule, num_stages, micro_batches, chunks, costs, semantics, posting,
+def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
              stage_costs, skips, host_costs, paired=False) -> SimulationResult:
-    """:func:`simulate` once its arguments are checked: the schedule objects, placement and
-    skip edges (:func:`_objects`), then the simulation, with the collector off throughout.
-    The objects are made and dropped inside it: what they cache (their built steps) is
-    garbage once the steps are read, freed as the simulation returns rather than scanned by
-    the collector the moment it is back on."""
-    cls = _Rendezvous if semantics == "rendezvous" else _Buffered
+    """:func:`simulate` once its arguments are checked: the programs (:func:`_programs`),
+    then the simulation, with the collector off throughout. The schedule objects are made and
+    dropped inside it: what they cache (their built steps) is garbage once the programs are
+    made, freed as the simulation returns rather than scanned by the collector the moment it
+    is back on."""
     with _no_cyclic_gc():
-        return _simulate(cls, schedule,
-                         *_objects(schedule, num_stages, micro_batches, chunks, skips, paired),
-                         costs, posting, stage_costs, host_costs, semantics,
+        return _simulate(schedule,
+                         *_programs(schedule, num_stages, micro_batches, chunks, skips, paired),
+                         costs, posting, stage_costs, host_costs,
                          (num_stages, micro_batches, chunks))
 
 
-def _objects(schedule, num_stages, micro_batches, chunks, skips, paired) -> tuple:
-    """``(objects, placement, edges)``: each stage's schedule object (unpaired, with its skip
-    transfers, as asked), the placement and the checked skip edges."""
+def _programs(schedule, num_stages, micro_batches, chunks, skips, paired) -> tuple:
+    """``(programs, placement, edges)``: each stage's
+    :class:`~pipekernel.schedules.program.Program`, lowered as the engine lowers it
+    (:func:`~pipekernel.schedules.program.lower`, unpaired and with the skip transfers as
+    asked), the placement and the checked skip edges."""
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
     placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
     edges = check_skip_edges(skips, num_stages * chunks)
-    if not paired:
-        objects = [_Unpaired(obj) for obj in objects]
-    if edges:
-        objects = [_WithSkips(obj, s, num_stages, chunks, placement, edges)
-                   for s, obj in enumerate(objects)]
-    return objects, placement, edges
+    programs = tuple(lower(obj, stage=s, num_stages=num_stages, micro_batches=micro_batches,
+                           chunks=chunks, placement=placement, skips=edges, paired=paired)
+                     for s, obj in enumerate(objects))
+    return programs, placement, edges
 
 
 def _priced_pairs(costs, stage_costs) -> bool:
@@ -206,92 +200,39 @@ def _no_cyclic_gc():
             gc.enable()
 
 
-def _simulate(cls, schedule, objects, placement, edges, costs, posting, stage_costs, host_costs,
-              semantics, sizes) -> SimulationResult:
-    """Each stage's steps asked for once; the fast path (:mod:`~pipekernel.schedules.sim_fast`)
-    for the runtime's own plan under rendezvous, the full simulation when it has something to
-    report (or for another posting policy, or buffered sends)."""
+def _simulate(schedule, programs, placement, edges, costs, posting, stage_costs, host_costs,
+              sizes) -> SimulationResult:
+    """The fast path (:mod:`~pipekernel.schedules.sim_fast`) for the programs' own plans, the
+    full simulation when it has something to report (or for another posting policy)."""
     num_stages, micro_batches, chunks = sizes
     table = _cost_table(costs)
-    steps = tuple(steps_of(obj, s) for s, obj in enumerate(objects))
-    objects = [_Stepped(obj, own) for obj, own in zip(objects, steps)]
-    buffers = [_Simulation._num_buffers(obj) for obj in objects]
     tables = {}
     if stage_costs:
         tables["stage_costs"] = {key: _cost_table(t, base={}) for key, t in stage_costs.items()}
     if host_costs:
         tables["host_costs"] = _cost_table(host_costs, base={})
-    if cls is _Rendezvous and posting is None:
-        fast = _Fast(num_stages, micro_batches, chunks, table, steps, placement, objects, buffers)
+    if posting is None:
+        fast = _Fast(num_stages, micro_batches, chunks, table, programs, placement)
         fast.skips = edges
         fast.__dict__.update(tables)
         result = fast.prove()
         if result is not None:
             return result
-    sim = cls(num_stages, micro_batches, chunks, table, objects, placement)
+    sim = _Rendezvous(num_stages, micro_batches, chunks, table, programs, placement)
     sim.skips = edges
-    if posting is not None:
-        sim.posting = posting
+    sim.posting = posting
     sim.__dict__.update(tables)
     sim.run()
     if sim.problems:
-        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems, semantics)
+        raise _error(schedule, num_stages, micro_batches, chunks, sim.problems)
     return sim.result()
 
 
-class _Stepped:
-    """A stage's schedule object with its steps already asked for (``steps()`` once)."""
-
-    def __init__(self, obj, steps) -> None:
-        self._obj, self._steps = obj, steps
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-    def steps(self):
-        return self._steps
-
-
-class _Unpaired:
-    """A stage's schedule object whose ``ForwardBackward`` steps are split back into their
-    forward and backward steps, or its own unpaired steps (the engine's default program:
-    :func:`~pipekernel.schedules.ordered.unpaired_steps`)."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-    def steps(self):
-        return unpaired_steps(self._obj)
-
-
-class _WithSkips:
-    """A stage's schedule object whose ``steps()`` carry the skip transfers."""
-
-    def __init__(self, obj, stage, num_stages, chunks, placement, edges) -> None:
-        self._obj, self._args = obj, (stage, num_stages, chunks, placement, edges)
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-    def steps(self):
-        stage, num_stages, chunks, placement, edges = self._args
-        return add_skip_transfers(self._obj.steps(), stage=stage, num_stages=num_stages,
-                                  chunks=chunks, placement=placement, edges=edges)
-
-
-def _check_semantics(semantics: str, host_costs: object, posting: object) -> None:
+def _check_semantics(semantics: str) -> None:
     if semantics not in SEMANTICS:
         raise ConfigError(f"simulate: unknown semantics {semantics!r}",
-                          hint=f"use one of {', '.join(map(repr, SEMANTICS))}")
-    if host_costs and semantics != "rendezvous":
-        raise ConfigError("simulate: host_costs= only applies to semantics='rendezvous'",
-                          hint="drop host_costs= or use semantics='rendezvous'")
-    if posting is not None and semantics != "rendezvous":
-        raise ConfigError("simulate: posting= only applies to semantics='rendezvous'",
-                          hint="drop posting= or use semantics='rendezvous'")
+                          hint=f"use {SEMANTICS[0]!r} (the default): the lenient 'buffered' "
+                               "model is gone, it passed plans that hang on NCCL")
 
 
 def _check_sizes(num_stages: int, micro_batches: int, chunks: int) -> None:
@@ -316,16 +257,14 @@ def _cost_table(costs: Mapping[type, float] | None,
     return table
 
 
-def _error(schedule, num_stages, micro_batches, chunks, problems, semantics) -> ScheduleError:
+def _error(schedule, num_stages, micro_batches, chunks, problems) -> ScheduleError:
     name = getattr(schedule, "name", "") or getattr(schedule, "__name__", repr(schedule))
     lines = "\n".join(f"  - {p}" for p in problems)
     hint = ("fix the schedule's steps(); every send needs a matching receive in the same "
-            "order, and a buffer may be reused only after its micro-batch is done")
-    if semantics == "rendezvous":
-        hint += ("; a send completes only when its receive is posted and every operation "
-                 "its stage and the receiver's posted earlier on the same lane (to any "
-                 "peer) has completed")
+            "order, and a buffer may be reused only after its micro-batch is done; a send "
+            "completes only when its receive is posted and every operation its stage and the "
+            "receiver's posted earlier on the same lane (to any peer) has completed")
     return ScheduleError(
         f"schedule {name!r} is invalid for {num_stages} stage(s) x {micro_batches} "
-        f"micro-batch(es) x {chunks} chunk(s) ({semantics} sends): {len(problems)} "
+        f"micro-batch(es) x {chunks} chunk(s) (rendezvous sends): {len(problems)} "
         f"problem(s):\n{lines}", hint=hint)
