@@ -10,7 +10,8 @@ from pipekernel.stage.moe import MoE
 from pipekernel.stage.paired import overlap_all_to_all
 from pipekernel.engine.checkpoint import load_sequential
 from pipekernel.engine.engine import PipelineEngine
-from pipekernel.errors import (ConfigError, DataError, InstructionError, NonFiniteLossError,
+from pipekernel.errors import (ConfigError, ConsistencyError, DataError, InstructionError,
+                               NonFiniteLossError,
                                PeerAbort, PipelineError, ScheduleError, TransportError,
                                TransportTimeout, UnknownNameError)
 from pipekernel.extend.hookspecs import hookimpl, hookspec
@@ -45,6 +46,7 @@ __all__ = [
     # errors
     "PipelineError", "ConfigError", "UnknownNameError", "DataError", "ScheduleError",
     "InstructionError", "TransportError", "TransportTimeout", "PeerAbort", "NonFiniteLossError",
+    "ConsistencyError",
     "RankError", "LaunchInterrupted",
     "__version__",
 ]

@@ -11,7 +11,7 @@ __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
     "UntrustedCheckpointError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
-    "NonFiniteLossError", "describe_where", "did_you_mean", "shorten",
+    "NonFiniteLossError", "ConsistencyError", "describe_where", "did_you_mean", "shorten",
 ]
 
 #: location fields, in the order the bracket names them, with the words it uses
@@ -156,6 +156,23 @@ class UntrustedCheckpointError(DataError):
 
 class NonFiniteLossError(PipelineError):
     """A training loss was NaN or inf (``PipelineEngine(nonfinite="error")``)."""
+
+
+class ConsistencyError(PipelineError):
+    """A run-time invariant failed (``PipelineEngine(check_every=K)``, see
+    :mod:`pipekernel.engine.sentinel`): replicas or tied copies that should be identical
+    are not, or the stages normalised the loss differently. Raised on every rank.
+
+    ``check``: which invariant (``"replicas"``, ``"replicas (optimizer state)"``,
+    ``"tied"``, ``"normalisation"``); ``parameter``: the parameter (its global layer
+    index key, ``"3.weight"``) or quantity; ``ranks``: the ranks holding the odd value;
+    ``train_step``: the step at which the check first saw it."""
+
+    def __init__(self, message: str, *, check: str | None = None,
+                 parameter: str | None = None, ranks: list[int] | None = None,
+                 **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.check, self.parameter, self.ranks = check, parameter, list(ranks or [])
 
 
 class TransportError(PipelineError):

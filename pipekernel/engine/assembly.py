@@ -20,6 +20,7 @@ import torch
 
 from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import check_consistency
+from pipekernel.engine.sentinel import check_every_option
 from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
 from pipekernel.errors import ConfigError
 from pipekernel.extend.manager import resolve_schedule
@@ -56,6 +57,7 @@ class Options:
     precision_options: dict
     nonfinite: str
     check_data_steps: int
+    check_every: int | None
     loss_reduction: str
     grad_bucket_mb: float
     max_grad_norm: float | None
@@ -145,7 +147,8 @@ def assemble(module: PipelineModule, optimizer: Any, micro_batches: int, options
 
 
 def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
-                  max_grad_norm: float | None, **rest: Any) -> Options:
+                  max_grad_norm: float | None, check_every: Any = None, **rest: Any
+                  ) -> Options:
     """The options, refused by name when wrong."""
     if nonfinite not in ("error", "skip"):
         raise ConfigError(f"nonfinite must be 'error' or 'skip', got {nonfinite!r}",
@@ -156,6 +159,7 @@ def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
                           hint="pass check_data_steps=N, the number of first batches whose "
                                "labels are checked (0: off)")
     return Options(nonfinite=nonfinite, check_data_steps=check_data_steps,
+                   check_every=check_every_option(check_every),
                    loss_reduction=check_loss_reduction(loss_reduction),
                    max_grad_norm=max_grad_norm, **rest)
 
@@ -263,6 +267,7 @@ def agree(module: PipelineModule, layout: Layout, options: Options, transport: A
               "partition": partition if isinstance(partition, (str, list, tuple))
               else type(partition).__name__,
               "nonfinite": options.nonfinite, "check_data_steps": options.check_data_steps,
+              "check_every": options.check_every,
               "loss_reduction": options.loss_reduction, **options.parallel.fields(),
               "skip connections": sorted(module.skip_names.items())}
     check_consistency(transport, fields)

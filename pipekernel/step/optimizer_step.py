@@ -104,6 +104,7 @@ class BatchStep:
         self.rank, self.stage, self.num_stages = topology.rank, topology.stage, topology.pipe_size
         #: Global gradient norm of the last step (before clipping), when clipping.
         self.last_grad_norm: float | None = None
+        self.last_grad_scale = 1.0  # the token scale of the last step (1.0: none)
         self.last_aux_loss: float | None = None
         self._last_step_taken = True
         #: the batch's losses and token counts, owned here (see :class:`BatchLosses`)
@@ -208,6 +209,7 @@ class BatchStep:
                 self.lr_scheduler.step()
         self.precision.update(overflow)  # only an overflow moves the loss scale
         self._last_step_taken = not skipped
+        self.last_grad_scale = scale  # what the sentinel compares over the stages
         self.optimizer.zero_grad(set_to_none=True)
 
     def _batch_losses(self) -> tuple[list[torch.Tensor], list[int]]:

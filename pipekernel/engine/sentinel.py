@@ -1,0 +1,276 @@
+"""The run-time sentinel (``PipelineEngine(check_every=K)``): every ``K`` train steps, after
+the optimizer step, prove that the pipeline is still one model.
+
+Three invariants, checked together with **one** all-reduce (``max``) of one int64 vector
+over the world, built on the device without a host read per tensor:
+
+* **replicas**: the data-parallel replicas of a stage (same tensor-parallel rank and FSDP2
+  shard) hold bit-identical parameters and optimizer state (optimizer state is not
+  compared under ZeRO-1, where it is sharded by design; expert slices under expert
+  parallelism are left out: they differ over the data-parallel group by design);
+* **tied**: the copies of a tied layer on different stages are bit-identical;
+* **normalisation**: every rank used the same micro-batch count and the same gradient
+  scale (``loss_reduction="tokens"``) for the step.
+
+Each value is an exact hash of a tensor's bytes (:func:`tensor_hash`) — not a float sum,
+so one flipped bit shows. Each slot carries ``(h, -h)``; after the ``max`` reduction a slot
+holds ``(max, -min)``, and ``max != min`` is a violation. Every rank reads the same reduced
+vector, so every rank raises the same :class:`~pipekernel.errors.ConsistencyError` (no rank
+is left waiting); a second small all-reduce, only then, finds which rank holds which value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipekernel.errors import ConfigError, ConsistencyError
+from pipekernel.grid.expert_parallel import is_expert
+
+__all__ = ["DEFAULT_CHECK_EVERY", "check_every_option", "Sentinel", "tensor_hash"]
+
+#: default ``check_every``: measured at well under 2% of step time (docs/faults.md)
+DEFAULT_CHECK_EVERY = 100
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MASK = (1 << 62) - 1  # hashes stay in [0, 2**62): -h never overflows, and -2**62 is "none"
+_NONE = -(1 << 62)
+_CHUNK = 1 << 24  # elements hashed at once: bounds the int64 workspace (128 MiB)
+_NAME_BYTES = 200
+
+
+def check_every_option(value: Any) -> int | None:
+    """``check_every`` checked: a positive int, or ``None`` (off)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"check_every must be a positive int or None, got {value!r}",
+                          hint=f"pass check_every=K to check the invariants every K train "
+                               f"steps (default {DEFAULT_CHECK_EVERY}), or check_every=None "
+                               "to turn the checks off")
+    return value
+
+
+_WEIGHTS: dict[Any, torch.Tensor] = {}  # device -> 1, 3, 5, ... (grown as needed)
+
+
+def _weights(n: int, device: Any) -> torch.Tensor:
+    """The first ``n`` odd numbers on ``device``, cached (a check re-reads, not rebuilds)."""
+    cached = _WEIGHTS.get(device)
+    if cached is None or cached.numel() < n:
+        cached = torch.arange(max(n, 1024), dtype=torch.int64, device=device) * 2 + 1
+        _WEIGHTS[device] = cached
+    return cached[:n]
+
+
+def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
+    """An exact hash of ``tensor``'s bytes: a 0-dim int64 on its device, in ``[0, 2**62)``.
+
+    The elements, viewed as integers of their own width, are summed with odd position
+    weights modulo ``2**64`` (integer addition: the same on every device and in any
+    reduction order). Changing any one element changes the hash; so does swapping two."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    flat = local.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    ints = flat.view(_INT_VIEW[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, ints.numel(), _CHUNK):
+        part = ints[start:start + _CHUNK].to(torch.int64)
+        weights = _weights(part.numel(), flat.device)
+        if start:
+            weights = weights + 2 * start
+        total = total + (part * weights).sum()
+    # fold the top two bits in: a flipped sign or top exponent bit still shows
+    return total.bitwise_and(_MASK).bitwise_xor(total.bitwise_right_shift(62).bitwise_and(3))
+
+
+@dataclass
+class _Slot:
+    """One compared value: which check, where it sits in the vector, what it names."""
+
+    check: str
+    entry: str  # the parameter (global layer index key) or quantity
+    stage: int | None
+    more: str = ""
+
+
+class Sentinel:
+    """The checks of one engine; :meth:`check` runs them (collective: every rank)."""
+
+    def __init__(self, engine: Any, every: int) -> None:
+        self.engine, self.every = engine, every
+        topo = engine.topology
+        self.cells = topo.model_size * topo.shard_size  # slots per stage or tied key
+        self.cell = topo.model_rank * topo.shard_size + topo.shard_rank
+        tied = engine.pipeline_module.tied_stages(engine.bounds, engine.part_stages.__getitem__)
+        self.tied_keys = sorted(k for k, stages in tied.items() if len(stages) > 1)
+        self.tied_stages = tied
+        self.width: int | None = None  # parameters per stage slot (the most of any stage)
+        self.tied_width: int | None = None
+        self.last_clean: int | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    # -- what this rank contributes ---------------------------------------------------
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        engine = self.engine
+        ep = engine.ep_group
+        return [(n, p) for n, p in engine.module.named_parameters()
+                if ep is None or ep.size == 1 or not is_expert(p)]
+
+    def _opt_hash(self, p: torch.Tensor, device: Any) -> torch.Tensor:
+        engine = self.engine
+        if engine.optimizer is None or engine.parallel.zero_stage:
+            return torch.zeros((), dtype=torch.int64, device=device)
+        state = engine.optimizer.state.get(engine.precision.master(p), {})
+        hashes = [tensor_hash(v) * (2 * i + 3) for i, (_, v) in enumerate(sorted(state.items()))
+                  if isinstance(v, torch.Tensor)]
+        return (torch.stack(hashes).sum().bitwise_and(_MASK) if hashes
+                else torch.zeros((), dtype=torch.int64, device=device))
+
+    def _agree_widths(self, device: Any) -> None:
+        """Once: the most parameters of any stage and of any tied layer (one all-reduce)."""
+        engine = self.engine
+        counts = torch.zeros(1 + len(self.tied_keys), dtype=torch.int64, device=device)
+        counts[0] = len(self._params())
+        for i, key in enumerate(self.tied_keys):
+            if key in engine.tied_groups:
+                counts[1 + i] = len(list(engine.module.tied_modules[key].parameters()))
+        engine.transport.all_reduce(counts, "max")
+        values = counts.tolist()
+        self.width, self.tied_width = values[0], max(values[1:], default=0)
+
+    def _bases(self) -> tuple[int, int, int]:
+        """Where the tied section, the normalisation section and the end are."""
+        tied = self.engine.num_stages * self.cells * self.width * 2
+        norm = tied + len(self.tied_keys) * self.cells * self.tied_width
+        return tied, norm, norm + 2
+
+    def _describe(self, index: int) -> _Slot:
+        """What slot ``index`` of the vector compares (the same on every rank)."""
+        tied, norm, _ = self._bases()
+        if index < tied:
+            stage = index // (self.cells * self.width * 2)
+            check = "replicas (optimizer state)" if index % 2 else "replicas"
+            return _Slot(check, f"parameter #{(index % (self.width * 2)) // 2}", stage)
+        if index < norm:
+            key = self.tied_keys[(index - tied) // (self.cells * self.tied_width)]
+            return _Slot("tied", f"tied layer {key!r} parameter #"
+                                 f"{(index - tied) % self.tied_width}", None,
+                         f" (its copies on stages {self.tied_stages[key]})")
+        return _Slot("normalisation", ("micro-batch count", "gradient scale")[index - norm],
+                     None)
+
+    def _mine(self, device: Any) -> tuple[torch.Tensor, list[int]]:
+        """This rank's hashes and the slot index of each."""
+        engine, values, where = self.engine, [], []
+        tied_base, norm, _ = self._bases()
+        base = (engine.stage * self.cells + self.cell) * self.width * 2
+        for j, (_, p) in enumerate(self._params()):
+            values += [tensor_hash(p), self._opt_hash(p, device)]
+            where += [base + 2 * j, base + 2 * j + 1]
+        for i, key in enumerate(self.tied_keys):
+            if key in engine.tied_groups:
+                start = tied_base + (i * self.cells + self.cell) * self.tied_width
+                for j, p in enumerate(engine.module.tied_modules[key].parameters()):
+                    values.append(tensor_hash(p))
+                    where.append(start + j)
+        step = engine.batch_step
+        scale = torch.tensor(float(getattr(step, "last_grad_scale", 1.0)), dtype=torch.float64)
+        values += [torch.tensor(step.micro_batches, dtype=torch.int64, device=device),
+                   tensor_hash(scale.to(device))]
+        where += [norm, norm + 1]
+        return torch.stack(values), where
+
+    # -- the check ----------------------------------------------------------------------
+    def check(self) -> None:
+        """Run the checks (every rank, after the step); raise :class:`ConsistencyError`
+        on every rank when one fails."""
+        engine = self.engine
+        device = engine.transport.device
+        with torch.no_grad():
+            if self.width is None:
+                self._agree_widths(device)
+            mine, where = self._mine(device)
+            index = torch.tensor(where, dtype=torch.int64, device=device)
+            vec = torch.full((2, self._bases()[2]), _NONE, dtype=torch.int64, device=device)
+            vec[0, index] = mine
+            vec[1, index] = -mine
+            engine.transport.all_reduce(vec, "max")  # the one collective of a clean check
+            # slots no rank holds stay (_NONE, _NONE)
+            bad = ((vec[0] != -vec[1]) & (vec[0] != _NONE)).nonzero().flatten().tolist()
+        step = engine.global_steps
+        if not bad:
+            self.last_clean = step
+            return
+        # a normalisation mismatch is the cause of the others it brings: named first
+        slot = min(bad, key=lambda i: (i < self._bases()[1], i))
+        ranks, name = self._who(slot, where, mine, device)
+        self._raise(self._describe(slot), ranks, name, step, len(bad))
+
+    def _who(self, slot: int, where: list[int], mine: torch.Tensor, device: Any
+             ) -> tuple[dict[int, int], str]:
+        """After a failed check (every rank): each holder's value of ``slot`` and the
+        parameter's name, from one more all-reduce."""
+        engine = self.engine
+        world = engine.transport.world_size
+        vec = torch.full((world + _NAME_BYTES,), _NONE, dtype=torch.int64, device=device)
+        if slot in where:
+            vec[engine.rank] = mine[where.index(slot)]
+            name = self._name_of(slot).encode()[:_NAME_BYTES]
+            vec[world:world + len(name)] = torch.tensor(list(name), dtype=torch.int64,
+                                                        device=device)
+        engine.transport.all_reduce(vec, "max")
+        values = vec.tolist()
+        held = {r: v for r, v in enumerate(values[:world]) if v != _NONE}
+        name = bytes(b for b in values[world:] if b > 0).decode(errors="replace")
+        return held, name
+
+    def _name_of(self, slot: int) -> str:
+        """This rank's name for one of its own slots."""
+        engine = self.engine
+        tied_base, norm, _ = self._bases()
+        if slot < tied_base:
+            return self._params()[(slot % (self.width * 2)) // 2][0]
+        if slot >= norm:
+            return ""
+        key = self.tied_keys[(slot - tied_base) // (self.cells * self.tied_width)]
+        j = (slot - tied_base) % self.tied_width
+        names = [n for n, _ in engine.module.tied_modules[key].named_parameters()]
+        return f"tied layer {key!r}: {names[j]}"
+
+    def _raise(self, slot: _Slot, held: dict[int, int], name: str, step: int,
+               count: int) -> None:
+        groups: dict[int, list[int]] = {}
+        for rank, value in held.items():
+            groups.setdefault(value, []).append(rank)
+        # the odd one out: the value fewest ranks hold (with two, both are named)
+        ordered = sorted(groups.values(), key=lambda ranks: (len(ranks), ranks))
+        odd = ordered[0] if ordered else []
+        said = "; ".join(f"rank(s) {ranks} hold {value:#x}" for value, ranks in groups.items())
+        since = (f"the last clean check was after train step {self.last_clean}"
+                 if self.last_clean is not None else "this was the first check")
+        what = name or slot.entry
+        raise ConsistencyError(
+            f"consistency check {slot.check!r} failed: {what}{slot.more} differs: {said} "
+            f"({count} value(s) differ in all; {since}; checks run every {self.every} "
+            f"step(s))",
+            hint=_HINTS[slot.check.split(" ")[0]], check=slot.check, parameter=what,
+            ranks=odd, rank=odd[0] if odd else None, stage=slot.stage, train_step=step)
+
+
+_HINTS = {
+    "replicas": "data-parallel replicas diverged: a replica skipped a step or reduced "
+                "different gradients (a custom hook, an optimizer stepped outside the "
+                "engine, a non-deterministic update); restart from the last checkpoint "
+                "and look for code that touches one replica's parameters",
+    "tied": "a tied layer's copies diverged: its gradients were not summed over the "
+            "stages holding it (ReduceTiedGrads) or one copy was changed outside the "
+            "engine; restart from the last checkpoint",
+    "normalisation": "the stages normalised the loss differently (micro-batch count or "
+                     "token scale): every rank must run the same micro_batches and "
+                     "loss_reduction; restart from the last checkpoint",
+}
