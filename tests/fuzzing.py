@@ -215,7 +215,8 @@ def train_setup(setup: dict[str, Any]) -> tuple:
             build_module(setup, setup["stages"]), optimizer=OPTIMIZERS[setup["optimizer"]],
             micro_batches=setup["micro_batches"], schedule=setup["schedule"],
             chunks=setup["chunks"], data_parallel_size=setup["dp"], timeout=30, transport="gloo",
-            max_grad_norm=setup["max_grad_norm"], loss_reduction=setup["loss_reduction"])
+            max_grad_norm=setup["max_grad_norm"], loss_reduction=setup["loss_reduction"],
+            check_every=1)  # the sentinel after every step: a false alarm is an error
         losses = []
         for step, count in enumerate(counts(setup)):
             if step and setup.get("eval_between"):
