@@ -164,7 +164,7 @@ _LONGEST = {name: rank for rank, name in enumerate((
     "test_checkpoint_dcp.py", "test_ray_train.py", "test_checkpoint.py",
     "test_exit_shutdown.py", "test_paired.py", "test_lightning.py", "test_checkpoint_trust.py",
     "test_faults.py", "test_sentinel.py",
-    "test_comm_model.py", "test_engine.py", "test_launchers.py", "test_skips.py",
+    "test_comm_model.py", "test_engine.py", "test_launchers.py", "test_fuzz.py", "test_skips.py",
     "test_monitor.py", "test_dtensor_tp.py"))}
 
 
