@@ -472,7 +472,7 @@ def bad_shard_worker(kwargs):
 
 BAD_SHARDS = [
     (SWEEP.case("shard-3-of-4", 4, bad_shard_worker, (("data_parallel_shard", 3),)),
-     "data_parallel_shard=3 does not divide"),
+     "data_parallel_shard=3 needs a multiple of 6 processes"),
     (SWEEP.case("shard-fp16", 4, bad_shard_worker,
                 (("data_parallel_shard", 2), ("precision", "fp16"))), "precision='fp16'"),
     (SWEEP.case("shard-no-plugin", 4, bad_shard_worker,
