@@ -103,19 +103,19 @@ def test_transfers_round_trip_and_metadata_follows_changes(with_control):
         assert _same(got, want), f"transfer {i} arrived changed"
     messages, _, control_messages = sent[0], sent[1], sent[2]
     # 6 transfers, 5 of them with new metadata (first, new length, new dtype and no grad,
-    # tuple, back): the fast path is 1 data message, a change costs void + metadata + data.
-    changes = 5
+    # tuple, back); 3 of those outgrew every earlier payload (first, (4,9) float32, (4,9)
+    # float64): the tuple and the return to (4,6) fit the posted message
+    changes, grew = 5, 3
     fast = len(expected) - changes
     if not with_control:
-        assert messages == fast + 3 * changes
+        # the fast path is 1 data message; a change that fits too (its metadata rides in
+        # front of the data); one that outgrew costs void + metadata + data
+        assert messages == fast + (changes - grew) + 3 * grew
         assert control_messages == 0
     else:
         # data lane: one message per transfer after the first (the data, or a void); the
         # host lane: a header each, metadata per change, the data only when it outgrew
-        # every earlier payload (first, (4,9) float32, (4,9) float64): the tuple and
-        # the return to (4,6) fit the posted device message
         assert messages == fast + (changes - 1)
-        grew = 3
         assert control_messages == len(expected) + changes + grew
 
 
@@ -255,8 +255,11 @@ def test_a_key_set_change_is_a_metadata_change_and_only_it_costs_extra_messages(
         before = counts["messages"]
         assert _equal(_transfer(sender, receiver, obj), obj)
         per_transfer.append(counts["messages"] - before)
-    # fused headers: a change is void + metadata + data (3 messages), the fast path 1
-    assert per_transfer == [3, 1, 3, 1, 3, 3, 1]
+    # fused headers: the fast path is 1 message, and so is a change that fits the posted
+    # message (its metadata in front of the data); one larger than any before is void +
+    # metadata + data (3): the first and the one with the extra key
+    assert per_transfer == [3, 1, 3, 1, 1, 1, 1]
+    assert sender.changes == 4  # first, extra key, back, new scalar: each one detected
 
 
 def _control_pair():
@@ -319,7 +322,10 @@ def test_scalars_equal_in_python_but_not_on_the_wire_are_a_metadata_change():
         got = _transfer(sender, receiver, (x, value))
         assert type(got[1]) is type(value) and str(got[1]) == str(value), (got, value)
         per_transfer.append(counts["messages"] - before)
-    assert per_transfer == [3, 3, 3, 1, 3, 3, 1, 3]  # a change: 3 messages, the fast path 1
+    # each change is detected (6 of 8); past the first two (the second grows the message
+    # to hold its metadata too) each fits the posted message: 1 message, as the fast path
+    assert sender.changes == 6
+    assert per_transfer == [3, 3, 1, 1, 1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("value,path", [({"a": {"b": "text"}}, r"outputs\['a'\]\['b'\] is a str"),

@@ -27,22 +27,31 @@ metadata did not change — is **one message per transfer and no round trip**:
     message is the packed tensors alone. The host reads the header from host
     memory: no ``.item()``, ``int(tensor)`` or ``.tolist()`` on device tensors.
 
-When the metadata changed (first use, a new sequence length, ...), the sender
-knows what the receiver posted — a message sized for the metadata it sent last
-(16 bytes, or nothing on a control lane, when it sent none) — and still sends
-exactly that *void* message, flagged in its header, so the pre-posted receive
-matches; then the new metadata and the data follow as extra messages on the
-host lane (the same lane when fused), all with the channel's tag. Those extra
-messages are why the communication plan keeps at most one receive per channel
-posted ahead: a receive posted further ahead would take them. No manual reset
-exists or is needed.
+Every channel's message has a **capacity** that both ends track alike (the
+receiver posts that many bytes, the sender sends that many, the payload at the
+front). On a fused channel it is the first transfer's payload while the metadata
+never changes (a fixed shape sends no byte more), and after a change that did not
+fit, room for the largest payload so far *with its metadata in front*: a change
+that fits (a shorter sequence, a packed row of another width, a new key set of no
+more bytes) is then **one message**, as the fast path is — the header (code 2), the
+new metadata and the data, all in the posted message; the receiver reads the
+metadata from host memory once. Variable lengths cost no message, wait or round
+trip that fixed ones do not (``benchmarks/variable_lengths.py`` counts them).
 
-On a control lane (device data) the data message has a **capacity**: the largest
-payload the channel carried so far, which both ends track alike (the receiver
-posts that many bytes, the sender sends that many, the payload at the front). A
-change whose payload fits the capacity (a shorter sequence, another dtype of no
-more bytes) sends its data *in* the posted device message; only the header and the
-new metadata cross the host lane (header code 2). Only a payload larger than any
+When a change does not fit (first use, a payload larger than any before), the
+sender knows what the receiver posted — a message of the capacity (16 bytes, or
+nothing on a control lane, when it sent none) — and still sends exactly that
+*void* message, flagged in its header (code 1), so the pre-posted receive
+matches; then the new metadata and the data follow as extra messages on the
+host lane (the same lane when fused), all with the channel's tag, and the
+capacity grows. Those extra messages are why the communication plan keeps at
+most one receive per channel posted ahead: a receive posted further ahead would
+take them. No manual reset exists or is needed.
+
+On a control lane (device data) the capacity of the data message is the largest
+payload the channel carried so far. A change whose payload fits it (a shorter
+sequence, another dtype of no more bytes) sends its data *in* the posted device
+message; only the header and the new metadata cross the host lane (header code 2). Only a payload larger than any
 before (and the first transfer) takes the host path above (code 1): extra device
 messages posted late would break the lane's posting order that the schedule proof
 relies on (a late device receive can deadlock under rendezvous sends), so the data
@@ -333,6 +342,8 @@ class Channel:
         #: Tensor bytes sent, by dtype name (``"bfloat16"``, ...): what the packed
         #: messages carry, which the transport only sees as bytes.
         self.payload: dict[str, int] = {}
+        #: Transfers sent whose metadata changed (the first one included), for benchmarks.
+        self.changes = 0
 
     # -- sending -----------------------------------------------------------------------
     def send_ops(self, obj: Any, where: str = "value") -> tuple[list[P2POp], list[P2POp]]:
@@ -348,25 +359,41 @@ class Channel:
             self._count(layout.dtype_bytes)
             if self.control is not None:
                 return self._in_place(tensors, layout, _UNCHANGED, [])
-            buf = torch.empty(layout.payload, dtype=torch.uint8, device=self.transport.device)
+            buf = torch.empty(self._sent_cap, dtype=torch.uint8, device=self.transport.device)
             layout.pack(tensors, buf)
             buf[:HEADER_BYTES].zero_()
-            self.bytes_sent += layout.payload
+            self.bytes_sent += self._sent_cap
             return [P2POp("send", buf, self.peer, self.tag)], []
+        self.changes += 1
         meta = encode(tensors, structure)
         layout = _Layout(meta, self._start)
-        if self.control is not None and self._sent_layout is not None \
-                and layout.payload <= self._sent_cap:  # fits the posted device message
+        if self._sent_layout is None or layout.payload + _inline(meta, self.control) \
+                > self._sent_cap:
+            ops = self._changed(tensors, meta, self._start)
+        elif self.control is not None:  # fits the posted device message
             meta_tensor = torch.tensor(meta, dtype=torch.int64)
             self.bytes_sent += meta_tensor.numel() * 8
             ops = self._in_place(tensors, layout, _header(2, len(meta)),
                                  [P2POp("send", meta_tensor, self.peer, self.tag)])
             self._sent_meta, self._sent_layout = meta, layout
-        else:
-            ops = self._changed(tensors, meta, self._start)
+        else:  # fused: the header, the metadata and the data in the posted message
+            ops = self._inline(tensors, meta, layout), []
+            self._sent_meta, self._sent_layout = meta, layout
         self._sent_key = key
         self._count(self._sent_layout.dtype_bytes)
         return ops
+
+    def _inline(self, tensors: list[torch.Tensor], meta: list[int], layout: _Layout
+                ) -> list[P2POp]:
+        """Fused, a change that fits the posted message: header (code 2) and metadata at
+        its front, the data after them (``layout`` shifted by the metadata's bytes)."""
+        buf = torch.empty(self._sent_cap, dtype=torch.uint8, device=self.transport.device)
+        shift = _inline(meta, None)
+        front = torch.tensor([2, len(meta), *meta], dtype=torch.int64)
+        buf[:front.numel() * 8].view(torch.int64).copy_(front)
+        layout.pack(tensors, buf[shift:])
+        self.bytes_sent += self._sent_cap
+        return [P2POp("send", buf, self.peer, self.tag)]
 
     def _in_place(self, tensors: list[torch.Tensor], layout: _Layout, header: torch.Tensor,
                   extra: list[P2POp]) -> tuple[list[P2POp], list[P2POp]]:
@@ -395,8 +422,8 @@ class Channel:
         if self.control is None:
             device = self.transport.device
             meta_tensor = torch.tensor(meta, dtype=torch.int64, device=device)
-            void = torch.zeros(old.payload if old is not None else HEADER_BYTES, dtype=torch.uint8,
-                               device=device)
+            void = torch.zeros(self._sent_cap if old is not None else HEADER_BYTES,
+                               dtype=torch.uint8, device=device)
             void[:HEADER_BYTES].view(torch.int64).copy_(_header(1, len(meta)))
             buf = torch.empty(layout.payload, dtype=torch.uint8, device=device)
             buf[:HEADER_BYTES].zero_()
@@ -404,6 +431,7 @@ class Channel:
             data_ops = [P2POp("send", void, self.peer, self.tag), P2POp("send", meta_tensor, self.peer, self.tag),
                         P2POp("send", buf, self.peer, self.tag)]
             self.bytes_sent += void.numel() + meta_tensor.numel() * 8 + buf.numel()
+            self._sent_cap = _grown(self._sent_cap, old, layout, meta)
         else:
             meta_tensor = torch.tensor(meta, dtype=torch.int64)
             if old is not None:  # the receiver posted a data receive of the capacity
@@ -425,7 +453,7 @@ class Channel:
         """The ops of the next receive, sized from the remembered metadata."""
         pending, layout = PendingRecv(), self._recv_layout
         if self.control is None:
-            size = layout.payload if layout is not None else HEADER_BYTES
+            size = self._recv_cap if layout is not None else HEADER_BYTES
             pending.buf = torch.empty(size, dtype=torch.uint8, device=self.transport.device)
             pending.ops.append(P2POp("recv", pending.buf, self.peer, self.tag))
         else:
@@ -454,11 +482,16 @@ class Channel:
                                 f"{self.peer}",
                                 hint="both sides must use the same pipekernel wire protocol")
             return self._recv_layout.unpack(pending.buf)
+        if changed == 2 and self.control is None:  # the metadata came in the message
+            shift = -(-8 * length // _ALIGN) * _ALIGN
+            meta = pending.buf[HEADER_BYTES:HEADER_BYTES + 8 * length].view(torch.int64)
+            layout = self._recv_layout = _Layout(meta.tolist(), self._start)  # host memory
+            return layout.unpack(pending.buf[shift:])
         lane = self.control if self.control is not None else self.transport
         meta = torch.empty(length, dtype=torch.int64, device=lane.device)
         lane.irecv(meta, self.peer, self.tag).wait()
-        layout = _Layout(meta.tolist(), self._start)  # host memory
-        self._recv_layout = layout
+        old, meta = self._recv_layout, meta.tolist()  # host memory
+        layout = self._recv_layout = _Layout(meta, self._start)
         if changed == 2:  # the data came in the posted device message
             return layout.unpack(pending.buf)
         buf = torch.empty(layout.payload, dtype=torch.uint8, device=lane.device)
@@ -466,7 +499,26 @@ class Channel:
         if self.control is not None:
             self._recv_cap = max(self._recv_cap, layout.payload)
             buf = buf.to(self.transport.device)
+        else:
+            self._recv_cap = _grown(self._recv_cap, old, layout, meta)
         return layout.unpack(buf)
+
+
+def _inline(meta: list[int], control: Any) -> int:
+    """Bytes a change puts before the data in the posted message: on a fused channel its
+    metadata (after the header, 16-byte aligned); on a control lane nothing (the metadata
+    crosses the host lane)."""
+    return 0 if control is not None else -(-8 * len(meta) // _ALIGN) * _ALIGN
+
+
+def _grown(cap: int, old: _Layout | None, layout: _Layout, meta: list[int]) -> int:
+    """A fused channel's message size after a change that did not fit ``cap``: the first
+    transfer's payload (a channel whose metadata never changes sends no more), after that
+    room for the largest payload so far with its metadata in front, so that every
+    change up to that size is one message."""
+    if old is None:
+        return layout.payload
+    return max(cap, layout.payload + _inline(meta, None))
 
 
 def _header(changed: int, length: int) -> torch.Tensor:
