@@ -60,7 +60,7 @@ import torch
 
 from pipekernel.errors import ConfigError
 
-__all__ = ["ExpertParallelGroup", "AllToAllClock", "timing", "group", "context", "lane", "make_group", "expert_groups", "mark",
+__all__ = ["ExpertParallelGroup", "AllToAllClock", "timing", "group", "context", "lane", "LANE", "make_group", "expert_groups", "mark",
            "is_expert", "check_config", "broadcast_experts", "gather_slices",
            "gather_layer_state", "shard_layer_state", "full_shapes", "whole_state_dict"]
 
@@ -91,7 +91,7 @@ class ExpertParallelGroup:
     def lane_handle(self) -> Any:
         """The process group of the current :func:`lane` (lane ``n`` modulo the lanes)."""
         lanes = self.lanes
-        return lanes[_LANE.get() % len(lanes)] if len(lanes) > 1 else lanes[0]
+        return lanes[LANE.get() % len(lanes)] if len(lanes) > 1 else lanes[0]
 
     @property
     def expert_data_rank(self) -> int:
@@ -141,8 +141,10 @@ class ExpertParallelGroup:
 _TRIVIAL = ExpertParallelGroup()
 _CURRENT: contextvars.ContextVar[ExpertParallelGroup] = contextvars.ContextVar(
     "pipekernel_expert_parallel_group", default=_TRIVIAL)
-_LANE: contextvars.ContextVar[int] = contextvars.ContextVar("pipekernel_expert_lane",
-                                                            default=0)
+#: The lane expert all-to-alls travel on (:func:`lane`); the stage runtime sets it directly
+#: around each compute instruction of a stage with several chunks (a context manager is
+#: about nine Python calls, on the hot path).
+LANE: contextvars.ContextVar[int] = contextvars.ContextVar("pipekernel_expert_lane", default=0)
 
 
 class AllToAllClock:
@@ -219,11 +221,11 @@ def timing(clock: AllToAllClock | None = None) -> Iterator[AllToAllClock]:
 def lane(number: int) -> Iterator[int]:
     """Inside the block, expert all-to-alls travel on lane ``number`` (modulo the group's
     lanes; the stage runtime passes the chunk being computed)."""
-    token = _LANE.set(number)
+    token = LANE.set(number)
     try:
         yield number
     finally:
-        _LANE.reset(token)
+        LANE.reset(token)
 
 
 def group() -> ExpertParallelGroup:

@@ -53,9 +53,11 @@ import torch
 from pipekernel.errors import DataError
 from pipekernel.nested import map_tensors
 
-__all__ = ["add_aux_loss", "aux_losses", "AttachAux", "attach", "collecting"]
+__all__ = ["add_aux_loss", "aux_losses", "AttachAux", "attach", "collecting", "COLLECTOR"]
 
-_COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+#: Where :func:`add_aux_loss` appends (``None``: nowhere); the stage runtime sets it directly
+#: around each forward (:func:`aux_losses` is the same, as a context manager).
+COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "pipekernel_aux_losses", default=None)
 
 
@@ -74,7 +76,7 @@ def add_aux_loss(value: torch.Tensor) -> None:
 
     :raises DataError: ``value`` is not a tensor with one element.
     """
-    into = _COLLECTOR.get()
+    into = COLLECTOR.get()
     if into is None or _in_backward():
         return
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
@@ -93,11 +95,11 @@ def aux_losses() -> Iterator[list[torch.Tensor]]:
     """Collect the :func:`add_aux_loss` calls made inside the block into the list it yields
     (for a forward outside an engine, e.g. a one-process reference)."""
     found: list[torch.Tensor] = []
-    token = _COLLECTOR.set(found)
+    token = COLLECTOR.set(found)
     try:
         yield found
     finally:
-        _COLLECTOR.reset(token)
+        COLLECTOR.reset(token)
 
 
 collecting = aux_losses  # what the stage runtime opens around a chunk's forward

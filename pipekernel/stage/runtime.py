@@ -13,6 +13,7 @@ transfers like the others; what they carry and where it goes is
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from pipekernel.schedules import instructions as isa
 from pipekernel.stage.device import to_device
 from pipekernel.errors import ConfigError, DataError, PipelineError
 from pipekernel.stage.aux_loss import attach as attach_aux
-from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.stage.aux_loss import COLLECTOR as AUX_COLLECTOR
 from pipekernel.stage.loss import TokenLoss
 from pipekernel.stage.fingerprint import fingerprint
 from pipekernel.kernel.program import LoadedProgram
@@ -179,7 +180,8 @@ class StageRuntime:
         self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
+        self._sends: deque[tuple] = deque()  # (handle, tensor) of sends in flight, oldest first
+        self._is_local: Sequence[bool] = ()  # the batch program's local flags, read per transfer
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
 
@@ -204,19 +206,22 @@ class StageRuntime:
         self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
         self.outputs, self.labels = [], {}
         self._program, self._at, self._recvs, self._local = program, -1, {}, {}
+        self._is_local = program.program.local if program is not None else ()
         self._counts = {}
 
     def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
         """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
         ``program``: ``(channels, groups)`` — per stream index, the channel of a remote
         transfer (one per channel key, made on first use and shared by every program of
-        this stage) and the group posted there as ``(index, is_send, channel, what)``."""
+        this stage) and the group posted there as ``(index, is_send, channel, what,
+        instruction)``."""
         channels: list[Channel | None] = [None] * len(program.stream)
         for index, number in enumerate(program.channel_of):
             if number is not None:
                 channels[index] = self._channel(program.channels[number])
-        groups = tuple(tuple((index, isinstance(program.stream[index], SENDS), channels[index],
-                              _WHAT.get(type(program.stream[index]), "value"))
+        stream = program.stream
+        groups = tuple(tuple((index, isinstance(stream[index], SENDS), channels[index],
+                              _WHAT.get(type(stream[index]), "value"), stream[index])
                              for index in group) for group in program.posts)
         return tuple(channels), groups
 
@@ -251,25 +256,30 @@ class StageRuntime:
 
     def flush(self) -> None:
         """Wait for every send still in flight."""
-        sends, self._sends = self._sends, []
+        sends, self._sends = self._sends, deque()
         for handle, _ in sends:
             handle.wait()
 
-    def _prune_sends(self) -> None:
+    def _prune_sends(self, every: bool = False) -> None:
         """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
-        buffer lives exactly as long as its transfer: a query, no device sync."""
-        if any(handle.is_completed() for handle, _ in self._sends):
-            for handle, _ in self._sends:
+        buffer lives as long as its transfer: a query, no device sync. At each post only
+        the oldest ones (sends finish about in posting order: one query per post when
+        none did); ``every``: all of them (exact memory accounting)."""
+        sends = self._sends
+        while sends and sends[0][0].is_completed():
+            sends.popleft()[0].wait()
+        if every and sends:
+            for handle, _ in sends:
                 if handle.is_completed():
                     handle.wait()
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
+            self._sends = deque(s for s in sends if not s[0].is_completed())
 
     def held_tensors(self) -> list[Any]:
         """What the runtime holds now, for memory accounting (stage/memory.py): every
         buffer's fields (inputs, outputs held until sent, gradients, skip stashes, the
         weight-pass state), posted receives, send buffers whose transfer has not
         completed, and hand-offs within the stage."""
-        self._prune_sends()
+        self._prune_sends(every=True)
         held: list[Any] = [b for b in self.buffers if b is not _EMPTY]
         held += [t for _, t in self._sends]
         held += list(self._recvs.values())
@@ -280,7 +290,7 @@ class StageRuntime:
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
         more; the process group is destroyed by the transport's ``close()``)."""
-        self._sends, self._recvs, self._local = [], {}, {}
+        self._sends, self._recvs, self._local = deque(), {}, {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         table: dict[type, Callable[[Any], Any]] = {
@@ -349,11 +359,10 @@ class StageRuntime:
         data: list[Any] = []
         control: list[Any] = []
         spans = []
-        stream = self._program.stream
-        for index, is_send, channel, what in group:
+        for index, is_send, channel, what, instruction in group:
             if is_send:
                 pending = None
-                ops, ctrl = channel.send_ops(self._payload(stream[index]), what)
+                ops, ctrl = channel.send_ops(self._payload(instruction), what)
             else:
                 pending = channel.recv_ops()
                 self._recvs[index] = pending
@@ -411,7 +420,7 @@ class StageRuntime:
 
     def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
         index = self._at
-        if self._program.program.local[index]:
+        if self._is_local[index]:
             key = (type(instruction), instruction.chunk, instruction.micro_batch,
                    getattr(instruction, "peer", None))
             if key not in self._local:
@@ -427,9 +436,8 @@ class StageRuntime:
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
         index = self._at
-        program = self._program.program
-        if program.local[index]:
-            peer_chunk = program.peers[index][1]
+        if self._is_local[index]:
+            peer_chunk = self._program.program.peers[index][1]
             # a skip hand-off is found by the position it comes from
             source = self.positions[instruction.chunk] \
                 if isinstance(instruction, isa.SkipInstruction) else None
@@ -471,11 +479,15 @@ class StageRuntime:
     def forward(self, instruction: isa.Forward) -> None:
         buffer = self.forward_inputs(instruction)
         chunk = instruction.chunk
-        with collect_aux() as aux:
+        aux: list[torch.Tensor] = []
+        token = AUX_COLLECTOR.set(aux)  # what aux_loss.collecting() does, without its calls
+        try:
             if self._skips is None:
                 outputs = self.run_part(chunk, buffer.inputs)
             else:
                 outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
+        finally:
+            AUX_COLLECTOR.reset(token)
         self.forward_done(instruction, buffer, outputs, aux)
 
     def forward_inputs(self, instruction: isa.Forward) -> Buffer:
@@ -489,10 +501,16 @@ class StageRuntime:
     def run_part(self, chunk: int, inputs: Any) -> Any:
         """``chunk``'s layers on ``inputs`` through the precision policy, its expert
         all-to-alls on the chunk's lane (:func:`pipekernel.grid.expert_parallel.lane`)."""
-        with expert_parallel.lane(chunk):
+        # the chunk's lane, as expert_parallel.lane(chunk) without a context manager's
+        # calls; one chunk: lane 0, the default, nothing to set
+        token = expert_parallel.LANE.set(chunk) if self.chunks > 1 else None
+        try:
             return self.precision.forward(self.parts[chunk], inputs,
                                           first=chunk == self.first_chunk,
                                           last=chunk == self.last_chunk)
+        finally:
+            if token is not None:
+                expert_parallel.LANE.reset(token)
 
     def forward_done(self, instruction: isa.Forward, buffer: Buffer, outputs: Any,
                      aux: list[torch.Tensor], loss: Any = None) -> None:
@@ -618,11 +636,15 @@ class StageRuntime:
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self.backward_begin(instruction)
         loss, outputs, grads = self.backward_roots(instruction, buffer)
-        with expert_parallel.lane(instruction.chunk):
+        token = expert_parallel.LANE.set(instruction.chunk) if self.chunks > 1 else None
+        try:  # the chunk's lane, as in run_part
             if loss is not None:
                 loss.backward()
             elif outputs:
                 torch.autograd.backward(outputs, grads)
+        finally:
+            if token is not None:
+                expert_parallel.LANE.reset(token)
         self.backward_done(instruction, buffer)
 
     def backward_begin(self, instruction: isa.Backward) -> Buffer:
@@ -740,6 +762,7 @@ class StageRuntime:
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
+
 
 
 def _same(obj: Any) -> Any:
