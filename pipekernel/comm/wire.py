@@ -339,9 +339,10 @@ class Channel:
         self._sent_cap = self._recv_cap = 0
         #: Bytes this channel put on the wire (data, headers and metadata), for benchmarks.
         self.bytes_sent = 0
-        #: Tensor bytes sent, by dtype name (``"bfloat16"``, ...): what the packed
-        #: messages carry, which the transport only sees as bytes.
-        self.payload: dict[str, int] = {}
+        # tensor bytes sent with earlier layouts, by dtype name, and how many transfers
+        # the current one carried: counted per transfer without a call (``payload``)
+        self._payload: dict[str, int] = {}
+        self._layout_sends = 0
         #: Transfers sent whose metadata changed (the first one included), for benchmarks.
         self.changes = 0
 
@@ -356,7 +357,7 @@ class Channel:
         key = (structure, [(t.dtype, t.requires_grad, t.shape) for t in tensors])
         if key == self._sent_key:
             layout = self._sent_layout
-            self._count(layout.dtype_bytes)
+            self._layout_sends += 1
             if self.control is not None:
                 return self._in_place(tensors, layout, _UNCHANGED, [])
             buf = torch.empty(self._sent_cap, dtype=torch.uint8, device=self.transport.device)
@@ -365,6 +366,7 @@ class Channel:
             self.bytes_sent += self._sent_cap
             return [P2POp("send", buf, self.peer, self.tag)], []
         self.changes += 1
+        self._payload = self.payload  # the old layout's transfers folded in
         meta = encode(tensors, structure)
         layout = _Layout(meta, self._start)
         if self._sent_layout is None or layout.payload + _inline(meta, self.control) \
@@ -380,7 +382,7 @@ class Channel:
             ops = self._inline(tensors, meta, layout), []
             self._sent_meta, self._sent_layout = meta, layout
         self._sent_key = key
-        self._count(self._sent_layout.dtype_bytes)
+        self._layout_sends = 1
         return ops
 
     def _inline(self, tensors: list[torch.Tensor], meta: list[int], layout: _Layout
@@ -405,10 +407,15 @@ class Channel:
         return ([P2POp("send", buf, self.peer, self.tag)],
                 [P2POp("send", header, self.peer, self.tag), *extra])
 
-    def _count(self, dtype_bytes: dict[str, int]) -> None:
-        payload = self.payload
-        for name, nbytes in dtype_bytes.items():
-            payload[name] = payload.get(name, 0) + nbytes
+    @property
+    def payload(self) -> dict[str, int]:
+        """Tensor bytes sent, by dtype name (``"bfloat16"``, ...): what the packed
+        messages carry, which the transport only sees as bytes."""
+        total = dict(self._payload)
+        if self._sent_layout is not None:
+            for name, nbytes in self._sent_layout.dtype_bytes.items():
+                total[name] = total.get(name, 0) + nbytes * self._layout_sends
+        return total
 
     def _changed(self, tensors: list[torch.Tensor], meta: list[int], start: int
                  ) -> tuple[list[P2POp], list[P2POp]]:

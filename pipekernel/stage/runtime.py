@@ -161,8 +161,9 @@ class StageRuntime:
         self._next_compute: tuple[Any, list] | None = None
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
-        self._split = wire.split if wire is not None else _same
-        self._join = wire.join if wire is not None else _same
+        # None: objects travel as they are (no identity call per transfer)
+        self._split = wire.split if wire is not None else None
+        self._join = wire.join if wire is not None else None
         self._skips = skips
         self._channels: dict[tuple[type, int, int | None], Channel] = {}
         self.buffers: list[Buffer] = []
@@ -180,7 +181,7 @@ class StageRuntime:
         self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: deque[tuple] = deque()  # (handle, tensor) of sends in flight, oldest first
+        self._sends: deque[tuple] = deque()  # (handle, P2POp) of sends in flight, oldest first
         self._is_local: Sequence[bool] = ()  # the batch program's local flags, read per transfer
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
@@ -281,7 +282,7 @@ class StageRuntime:
         completed, and hand-offs within the stage."""
         self._prune_sends(every=True)
         held: list[Any] = [b for b in self.buffers if b is not _EMPTY]
-        held += [t for _, t in self._sends]
+        held += [op.tensor for _, op in self._sends]
         held += list(self._recvs.values())
         held += list(self._local.values())
         held += list(self.labels.values())
@@ -367,32 +368,36 @@ class StageRuntime:
                 pending = channel.recv_ops()
                 self._recvs[index] = pending
                 ops, ctrl = pending.ops, pending.control_ops
-            spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
+            spans.append((pending, ops, ctrl))
             data += ops
             control += ctrl
         control_handles = self.transport.control.batch_isend_irecv(control) if control else []
         handles = self.transport.batch_isend_irecv(data) if data else []
         self._prune_sends()
-        for pending, d0, dn, c0, cn in spans:
-            if pending is None:
-                self._sends += [(h, op.tensor) for h, op in
-                                zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
-                self._sends += [(h, op.tensor) for h, op in
-                                zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
+        sends, d, c = self._sends, 0, 0
+        for pending, ops, ctrl in spans:
+            dn, cn = d + len(ops), c + len(ctrl)
+            if pending is None:  # kept with their ops (so their tensors) until completed
+                sends.extend(zip(handles[d:dn], ops))
+                if ctrl:
+                    sends.extend(zip(control_handles[c:cn], ctrl))
             else:
-                pending.handles = handles[d0:d0 + dn]
-                pending.control_handles = control_handles[c0:c0 + cn]
+                pending.handles = handles[d:dn]
+                pending.control_handles = control_handles[c:cn]
+            d, c = dn, cn
 
     def _payload(self, instruction: isa.Instruction) -> Any:
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SkipInstruction):
             return self._skips.payload(instruction, buffer.skips)
         if isinstance(instruction, isa.SendActivation):
+            obj = buffer.outputs
             if self.check_data:
-                flatten(buffer.outputs, "outputs")  # names the path without the wrapper
-                return self._split((buffer.outputs, self._fingerprint(instruction.micro_batch)))
-            return self._split(buffer.outputs)
-        return self._split(buffer.input_grads)
+                flatten(obj, "outputs")  # names the path without the wrapper
+                obj = (obj, self._fingerprint(instruction.micro_batch))
+        else:
+            obj = buffer.input_grads
+        return obj if self._split is None else self._split(obj)
 
     def _fingerprint(self, micro_batch: int) -> torch.Tensor:
         fp = self._fingerprints.get(micro_batch)
@@ -429,7 +434,9 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        obj = self._join(self._program.channels[index].finish(pending))
+        obj = self._program.channels[index].finish(pending)
+        if self._join is not None:
+            obj = self._join(obj)
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
@@ -763,10 +770,6 @@ class StageRuntime:
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
 
-
-
-def _same(obj: Any) -> Any:
-    return obj
 
 
 def _detach_like(obj: Any) -> Any:
