@@ -39,6 +39,42 @@ def lm(num_stages: int | None = None) -> pk.PipelineModule:
                              partition="uniform", seed=3)
 
 
+class Packed(nn.Module):
+    """ids -> ``{"hidden", "position_ids"}``: a packed row (documents restarting their
+    positions) crossing the stage boundary as a dict of a float and an int64 tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        width = h.shape[1]
+        positions = torch.arange(width) % max(1, width // 2)  # two documents per row
+        return {"hidden": torch.tanh(self.lin(h)),
+                "position_ids": positions.expand(h.shape[0], width).contiguous()}
+
+
+class Unpack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(DIM, DIM)
+
+    def forward(self, packed: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(self.lin(packed["hidden"])) \
+            + 0.01 * packed["position_ids"].unsqueeze(-1).float()
+
+
+def packed_lm(num_stages: int | None = None) -> pk.PipelineModule:
+    """Stage 0 ends in :class:`Packed`: its rows of another width each micro-batch."""
+    layers = [pk.LayerSpec(nn.Embedding, VOCAB, DIM), pk.LayerSpec(Packed),
+              pk.LayerSpec(Unpack), pk.LayerSpec(nn.Linear, DIM, VOCAB)]
+    return pk.PipelineModule(layers, loss_fn=loss_fn, num_stages=num_stages,
+                             partition="uniform", seed=3)
+
+
+MODELS = {"plain": lm, "packed": packed_lm}
+
+
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
@@ -98,12 +134,12 @@ class _Counted:
         return self._handle.is_completed()
 
 
-def count_worker(lengths: list[int], steps: int
+def count_worker(lengths: list[int], steps: int, model: str = "plain"
                  ) -> tuple[list[dict[str, int]], list[float], dict[str, torch.Tensor]]:
-    """``(per step this rank's counts, losses, final weights)``; through :func:`run_ranks`,
-    2 ranks. Step ``s`` trains on :func:`batch` ``(s, lengths)``."""
+    """``(per step this rank's counts, losses, final weights)`` of ``MODELS[model]``;
+    through :func:`run_ranks`, 2 ranks. Step ``s`` trains on :func:`batch` ``(s, lengths)``."""
     torch.set_num_threads(1)
-    engine = pk.PipelineEngine(lm(2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    engine = pk.PipelineEngine(MODELS[model](2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                                micro_batches=len(lengths), timeout=60, check_data_steps=0)
     counts = Counts(engine.transport)
     channels = engine.runtime._channels
@@ -124,9 +160,11 @@ def count_worker(lengths: list[int], steps: int
 
 
 def measure(steps: int = 3) -> dict[str, list[tuple]]:
-    """``{"fixed": per rank what count_worker returns, "variable": ...}``."""
-    return {name: run_ranks(count_worker, 2, lengths, steps, timeout=240)
-            for name, lengths in (("fixed", FIXED), ("variable", VARIABLE))}
+    """``{"fixed": per rank what count_worker returns, "variable": ..., "packed fixed":
+    ..., "packed variable": ...}``."""
+    return {f"{'packed ' if model == 'packed' else ''}{name}":
+            run_ranks(count_worker, 2, lengths, steps, model, timeout=240)
+            for model in MODELS for name, lengths in (("fixed", FIXED), ("variable", VARIABLE))}
 
 
 def main() -> None:
@@ -134,7 +172,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     results = measure(args.steps)
-    print(f"fixed lengths {FIXED}, variable {VARIABLE}; 2 stages, 1f1b, gloo")
+    print(f"fixed lengths {FIXED}, variable {VARIABLE}; 2 stages, 1f1b, gloo; packed: "
+          f"a dict of hidden states and position ids crosses the boundary")
     print("| case | rank | step | posted | extra | waits | reads | meta changes |")
     print("|---|---|---|---|---|---|---|---|")
     for name, per_rank in results.items():

@@ -1,5 +1,5 @@
 """Variable lengths at speed (issue 44, item 4): a batch of 8 micro-batches of 8 different
-lengths costs the messages, waits and host reads of the same batch with one length, plus
+lengths (or packed rows of 8 widths) costs the messages, waits and host reads of the same batch with one length, plus
 exactly one read of each transfer's new metadata; nothing grows from step to step.
 
 Counted through a real 2-rank gloo run (benchmarks/variable_lengths.py, whose table is in
@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import pytest  # noqa: E402
 import variable_lengths as vl  # noqa: E402
 
 from pipekernel.testing import assert_parity, reference_train, run_ranks  # noqa: E402
@@ -21,9 +22,12 @@ from pipekernel.testing import assert_parity, reference_train, run_ranks  # noqa
 STEPS = 3
 
 
-def test_eight_lengths_cost_what_one_length_does_plus_the_metadata_reads():
-    fixed = run_ranks(vl.count_worker, 2, vl.FIXED, STEPS, timeout=240)
-    variable = run_ranks(vl.count_worker, 2, vl.VARIABLE, STEPS, timeout=240)
+@pytest.mark.parametrize("model", list(vl.MODELS))
+def test_eight_lengths_cost_what_one_length_does_plus_the_metadata_reads(model):
+    """``plain``: one activation tensor; ``packed``: packed rows of 8 widths, a dict of
+    hidden states and position ids crossing the boundary."""
+    fixed = run_ranks(vl.count_worker, 2, vl.FIXED, STEPS, model, timeout=240)
+    variable = run_ranks(vl.count_worker, 2, vl.VARIABLE, STEPS, model, timeout=240)
     for rank in range(2):
         peer = 1 - rank
         for step in range(1, STEPS):  # step 0 sizes the messages (the first transfers)
@@ -39,10 +43,12 @@ def test_eight_lengths_cost_what_one_length_does_plus_the_metadata_reads():
             assert case[rank][0][1] == case[rank][0][STEPS - 1], case[rank][0]
 
 
-def test_eight_lengths_train_as_one_process_does():
-    results = run_ranks(vl.count_worker, 2, vl.VARIABLE, STEPS, timeout=240)
+@pytest.mark.parametrize("model", list(vl.MODELS))
+def test_eight_lengths_train_as_one_process_does(model):
+    results = run_ranks(vl.count_worker, 2, vl.VARIABLE, STEPS, model, timeout=240)
     batches = [[vl.batch(step, vl.VARIABLE)] for step in range(STEPS)]
     ref_losses, ref_state = reference_train(
-        vl.lm(), lambda p: vl.torch.optim.SGD(p, lr=0.1), batches, vl.MICRO_BATCHES)
+        vl.MODELS[model](), lambda p: vl.torch.optim.SGD(p, lr=0.1), batches,
+        vl.MICRO_BATCHES)
     for _, losses, state in results:
         assert_parity(losses, ref_losses, state, ref_state)
