@@ -50,6 +50,11 @@ def _positive(cfg: TrainConfig) -> None:
     if not isinstance(cfg.save_every, int) or cfg.save_every < 0:
         raise pk.ConfigError(f"--save-every must be 0 or a positive integer, got "
                              f"{cfg.save_every!r}", hint="pass --save-every 100, or 0 for none")
+    for name in ("check_every", "verify_every"):
+        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise pk.ConfigError(f"{flag} must be 0 or a positive integer, got {value!r}",
+                                 hint=f"pass {flag} 100, or 0 for never")
     if not isinstance(cfg.keep_last, int) or cfg.keep_last < 0:
         raise pk.ConfigError(f"--keep-last must be 0 or a positive integer, got "
                              f"{cfg.keep_last!r}", hint="pass --keep-last 3, or 0 to keep all")
@@ -390,6 +395,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         expert_parallel_size=cfg.expert_parallel,
         loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
+        check_every=cfg.check_every or None,
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
 
@@ -448,6 +454,8 @@ def _train(engine: pk.PipelineEngine, cfg: TrainConfig, train_ids: Any,
         t0 = time.perf_counter()
         batch = _batch(train_ids, cfg, step, engine.data_parallel_rank)
         batch = hf_model.as_dicts(batch) if cfg.hf else batch
+        if cfg.verify_every and (step + 1) % cfg.verify_every == 0:
+            engine.verify_batch(iter(batch))  # the same batch, replayed; then trained
         loss = float(engine.train_batch(iter(batch)))
         losses.append(loss)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:

@@ -359,8 +359,24 @@ def test_train_flags_resume_and_keep_last_parse():
 
 @pytest.mark.parametrize("flags,text", [
     (["--keep-last", "-1"], "--keep-last must be 0 or a positive integer"),
+    (["--verify-every", "-1"], "--verify-every must be 0 or a positive integer"),
+    (["--check-every", "-2"], "--check-every must be 0 or a positive integer"),
     (["--resume", "ck/global_step2"], "--resume 'ck/global_step2' is not a checkpoint tag")])
 def test_train_refuses_a_bad_keep_last_or_tag_before_starting_processes(capsys, flags, text):
     assert cli.main(["train", *flags]) == 1
     err = capsys.readouterr().err
     assert text in err and "how to fix" in err and "Traceback" not in err
+
+
+@pytest.mark.multirank
+def test_train_verify_every_replays_and_trains(tmp_path):
+    """--verify-every 1: every batch is replayed on every stage, then trained (a clean
+    model passes); --check-every 1 runs the sentinel after every step."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--steps", "3", "--verify-every", "1", "--check-every", "1",
+                     "--schedule", "zbv", "--no-progress", "--out", str(out),
+                     "--dim", "16", "--layers", "2", "--heads", "2", "--context", "8",
+                     "--micro-batch-size", "2", "--corpus-bytes", "20000",
+                     "--sample-bytes", "0"]) == 0
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["config"]["verify_every"] == 1 and summary["config"]["check_every"] == 1

@@ -244,7 +244,9 @@ class PipelineEngine(EngineFields):
         return load_program(self, program)
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
-             keep_outputs: bool) -> torch.Tensor | None:
+             keep_outputs: bool, wrap: Any = None) -> torch.Tensor | None:
+        """One batch of schedule ``cls``; ``wrap(loaded program)`` is the program run
+        instead (the replay check's recording: :mod:`pipekernel.engine.replay`)."""
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
         batch_fn = getattr(self.pipeline_module, "batch_fn", None)
@@ -256,6 +258,8 @@ class PipelineEngine(EngineFields):
         try:
             agree_micro_batches(self)
             program = self._program(cls)
+            if wrap is not None:
+                program = wrap(program)
             self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
             self.runtime.begin(data_iter, self.micro_batches, program.program.num_buffers, program,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
@@ -341,6 +345,30 @@ class PipelineEngine(EngineFields):
             metrics["check_seconds"] = checked
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
         return loss  # type: ignore[return-value]
+
+    def verify_batch(self, data_iter: Iterator | None = None,
+                     micro_batches: int | None = None) -> torch.Tensor:
+        """Check one batch by replaying it (:mod:`pipekernel.engine.replay`): run it through
+        the schedule, recording what each stage's compute saw, then re-run its micro-batches
+        on every stage in the plainest order (full backward, no recomputation, no split, no
+        pairs, no overlap) and compare the gradients. Nothing is reduced or stepped: the
+        weights, optimizer and step counters stay as they were, and the batch's gradients
+        are dropped. Every rank calls it, like :meth:`train_batch`; it costs about three
+        times a batch.
+
+        :returns: the batch's mean loss, as :meth:`train_batch` would.
+        :raises ConsistencyError: on every rank (``check="replay"``) when a stage's
+            gradients differ, naming the stage, rank and module.
+        :raises ConfigError: when a stage cannot replay (why and what to change).
+        """
+        from pipekernel.engine.replay import verify
+
+        self._check_loss_fn("verify_batch")
+        if not self.schedule_cls.trains:
+            raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
+                              hint="verify_batch checks a training schedule's batch")
+        with self._micro_batches_for(micro_batches):
+            return verify(self, data_iter)
 
     def _check_invariants(self, sentinel: Sentinel) -> float:
         """Run the sentinel's checks (every rank together); their seconds. A failure ends
