@@ -62,6 +62,43 @@ def test_the_hash_is_the_same_on_the_gpu():
 
 
 @pytest.mark.fast
+def test_object_hash_sees_a_lost_key_a_flipped_byte_and_a_changed_container():
+    from pipekernel.engine.sentinel import object_hash
+
+    x = {"hidden": torch.randn(2, 3), "position_ids": torch.arange(6).view(2, 3)}
+    h = int(object_hash(x))
+    assert int(object_hash({k: v.clone() for k, v in x.items()})) == h
+    assert int(object_hash({"hidden": x["hidden"]})) != h
+    assert int(object_hash((x["hidden"], x["position_ids"]))) != h
+    flipped = x["hidden"].clone()
+    flipped.reshape(-1).view(torch.uint8)[5] ^= 1
+    assert int(object_hash({**x, "hidden": flipped})) != h
+
+
+@pytest.mark.fast
+def test_both_ends_of_a_transfer_add_into_the_same_slot():
+    """A send at position p and its receive at p + 1 (activations), or a gradient sent at
+    p + 1 and received at p, land in one slot; the micro-batch weighs in."""
+    from pipekernel.engine.sentinel import TransferSums
+    from pipekernel.schedules import instructions as isa
+
+    t = torch.randn(4)
+    for send, recv, at in ((isa.SendActivation, isa.RecvActivation, (2, 3)),
+                           (isa.SendGrad, isa.RecvGrad, (3, 2))):
+        a, b = TransferSums(1, 6, "cpu"), TransferSums(1, 6, "cpu")
+        a.add(send(micro_batch=1, buffer=0, chunk=0), at[0], t)
+        b.add(recv(micro_batch=1, buffer=0, chunk=0), at[1], t.clone())
+        assert a.sums.keys() == b.sums.keys() and len(a.sums) == 1
+        assert [int(v) for v in a.sums.values()] == [int(v) for v in b.sums.values()]
+        c = TransferSums(1, 6, "cpu")
+        c.add(recv(micro_batch=2, buffer=0, chunk=0), at[1], t)
+        assert [int(v) for v in c.sums.values()] != [int(v) for v in b.sums.values()]
+    skip = TransferSums(0, 6, "cpu")
+    skip.add(isa.SendSkip(micro_batch=0, buffer=0, chunk=0), 1, t)
+    assert skip.sums == {}
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10"])
 def test_check_every_refuses_what_is_not_a_positive_int(bad):
     with pytest.raises(pk.ConfigError, match=r"check_every must be a positive int or None"):

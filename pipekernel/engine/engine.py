@@ -327,12 +327,15 @@ class PipelineEngine(EngineFields):
         start, state, step = time.perf_counter(), self.state, self.batch_step
         self.pm.hook.pipekernel_before_train_batch(engine=self)
         self.module.train()
+        sentinel = self.sentinel
+        if sentinel is not None and sentinel.due(state.global_steps + 1):
+            self.runtime.transfer_sums = sentinel.transfer_sums()  # read by its check
         loss = self._run(self.schedule_cls, data_iter, True, False)
         state.global_steps += 1
         state.trained_micro_batches += self.micro_batches
         state.skipped_steps += not step.last_step_taken
         state.last_loss, state.last_grad_norm = loss, step.last_grad_norm
-        sentinel, checked = self.sentinel, None
+        checked = None
         if sentinel is not None and sentinel.due(state.global_steps):
             checked = self._check_invariants(sentinel)
         metrics = {"step": state.global_steps, "seconds": time.perf_counter() - start,

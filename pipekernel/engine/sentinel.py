@@ -9,8 +9,12 @@ over the world, built on the device without a host read per tensor:
   compared under ZeRO-1, where it is sharded by design; expert slices under expert
   parallelism are left out: they differ over the data-parallel group by design);
 * **tied**: the copies of a tied layer on different stages are bit-identical;
-* **normalisation**: every rank used the same micro-batch count and the same gradient
-  scale (``loss_reduction="tokens"``) for the step.
+* **normalisation**: every rank used the same micro-batch count, the same gradient
+  scale (``loss_reduction="tokens"``) and the same loss divisor in its backward for the step;
+* **transfers**: during the checked step's batch, every activation and gradient a stage
+  received equals what its sender sent: both ends hash each transfer (the object as the
+  model sees it: structure, dict keys, every tensor's bytes; before the wire splits it and
+  after it joins it) into one sum per pipeline link and direction (:class:`TransferSums`).
 
 Each value is an exact hash of a tensor's bytes (:func:`tensor_hash`) — not a float sum,
 so one flipped bit shows. Each slot carries ``(h, -h)``; after the ``max`` reduction a slot
@@ -25,10 +29,15 @@ from typing import Any
 
 import torch
 
+import zlib
+
+from pipekernel.comm.wire import flatten
 from pipekernel.errors import ConfigError, ConsistencyError
 from pipekernel.grid.expert_parallel import is_expert
+from pipekernel.schedules import instructions as isa
 
-__all__ = ["DEFAULT_CHECK_EVERY", "check_every_option", "Sentinel", "tensor_hash"]
+__all__ = ["DEFAULT_CHECK_EVERY", "check_every_option", "Sentinel", "TransferSums",
+           "tensor_hash", "object_hash"]
 
 #: default ``check_every``: measured at well under 2% of step time (docs/faults.md)
 DEFAULT_CHECK_EVERY = 100
@@ -38,6 +47,9 @@ _MASK = (1 << 62) - 1  # hashes stay in [0, 2**62): -h never overflows, and -2**
 _NONE = -(1 << 62)
 _CHUNK = 1 << 24  # elements hashed at once: bounds the int64 workspace (128 MiB)
 _NAME_BYTES = 200
+#: the normalisation slots: the batch's count, the token scale, the divisor the backward used
+_NORM_NAMES = ("micro-batch count", "gradient scale", "loss divisor of the backward")
+_NORM = len(_NORM_NAMES)
 
 
 def check_every_option(value: Any) -> int | None:
@@ -86,6 +98,44 @@ def tensor_hash(tensor: torch.Tensor) -> torch.Tensor:
     return total.bitwise_and(_MASK).bitwise_xor(total.bitwise_right_shift(62).bitwise_and(3))
 
 
+def object_hash(obj: Any) -> torch.Tensor:
+    """An exact hash of a nested object (what crosses a stage boundary): its structure
+    (containers, dict keys, scalars) and every tensor's bytes, in order."""
+    tensors, structure = flatten(obj)
+    total: Any = zlib.crc32(repr(structure).encode())
+    for i, t in enumerate(tensors):
+        total = tensor_hash(t) * (2 * i + 3) + total
+    if not isinstance(total, torch.Tensor):
+        return torch.tensor(total & _MASK, dtype=torch.int64)
+    return total.bitwise_and(_MASK)
+
+
+#: (edge offset from the position, direction) of each transfer instruction: a link is the
+#: edge between positions ``e`` and ``e + 1``; direction 0 carries activations, 1 gradients
+_LINK = {isa.SendActivation: (0, 0), isa.RecvActivation: (-1, 0),
+         isa.SendGrad: (-1, 1), isa.RecvGrad: (0, 1)}
+
+
+class TransferSums:
+    """One batch's transfer hashes on one rank, by link slot: the stage runtime calls
+    :meth:`add` for each activation or gradient it sends to or receives from another stage
+    (``runtime.transfer_sums``, set only for a checked step's batch)."""
+
+    def __init__(self, pipeline: int, positions: int, device: Any) -> None:
+        self.base = pipeline * positions * 2
+        self.device = device
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def add(self, instruction: Any, position: int, obj: Any) -> None:
+        link = _LINK.get(type(instruction))
+        if link is None:  # skip connections' transfers: not hashed
+            return
+        offset, direction = link
+        slot = self.base + (position + offset) * 2 + direction
+        h = object_hash(obj).to(self.device) * (2 * instruction.micro_batch + 1)
+        self.sums[slot] = (self.sums[slot] + h if slot in self.sums else h).bitwise_and(_MASK)
+
+
 @dataclass
 class _Slot:
     """One compared value: which check, where it sits in the vector, what it names."""
@@ -110,9 +160,16 @@ class Sentinel:
         self.width: int | None = None  # parameters per stage slot (the most of any stage)
         self.tied_width: int | None = None
         self.last_clean: int | None = None
+        self.positions = engine.num_stages * engine.chunks
+        self.pipelines = topo.data_size * topo.model_size  # each reads its own micro-batches
+        self.pipeline = topo.data_rank * topo.model_size + topo.model_rank
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
+
+    def transfer_sums(self) -> TransferSums:
+        """A fresh :class:`TransferSums` for a checked step's batch (the runtime's)."""
+        return TransferSums(self.pipeline, self.positions, self.engine.transport.device)
 
     # -- what this rank contributes ---------------------------------------------------
     def _params(self) -> list[tuple[str, torch.Tensor]]:
@@ -147,7 +204,7 @@ class Sentinel:
         """Where the tied section, the normalisation section and the end are."""
         tied = self.engine.num_stages * self.cells * self.width * 2
         norm = tied + len(self.tied_keys) * self.cells * self.tied_width
-        return tied, norm, norm + 2
+        return tied, norm, norm + _NORM + self.pipelines * self.positions * 2
 
     def _describe(self, index: int) -> _Slot:
         """What slot ``index`` of the vector compares (the same on every rank)."""
@@ -161,8 +218,19 @@ class Sentinel:
             return _Slot("tied", f"tied layer {key!r} parameter #"
                                  f"{(index - tied) % self.tied_width}", None,
                          f" (its copies on stages {self.tied_stages[key]})")
-        return _Slot("normalisation", ("micro-batch count", "gradient scale")[index - norm],
-                     None)
+        if index < norm + _NORM:
+            return _Slot("normalisation", _NORM_NAMES[index - norm], None)
+        return self._describe_transfer(index - norm - _NORM)
+
+    def _describe_transfer(self, link: int) -> _Slot:
+        pipeline, rest = divmod(link, self.positions * 2)
+        edge, direction = divmod(rest, 2)
+        stages = self.engine.part_stages
+        src, dst = (edge, edge + 1) if direction == 0 else (edge + 1, edge)
+        what = ("activations", "gradients")[direction]
+        return _Slot("transfers", f"the hash of the {what} stage {stages[src]} sent to stage "
+                                  f"{stages[dst]} (pipeline positions {src} -> {dst}, "
+                                  f"pipeline {pipeline}) at its two ends", stages[dst])
 
     def _mine(self, device: Any) -> tuple[torch.Tensor, list[int]]:
         """This rank's hashes and the slot index of each."""
@@ -181,8 +249,15 @@ class Sentinel:
         step = engine.batch_step
         scale = torch.tensor(float(getattr(step, "last_grad_scale", 1.0)), dtype=torch.float64)
         values += [torch.tensor(step.micro_batches, dtype=torch.int64, device=device),
-                   tensor_hash(scale.to(device))]
-        where += [norm, norm + 1]
+                   tensor_hash(scale.to(device)),
+                   torch.tensor(engine.runtime.micro_batches, dtype=torch.int64, device=device)]
+        where += [norm, norm + 1, norm + 2]
+        sums = getattr(engine.runtime, "transfer_sums", None)
+        if sums is not None:  # the checked batch's transfers (armed by the engine)
+            engine.runtime.transfer_sums = None
+            for slot, value in sorted(sums.sums.items()):
+                values.append(value)
+                where.append(norm + _NORM + slot)
         return torch.stack(values), where
 
     # -- the check ----------------------------------------------------------------------
@@ -270,6 +345,11 @@ _HINTS = {
     "tied": "a tied layer's copies diverged: its gradients were not summed over the "
             "stages holding it (ReduceTiedGrads) or one copy was changed outside the "
             "engine; restart from the last checkpoint",
+    "transfers": "a stage received an activation or gradient that is not what its sender "
+                 "sent (a flipped bit on the link or in memory, a buffer reused before its "
+                 "transfer completed, a key such as position_ids dropped by a transport or "
+                 "wire plugin); restart from the last checkpoint, and run the transport's "
+                 "conformance checks (pipekernel.testing.check_transport) on these ranks",
     "normalisation": "the stages normalised the loss differently (micro-batch count or "
                      "token scale): every rank must run the same micro_batches and "
                      "loss_reduction; restart from the last checkpoint",
