@@ -39,8 +39,8 @@ from pipekernel.engine.replay_compare import agree, compare, take_grads
 from pipekernel.errors import ConfigError
 from pipekernel.nested import map_tensors
 from pipekernel.schedules import instructions as isa
-from pipekernel.stage.aux_loss import attach as attach_aux
-from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.model.aux_loss import attach as attach_aux
+from pipekernel.model.aux_loss import collecting as collect_aux
 
 __all__ = ["check_replayable", "Recorder", "verify"]
 
@@ -254,7 +254,7 @@ class _Plain:
         self.part = part
 
     def __call__(self, x: Any) -> Any:
-        from pipekernel.stage.module import _run_calls
+        from pipekernel.model.module import _run_calls
 
         return _run_calls(self.part._calls, x)
 
