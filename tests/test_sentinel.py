@@ -316,3 +316,44 @@ def test_fsdp_zero_low_precision_and_tensor_parallel_layouts_pass_clean():
     refused = "check_every must be a positive int or None, got 0"
     assert all(refused in r[0] for r in results), results
     assert [r[1:] for r in results] == [[3] * len(LAYOUTS)] * 4, results
+
+
+def _expert_slices(steps):
+    """1 stage x 4 replicas, experts spread over 2 (each slice held by 2 replicas): clean
+    steps pass; then rank 2's copy of one expert moves by one ulp after step ``steps``."""
+    from pipekernel.apps.gpt import VOCAB, gpt_module
+    from pipekernel.grid.expert_parallel import is_expert
+
+    torch.set_num_threads(1)
+    module = gpt_module(16, 2, 2, 8, num_stages=1, seed=5, experts=4, top_k=2)
+    engine = pk.PipelineEngine(module, optimizer=adam, micro_batches=2, check_every=1,
+                               expert_parallel_size=2, timeout=60)
+    g = torch.Generator().manual_seed(engine.data_parallel_rank)
+
+    def batch():
+        ids = torch.randint(0, VOCAB, (2, 2, 9), generator=g)
+        return iter([(ids[m, :, :-1], ids[m, :, 1:]) for m in range(2)])
+    name = None
+    try:
+        for step in range(steps):
+            engine.train_batch(batch())
+        clean = engine.sentinel.last_clean
+        if engine.rank == 2:
+            name, p = next((n, p) for n, p in engine.module.named_parameters() if is_expert(p))
+            with torch.no_grad():
+                p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(1e9))
+        engine.train_batch(batch())
+    except pk.ConsistencyError as err:
+        return clean, err.check, err.parameter, err.ranks, name
+    finally:
+        engine.close()
+    return clean, None, None, None, name
+
+
+def test_an_expert_slice_that_diverged_from_its_replica_is_named():
+    results = run_ranks(_expert_slices, 4, 2, timeout=300)
+    name = results[2][4]
+    assert name is not None
+    # rank 2 holds the same slice as rank 0 (expert-data-parallel group {0, 2})
+    assert all(r[:4] == (2, "replicas (experts)", name, [0]) or
+               r[:4] == (2, "replicas (experts)", name, [2]) for r in results), results

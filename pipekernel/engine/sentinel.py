@@ -6,8 +6,9 @@ over the world, built on the device without a host read per tensor:
 
 * **replicas**: the data-parallel replicas of a stage (same tensor-parallel rank and FSDP2
   shard) hold bit-identical parameters and optimizer state (optimizer state is not
-  compared under ZeRO-1, where it is sharded by design; expert slices under expert
-  parallelism are left out: they differ over the data-parallel group by design);
+  compared under ZeRO-1, where it is sharded by design); under expert parallelism each
+  slice of experts is compared over the replicas holding that slice (``replicas
+  (experts)``: the expert-data-parallel group), since slices differ by design;
 * **tied**: the copies of a tied layer on different stages are bit-identical;
 * **normalisation**: every rank used the same micro-batch count, the same gradient
   scale (``loss_reduction="tokens"``) and the same loss divisor in its backward for the step;
@@ -163,6 +164,11 @@ class Sentinel:
         self.positions = engine.num_stages * engine.chunks
         self.pipelines = topo.data_size * topo.model_size  # each reads its own micro-batches
         self.pipeline = topo.data_rank * topo.model_size + topo.model_rank
+        ep = engine.ep_group
+        #: expert parallelism: each slice of experts is compared over the replicas holding it
+        self.ep = ep if ep is not None and ep.size > 1 else None
+        self.slices = self.ep.size if self.ep is not None else 1
+        self.expert_width = 0
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -173,10 +179,14 @@ class Sentinel:
 
     # -- what this rank contributes ---------------------------------------------------
     def _params(self) -> list[tuple[str, torch.Tensor]]:
-        engine = self.engine
-        ep = engine.ep_group
-        return [(n, p) for n, p in engine.module.named_parameters()
-                if ep is None or ep.size == 1 or not is_expert(p)]
+        return [(n, p) for n, p in self.engine.module.named_parameters()
+                if self.ep is None or not is_expert(p)]
+
+    def _experts(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's slice of the experts (under expert parallelism; else none)."""
+        if self.ep is None:
+            return []
+        return [(n, p) for n, p in self.engine.module.named_parameters() if is_expert(p)]
 
     def _opt_hash(self, p: torch.Tensor, device: Any) -> torch.Tensor:
         engine = self.engine
@@ -191,20 +201,30 @@ class Sentinel:
     def _agree_widths(self, device: Any) -> None:
         """Once: the most parameters of any stage and of any tied layer (one all-reduce)."""
         engine = self.engine
-        counts = torch.zeros(1 + len(self.tied_keys), dtype=torch.int64, device=device)
-        counts[0] = len(self._params())
+        counts = torch.zeros(2 + len(self.tied_keys), dtype=torch.int64, device=device)
+        counts[0], counts[1] = len(self._params()), len(self._experts())
         for i, key in enumerate(self.tied_keys):
             if key in engine.tied_groups:
-                counts[1 + i] = len(list(engine.module.tied_modules[key].parameters()))
+                counts[2 + i] = len(list(engine.module.tied_modules[key].parameters()))
         engine.transport.all_reduce(counts, "max")
         values = counts.tolist()
-        self.width, self.tied_width = values[0], max(values[1:], default=0)
+        self.width, self.expert_width = values[0], values[1]
+        self.tied_width = max(values[2:], default=0)
 
     def _bases(self) -> tuple[int, int, int]:
-        """Where the tied section, the normalisation section and the end are."""
+        """Where the tied section, the normalisation section and the end are (after the
+        normalisation: the transfers, then the expert slices)."""
         tied = self.engine.num_stages * self.cells * self.width * 2
         norm = tied + len(self.tied_keys) * self.cells * self.tied_width
-        return tied, norm, norm + _NORM + self.pipelines * self.positions * 2
+        experts = self._experts_base(norm)
+        return tied, norm, experts + self._expert_cell() * self.slices * self.engine.num_stages
+
+    def _experts_base(self, norm: int) -> int:
+        return norm + _NORM + self.pipelines * self.positions * 2
+
+    def _expert_cell(self) -> int:
+        """Slots of one stage's one slice of experts (parameter and optimizer state each)."""
+        return self.cells * self.expert_width * 2
 
     def _describe(self, index: int) -> _Slot:
         """What slot ``index`` of the vector compares (the same on every rank)."""
@@ -220,7 +240,13 @@ class Sentinel:
                          f" (its copies on stages {self.tied_stages[key]})")
         if index < norm + _NORM:
             return _Slot("normalisation", _NORM_NAMES[index - norm], None)
-        return self._describe_transfer(index - norm - _NORM)
+        experts = self._experts_base(norm)
+        if index < experts:
+            return self._describe_transfer(index - norm - _NORM)
+        rel = index - experts
+        check = "replicas (experts, optimizer state)" if rel % 2 else "replicas (experts)"
+        return _Slot(check, f"expert parameter #{(rel % (self.expert_width * 2)) // 2}",
+                     rel // (self._expert_cell() * self.slices))
 
     def _describe_transfer(self, link: int) -> _Slot:
         pipeline, rest = divmod(link, self.positions * 2)
@@ -252,6 +278,12 @@ class Sentinel:
                    tensor_hash(scale.to(device)),
                    torch.tensor(engine.runtime.micro_batches, dtype=torch.int64, device=device)]
         where += [norm, norm + 1, norm + 2]
+        start = self._experts_base(norm) + (engine.stage * self.slices + self.ep.rank
+                                            if self.ep is not None else 0) * self._expert_cell()
+        for j, (_, p) in enumerate(self._experts()):
+            values += [tensor_hash(p), self._opt_hash(p, device)]
+            where += [start + self.cell * self.expert_width * 2 + 2 * j,
+                      start + self.cell * self.expert_width * 2 + 2 * j + 1]
         sums = getattr(engine.runtime, "transfer_sums", None)
         if sums is not None:  # the checked batch's transfers (armed by the engine)
             engine.runtime.transfer_sums = None
@@ -310,6 +342,9 @@ class Sentinel:
         tied_base, norm, _ = self._bases()
         if slot < tied_base:
             return self._params()[(slot % (self.width * 2)) // 2][0]
+        experts = self._experts_base(norm)
+        if slot >= experts:
+            return self._experts()[((slot - experts) % (self.expert_width * 2)) // 2][0]
         if slot >= norm:
             return ""
         key = self.tied_keys[(slot - tied_base) // (self.cells * self.tied_width)]
