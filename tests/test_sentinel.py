@@ -357,3 +357,39 @@ def test_an_expert_slice_that_diverged_from_its_replica_is_named():
     # rank 2 holds the same slice as rank 0 (expert-data-parallel group {0, 2})
     assert all(r[:4] == (2, "replicas (experts)", name, [0]) or
                r[:4] == (2, "replicas (experts)", name, [2]) for r in results), results
+
+
+def _hsdp_shards(steps):
+    """1 stage x 2 replicas x 2 FSDP2 shards (HSDP): clean steps pass; then rank 3's
+    shard of one parameter moves by one ulp after step ``steps``."""
+    from tests.models import mlp, mlp_data
+
+    torch.set_num_threads(1)
+    engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=adam, micro_batches=2,
+                               data_parallel_size=2, data_parallel_shard=2, check_every=1,
+                               timeout=60)
+    name = None
+    try:
+        for step in range(steps + 1):
+            if step == steps and engine.rank == 3:
+                name, p = next(iter(engine.module.named_parameters()))
+                local = p.to_local() if hasattr(p, "to_local") else p
+                with torch.no_grad():
+                    local.view(-1)[0] = torch.nextafter(local.view(-1)[0],
+                                                        torch.tensor(1e9))
+            engine.train_batch(iter(mlp_data(step, engine.data_parallel_rank, 2)))
+            clean = engine.sentinel.last_clean
+    except pk.ConsistencyError as err:
+        return clean, err.check, err.parameter, sorted(err.ranks), name
+    finally:
+        engine.close()
+    return clean, None, None, None, name
+
+
+def test_an_fsdp2_shard_that_diverged_from_its_replica_is_named():
+    results = run_ranks(_hsdp_shards, 4, 2, timeout=300)
+    name = results[3][4]
+    assert name is not None
+    # rank 3 (replica 1, shard 1) is compared with rank 1 (replica 0, shard 1) only
+    assert all(r[0] == 2 and r[1].startswith("replicas") and r[2] == name
+               and r[3] in ([1], [3]) for r in results), results
