@@ -36,7 +36,7 @@ from pipekernel.plugin import all_gather_objects
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "make_packed_batch",
            "documents", "gather_full_state", "stage_table", "partition_method", "run", "worker",
-           "lr_factor", "lr_change"]
+           "lr_factor", "lr_change", "last_check"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -354,6 +354,19 @@ def stage_table(summaries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def last_check(summaries: list[dict[str, Any]], every: int) -> list[str]:
+    """The sentinel's last check from the monitor's per-rank summaries: its step, result
+    and cost (the slowest rank's), or that none ran."""
+    checks = [s["last_check"] for s in summaries if s.get("last_check")]
+    if not every:
+        return ["consistency checks: off (--check-every 0)"]
+    if not checks:
+        return [f"consistency checks: none ran (every {every} steps)"]
+    return [f"last consistency check (every {every} steps): after step {checks[0]['step']}, "
+            f"{checks[0]['result']} on {len(checks)} rank(s), "
+            f"{max(c['seconds'] for c in checks) * 1e3:.1f} ms on the slowest"]
+
+
 def _print(*lines: str) -> None:
     print("\n".join(lines), flush=True)
 
@@ -621,6 +634,7 @@ def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
         "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
         "slowest stage at the end of the step, bubble = (wait + drain) / step):",
         *stage_table(s["stages"] or []),
+        *last_check(s["stages"] or [], cfg.check_every),
     ]
     if cfg.sample_bytes:
         lines += [f"sample (prompt {cfg.prompt!r}, {cfg.sample_bytes} bytes):",
