@@ -358,6 +358,8 @@ def last_check(summaries: list[dict[str, Any]], every: int) -> list[str]:
     """The sentinel's last check from the monitor's per-rank summaries: its step, result
     and cost (the slowest rank's), or that none ran."""
     checks = [s["last_check"] for s in summaries if s.get("last_check")]
+    if not summaries:  # no monitor summaries: no table, no line
+        return []
     if not every:
         return ["consistency checks: off (--check-every 0)"]
     if not checks:
@@ -408,7 +410,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         expert_parallel_size=cfg.expert_parallel,
         loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
-        check_every=cfg.check_every or None,
+        check_every=cfg.check_every or None, verify_every=cfg.verify_every or None,
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
 
@@ -467,8 +469,6 @@ def _train(engine: pk.PipelineEngine, cfg: TrainConfig, train_ids: Any,
         t0 = time.perf_counter()
         batch = _batch(train_ids, cfg, step, engine.data_parallel_rank)
         batch = hf_model.as_dicts(batch) if cfg.hf else batch
-        if cfg.verify_every and (step + 1) % cfg.verify_every == 0:
-            engine.verify_batch(iter(batch))  # the same batch, replayed; then trained
         loss = float(engine.train_batch(iter(batch)))
         losses.append(loss)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:

@@ -66,9 +66,34 @@ def _refused():
     return None
 
 
+def _option():
+    """``verify_every=2`` on a call-counting model: step 1 trains, step 2's train_batch
+    replays first and raises; gradients pending before a verify_batch (a host that
+    accumulates) are there after it, untouched."""
+    engine = pk.PipelineEngine(lm(CallCounter), optimizer=adam, micro_batches=4,
+                               transport="gloo", timeout=60, verify_every=2, check_every=None)
+    out = {}
+    try:
+        p = next(iter(engine.module.parameters()))
+        p.grad = torch.full_like(p, 0.5)
+        try:
+            engine.verify_batch(iter(token_data(0, 0, 4)))
+        except pk.ConsistencyError:
+            pass
+        out["pending kept"] = bool(torch.equal(p.grad, torch.full_like(p, 0.5)))
+        p.grad = None
+        engine.train_batch(iter(token_data(0, 0, 4)))
+        engine.train_batch(iter(token_data(1, 0, 4)))
+    except pk.ConsistencyError as err:
+        out.update(check=err.check, step=err.train_step, steps=engine.global_steps)
+    finally:
+        engine.close()
+    return out
+
+
 def _all(cases):
     torch.set_num_threads(1)
-    return {case: _one(*case) for case in cases}, _refused()
+    return {case: _one(*case) for case in cases}, _refused(), _option()
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +136,18 @@ def test_a_stage_that_cannot_replay_is_refused_by_name(outcomes):
     text = outcomes[1]
     assert text is not None and "verify_batch cannot replay" in text, text
     assert "how to fix: verify without overlapped_forward_backward" in text, text
+
+
+def test_verify_every_replays_inside_train_batch_and_pending_gradients_stay(outcomes):
+    assert outcomes[2] == {"pending kept": True, "check": "replay", "step": 2, "steps": 1}
+
+
+@pytest.mark.fast
+def test_verify_every_refuses_what_is_not_a_positive_int():
+    from pipekernel.engine.sentinel import check_every_option
+
+    with pytest.raises(pk.ConfigError, match=r"verify_every must be a positive int or None"):
+        check_every_option(0, "verify_every")
 
 
 @pytest.mark.fast

@@ -8,6 +8,7 @@ hooks and checkpoints get: hooks receive the engine itself, so a plugin reading
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -87,11 +88,15 @@ class PipelineEngine(EngineFields):
         differently raise a ``DataError`` naming the micro-batch. ``0`` turns it off.
     :param check_every: every this many train steps, after the optimizer step, check the
         invariants that a silently wrong pipeline breaks (:mod:`pipekernel.engine.sentinel`):
-        data-parallel replicas hold bit-identical parameters and optimizer state, tied
-        copies are identical over their stages, every rank normalised the loss alike. One
-        all-reduce per check; a violation raises ``ConsistencyError`` on every rank naming
-        the check, stage, rank, parameter and step. Default ``100`` (measured well under 1%
-        of step time, docs/faults.md); ``None`` turns the checks off.
+        data-parallel replicas (and the replicas of each expert slice) hold bit-identical
+        parameters and optimizer state, tied copies are identical over their stages, every
+        rank normalised the loss alike, and (during the checked step's batch) every
+        activation and gradient arrived as it was sent. One all-reduce per check; a
+        violation raises ``ConsistencyError`` on every rank naming the check, stage, rank,
+        parameter and step. Default ``100`` (docs/faults.md); ``None`` turns them off.
+    :param verify_every: every this many train steps, ``train_batch`` first replays its
+        batch (:meth:`verify_batch`: the micro-batches are read once and used twice), then
+        trains on it; ``None`` (default): never.
     :param chunks: model chunks (virtual stages) per rank, for schedules that hold
         several (``"interleaved"``: any, default 2; ``"zbv"``: 2). The layers are
         split into ``num_stages * chunks`` parts, placed by the schedule's
@@ -157,7 +162,7 @@ class PipelineEngine(EngineFields):
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
                  nonfinite: str = "error", check_data_steps: int = 3,
-                 check_every: int | None = DEFAULT_CHECK_EVERY,
+                 check_every: int | None = DEFAULT_CHECK_EVERY, verify_every: int | None = None,
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
                  partition_activations: bool = True, zero_stage: int = 0,
@@ -187,7 +192,7 @@ class PipelineEngine(EngineFields):
                 data_parallel_size=data_parallel_size, transport=transport,
                 precision=precision, precision_options=dict(precision_options or {}),
                 nonfinite=nonfinite, check_data_steps=check_data_steps,
-                check_every=check_every,
+                check_every=check_every, verify_every=verify_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                 parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
@@ -309,7 +314,20 @@ class PipelineEngine(EngineFields):
             raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
                               hint="use schedule='1f1b' or 'gpipe'")
         with self._micro_batches_for(micro_batches):
+            every = self._assembly.options.verify_every
+            if every is not None and (self.global_steps + 1) % every == 0:
+                data_iter = self._verified(data_iter)
             return self._train_batch(data_iter)
+
+    def _verified(self, data_iter: Any) -> Any:
+        """``verify_every``: the batch's micro-batches read once, replayed
+        (:meth:`verify_batch`), then handed to the train step."""
+        if data_iter is not None:
+            items = list(itertools.islice(iter(data_iter), self.micro_batches))
+            self.verify_batch(iter(items))
+            return iter(items)
+        self.verify_batch(None)
+        return None
 
     @contextlib.contextmanager
     def _micro_batches_for(self, micro_batches: int | None) -> Iterator[None]:

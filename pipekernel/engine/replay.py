@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from pipekernel.engine.replay_compare import agree, compare, take_grads
+from pipekernel.engine.replay_compare import agree, compare, put_grads, take_grads
 from pipekernel.errors import ConfigError
 from pipekernel.nested import map_tensors
 from pipekernel.schedules import instructions as isa
@@ -215,15 +215,19 @@ def verify(engine: Any, data_iter: Any) -> torch.Tensor:
     check_replayable(engine)
     recorder = Recorder(engine)
     engine.module.train()
-    with recorder.hooked(), _no_reducer_cues(engine.runtime):
-        loss = engine._run(engine.schedule_cls, data_iter, True, False, wrap=recorder.wrap)
-        scheduled = take_grads(engine)
-        after = recorder._rng()
-        try:
-            replayed = replay(engine, recorder)
-        finally:
-            recorder.set_rng(after)
-            take_grads(engine)  # the replay's: dropped, nothing is stepped
+    pending = take_grads(engine)  # gradients accumulated before (a host's accumulation)
+    try:
+        with recorder.hooked(), _no_reducer_cues(engine.runtime):
+            loss = engine._run(engine.schedule_cls, data_iter, True, False,
+                               wrap=recorder.wrap)
+            scheduled = take_grads(engine)
+            after = recorder._rng()
+            try:
+                replayed = replay(engine, recorder)
+            finally:
+                recorder.set_rng(after)
+    finally:
+        put_grads(engine, pending)  # the batch's and the replay's dropped: nothing stepped
     found = compare(engine, recorder, scheduled, replayed)
     agree(engine, found)
     return loss

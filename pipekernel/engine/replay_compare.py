@@ -9,7 +9,7 @@ import torch
 
 from pipekernel.errors import ConsistencyError
 
-__all__ = ["take_grads", "compare", "agree"]
+__all__ = ["take_grads", "put_grads", "compare", "agree"]
 
 #: relative tolerance of a gradient, by dtype (summation order differs from the schedule's)
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2,
@@ -37,6 +37,12 @@ def take_grads(engine: Any) -> dict[str, torch.Tensor | None]:
         grads[name] = master.grad
         master.grad = p.grad = None
     return grads
+
+
+def put_grads(engine: Any, grads: dict[str, torch.Tensor | None]) -> None:
+    """Give the parameters (their precision masters) back what :func:`take_grads` took."""
+    for name, p in _named(engine):
+        engine.precision.master(p).grad = grads.get(name)
 
 
 def _differs(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | bool:

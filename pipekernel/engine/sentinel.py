@@ -53,15 +53,16 @@ _NORM_NAMES = ("micro-batch count", "gradient scale", "loss divisor of the backw
 _NORM = len(_NORM_NAMES)
 
 
-def check_every_option(value: Any) -> int | None:
-    """``check_every`` checked: a positive int, or ``None`` (off)."""
+def check_every_option(value: Any, name: str = "check_every") -> int | None:
+    """``check_every`` (or ``verify_every``) checked: a positive int, or ``None`` (off)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"check_every must be a positive int or None, got {value!r}",
-                          hint=f"pass check_every=K to check the invariants every K train "
-                               f"steps (default {DEFAULT_CHECK_EVERY}), or check_every=None "
-                               "to turn the checks off")
+        what = (f"check the invariants every K train steps (default {DEFAULT_CHECK_EVERY})"
+                if name == "check_every" else
+                "replay every K-th train batch before training it (engine.verify_batch)")
+        raise ConfigError(f"{name} must be a positive int or None, got {value!r}",
+                          hint=f"pass {name}=K to {what}, or {name}=None to turn it off")
     return value
 
 
