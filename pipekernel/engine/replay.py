@@ -37,8 +37,10 @@ import torch
 
 from pipekernel.engine.replay_compare import agree, compare, put_grads, take_grads
 from pipekernel.errors import ConfigError
+from pipekernel.model.module import _run_calls
 from pipekernel.nested import map_tensors
 from pipekernel.schedules import instructions as isa
+from pipekernel.stage.runtime import _grad_tensors
 from pipekernel.model.aux_loss import attach as attach_aux
 from pipekernel.model.aux_loss import collecting as collect_aux
 
@@ -124,7 +126,8 @@ class Recorder:
         self.names: dict[int, str] = {}
         self._hooks = []
 
-    def _rng(self) -> tuple:
+    def rng_state(self) -> tuple:
+        """The CPU RNG state and the device's (``None`` off CUDA)."""
         cuda = (torch.cuda.get_rng_state(self.device)
                 if torch.device(self.device).type == "cuda" else None)
         return torch.get_rng_state(), cuda
@@ -173,7 +176,7 @@ class Recorder:
             seen.inputs = _copy(runtime.forward_inputs(ins).inputs)
             if ins.chunk == runtime.last_chunk:
                 seen.labels = runtime.labels.get(ins.micro_batch)
-            seen.rng = self._rng()
+            seen.rng = self.rng_state()
             self.at = seen, "forward"
             try:
                 handler(ins)
@@ -221,7 +224,7 @@ def verify(engine: Any, data_iter: Any) -> torch.Tensor:
             loss = engine._run(engine.schedule_cls, data_iter, True, False,
                                wrap=recorder.wrap)
             scheduled = take_grads(engine)
-            after = recorder._rng()
+            after = recorder.rng_state()
             try:
                 replayed = replay(engine, recorder)
             finally:
@@ -258,8 +261,6 @@ class _Plain:
         self.part = part
 
     def __call__(self, x: Any) -> Any:
-        from pipekernel.model.module import _run_calls
-
         return _run_calls(self.part._calls, x)
 
     def parameters(self) -> Any:
@@ -279,8 +280,6 @@ def _plain_forward(engine: Any, chunk: int, inputs: Any) -> tuple[Any, list]:
 def _plain_backward(engine: Any, chunk: int, micro_batch: int, seen: _Seen, outputs: Any,
                     aux: list) -> None:
     """The full backward of one replayed micro-batch, as one process would run it."""
-    from pipekernel.stage.runtime import _grad_tensors
-
     runtime, precision = engine.runtime, engine.precision
     total = torch.stack([a.float() for a in aux]).sum() if aux else None
     if chunk == runtime.last_chunk:
