@@ -44,7 +44,9 @@ def test_each_bug_is_named_at_the_step_it_happens(outcomes, bug, schedule, layou
     assert got.get("check", "").startswith(expected or "?"), got
     assert got["step"] == BUG_STEP, got
     if bug in ("byte_flipped", "position_ids_lost"):
+        # the first transfer stage 1 receives in the step: micro-batch 0's activations
         assert got["stage"] == 1 and "sent to stage 1" in got["text"], got
+        assert "(micro-batch(es) [0]) differs" in got["text"], got
     if bug == "counted":
         assert got["parameter"] == "4" and "module '4' (PosBlock)" in got["text"], got
     if bug == "dropped_micro_batch":

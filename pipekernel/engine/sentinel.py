@@ -127,6 +127,8 @@ class TransferSums:
         self.base = pipeline * positions * 2
         self.device = device
         self.sums: dict[int, torch.Tensor] = {}
+        #: slot -> micro-batch -> its transfer's hash (read only after a failed check)
+        self.parts: dict[int, dict[int, torch.Tensor]] = {}
 
     def add(self, instruction: Any, position: int, obj: Any) -> None:
         link = _LINK.get(type(instruction))
@@ -134,7 +136,9 @@ class TransferSums:
             return
         offset, direction = link
         slot = self.base + (position + offset) * 2 + direction
-        h = object_hash(obj).to(self.device) * (2 * instruction.micro_batch + 1)
+        h = object_hash(obj).to(self.device)
+        self.parts.setdefault(slot, {})[instruction.micro_batch] = h
+        h = h * (2 * instruction.micro_batch + 1)
         self.sums[slot] = (self.sums[slot] + h if slot in self.sums else h).bitwise_and(_MASK)
 
 
@@ -170,6 +174,7 @@ class Sentinel:
         self.ep = ep if ep is not None and ep.size > 1 else None
         self.slices = self.ep.size if self.ep is not None else 1
         self.expert_width = 0
+        self._sums: TransferSums | None = None  # the last checked batch's, after its check
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -286,6 +291,7 @@ class Sentinel:
             where += [start + self.cell * self.expert_width * 2 + 2 * j,
                       start + self.cell * self.expert_width * 2 + 2 * j + 1]
         sums = getattr(engine.runtime, "transfer_sums", None)
+        self._sums = sums
         if sums is not None:  # the checked batch's transfers (armed by the engine)
             engine.runtime.transfer_sums = None
             for slot, value in sorted(sums.sums.items()):
@@ -317,7 +323,22 @@ class Sentinel:
         # a normalisation mismatch is the cause of the others it brings: named first
         slot = min(bad, key=lambda i: (i < self._bases()[1], i))
         ranks, name = self._who(slot, where, mine, device)
-        self._raise(self._describe(slot), ranks, name, step, len(bad))
+        described = self._describe(slot)
+        if described.check == "transfers":
+            described.more = self._micro_batches(slot - self._bases()[1] - _NORM, device)
+        self._raise(described, ranks, name, step, len(bad))
+
+    def _micro_batches(self, slot: int, device: Any) -> str:
+        """After a failed transfers check (every rank, one more all-reduce): which
+        micro-batches' transfers on link ``slot`` differ at the two ends."""
+        count = self.engine.micro_batches
+        vec = torch.full((2, count), _NONE, dtype=torch.int64, device=device)
+        parts = self._sums.parts.get(slot, {}) if self._sums is not None else {}
+        for micro_batch, h in parts.items():
+            vec[0, micro_batch], vec[1, micro_batch] = h, -h
+        self.engine.transport.all_reduce(vec, "max")
+        differ = ((vec[0] != -vec[1]) & (vec[0] != _NONE)).nonzero().flatten().tolist()
+        return f" (micro-batch(es) {differ})" if differ else ""
 
     def _who(self, slot: int, where: list[int], mine: torch.Tensor, device: Any
              ) -> tuple[dict[int, int], str]:
