@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.plugin import P2POp, attempt_prefix
+from pipekernel.comm import P2POp, attempt_prefix
 from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport

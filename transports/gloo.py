@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from pipekernel.errors import (ConfigError, PeerAbort, TransportError, TransportTimeout,
                                shorten)
-from pipekernel.plugin import TORCH_REDUCE_OPS as _OPS
-from pipekernel.plugin import attempt, bind_defaults_before_init, keyed_store, wait_sliced
+from pipekernel.comm import TORCH_REDUCE_OPS as _OPS
+from pipekernel.comm import attempt, bind_defaults_before_init, keyed_store, wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
 

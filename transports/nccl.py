@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.plugin import P2POp, TORCH_REDUCE_OPS
+from pipekernel.comm import P2POp, TORCH_REDUCE_OPS
 from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport

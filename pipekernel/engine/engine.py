@@ -22,7 +22,7 @@ from pipekernel.engine.faults import engine_board, root_cause
 from pipekernel.engine.fields import EngineFields
 from pipekernel.engine.sentinel import DEFAULT_CHECK_EVERY, Sentinel
 from pipekernel.engine.programs import (agree_micro_batches, check_micro_batch_count,
-                                        check_micro_batches, load_program, program_of)
+                                        check_micro_batches, load_program, loaded_program)
 from pipekernel.engine.state import RunState
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
@@ -239,7 +239,7 @@ class PipelineEngine(EngineFields):
 
     def _program(self, cls: Any) -> LoadedProgram:
         """The loaded program of ``cls`` for the current count (:mod:`.programs`)."""
-        return program_of(self, cls)
+        return loaded_program(self, cls)
 
     def _load(self, program: Any) -> LoadedProgram:
         return load_program(self, program)

@@ -14,7 +14,7 @@ from pipekernel.model.skip_routing import check_schedules
 from pipekernel.step.grad_reduce import settled_parameters
 
 __all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batches",
-           "program_of", "load_program"]
+           "loaded_program", "load_program"]
 
 
 def check_micro_batch_count(micro_batches: Any, rank: int | None,
@@ -52,7 +52,7 @@ def agree_micro_batches(engine: Any) -> None:
     engine.state.checked_micro_batches = engine.micro_batches
 
 
-def program_of(engine: Any, cls: Any) -> LoadedProgram:
+def loaded_program(engine: Any, cls: Any) -> LoadedProgram:
     """The loaded program of schedule ``cls`` for the current micro-batch count (compiled
     and loaded once per schedule and count; :mod:`pipekernel.schedules.program`)."""
     key = (cls, engine.micro_batches)

@@ -7,6 +7,9 @@
   with gradient accumulation.
 * :class:`HostSyncs` — counts the calls that synchronise the host with a GPU,
   also where the tensors live on the CPU (so the count is tested without one).
+* :func:`check_transport` — the transport conformance suite on ranks it starts;
+  :func:`run_transport_conformance` — the same suite on ranks you started
+  (:mod:`pipekernel.testing.conformance`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pipekernel.model.aux_loss import aux_losses
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.model.module import PipelineModule
 
-__all__ = ["run_ranks", "check_transport", "reference_train", "reference_eval", "assert_parity", "TensorBytes",
+__all__ = ["run_ranks", "check_transport", "run_transport_conformance", "reference_train", "reference_eval", "assert_parity", "TensorBytes",
            "HostSyncs"]
 
 
