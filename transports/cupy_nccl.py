@@ -330,7 +330,7 @@ class CupyNcclTransport:
             self.control.close()  # no gloo group left behind by a failed start
             raise
 
-    def _set_up(self, nccl: Any, lanes: int, watch_interval: float) -> None:
+    def _set_up(self, nccl: Any, lanes: int | None, watch_interval: float) -> None:
         """The device side: the watch, then the world's and the lanes' communicators."""
         self._watch = DeviceWatch(self.rank, lambda event: bool(event.query()),
                                   describe=self.describe,
