@@ -8,11 +8,10 @@ import pytest
 
 import pipekernel as pk
 from pipekernel.plugin import Kernel
-from pipekernel.kernel.program import LoadedProgram
 from pipekernel.schedules import BUILTIN_SCHEDULES
 from pipekernel.schedules import instructions as isa
-from pipekernel.schedules.comm import P2P, SENDS, plan_communication
-from pipekernel.schedules.program import compile_program, program_of
+from pipekernel.schedules.comm import P2P, SENDS
+from pipekernel.schedules.program import compile_program, plan_communication
 
 CASES = [("1f1b", 4, 8, 1, ()), ("gpipe", 3, 3, 1, ()), ("interleaved", 4, 8, 2, ()),
          ("zb-h1", 4, 8, 1, ()), ("zbv", 3, 4, 2, ()), ("dualpipev", 2, 4, 2, ()),
@@ -67,15 +66,14 @@ def test_one_instruction_object_at_two_places_keeps_both_places():
     hand-written schedule may reuse one) is planned place by place, never by identity."""
     send = isa.SendActivation(0)
     steps = [[isa.LoadMicroBatch(0), isa.Forward(0), send], [isa.Forward(0), send]]
-    plan = plan_communication(steps, stage=0, num_stages=2)
-    assert plan.posts[2] == (2,) and plan.posts[4] == (4,)
-    program = program_of(plan, steps, schedule="custom", trains=False, micro_batches=1,
-                         num_buffers=1)
+    program = plan_communication(steps, stage=0, num_stages=2, schedule="custom",
+                                 trains=False, num_buffers=1)
+    assert program.posts[2] == (2,) and program.posts[4] == (4,)
     assert program.channel_of[2] == program.channel_of[4] == 0
-    assert plan.posted_at() == {2: 2, 4: 4}
+    assert program.posted_at() == {2: 2, 4: 4}
 
 
-def test_the_kernel_runs_the_handlers_a_loaded_program_holds():
+def test_the_kernel_runs_the_handlers_resolved_for_a_program():
     program = compile_program(BUILTIN_SCHEDULES["gpipe"], stage=0, num_stages=2,
                               micro_batches=2)
     table, done = {isa.Instruction: lambda ins: done.append(("table", str(ins)))}, []
@@ -83,7 +81,7 @@ def test_the_kernel_runs_the_handlers_a_loaded_program_holds():
     handlers = kernel.resolve(program.stream)
     assert handlers is not None and len(handlers) == len(program.stream)
     mine = tuple((lambda ins, n=n: done.append((n, str(ins)))) for n in range(len(handlers)))
-    kernel.run(LoadedProgram(program, mine, (None,) * len(mine), ((),) * len(mine)))
+    kernel.run(program, mine)
     assert done == [(n, str(ins)) for n, ins in enumerate(program.stream)]
     assert Kernel({isa.Forward: lambda ins: None}).resolve(program.stream) is None
     with pytest.raises(pk.InstructionError, match="no handler for instruction"):

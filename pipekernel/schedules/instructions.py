@@ -26,7 +26,8 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "LoadMicroBatch", "Forward", "Backward",
     "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "SkipInstruction",
-    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "parse",
+    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "Unshard",
+    "Reshard", "ReduceShardedGrads", "parse",
 ]
 
 
@@ -232,10 +233,46 @@ class OptimizerStep(Instruction):
     short: ClassVar[str] = "STEP"
 
 
+@dataclass(frozen=True, slots=True)
+class Unshard(Instruction):
+    """FSDP2 (a sharded stage, :mod:`pipekernel.grid.stage_parallel`): all-gather parameters
+    ahead of the compute that needs them. ``chunk=None``: the stage's roots, before a batch's
+    first instruction (a training batch also defers gradient sync to
+    :class:`ReduceShardedGrads`); else the first all-gather of ``chunk``'s next forward
+    (``forward``) or backward, right after the compute before it. Inserted by
+    :func:`~pipekernel.schedules.program.lower` (``sharded=True``), as torch's ``UNSHARD``."""
+
+    short: ClassVar[str] = "UNSHARD"
+    chunk: int | None = None
+    forward: bool = True
+
+    def __str__(self) -> str:
+        if self.chunk is None:
+            return self.short
+        return f"{self.short}_{'F' if self.forward else 'B'}c{self.chunk}"
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard(Instruction):
+    """FSDP2: free the gathered parameters an evaluation batch leaves (its last instruction;
+    a training batch reshards in :class:`ReduceShardedGrads`), as torch's ``RESHARD``."""
+
+    short: ClassVar[str] = "RESHARD"
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceShardedGrads(Instruction):
+    """FSDP2: reduce-scatter every parameter group's gradients once (HSDP: and all-reduce
+    them over the replicas), then reshard, right after the stage's last weight-gradient
+    instruction of the batch, as torch's ``REDUCE_GRAD``."""
+
+    short: ClassVar[str] = "REDUCE_SHARDED"
+
+
 _BY_SHORT = {cls.short: cls for cls in (
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
     RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep,
-    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad)}
+    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad, Reshard, ReduceShardedGrads)}
 _PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?(?:@(\d+))?$")
 
 
