@@ -263,8 +263,8 @@ class Reshard(Instruction):
 @dataclass(frozen=True, slots=True)
 class ReduceShardedGrads(Instruction):
     """FSDP2: reduce-scatter every parameter group's gradients once (HSDP: and all-reduce
-    them over the replicas), then reshard, right after the stage's last weight-gradient
-    instruction of the batch, as torch's ``REDUCE_GRAD``."""
+    them over the replicas), then reshard, after the stage's last weight-gradient
+    instruction of the batch (and its step's sends), as torch's ``REDUCE_GRAD``."""
 
     short: ClassVar[str] = "REDUCE_SHARDED"
 
