@@ -13,6 +13,7 @@ from rendezvous_transport import RendezvousPlugin
 from sweep import Sweep
 
 import pipekernel as pk
+from pipekernel.engine.programs import load_program
 from pipekernel.errors import TransportError
 from pipekernel.schedules.comm import P2P
 from pipekernel.schedules.program import compile_program
@@ -34,8 +35,8 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False, tim
                                   chunks=engine.chunks, placement=engine.placement)
         posts = tuple((i,) if isinstance(ins, P2P) and not program.local[i]
                       and program.peers[i] else () for i, ins in enumerate(program.stream))
-        engine._programs[engine.schedule_cls, engine.micro_batches] = engine._load(
-            dataclasses.replace(program, posts=posts, lanes=tuple(
+        engine._programs[engine.schedule_cls, engine.micro_batches] = load_program(
+            engine, dataclasses.replace(program, posts=posts, lanes=tuple(
                 0 if lane is not None else None for lane in program.lanes)))
     losses = [engine.train_batch(iter(data(step, 0, micro_batches))).item()
               for step in range(STEPS)]

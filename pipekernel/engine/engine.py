@@ -22,7 +22,7 @@ from pipekernel.engine.faults import engine_board, root_cause
 from pipekernel.engine.fields import EngineFields
 from pipekernel.engine.sentinel import DEFAULT_CHECK_EVERY, Sentinel
 from pipekernel.engine.programs import (agree_micro_batches, check_micro_batch_count,
-                                        check_micro_batches, load_program, program_of)
+                                        check_micro_batches, program_of)
 from pipekernel.engine.state import RunState
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
@@ -241,9 +241,6 @@ class PipelineEngine(EngineFields):
     def _program(self, cls: Any) -> Program:
         """The program of ``cls`` for the current count (:mod:`.programs`)."""
         return program_of(self, cls)[0]
-
-    def _load(self, program: Program) -> tuple:
-        return load_program(self, program)
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:

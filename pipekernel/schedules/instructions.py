@@ -235,36 +235,30 @@ class OptimizerStep(Instruction):
 
 @dataclass(frozen=True, slots=True)
 class Unshard(Instruction):
-    """FSDP2 (a sharded stage, :mod:`pipekernel.grid.stage_parallel`): all-gather parameters
-    ahead of the compute that needs them. ``chunk=None``: the stage's roots, before a batch's
-    first instruction (a training batch also defers gradient sync to
-    :class:`ReduceShardedGrads`); else the first all-gather of ``chunk``'s next forward
-    (``forward``) or backward, right after the compute before it. Inserted by
-    :func:`~pipekernel.schedules.program.lower` (``sharded=True``), as torch's ``UNSHARD``."""
+    """FSDP2 (:mod:`pipekernel.schedules.sharded`): gather the stage's roots before a batch
+    (``chunk=None``), or start the first all-gather of ``chunk``'s next forward
+    (``forward``) or backward. Torch's ``UNSHARD``."""
 
     short: ClassVar[str] = "UNSHARD"
     chunk: int | None = None
     forward: bool = True
 
     def __str__(self) -> str:
-        if self.chunk is None:
-            return self.short
-        return f"{self.short}_{'F' if self.forward else 'B'}c{self.chunk}"
+        where = "" if self.chunk is None else f"_{'F' if self.forward else 'B'}c{self.chunk}"
+        return self.short + where
 
 
 @dataclass(frozen=True, slots=True)
 class Reshard(Instruction):
-    """FSDP2: free the gathered parameters an evaluation batch leaves (its last instruction;
-    a training batch reshards in :class:`ReduceShardedGrads`), as torch's ``RESHARD``."""
+    """FSDP2: free the parameters an evaluation left gathered. Torch's ``RESHARD``."""
 
     short: ClassVar[str] = "RESHARD"
 
 
 @dataclass(frozen=True, slots=True)
 class ReduceShardedGrads(Instruction):
-    """FSDP2: reduce-scatter every parameter group's gradients once (HSDP: and all-reduce
-    them over the replicas), then reshard, after the stage's last weight-gradient
-    instruction of the batch (and its step's sends), as torch's ``REDUCE_GRAD``."""
+    """FSDP2: reduce-scatter the stage's gradients once per batch, then reshard. Torch's
+    ``REDUCE_GRAD``."""
 
     short: ClassVar[str] = "REDUCE_SHARDED"
 

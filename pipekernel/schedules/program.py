@@ -12,10 +12,10 @@ of one stream). A sharded stage's program also holds FSDP2's gathers and reducti
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from itertools import chain
-from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from pipekernel.errors import ScheduleError
@@ -97,10 +97,6 @@ class Program:
             steps[step].append(ins)
         return tuple(map(tuple, steps))
 
-    def posted_at(self) -> dict[int, int]:
-        """``{stream index of a remote p2p instruction: stream index where it is posted}``."""
-        return {index: n for n, group in enumerate(self.posts) for index in group}
-
     @property
     def channels(self) -> tuple[ChannelSpec, ...]:
         """The stage's channels, numbered in posting order."""
@@ -117,24 +113,22 @@ class Program:
         return _channels(self)
 
     @cached_property
-    def handoffs(self) -> dict[int, int]:
-        """``{stream index of a local send: stream index of the receive it fills}`` (the
-        first one of its kind, micro-batch and chunks not filled yet); a local send no
-        receive takes is left out."""
+    def handoffs(self) -> tuple[int | None, ...]:
+        """``handoffs[i]``: for a local send, the stream index of the receive it fills (the
+        first of its kind, micro-batch and chunks not filled yet), else ``None``."""
         stream, peers, local = self.stream, self.peers, self.local
         waiting: dict[tuple, list[int]] = {}
         for j, ins in enumerate(stream):
             if local[j] and isinstance(ins, RECVS):
                 waiting.setdefault((type(ins), ins.chunk, ins.micro_batch, peers[j][1]),
                                    []).append(j)
-        out = {}
+        out: list[int | None] = [None] * len(stream)
         for i, ins in enumerate(stream):
             if local[i] and isinstance(ins, SENDS):
                 queue = waiting.get((_RECV_OF[type(ins)], peers[i][1], ins.micro_batch,
                                      ins.chunk))
-                if queue:
-                    out[i] = queue.pop(0)
-        return out
+                out[i] = queue.pop(0) if queue else None
+        return tuple(out)
 
     @cached_property
     def last_weight(self) -> int:

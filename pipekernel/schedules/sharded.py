@@ -1,19 +1,17 @@
 """FSDP2's timing as instructions of a sharded stage's program (layer 0: no torch).
 
 A stage whose layers are sharded (``data_parallel_shard``, :mod:`pipekernel.grid.stage_parallel`)
-runs, besides its schedule, what ``torch.distributed.pipelining`` calls ``UNSHARD``,
-``RESHARD`` and ``REDUCE_GRAD``; :func:`add_shard_instructions` puts them in the program, so
-that the simulator times them and the monitor sees them like any other instruction:
+runs what ``torch.distributed.pipelining`` calls ``UNSHARD``, ``RESHARD`` and ``REDUCE_GRAD``
+as instructions of its program, which the simulator times and the monitor sees:
 
-* ``Unshard()`` first: the stage's roots gathered (and, training, gradient sync deferred);
-* after each compute instruction, ``Unshard(chunk, forward)`` for the next compute that
-  gathers parameters (both halves of a pair): its first all-gather starts while this rank
-  waits on its transfers. A weight pass gathers only at the first position, whose input pass
-  has no inputs to differentiate, so that its weight pass runs the whole backward;
-* training: ``ReduceShardedGrads()`` after the last weight-gradient instruction and the
-  sends right after it (the peer waiting on them is not held up by the reduction:
-  ``simulate(..., sharded=True)`` shows it, 1f1b 2 x 4 with the reduction costing 5: 20
-  right after the backward, 15 after its send); evaluation: ``Reshard()`` last.
+* ``Unshard()`` first: the stage's roots gathered (and gradient sync deferred);
+* after each compute, ``Unshard(chunk, forward)`` for the next compute that gathers
+  parameters (both halves of a pair; a weight pass only at position 0, whose input pass has
+  no inputs to differentiate, so that its weight pass runs the whole backward);
+* training: ``ReduceShardedGrads()`` after the last weight-gradient instruction and the sends
+  right after it (the peer waiting on them is not held up: ``simulate(..., sharded=True)``,
+  1f1b 2 x 4 with the reduction costing 5, makespan 20 before those sends, 15 after);
+  evaluation: ``Reshard()`` last.
 """
 from __future__ import annotations
 
@@ -24,10 +22,9 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
                                                Forward, ForwardBackward, Instruction,
                                                ReduceShardedGrads, Reshard, Unshard)
 
-__all__ = ["add_shard_instructions", "COMPUTES", "WEIGHTS"]
+__all__ = ["add_shard_instructions", "WEIGHTS"]
 
-#: the compute instructions after which the next one's parameters are gathered
-COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight, ForwardBackward)
+_COMPUTES = (Forward, Backward, BackwardInput, BackwardWeight, ForwardBackward)
 #: what produces weight gradients (a pair's backward half is a Backward)
 WEIGHTS = (Backward, BackwardWeight, ForwardBackward)
 
@@ -39,13 +36,13 @@ def add_shard_instructions(steps: Sequence[Sequence[Instruction]], *, trains: bo
     pipeline position 0, else ``None``."""
     flat = [ins for step in steps for ins in step]
     ahead: list[tuple[Instruction, ...]] = [()] * len(flat)
-    upcoming = None
+    upcoming: tuple[Instruction, ...] = ()
     for i in range(len(flat) - 1, -1, -1):
         ins = flat[i]
-        if isinstance(ins, COMPUTES):
-            ahead[i] = _gathers(upcoming)
+        if isinstance(ins, _COMPUTES):
+            ahead[i] = tuple(Unshard(half.chunk, isinstance(half, Forward)) for half in upcoming)
             if not isinstance(ins, BackwardWeight) or ins.chunk == first_chunk:
-                upcoming = ins
+                upcoming = ins.halves if isinstance(ins, ForwardBackward) else (ins,)
     last = max((i for i, ins in enumerate(flat) if isinstance(ins, WEIGHTS)), default=-1) \
         if trains else -1
     out: list[tuple[Instruction, ...]] = []
@@ -64,16 +61,7 @@ def add_shard_instructions(steps: Sequence[Sequence[Instruction]], *, trains: bo
             new.insert(reduce_at, ReduceShardedGrads())
             reduce_at = -1
         out.append(tuple(new))
-    if not out:
-        out.append((Unshard(),))
+    out = out or [(Unshard(),)]
     if not trains:
         out[-1] += (Reshard(),)
     return tuple(out)
-
-
-def _gathers(upcoming: Instruction | None) -> tuple[Instruction, ...]:
-    """The ``Unshard`` instructions that start ``upcoming``'s gathers."""
-    if upcoming is None:
-        return ()
-    halves = upcoming.halves if isinstance(upcoming, ForwardBackward) else (upcoming,)
-    return tuple(Unshard(half.chunk, isinstance(half, Forward)) for half in halves)

@@ -374,7 +374,7 @@ class StageRuntime:
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
         program = self._program
         if program.local[self._at]:
-            fills = program.handoffs.get(self._at)  # the receive it fills (Program.handoffs)
+            fills = program.handoffs[self._at]  # the receive it fills
             if fills is not None:
                 self._local[fills] = _detach_like(obj)
 
