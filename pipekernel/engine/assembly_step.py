@@ -25,6 +25,7 @@ from pipekernel.grid import expert_parallel
 from pipekernel.grid.partitioned import ActivationPartitioner
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.kernel.loop import Kernel
+from pipekernel.schedules import instructions as isa
 from pipekernel.model.module import PipelineModule
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
@@ -211,11 +212,17 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
                            skips=stage.skip_router, losses=batch_step.losses,
                            tokens=batch_step.tokens, **callbacks)
     handlers = {**runtime.handlers(), **batch_step.handlers(),
-                **(sharded.handlers() if sharded is not None else {}),
+                **(sharded_handlers(sharded) if sharded is not None else {}),
                 **plugin_handlers(pm, runtime)}
     kernel = Kernel(handlers, hook=pm.hook, rank=transport.rank, stage=topology.stage,
                     enter=runtime.enter)
     return runtime, batch_step, kernel
+
+
+def sharded_handlers(sharded: Any) -> dict[type, Any]:
+    """The handlers of FSDP2's instructions (:mod:`pipekernel.schedules.sharded`)."""
+    return {isa.Unshard: sharded.unshard, isa.Reshard: lambda _: sharded.reshard(),
+            isa.ReduceShardedGrads: lambda _: sharded.reduce_grads()}
 
 
 def plugin_handlers(pm: Any, runtime: Any) -> dict[type, Any]:

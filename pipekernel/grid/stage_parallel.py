@@ -9,7 +9,7 @@ drives it, as ``torch.distributed.pipelining``'s stage does
 (``backward_maybe_with_nosync`` / ``perform_reduce_grad``):
 
 The timing is the program's: a sharded stage's program holds FSDP2's instructions
-(:mod:`pipekernel.schedules.sharded`), and :meth:`StageParallel.handlers` runs them:
+(:mod:`pipekernel.schedules.sharded`), whose handlers are these methods:
 
 * ``Unshard()``, a batch's first instruction (:meth:`StageParallel.begin_batch`): the
   roots gathered, and on every FSDP2 module of the stage ``set_is_last_backward(False)``,
@@ -45,13 +45,12 @@ This reads FSDP2's private state (``_get_fsdp_state``, ``_fsdp_param_groups``,
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from pipekernel.errors import ConfigError
-from pipekernel.schedules.instructions import ReduceShardedGrads, Reshard, Unshard
 
 __all__ = ["StageParallel", "find", "fsdp_roots"]
 
@@ -115,12 +114,7 @@ class StageParallel:
         """The sharded parameters FSDP2 manages (DTensors)."""
         return [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
 
-    def handlers(self) -> dict[type, Callable[[Any], None]]:
-        """The handlers of the program's FSDP2 instructions (see the module docstring)."""
-        return {Unshard: self.unshard, ReduceShardedGrads: lambda _: self.reduce_grads(),
-                Reshard: lambda _: self.reshard()}
-
-    def unshard(self, instruction: Unshard) -> None:
+    def unshard(self, instruction: Any) -> None:
         """``Unshard()``: :meth:`begin_batch`; ``Unshard(chunk, forward)``: :meth:`prefetch`."""
         if instruction.chunk is None:
             self.begin_batch()
