@@ -12,8 +12,6 @@ own process): nothing in the engine is switched or checked when no test injects.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
@@ -111,12 +109,12 @@ def dropped_micro_batch(engine, step):
             for m, g in zip(masters, before):
                 m.grad = g
         return run
-    for key, loaded in list(engine._programs.items()):
-        handlers = list(loaded.handlers)
-        for i, ins in enumerate(loaded.stream):
+    for key, (program, handlers, bound) in list(engine._programs.items()):
+        handlers = list(handlers)
+        for i, ins in enumerate(program.stream):
             if isinstance(ins, (isa.Backward, isa.BackwardWeight)) and ins.micro_batch == 1:
                 handlers[i] = drop(handlers[i])
-        engine._programs[key] = replace(loaded, handlers=tuple(handlers))
+        engine._programs[key] = (program, tuple(handlers), bound)
 
 
 def tied_not_reduced(engine, step):

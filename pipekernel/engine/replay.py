@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -156,18 +156,18 @@ class Recorder:
             seen, phase = self.at
             seen.calls.setdefault(phase, []).append((self.names[id(module)], summary(output)))
 
-    def wrap(self, loaded: Any) -> Any:
-        """``loaded`` (a LoadedProgram) with its compute handlers recording and its
-        reductions and optimizer step left out."""
-        handlers = list(loaded.handlers)
-        for index, ins in enumerate(loaded.stream):
+    def wrap(self, program: Any, handlers: Any) -> tuple:
+        """``program``'s ``handlers`` (by stream index), its compute handlers recording
+        and its reductions and optimizer step left out."""
+        handlers = list(handlers)
+        for index, ins in enumerate(program.stream):
             if isinstance(ins, (isa.ReduceTiedGrads, isa.ReduceGrads, isa.OptimizerStep)):
                 handlers[index] = _nothing
             elif isinstance(ins, isa.Forward):
                 handlers[index] = self._forward(handlers[index])
             elif isinstance(ins, (isa.Backward, isa.BackwardInput, isa.BackwardWeight)):
                 handlers[index] = self._backward(handlers[index])
-        return replace(loaded, handlers=tuple(handlers))
+        return tuple(handlers)
 
     def _forward(self, handler: Any) -> Any:
         def run(ins: Any) -> None:
