@@ -5,7 +5,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from pipekernel.grid import expert_parallel, tensor_parallel
+from pipekernel.grid import expert_parallel
 from pipekernel.stage.moe import MoE
 from pipekernel.stage.paired import overlap_all_to_all
 from pipekernel.engine.checkpoint import load_sequential
@@ -32,7 +32,7 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     # model
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
-    "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
+    "balance", "profile", "memory", "PartitionContext", "PartitionReport",
     "add_aux_loss", "aux_losses", "MoE", "expert_parallel", "overlap_all_to_all",
     "pack", "document_ids", "document_mask",
     # training

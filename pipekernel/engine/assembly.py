@@ -29,9 +29,7 @@ from pipekernel.extend.manager import resolve_schedule
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.mesh import build_grid
 from pipekernel.grid.parallel import ParallelConfig
-from pipekernel.grid.tensor_parallel import context as tp_context
 from pipekernel.grid.topology import Topology
-from pipekernel.engine.parallelize import tp_group_of
 from pipekernel.schedules.comm import lanes_needed
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.stage.loss import check_loss_reduction
@@ -96,7 +94,6 @@ class Stage:
 
     grid: Any
     mesh: Any
-    tp_group: Any
     ep_group: Any
     module: Any
     skip_router: Any
@@ -311,16 +308,15 @@ def mesh_unwanted(parallel: ParallelConfig, pm: Any) -> str:
 
 def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: Options,
                 pm: Any, transport: Any) -> Stage:
-    """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
+    """Build this stage's layers (in its expert-parallel group) and its skip routing."""
     topology, chunks = layout.topology, layout.chunks
     num_stages, stage = topology.pipe_size, topology.stage
     grid = build_grid(topology, transport, mesh_unwanted(options.parallel, pm))
-    tp_group = tp_group_of(grid, topology, transport)
     ep_group = expert_parallel.make_group(topology, transport,
                                           options.parallel.expert_parallel_size,
                                           lanes=min(chunks, 2))
     positions = parts_of(stage, num_stages, chunks, layout.placement)
-    with tp_context(tp_group), expert_parallel.context(ep_group):
+    with expert_parallel.context(ep_group):
         built = module.build_stage(stage, parts.bounds, positions).to(transport.device)
     router = router_for(module, parts.bounds, built, positions, stage)
     edges = router.edges if router is not None else []
@@ -330,4 +326,4 @@ def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: O
     if edges:
         check_schedules([layout.schedule_cls, layout.eval_schedule_cls], num_stages,
                         layout.micro_batches, chunks, edges)
-    return Stage(grid, grid.mesh, tp_group, ep_group, built, router, edges)
+    return Stage(grid, grid.mesh, ep_group, built, router, edges)

@@ -16,13 +16,12 @@ checkpoint root, plus a ``latest`` pointer::
                              precision policy's own state (loss scale, ...), the LR
                              scheduler, the data-parallel rank and data position
 
-Tensor parallelism and ZeRO-1 shard tensors in memory, never in the files: on save
-the shards are put together (tensor-parallel shards all-gathered over the
-tensor-parallel group, ZeRO-1 optimizer state by its collective ``state_dict``) and
-data-parallel and tensor-parallel rank 0 writes the whole tensors; on load each rank
-cuts its own shards (:func:`pipekernel.grid.tensor_parallel.shard_layer_state`,
-:meth:`pipekernel.grid.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
-tensor-parallel size and any D, with or without ZeRO, and as one plain model.
+ZeRO-1 and expert parallelism shard tensors in memory, never in these files: on save the
+shards are put together (ZeRO-1 optimizer state by its collective ``state_dict``, expert
+slices gathered) and data-parallel rank 0 writes the whole tensors; on load each rank
+cuts its own shards. So a checkpoint loads at any D, with or without ZeRO, and as one
+plain model. (Files written by pipekernel's retired tensor-parallel layers hold whole
+tensors too: they load at any tensor-parallel size, a DTensor plan's included.)
 
 Stages with torch parallelism (FSDP2, DTensor plans: an engine with a DeviceMesh) hold
 DTensors, and their checkpoints go through ``torch.distributed.checkpoint`` (DCP) into one
@@ -75,7 +74,6 @@ import torch
 from torch import nn
 
 from pipekernel.grid import expert_parallel
-from pipekernel.grid import tensor_parallel as tp
 from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
                                                 _fsync_dir, _read_layer, _read_rank,
                                                 _write_file, latest_tag, layer_file,
@@ -172,15 +170,14 @@ def _cpu(obj: Any) -> Any:
 
 
 def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
-    """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
-    canonical layers only), with whole tensors: ZeRO-1 shards (a collective
-    ``state_dict``) and tensor-parallel shards (gathered) put together."""
+    """The layer files this rank writes (data-parallel rank 0, canonical layers only),
+    with whole tensors: ZeRO-1 shards (a collective ``state_dict``) and expert slices
+    (gathered) put together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
     ep = engine.ep_group
     if engine.data_parallel_rank >= ep.size:  # the first expert-parallel group gathers
         return {}
-    tp_group = engine.tp_group
     index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
                 if optimizer is not None else {})
     groups = _group_of(optimizer) if optimizer is not None else {}
@@ -199,11 +196,10 @@ def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
                 hyper[sub] = groups[id(master)]
                 if i in opt_state:
                     optim[sub] = opt_state[i]
-        state, optim = tp.gather_layer_state(layer, state, optim, tp_group)
         state, optim = expert_parallel.gather_layer_state(layer, state, optim, ep)
         payloads[index] = _cpu({"layer": index, "state": state, "optimizer": optim,
                                 "param_groups": hyper})
-    return payloads if tp_group.rank == 0 and engine.data_parallel_rank == 0 else {}
+    return payloads if engine.data_parallel_rank == 0 else {}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -424,7 +420,7 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
     if checkpoint_dcp.wanted(engine):
         return checkpoint_dcp.load_layer_files(engine, *found, trust=trust)
     local = _local_layers(engine.module, engine.pipeline_module)
-    tp_group, ep = engine.tp_group, engine.ep_group
+    ep = engine.ep_group
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
@@ -435,7 +431,7 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
         _check_model(meta, engine.pipeline_module, directory,
                      [(i, canonical_layers[i]) for i in needed],
                      lambda layer: expert_parallel.full_shapes(
-                         layer, ep, tp.full_shapes(layer, tp_group)))
+                         layer, ep, {k: list(v.shape) for k, v in layer.state_dict().items()}))
         payloads = {i: _read_layer(directory, meta, i, trust) for i in needed}
         exact = _same_layout(meta["topology"], _layout(engine))
         mine = _read_rank(directory, rank if exact else 0, trust)
@@ -498,10 +494,8 @@ def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: b
             payload = payloads.get(index)
             if payload is None:
                 continue
-            state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
-                                                engine.tp_group)
             state, optim = expert_parallel.shard_layer_state(
-                layer, state, optim, engine.ep_group)
+                layer, payload["state"], payload["optimizer"], engine.ep_group)
             payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)

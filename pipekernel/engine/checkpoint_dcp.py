@@ -57,8 +57,8 @@ expert slice's master is shown to DCP as the same ``Shard(dim)`` view, and the
 checkpoint loads at any layout, into ``fp32`` too; after a load each low-precision
 parameter is set from its master (it is the master's cast, not saved).
 
-What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
-tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and a precision policy
+What DCP cannot map is refused by name (:func:`check_engine`): ZeRO-1 shards tensors
+outside DTensor, and a precision policy
 whose master is not of its parameter's shape cannot be keyed by the parameter's name.
 """
 from __future__ import annotations
@@ -131,13 +131,6 @@ def check_engine(engine: Any, what: str) -> None:
     """``ConfigError`` naming the fix when ``engine`` shards or keeps state in a way DCP's
     state-dict API cannot map (see the module docstring)."""
     parallel, where = engine.parallel, {"rank": engine.rank, "stage": engine.stage}
-    if parallel.tensor_parallel_size > 1 and parallel.tensor_parallel_plan is None:
-        raise ConfigError(f"{what}: pipekernel's own tensor-parallel layers "
-                          f"(tensor_parallel_size={parallel.tensor_parallel_size} without a "
-                          f"plan) hold plain shards DCP cannot map to a DTensor checkpoint",
-                          hint="give tensor parallelism as a DTensor plan "
-                               "(tensor_parallel_plan=...), or load with "
-                               "tensor_parallel_size=1", **where)
     if parallel.zero_stage:
         raise ConfigError(f"{what}: ZeRO-1 (zero_stage={parallel.zero_stage}) shards the "
                           f"optimizer state outside DTensor, which a DCP checkpoint cannot "

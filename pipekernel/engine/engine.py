@@ -106,15 +106,13 @@ class PipelineEngine(EngineFields):
         its gradients are final (see :mod:`pipekernel.step.grad_reduce`). ``0``: no
         overlap, one flat all-reduce at ``ReduceGrads``.
     :param tensor_parallel_size: tensor-parallel ranks per stage ``T`` (default 1): the
-        world is ``stages x replicas x T``; layers reach their group through
-        :mod:`pipekernel.grid.tensor_parallel` while they are built (see ``docs/parallelism.md``).
+        world is ``stages x replicas x T``; ``T > 1`` needs a ``tensor_parallel_plan`` (see
+        ``docs/parallelism.md``).
     :param rank_order: which rank is which, innermost axis first (default
         ``"tp-dp-pp"``: tensor-parallel ranks adjacent, pipeline outermost; any
         permutation of ``tp``, ``dp``, ``pp``; see :mod:`pipekernel.grid.topology`).
-    :param partition_activations: with ``T > 1``, each tensor-parallel rank sends only
-        its ``1/T`` slice of the (replicated) floating-point activations and gradients
-        between stages and the receiver all-gathers them over its tensor-parallel group
-        (default ``True``; ``False`` sends the whole tensors from every rank).
+    :param partition_activations: retired with pipekernel's own tensor-parallel layers;
+        anything but ``None`` is a ``ConfigError`` saying what to do instead.
     :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
         (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, :mod:`pipekernel.grid.zero`);
         ``0`` (default) replicates it.
@@ -159,7 +157,7 @@ class PipelineEngine(EngineFields):
                  check_every: int | None = DEFAULT_CHECK_EVERY,
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
-                 partition_activations: bool = True, zero_stage: int = 0,
+                 partition_activations: Any = None, zero_stage: int = 0,
                  data_parallel_shard: int = 1, reshard_after_forward: bool = False,
                  expert_parallel_size: int = 1, tensor_parallel_plan: Any = None) -> None:
         if not isinstance(module, PipelineModule):
@@ -446,7 +444,7 @@ class PipelineEngine(EngineFields):
         self.grid.close()
         if self.stage_parallel is not None:
             self.stage_parallel.close()
-        drop_destroyed(self.tp_group, self.grad_reducer, self.optimizer,
+        drop_destroyed(self.grad_reducer, self.optimizer,
                        *self._tied_reducers.values())
         if self.data_group is not None and not is_registered(self.data_group):
             self._assembly = self._assembly.replace(data_group=None)

@@ -115,10 +115,6 @@ class StageRuntime:
         start reductions), with the program's ``settled`` parameters.
     :param after_last_backward: called right after that instruction and the
         precision's ``after_backward`` (gradients are final there, fp32 masters included).
-    :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
-        ``join(obj)`` (what a received object stands for), e.g. the partitioned
-        activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
-        Skip connections travel as they are.
     :param skips: the :class:`~pipekernel.stage.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
@@ -135,7 +131,7 @@ class StageRuntime:
                  placement: str = "loop",
                  before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 wire: Any = None, skips: SkipRouter | None = None,
+                 skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
                  losses: BatchLosses | None = None, tokens: bool = False,
                  prefetch: Callable[[Any], None] | None = None) -> None:
@@ -160,8 +156,6 @@ class StageRuntime:
         self._next_compute: tuple[Any, list] | None = None
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
-        self._split = wire.split if wire is not None else _same
-        self._join = wire.join if wire is not None else _same
         self._skips = skips
         self._channels: dict[tuple[type, int, int | None], Channel] = {}
         self.buffers: list[Buffer] = []
@@ -381,9 +375,9 @@ class StageRuntime:
         if isinstance(instruction, isa.SendActivation):
             if self.check_data:
                 flatten(buffer.outputs, "outputs")  # names the path without the wrapper
-                return self._split((buffer.outputs, self._fingerprint(instruction.micro_batch)))
-            return self._split(buffer.outputs)
-        return self._split(buffer.input_grads)
+                return buffer.outputs, self._fingerprint(instruction.micro_batch)
+            return buffer.outputs
+        return buffer.input_grads
 
     def _fingerprint(self, micro_batch: int) -> torch.Tensor:
         fp = self._fingerprints.get(micro_batch)
@@ -420,7 +414,7 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(key)
         pending = self._recvs.pop(index)
-        obj = self._join(self._program.channels[index].finish(pending))
+        obj = self._program.channels[index].finish(pending)
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
@@ -740,10 +734,6 @@ class StageRuntime:
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
-
-
-def _same(obj: Any) -> Any:
-    return obj
 
 
 def _detach_like(obj: Any) -> Any:
