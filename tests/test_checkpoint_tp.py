@@ -31,7 +31,7 @@ def worker(root, tp_size, dp, zero, steps, load, precision="fp32"):
 def test_tp2_then_zero_d2_then_tp2_continue_like_one_process(tmp_path):
     root = str(tmp_path / "ck")
     a = run_ranks(worker, 4, root, 2, 1, 0, range(0, 2), False)          # 2 x 1 x 2
-    b = run_ranks(worker, 4, root, 1, 2, 0, range(2, 4), True)           # 2 x 2 x 1
+    b = run_ranks(worker, 4, root, 1, 2, 1, range(2, 4), True)           # 2 x 2 x 1, ZeRO
     c = run_ranks(worker, 4, root, 2, 1, 0, range(4, 5), True)           # 2 x 1 x 2 again
     assert {r["exact"] for r in b} == {False} and {r["exact"] for r in c} == {False}
     dps = [1, 1, 2, 2, 1]

@@ -385,8 +385,9 @@ class PipelineEngine(EngineFields):
                         client_state: Any = None, format: str | None = None) -> str:  # noqa: A002
         """Save weights, optimizer, precision, LR scheduler, RNG and counters under
         ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
-        ``format="dcp"`` writes through ``torch.distributed.checkpoint`` even where no
-        stage holds DTensors. See :func:`pipekernel.engine.checkpoint.save`."""
+        One format for every engine (pipekernel's layer files); ``format`` other than
+        ``None`` is a ``ConfigError`` (DCP directories are read, not written). See
+        :func:`pipekernel.engine.checkpoint.save`."""
         from pipekernel.engine.checkpoint import save
         return save(self, path, tag, client_state, format)
 
