@@ -143,6 +143,12 @@ def _whole(obj: Any) -> Any:
     return map_tensors(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, obj)
 
 
+def _ep(engine: EngineView) -> expert_parallel.ExpertParallelGroup:
+    """The engine's expert-parallel group (the trivial one of size 1 where it has none)."""
+    group = engine.ep_group
+    return group if group is not None else expert_parallel.ExpertParallelGroup()
+
+
 def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
     """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
     canonical layers only), with whole tensors: ZeRO-1 shards (a collective
@@ -150,7 +156,7 @@ def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
     together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
-    ep = engine.ep_group
+    ep = _ep(engine)
     sharded = any(hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
     if engine.data_parallel_rank >= ep.size and not sharded:
         return {}  # the first expert-parallel group gathers; DTensors gather on every rank
@@ -357,12 +363,12 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
     if checkpoint_dcp.sharded(engine):  # DTensor stages: shards cut from whole tensors
         return checkpoint_dcp.load_layer_files(engine, *found, trust=trust)
     local = local_layers(engine.module, engine.pipeline_module)
-    ep = engine.ep_group
+    ep = _ep(engine)
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
         needed = sorted({index for _, index, layer in local if has_state(layer)})
-        canonical_layers = {}
+        canonical_layers: dict[int, nn.Module] = {}
         for name, index, layer in local:
             canonical_layers.setdefault(index, layer)
         check_model(meta, engine.pipeline_module, directory,
@@ -432,7 +438,7 @@ def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: b
             if payload is None:
                 continue
             state, optim = expert_parallel.shard_layer_state(
-                layer, payload["state"], payload["optimizer"], engine.ep_group)
+                layer, payload["state"], payload["optimizer"], _ep(engine))
             payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)

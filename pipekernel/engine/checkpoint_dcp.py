@@ -445,7 +445,7 @@ def load_sequential(directory: str, meta: dict, module: Any, *,
             _dcp(checkpoint_data.dcp_load, state, os.path.join(directory, DCP_DIR), trust,
                  no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP raises many types for a bad directory
-        raise _read_error(err, directory) from err
+        raise (_read_error(err, directory) or err) from err
     with torch.no_grad():
         for index, layer in layers:
             prefix = f"model.{index}."

@@ -30,10 +30,12 @@ def local_layers(stage: nn.Module, module: Any) -> list[tuple[str, int, nn.Modul
     a tied module's canonical layer is the first global occurrence of its key."""
     tied = {id(m): key for key, m in getattr(stage, "tied_modules", {}).items()}
     first = getattr(module, "_first_tied", {})
-    out = []
+    out: list[tuple[str, int, nn.Module]] = []
     for name, layer in stage._modules.items():
+        if layer is None:  # a slot registered empty holds no state
+            continue
         key = tied.get(id(layer))
-        out.append((name, first[key] if key is not None else int(name), layer))
+        out.append((name, int(first[key]) if key is not None else int(name), layer))
     return out
 
 
