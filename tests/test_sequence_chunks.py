@@ -277,3 +277,26 @@ def test_a_stage_whose_layers_never_read_the_chunk_is_refused():
     assert "seq_chunks=1" in message
     (kind, message), _ = run_ranks(_refused, 2, 5, timeout=300)
     assert kind == "DataError" and "sequence length 5 is not a multiple" in message
+
+
+def test_hugging_face_models_are_refused_by_name():
+    transformers = pytest.importorskip("transformers")
+    import pipekernel.hf as hf
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      max_position_embeddings=16)
+    module = hf.pipeline_module(config, num_stages=2)
+    pm = make_plugin_manager(autoload=False)
+    with pytest.raises(pk.ConfigError, match="seq_chunks=4: LlamaForCausalLM: pipekernel.hf's "
+                                             "decoder layers cannot take the key/value prefix"):
+        sequence_schedule(resolve_schedule(pm, "1f1b"), 4, module, 0)
+    assert sequence_schedule(resolve_schedule(pm, "1f1b"), 1, module, 0) is OneFOneB
+
+
+def test_activation_checkpointing_is_refused_with_chunks():
+    module = pk.PipelineModule([nn.Linear(4, 4), nn.Linear(4, 4)], num_stages=2,
+                               activation_checkpoint_interval=1)
+    with pytest.raises(pk.ConfigError, match="activation_checkpoint_interval=1: the recompute"):
+        sequence_schedule(resolve_schedule(make_plugin_manager(autoload=False), "1f1b"), 2,
+                          module, 0)

@@ -218,10 +218,15 @@ def sequence_schedule(schedule_cls: Any, seq_chunks: Any, module: Any, rank: int
         raise ConfigError(f"seq_chunks={seq_chunks} with schedule {schedule_cls.name!r}: "
                           f"sequence chunks run under 1F1B only (Seq1F1B)", rank=rank,
                           hint="pass schedule='1f1b' with seq_chunks, or seq_chunks=1")
-    refused = getattr(module, "sequence_chunks_refused", None)
-    if refused:
-        raise ConfigError(f"seq_chunks={seq_chunks}: {refused}", rank=rank,
-                          hint="train this model with seq_chunks=1 (whole sequences)")
+    if module.sequence_chunks_refused:
+        raise ConfigError(f"seq_chunks={seq_chunks}: {module.sequence_chunks_refused}",
+                          rank=rank, hint="train this model with seq_chunks=1 (whole sequences)")
+    if getattr(module, "activation_checkpoint_interval", 0):
+        raise ConfigError(f"seq_chunks={seq_chunks} with activation_checkpoint_interval="
+                          f"{module.activation_checkpoint_interval}: the recompute runs "
+                          f"outside its chunk, without the key/value prefix", rank=rank,
+                          hint="pass activation_checkpoint_interval=0 with seq_chunks (the "
+                               "chunks cut the activations instead), or seq_chunks=1")
     return Seq1F1B.with_chunks(seq_chunks)
 
 
