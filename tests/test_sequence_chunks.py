@@ -300,3 +300,25 @@ def test_activation_checkpointing_is_refused_with_chunks():
     with pytest.raises(pk.ConfigError, match="activation_checkpoint_interval=1: the recompute"):
         sequence_schedule(resolve_schedule(make_plugin_manager(autoload=False), "1f1b"), 2,
                           module, 0)
+
+
+def test_train_takes_seq_chunks_and_refuses_what_cannot_chunk(monkeypatch):
+    import dataclasses
+
+    from pipekernel.apps import cli
+    from pipekernel.apps.config import TrainConfig
+    from pipekernel.apps.train import _positive
+
+    seen = []
+    monkeypatch.setattr("pipekernel.apps.train.run", seen.append)
+    assert cli.main(["train", "--seq-chunks", "4", "--steps", "2"]) == 0
+    assert seen[0].seq_chunks == 4
+    cfg = TrainConfig(context=24, seq_chunks=4)
+    _positive(cfg)
+    for change, match in [({"seq_chunks": 5}, "--seq-chunks 5 must be >= 1 and divide "
+                                               "--context 24"),
+                          ({"pack": True}, "--seq-chunks 4 with --pack"),
+                          ({"hf": "llama"}, "--seq-chunks 4 with --hf"),
+                          ({"schedule": "gpipe"}, "--seq-chunks 4 with --schedule gpipe")]:
+        with pytest.raises(pk.ConfigError, match=match):
+            _positive(dataclasses.replace(cfg, **change))

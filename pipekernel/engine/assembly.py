@@ -309,8 +309,10 @@ def partition(module: PipelineModule, optimizer: Any, layout: Layout, pm: Any,
     num_stages, chunks = layout.topology.pipe_size, layout.chunks
     micro_batches = layout.micro_batches
     # every rank partitions here, before any group exists: plugins may broadcast
-    in_flight = [layout.schedule_cls(num_stages, s, micro_batches, chunks).num_buffers()
-                 for s in range(num_stages)]
+    # Seq1F1B's buffers hold sequence chunks, 1/seq_chunks of a micro-batch each
+    per = getattr(layout.schedule_cls, "seq_chunks", 1)
+    in_flight = [-(-layout.schedule_cls(num_stages, s, micro_batches, chunks).num_buffers()
+                   // per) for s in range(num_stages)]
     num_parts = num_stages * chunks
     part_stages = [locate(p, num_stages, layout.placement)[0] for p in range(num_parts)]
     context = PartitionContext(
