@@ -9,7 +9,7 @@ the runtime's part of it): each posting point's sends and receives go out as one
 receive is waited on only at its own instruction. Sends never block compute:
 their handles are kept until the batch ends. Skip connections between parts are
 transfers like the others; what they carry and where it goes is
-:mod:`pipekernel.stage.skip_routing`'s business.
+:mod:`pipekernel.model.skip_routing`'s business.
 """
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ import torch
 from pipekernel.schedules import instructions as isa
 from pipekernel.stage.device import to_device
 from pipekernel.errors import ConfigError, DataError, PipelineError
-from pipekernel.stage.aux_loss import attach as attach_aux
-from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.model.aux_loss import attach as attach_aux
+from pipekernel.model.aux_loss import collecting as collect_aux
 from pipekernel.stage.loss import TokenLoss
 from pipekernel.stage.fingerprint import fingerprint
 from pipekernel.kernel.program import LoadedProgram
 from pipekernel.schedules.comm import SENDS
 from pipekernel.schedules.program import Program
 from pipekernel.schedules.placement import position
-from pipekernel.stage.skip_routing import SkipRouter, SkipState
+from pipekernel.model.skip_routing import SkipRouter, SkipState
 from pipekernel.grid.topology import Topology
 from pipekernel.step.optimizer_step import BatchLosses
 from pipekernel.comm.wire import Channel, flatten
@@ -103,7 +103,7 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
 class StageRuntime:
     """Executes the core instructions for one stage of one pipeline.
 
-    :param module: the stage's layers (a :class:`~pipekernel.stage.module.StageModule`,
+    :param module: the stage's layers (a :class:`~pipekernel.model.module.StageModule`,
         one part per chunk).
     :param topology: this rank's place in the grid.
     :param transport: the communication backend.
@@ -121,7 +121,7 @@ class StageRuntime:
         ``join(obj)`` (what a received object stands for), e.g. the partitioned
         activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
         Skip connections travel as they are.
-    :param skips: the :class:`~pipekernel.stage.skip_routing.SkipRouter` of a model with skip
+    :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
@@ -559,7 +559,7 @@ class StageRuntime:
 
     def _keep_aux(self, buffer: Buffer, aux: list[torch.Tensor],
                   instruction: isa.Forward, last: bool) -> None:
-        """The aux losses a chunk's forward added (:mod:`pipekernel.stage.aux_loss`):
+        """The aux losses a chunk's forward added (:mod:`pipekernel.model.aux_loss`):
         reported with the batch's losses, and their gradient made part of this stage's
         backward — added to the loss on the chunk computing it, else attached to the
         chunk's output. Nothing of it travels to another stage."""
@@ -770,7 +770,7 @@ class StageRuntime:
 
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
-        the gradients of what an earlier part sent (:mod:`pipekernel.stage.skip_routing`)."""
+        the gradients of what an earlier part sent (:mod:`pipekernel.model.skip_routing`)."""
         state = self._slot(instruction).skips
         self._send(instruction, self._skips.payload(instruction, state))
         self._skips.sent(instruction, state, torch.is_grad_enabled())
