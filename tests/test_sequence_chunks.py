@@ -124,16 +124,19 @@ def _module(stages, dim=16, layers=4, context=32, tokens=False):
                       pack=tokens)
 
 
-def _batches(steps, m, length=24, mask=False):
+def _batches(steps, m, length=24, mask=False, replicas=1):
+    """``[step][replica]``: ``m`` micro-batches of 2 rows; ``mask``: labels -100 in places,
+    a different number of counted tokens in every chunk."""
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, 256, (m, 2, length + 1), generator=g)
-        labels = ids[:, :, 1:].clone()
-        if mask:  # a different number of counted tokens in every chunk
-            labels[:, 0, : length // 2 + 1] = -100
-            labels[:, 1, -3:] = -100
-        out.append([[(ids[i, :, :-1], labels[i]) for i in range(m)]])
+        ids = torch.randint(0, 256, (replicas, m, 2, length + 1), generator=g)
+        labels = ids[..., 1:].clone()
+        if mask:
+            labels[:, :, 0, : length // 2 + 1] = -100
+            labels[:, :, 1, -3:] = -100
+        out.append([[(ids[r, i, :, :-1], labels[r, i]) for i in range(m)]
+                    for r in range(replicas)])
     return out
 
 
@@ -141,31 +144,43 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def _train(stages, m, k, steps=2, reduction="mean"):
+def _train(stages, m, k, steps=2, reduction="mean", replicas=1):
     torch.set_num_threads(1)
     tokens = reduction == "tokens"
-    engine = pk.PipelineEngine(_module(stages, tokens=tokens),
-                               optimizer=_sgd, micro_batches=m, seq_chunks=k, timeout=60,
-                               loss_reduction=reduction)
+    engine = pk.PipelineEngine(_module(stages, tokens=tokens), optimizer=_sgd, micro_batches=m,
+                               seq_chunks=k, timeout=60, loss_reduction=reduction,
+                               data_parallel_size=replicas)
     try:
-        losses = [engine.train_batch(iter(b[0])).item()
-                  for b in _batches(steps, m, mask=tokens)]
+        data = _batches(steps, m, mask=tokens, replicas=replicas)
+        losses = [engine.train_batch(iter(b[engine.data_parallel_rank])).item() for b in data]
         left = len(engine.runtime._prefixes)  # every prefix released after chunk 0's backward
-        return losses, {key: v.clone() for key, v in engine.module.state_dict().items()}, left
+        # evaluation runs whole sequences (the layers see no chunk): the trained model's loss
+        evaluated = engine.eval_batch(iter(data[0][engine.data_parallel_rank])).item()
+        state = {key: v.clone() for key, v in engine.module.state_dict().items()}
+        return losses, state, left, evaluated
     finally:
         engine.close()
 
 
-def _check_parity(ranks, m, reduction="mean", steps=2):
+def _check_parity(ranks, m, reduction="mean", steps=2, replicas=1):
     tokens = reduction == "tokens"
-    ref_losses, ref = reference_train(_module(1, tokens=tokens),
-                                      _sgd, _batches(steps, m, mask=tokens), m,
+    data = _batches(steps, m, mask=tokens, replicas=replicas)
+    ref_losses, ref = reference_train(_module(1, tokens=tokens), _sgd, data, m,
                                       loss_reduction=reduction)
-    for losses, state, left in ranks:
+    model = _module(1, tokens=tokens)
+    whole = model.build_stage(0, [0, len(model.layers)])
+    whole.load_state_dict(ref)
+    with torch.no_grad():
+        per_replica = [[model.loss_fn(whole(x), y) for x, y in data[0][r]]
+                       for r in range(replicas)]
+    for losses, state, left, evaluated in ranks:
         assert left == 0
         assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-6)
         for key, value in state.items():
             torch.testing.assert_close(value, ref[key], rtol=1e-6, atol=1e-6)
+        if not tokens:
+            want = torch.stack([loss for losses_ in per_replica for loss in losses_]).mean()
+            assert evaluated == pytest.approx(want.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -175,6 +190,10 @@ def test_two_stages_match_the_unsplit_micro_batches(k):
 
 def test_four_stages_one_micro_batch_match():
     _check_parity(run_ranks(_train, 4, 4, 1, 3, timeout=300), 1)
+
+
+def test_two_stages_two_replicas_match():
+    _check_parity(run_ranks(_train, 4, 2, 2, 2, 2, "mean", 2, timeout=300), 2, replicas=2)
 
 
 def test_token_mean_with_masked_labels_matches():
@@ -254,14 +273,15 @@ class _Mixer(nn.Module):
         return self.proj(x).cumsum(1) / torch.arange(1, x.shape[1] + 1)[None, :, None]
 
 
-def _refused(length):
+def _refused(length, micro_batches=1, model=None):
     torch.set_num_threads(1)
-    module = pk.PipelineModule([_Mixer(), _Mixer()], num_stages=2,
-                               loss_fn=nn.functional.mse_loss)
-    engine = pk.PipelineEngine(module, optimizer=_sgd, micro_batches=1, seq_chunks=2,
-                               timeout=60)
+    module = model or pk.PipelineModule([_Mixer(), _Mixer()], num_stages=2,
+                                        loss_fn=nn.functional.mse_loss)
+    engine = pk.PipelineEngine(module, optimizer=_sgd, micro_batches=micro_batches,
+                               seq_chunks=2, timeout=60)
     try:
-        engine.train_batch(iter([(torch.ones(2, length, 4), torch.ones(2, length, 4))]))
+        x = torch.ones(2, length, 4) if model is None else torch.ones(2, length, dtype=torch.long)
+        engine.train_batch(iter([(x, x)]))  # one micro-batch
     except pk.PipelineError as err:
         return type(err).__name__, str(err)
     finally:
@@ -277,6 +297,9 @@ def test_a_stage_whose_layers_never_read_the_chunk_is_refused():
     assert "seq_chunks=1" in message
     (kind, message), _ = run_ranks(_refused, 2, 5, timeout=300)
     assert kind == "DataError" and "sequence length 5 is not a multiple" in message
+    # the micro-batches named as the user counts them, not as chunks
+    (kind, message), _ = run_ranks(_refused, 2, 4, 2, _module(2), timeout=300)
+    assert kind == "DataError" and "the data iterator ran out at micro-batch 1 of 2" in message
 
 
 def test_hugging_face_models_are_refused_by_name():

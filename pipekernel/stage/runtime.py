@@ -454,11 +454,12 @@ class StageRuntime:
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
+            count = self.micro_batches // self.seq_chunks  # units are chunks (seq_chunks)
             raise DataError(
-                f"the data iterator ran out at micro-batch {instruction.micro_batch} of "
-                f"{self.micro_batches}",
+                f"the data iterator ran out at micro-batch "
+                f"{instruction.micro_batch // self.seq_chunks} of {count}",
                 hint=f"give each train_batch/eval_batch an iterator with at least "
-                     f"{self.micro_batches} micro-batches (e.g. itertools.cycle(loader))") from None
+                     f"{count} micro-batches (e.g. itertools.cycle(loader))") from None
         except TypeError as err:
             raise DataError(f"data_iter is not an iterator: {err}",
                             hint="pass iter(loader), not the loader itself") from err
