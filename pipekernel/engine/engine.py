@@ -199,7 +199,8 @@ class PipelineEngine(EngineFields):
                 check_every=check_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
-                seq_chunks=seq_chunks, parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
+                seq_chunks=seq_chunks,
+                parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                              partition_activations, zero_stage,
                                              data_parallel_shard, reshard_after_forward,
                                              expert_parallel_size, tensor_parallel_plan))
