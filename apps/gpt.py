@@ -117,6 +117,7 @@ class Head(nn.Module):
         self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, h: torch.Tensor | dict) -> torch.Tensor:
+        pk.sequence_chunk()  # position-wise: runs on sequence chunks as on whole sequences
         return self.out(self.norm(h["hidden"] if isinstance(h, dict) else h))
 
 

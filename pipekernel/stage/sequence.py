@@ -155,7 +155,9 @@ def chunk_scope(chunk: SequenceChunk, stage: int, unit: int) -> Iterator[None]:
             f"take the key/value prefix of the earlier chunks would attend within the "
             f"chunk alone and train another model", stage=stage,
             hint="train with seq_chunks=1, or make the stage's attention read the prefix "
-                 "(pk.sequence_chunk().extend(self, k, v), docs/sequences.md)")
+                 "(pk.sequence_chunk().extend(self, k, v), docs/sequences.md); a stage of "
+                 "position-wise layers only says it runs on chunks by calling "
+                 "pk.sequence_chunk() in one of them")
 
 
 def split_sequences(data_iter: Iterator, seq_chunks: int) -> Iterator[tuple[Any, Any]]:
