@@ -273,6 +273,8 @@ class BatchStep:
         return self.micro_batches * self._loss_copies() / total_tokens
 
     def _clip_coef(self, norm: float) -> float:
+        if self.max_grad_norm is None:  # no clipping
+            return 1.0
         return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
 
     @staticmethod
