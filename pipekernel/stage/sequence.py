@@ -118,9 +118,16 @@ class SequenceChunk:
             entries.append((key.detach(), value.detach(), None, None))
         if not self.index:
             return key, value
-        keys = [e[0] for e in entries[:-1]] + [key]
-        values = [e[1] for e in entries[:-1]] + [value]
-        return torch.cat(keys, dim), torch.cat(values, dim)
+        keys, values = [], []
+        for entry in entries[:-1]:
+            if entry is None:  # released: that chunk's backward ran
+                raise PipelineError(
+                    f"sequence chunk {self.index}: an earlier chunk's backward ran before "
+                    f"this forward", hint="run every forward of a micro-batch's chunks "
+                                          "before their backwards (Seq1F1B does)")
+            keys.append(entry[0])
+            values.append(entry[1])
+        return torch.cat([*keys, key], dim), torch.cat([*values, value], dim)
 
 
 def sequence_chunk() -> SequenceChunk | None:
