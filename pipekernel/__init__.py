@@ -22,6 +22,7 @@ from pipekernel.engine.planner import Plan, auto
 from pipekernel.model.skips import Skip, pop, skippable, stash
 from pipekernel.model.aux_loss import add_aux_loss, aux_losses
 from pipekernel.stage.packing import document_ids, document_mask, pack
+from pipekernel.stage.sequence import prefix_causal_mask, sequence_chunk
 
 try:
     __version__ = version("pipekernel")
@@ -34,7 +35,7 @@ __all__ = [
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
     "balance", "profile", "memory", "PartitionContext", "PartitionReport",
     "add_aux_loss", "aux_losses", "MoE", "expert_parallel", "overlap_all_to_all",
-    "pack", "document_ids", "document_mask",
+    "pack", "document_ids", "document_mask", "sequence_chunk", "prefix_causal_mask",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
     # errors

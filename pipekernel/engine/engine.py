@@ -29,6 +29,7 @@ from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.schedules.program import Program
 from pipekernel.model.module import PipelineModule
+from pipekernel.stage.sequence import split_sequences
 
 __all__ = ["PipelineEngine"]
 
@@ -135,6 +136,13 @@ class PipelineEngine(EngineFields):
         each stage over ``mesh["tp"]`` (``tensor_parallel_size`` ranks) by the built-in plugin
         :mod:`pipekernel.plugins.tensor_parallel_dtensor`; what crosses stages stays plain
         tensors.
+    :param seq_chunks: ``k > 1`` cuts every training micro-batch along the sequence (dim 1)
+        into ``k`` equal chunks run as units of 1F1B (Seq1F1B,
+        :mod:`pipekernel.schedules.sequence`; ``schedule="1f1b"`` only), each chunk's
+        attention reading the keys and values of the chunks before it
+        (:func:`pipekernel.sequence_chunk`): less activation memory and a smaller bubble
+        for long sequences. The model's attention must read the prefix
+        (``docs/sequences.md``); ``eval_batch`` runs whole sequences. Default 1.
 
     ``engine.mesh`` is the :class:`~torch.distributed.device_mesh.DeviceMesh` with the dims
     ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
@@ -160,7 +168,8 @@ class PipelineEngine(EngineFields):
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
                  partition_activations: Any = None, zero_stage: int = 0,
                  data_parallel_shard: int = 1, reshard_after_forward: bool = False,
-                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None) -> None:
+                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None,
+                 seq_chunks: int = 1) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -189,6 +198,7 @@ class PipelineEngine(EngineFields):
                 check_every=check_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
+                seq_chunks=seq_chunks,
                 parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                              partition_activations, zero_stage,
                                              data_parallel_shard, reshard_after_forward,
@@ -247,15 +257,19 @@ class PipelineEngine(EngineFields):
         batch_fn = getattr(self.pipeline_module, "batch_fn", None)
         if batch_fn is not None and isinstance(data_iter, Iterator):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
+        seq_chunks = getattr(cls, "seq_chunks", 1)  # Seq1F1B: a unit per sequence chunk
+        if seq_chunks > 1 and isinstance(data_iter, Iterator):
+            data_iter = split_sequences(data_iter, seq_chunks)
+        units = self.micro_batches * seq_chunks
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1
         try:
             agree_micro_batches(self)
             program, handlers, bound = program_of(self, cls)
-            self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
-            self.runtime.begin(data_iter, self.micro_batches, program, bound,
+            self.batch_step.begin(units, self.global_steps)  # clears the losses
+            self.runtime.begin(data_iter, units, program, bound,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check)
+                               check_data=check, seq_chunks=seq_chunks)
             self.kernel.run(program, handlers, **self._when(cls))
             self.runtime.end()
             return self.batch_step.mean_loss(cls.trains) if compute_loss else None
