@@ -11,7 +11,8 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
 * embedding: :class:`Kernel` (the instruction loop with your handlers),
   :func:`make_plugin_manager`;
 * schedules: :class:`Schedule`, :data:`BUILTIN_SCHEDULES`, :func:`simulate`,
-  :func:`plan_communication` / :class:`CommPlan`, :func:`compile_program` / :class:`Program`,
+  :func:`compile_program` / :func:`plan_communication` (a :class:`Program` from a schedule or
+  from steps),
   and every instruction class;
 * torch parallelism inside a stage: the hook ``pipekernel_parallelize_stage(module, mesh,
   engine)`` (FSDP2, DTensor, float8, a wrapping policy of your own; the built-in FSDP2 of
@@ -49,8 +50,8 @@ from pipekernel.grid.mesh import MESH_DIMS
 from pipekernel.grid.stage_parallel import StageParallel
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import BUILTIN_SCHEDULES, Schedule, SimulationResult, simulate
-from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
-from pipekernel.schedules.program import Program, compile_program
+from pipekernel.schedules.comm import lanes_needed
+from pipekernel.schedules.program import Program, compile_program, plan_communication
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
                                                ForwardBackward, Instruction, LoadMicroBatch,
                                                MicroBatchInstruction, OptimizerStep,
@@ -75,7 +76,7 @@ __all__ = [
     "hookimpl", "make_plugin_manager", "Kernel",
     "Transport", "Handle",
     "Schedule", "BUILTIN_SCHEDULES", "simulate", "SimulationResult", "plan_communication",
-    "CommPlan", "lanes_needed", "Program", "compile_program",
+    "lanes_needed", "Program", "compile_program",
     "Instruction", "MicroBatchInstruction", "SkipInstruction", "LoadMicroBatch", "Forward",
     "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ReduceTiedGrads",

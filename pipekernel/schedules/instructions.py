@@ -26,7 +26,8 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "LoadMicroBatch", "Forward", "Backward",
     "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "SkipInstruction",
-    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "parse",
+    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "Unshard",
+    "Reshard", "ReduceShardedGrads", "parse",
 ]
 
 
@@ -232,10 +233,40 @@ class OptimizerStep(Instruction):
     short: ClassVar[str] = "STEP"
 
 
+@dataclass(frozen=True, slots=True)
+class Unshard(Instruction):
+    """FSDP2 (:mod:`pipekernel.schedules.sharded`): gather the stage's roots before a batch
+    (``chunk=None``), or start the first all-gather of ``chunk``'s next forward
+    (``forward``) or backward. Torch's ``UNSHARD``."""
+
+    short: ClassVar[str] = "UNSHARD"
+    chunk: int | None = None
+    forward: bool = True
+
+    def __str__(self) -> str:
+        where = "" if self.chunk is None else f"_{'F' if self.forward else 'B'}c{self.chunk}"
+        return self.short + where
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard(Instruction):
+    """FSDP2: free the parameters an evaluation left gathered. Torch's ``RESHARD``."""
+
+    short: ClassVar[str] = "RESHARD"
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceShardedGrads(Instruction):
+    """FSDP2: reduce-scatter the stage's gradients once per batch, then reshard. Torch's
+    ``REDUCE_GRAD``."""
+
+    short: ClassVar[str] = "REDUCE_SHARDED"
+
+
 _BY_SHORT: dict[str, type[Instruction]] = {cls.short: cls for cls in (
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
     RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep,
-    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad)}
+    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad, Reshard, ReduceShardedGrads)}
 _PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?(?:@(\d+))?$")
 
 
