@@ -156,11 +156,12 @@ def test_verify_every_refuses_what_is_not_a_positive_int():
     ({"tensor_parallel_size": 2}, "collectives inside the forward"),
     ({"expert_parallel_size": 2}, "all-to-alls"),
     ({"skip_edges": [(1, 2)]}, "skip connections"),
+    ({"schedule_cls": type("S", (), {"seq_chunks": 2})}, "seq_chunks > 1"),
     ({"optimizer": None}, "no optimizer")])
 def test_check_replayable_says_why_and_what_to_change(change, why):
     parallel = SimpleNamespace(data_parallel_shard=1, tensor_parallel_size=1,
                                expert_parallel_size=1)
-    fields = {"skip_edges": [], "optimizer": object()}
+    fields = {"skip_edges": [], "optimizer": object(), "schedule_cls": object}
     for key, value in change.items():
         if hasattr(parallel, key):
             setattr(parallel, key, value)

@@ -62,6 +62,10 @@ def check_replayable(engine: Any) -> None:
     elif parallel.expert_parallel_size > 1:
         why = ("expert_parallel_size > 1: the experts' all-to-alls need every member of "
                "the expert group", "verify with expert_parallel_size=1")
+    elif getattr(engine.schedule_cls, "seq_chunks", 1) > 1:
+        why = ("seq_chunks > 1: a sequence chunk's forward reads the earlier chunks' keys "
+               "and values (its KV prefix), which a replay of one unit does not have",
+               "verify the same model with seq_chunks=1")
     elif engine.skip_edges:
         why = (f"skip connections between stages ({engine.skip_edges}): a part's inputs "
                "include what other parts stashed", "verify a model without pk.skippable "

@@ -341,7 +341,8 @@ class Sentinel:
     def _micro_batches(self, slot: int, device: Any) -> str:
         """After a failed transfers check (every rank, one more all-reduce): which
         micro-batches' transfers on link ``slot`` differ at the two ends."""
-        count = self.engine.micro_batches
+        # Seq1F1B numbers its units (micro-batch x sequence chunk) as micro-batches
+        count = self.engine.micro_batches * getattr(self.engine.schedule_cls, "seq_chunks", 1)
         vec = torch.full((2, count), _NONE, dtype=torch.int64, device=device)
         parts = self._sums.parts.get(slot, {}) if self._sums is not None else {}
         for micro_batch, h in parts.items():
