@@ -263,7 +263,7 @@ class ReduceShardedGrads(Instruction):
     short: ClassVar[str] = "REDUCE_SHARDED"
 
 
-_BY_SHORT = {cls.short: cls for cls in (
+_BY_SHORT: dict[str, type[Instruction]] = {cls.short: cls for cls in (
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
     RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep,
     SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad, Reshard, ReduceShardedGrads)}
@@ -278,10 +278,14 @@ def parse(text: str, buffer: int = 0) -> Instruction:
     """
     if "+" in text:
         first, _, second = text.strip().partition("+")
-        return ForwardBackward(parse(first, buffer), parse(second, buffer))
+        forward, backward = parse(first, buffer), parse(second, buffer)
+        if not isinstance(forward, Forward) or not isinstance(backward, Backward):
+            raise ValueError(f"cannot parse instruction {text!r}: a pair is a forward and a "
+                             f"backward, e.g. F4+B1c1")
+        return ForwardBackward(forward, backward)
     match = _PATTERN.match(text.strip())
     cls = _BY_SHORT.get(match.group(1)) if match else None
-    if cls is None:
+    if match is None or cls is None:
         known = ", ".join(sorted(_BY_SHORT))
         raise ValueError(f"cannot parse instruction {text!r}; known prefixes: {known}")
     if issubclass(cls, MicroBatchInstruction):
