@@ -112,6 +112,10 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--pack", action="store_true",
                    help="pack the corpus's documents (cut at blank lines) into rows, each "
                         "attending within its own documents (docs/sequences.md)")
+    g.add_argument("--seq-chunks", type=int, default=d.seq_chunks, metavar="K",
+                   help="cut every micro-batch along the sequence into K chunks that flow "
+                        "through the stages one after the other (Seq1F1B, --schedule 1f1b; "
+                        "docs/sequences.md)")
     g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
                    help="train a Hugging Face causal LM instead: a save_pretrained directory, "
                         "a config (.json or directory) or a model type such as llama (random, "

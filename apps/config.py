@@ -46,6 +46,7 @@ class TrainConfig:
     top_k: int = 2  # experts per token
     expert_parallel: int = 1  # replicas each stage's experts are spread over
     pack: bool = False  # documents packed into rows, attention within each (docs/sequences.md)
+    seq_chunks: int = 1  # > 1: each micro-batch cut along the sequence (Seq1F1B)
 
     @property
     def checkpoints(self) -> str:

@@ -75,6 +75,22 @@ def _positive(cfg: TrainConfig) -> None:
                              "Hugging Face's packed rows from their own collator",
                              hint="drop --pack, and see docs/sequences.md for "
                                   "DataCollatorWithFlattening through pipekernel.hf")
+    _check_seq_chunks(cfg)
+
+
+def _check_seq_chunks(cfg: TrainConfig) -> None:
+    """``--seq-chunks``: a positive count dividing ``--context``, for the built-in GPT's
+    unpacked rows (the engine refuses the rest: the schedule, Hugging Face models)."""
+    k = cfg.seq_chunks
+    if k < 1 or cfg.context % k:
+        raise pk.ConfigError(f"--seq-chunks {k} must be >= 1 and divide --context "
+                             f"{cfg.context} (every chunk has the same length)",
+                             hint="pass a --seq-chunks that divides --context, e.g. 2 or 4")
+    if k > 1 and (cfg.pack or cfg.hf or cfg.schedule != "1f1b"):
+        what = "--pack" if cfg.pack else "--hf" if cfg.hf else f"--schedule {cfg.schedule}"
+        raise pk.ConfigError(f"--seq-chunks {k} with {what}: sequence chunks run the "
+                             f"built-in GPT's unpacked rows under 1f1b (docs/sequences.md)",
+                             hint=f"drop {what.split()[0]} (or pass --seq-chunks 1)")
 
 
 def _check_plan(cfg: TrainConfig) -> None:
@@ -388,7 +404,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
-        expert_parallel_size=cfg.expert_parallel,
+        expert_parallel_size=cfg.expert_parallel, seq_chunks=cfg.seq_chunks,
         loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))

@@ -17,13 +17,7 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
 
 #: circles tolerated for now, each with its reason; the entry goes when the reason does
-ALLOWED: dict[frozenset[str], str] = {
-    # pipekernel's checkpoint format and the DCP path call each other (the format choice
-    # in checkpoint.py, the shared write/read protocol used by checkpoint_dcp.py); being
-    # cut in issue 45 item 4 — drop this entry with that change
-    frozenset({"pipekernel.engine.checkpoint",
-               "pipekernel.engine.checkpoint_dcp"}): "issue 45 item 4",
-}
+ALLOWED: dict[frozenset[str], str] = {}
 
 
 def _package_dirs() -> dict[str, Path]:

@@ -252,6 +252,14 @@ LAYOUTS = [{"data_parallel_shard": 2}, {"data_parallel_size": 2, "zero_stage": 1
            {"data_parallel_size": 2, "precision": "bf16"}, {"tensor_parallel_size": 2}]
 
 
+def _tp_plan():
+    """Two of :func:`tests.models.mlp`'s Linear layers split (one per stage)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"1": ColwiseParallel(output_layouts=Replicate()),
+            "11": RowwiseParallel(input_layouts=Replicate())}
+
+
 def _layouts(layouts, steps):
     from tests.models import mlp, mlp_data
     torch.set_num_threads(1)
@@ -261,6 +269,8 @@ def _layouts(layouts, steps):
     except pk.ConfigError as err:
         done.append(str(err).splitlines()[0])
     for kw in layouts:
+        if kw.get("tensor_parallel_size", 1) > 1:
+            kw = {**kw, "tensor_parallel_plan": _tp_plan()}
         engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=2,
                                    timeout=60, check_every=1, **kw)
         try:

@@ -29,6 +29,7 @@ from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.schedules.program import Program
 from pipekernel.model.module import PipelineModule
+from pipekernel.stage.sequence import split_sequences
 
 __all__ = ["PipelineEngine"]
 
@@ -107,15 +108,13 @@ class PipelineEngine(EngineFields):
         its gradients are final (see :mod:`pipekernel.step.grad_reduce`). ``0``: no
         overlap, one flat all-reduce at ``ReduceGrads``.
     :param tensor_parallel_size: tensor-parallel ranks per stage ``T`` (default 1): the
-        world is ``stages x replicas x T``; layers reach their group through
-        :mod:`pipekernel.grid.tensor_parallel` while they are built (see ``docs/parallelism.md``).
+        world is ``stages x replicas x T``; ``T > 1`` needs a ``tensor_parallel_plan`` (see
+        ``docs/parallelism.md``).
     :param rank_order: which rank is which, innermost axis first (default
         ``"tp-dp-pp"``: tensor-parallel ranks adjacent, pipeline outermost; any
         permutation of ``tp``, ``dp``, ``pp``; see :mod:`pipekernel.grid.topology`).
-    :param partition_activations: with ``T > 1``, each tensor-parallel rank sends only
-        its ``1/T`` slice of the (replicated) floating-point activations and gradients
-        between stages and the receiver all-gathers them over its tensor-parallel group
-        (default ``True``; ``False`` sends the whole tensors from every rank).
+    :param partition_activations: retired with pipekernel's own tensor-parallel layers;
+        anything but ``None`` is a ``ConfigError`` saying what to do instead.
     :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
         (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, :mod:`pipekernel.grid.zero`);
         ``0`` (default) replicates it.
@@ -137,6 +136,13 @@ class PipelineEngine(EngineFields):
         each stage over ``mesh["tp"]`` (``tensor_parallel_size`` ranks) by the built-in plugin
         :mod:`pipekernel.plugins.tensor_parallel_dtensor`; what crosses stages stays plain
         tensors.
+    :param seq_chunks: ``k > 1`` cuts every training micro-batch along the sequence (dim 1)
+        into ``k`` equal chunks run as units of 1F1B (Seq1F1B,
+        :mod:`pipekernel.schedules.sequence`; ``schedule="1f1b"`` only), each chunk's
+        attention reading the keys and values of the chunks before it
+        (:func:`pipekernel.sequence_chunk`): less activation memory and a smaller bubble
+        for long sequences. The model's attention must read the prefix
+        (``docs/sequences.md``); ``eval_batch`` runs whole sequences. Default 1.
 
     ``engine.mesh`` is the :class:`~torch.distributed.device_mesh.DeviceMesh` with the dims
     ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
@@ -160,9 +166,10 @@ class PipelineEngine(EngineFields):
                  check_every: int | None = DEFAULT_CHECK_EVERY,
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
-                 partition_activations: bool = True, zero_stage: int = 0,
+                 partition_activations: Any = None, zero_stage: int = 0,
                  data_parallel_shard: int = 1, reshard_after_forward: bool = False,
-                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None) -> None:
+                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None,
+                 seq_chunks: int = 1) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -191,6 +198,7 @@ class PipelineEngine(EngineFields):
                 check_every=check_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
+                seq_chunks=seq_chunks,
                 parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                              partition_activations, zero_stage,
                                              data_parallel_shard, reshard_after_forward,
@@ -249,15 +257,19 @@ class PipelineEngine(EngineFields):
         batch_fn = getattr(self.pipeline_module, "batch_fn", None)
         if batch_fn is not None and isinstance(data_iter, Iterator):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
+        seq_chunks = getattr(cls, "seq_chunks", 1)  # Seq1F1B: a unit per sequence chunk
+        if seq_chunks > 1 and isinstance(data_iter, Iterator):
+            data_iter = split_sequences(data_iter, seq_chunks)
+        units = self.micro_batches * seq_chunks
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1
         try:
             agree_micro_batches(self)
             program, handlers, bound = program_of(self, cls)
-            self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
-            self.runtime.begin(data_iter, self.micro_batches, program, bound,
+            self.batch_step.begin(units, self.global_steps)  # clears the losses
+            self.runtime.begin(data_iter, units, program, bound,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check)
+                               check_data=check, seq_chunks=seq_chunks)
             self.kernel.run(program, handlers, **self._when(cls))
             self.runtime.end()
             return self.batch_step.mean_loss(cls.trains) if compute_loss else None
@@ -381,8 +393,9 @@ class PipelineEngine(EngineFields):
                         client_state: Any = None, format: str | None = None) -> str:  # noqa: A002
         """Save weights, optimizer, precision, LR scheduler, RNG and counters under
         ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
-        ``format="dcp"`` writes through ``torch.distributed.checkpoint`` even where no
-        stage holds DTensors. See :func:`pipekernel.engine.checkpoint.save`."""
+        One format for every engine (pipekernel's layer files); ``format`` other than
+        ``None`` is a ``ConfigError`` (DCP directories are read, not written). See
+        :func:`pipekernel.engine.checkpoint.save`."""
         from pipekernel.engine.checkpoint import save
         return save(self, path, tag, client_state, format)
 
@@ -440,7 +453,7 @@ class PipelineEngine(EngineFields):
         self.grid.close()
         if self.stage_parallel is not None:
             self.stage_parallel.close()
-        drop_destroyed(self.tp_group, self.grad_reducer, self.optimizer,
+        drop_destroyed(self.grad_reducer, self.optimizer,
                        *self._tied_reducers.values())
         if self.data_group is not None and not is_registered(self.data_group):
             self._assembly = self._assembly.replace(data_group=None)

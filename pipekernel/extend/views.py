@@ -85,8 +85,8 @@ class StageView(Protocol):
       ``mesh`` (the :class:`~torch.distributed.device_mesh.DeviceMesh` or ``None``),
       ``grid`` (its groups: ``grid.require_mesh(what)``), ``parallel`` (the
       :class:`~pipekernel.grid.parallel.ParallelConfig` of the tensor-parallel, sharding and
-      expert options), ``tp_group`` / ``ep_group`` (this rank's tensor-parallel and
-      expert-parallel groups), ``pm`` (the engine's plugin manager).
+      expert options), ``ep_group`` (this rank's expert-parallel group; the
+      tensor-parallel group is ``mesh["tp"]``), ``pm`` (the engine's plugin manager).
 
     Read only: the engine does not expect a plugin to assign any of these.
     """
@@ -133,8 +133,6 @@ class StageView(Protocol):
     def grid(self) -> Grid: ...
     @property
     def parallel(self) -> ParallelConfig: ...
-    @property
-    def tp_group(self) -> Any: ...  # the home-made TP group (being retired, issue 45)
     @property
     def ep_group(self) -> ExpertParallelGroup | None: ...
     @property

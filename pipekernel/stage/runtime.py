@@ -13,6 +13,7 @@ transfers like the others; what they carry and where it goes is
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +35,7 @@ from pipekernel.comm.wire import Channel, flatten
 from pipekernel.nested import describe, map_tensors
 from pipekernel.grid import expert_parallel
 from pipekernel.stage.paired import PairedExecutor
+from pipekernel.stage.sequence import KVPrefix, SequenceChunk, chunk_scope
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -99,10 +101,6 @@ class StageRuntime:
         start reductions), with the program's ``settled`` parameters.
     :param after_last_backward: called right after that instruction and the
         precision's ``after_backward`` (gradients are final there, fp32 masters included).
-    :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
-        ``join(obj)`` (what a received object stands for), e.g. the partitioned
-        activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
-        Skip connections travel as they are.
     :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
@@ -115,7 +113,7 @@ class StageRuntime:
                  placement: str = "loop",
                  before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 wire: Any = None, skips: SkipRouter | None = None,
+                 skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
                  losses: BatchLosses | None = None, tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
@@ -135,8 +133,6 @@ class StageRuntime:
         self._params_of = params_of
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
-        self._split = wire.split if wire is not None else _same
-        self._join = wire.join if wire is not None else _same
         self._skips = skips
         self._channels: dict[tuple[type, int, int | None], Channel] = {}
         self.buffers: list[Buffer] = []
@@ -157,12 +153,14 @@ class StageRuntime:
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+        self.seq_chunks = 1  # sequence chunks per micro-batch (Seq1F1B): units are chunks
+        self._prefixes: dict[int, KVPrefix] = {}  # micro-batch -> its KV prefix here
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
 
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, program: Program,
               bound: Bound, *, compute_loss: bool = True, keep_outputs: bool = False,
-              check_data: bool = False) -> None:
+              check_data: bool = False, seq_chunks: int = 1) -> None:
         """Start a batch that runs ``program.stream`` (compiled by the engine once per
         schedule and count; ``bound``: its :meth:`bind` here, made as often).
 
@@ -172,6 +170,10 @@ class StageRuntime:
         the same value. The losses computed go into :attr:`losses` (the
         :class:`~pipekernel.step.optimizer_step.BatchLosses` given at construction, which
         the batch step clears at the start of each batch), which :meth:`end` returns.
+
+        With ``seq_chunks > 1`` (:mod:`pipekernel.stage.sequence`) ``micro_batches`` counts
+        units, sequence chunks of the micro-batches, and every forward runs in its chunk's
+        scope, the micro-batch's KV prefix kept on this stage until its chunk 0's backward.
         """
         self.flush()
         self.check_data, self._fingerprints = check_data, {}
@@ -182,6 +184,7 @@ class StageRuntime:
         self._program, self._bound, self._at, self._recvs, self._local = program, bound, -1, \
             {}, {}
         self._counts = {}
+        self.seq_chunks, self._prefixes = seq_chunks, {}
 
     def bind(self, program: Program, settled: tuple = ()) -> Bound:
         """``program`` bound to this runtime (:class:`Bound`): its channels (one per channel
@@ -250,12 +253,15 @@ class StageRuntime:
         held += list(self._recvs.values())
         held += list(self._local.values())
         held += list(self.labels.values())
+        for prefix in self._prefixes.values():
+            held += prefix.tensors()
         return held
 
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
         more; the process group is destroyed by the transport's ``close()``)."""
         self._sends, self._recvs, self._local = [], {}, {}
+        self._prefixes = {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         table: dict[type, Callable[[Any], Any]] = {
@@ -329,9 +335,9 @@ class StageRuntime:
         if isinstance(instruction, isa.SendActivation):
             if self.check_data:
                 flatten(buffer.outputs, "outputs")  # names the path without the wrapper
-                return self._split((buffer.outputs, self._fingerprint(instruction.micro_batch)))
-            return self._split(buffer.outputs)
-        return self._split(buffer.input_grads)
+                return buffer.outputs, self._fingerprint(instruction.micro_batch)
+            return buffer.outputs
+        return buffer.input_grads
 
     def _fingerprint(self, micro_batch: int) -> torch.Tensor:
         fp = self._fingerprints.get(micro_batch)
@@ -366,7 +372,7 @@ class StageRuntime:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(index)
         pending = self._recvs.pop(index)
-        obj = self._join(self._bound.channels[index].finish(pending))
+        obj = self._bound.channels[index].finish(pending)
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
@@ -383,11 +389,12 @@ class StageRuntime:
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
+            count = self.micro_batches // self.seq_chunks  # units are chunks (seq_chunks)
             raise DataError(
-                f"the data iterator ran out at micro-batch {instruction.micro_batch} of "
-                f"{self.micro_batches}",
+                f"the data iterator ran out at micro-batch "
+                f"{instruction.micro_batch // self.seq_chunks} of {count}",
                 hint=f"give each train_batch/eval_batch an iterator with at least "
-                     f"{self.micro_batches} micro-batches (e.g. itertools.cycle(loader))") from None
+                     f"{count} micro-batches (e.g. itertools.cycle(loader))") from None
         except TypeError as err:
             raise DataError(f"data_iter is not an iterator: {err}",
                             hint="pass iter(loader), not the loader itself") from err
@@ -413,12 +420,42 @@ class StageRuntime:
     def forward(self, instruction: isa.Forward) -> None:
         buffer = self.forward_inputs(instruction)
         chunk = instruction.chunk
-        with collect_aux() as aux:
+        with collect_aux() as aux, self._sequence_scope(instruction):
             if self._skips is None:
                 outputs = self.run_part(chunk, buffer.inputs)
             else:
                 outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
         self.forward_done(instruction, buffer, outputs, aux)
+
+    def _sequence_scope(self, instruction: isa.MicroBatchInstruction) -> Any:
+        """The scope of the forward's sequence chunk (nothing without ``seq_chunks``)."""
+        if self.seq_chunks == 1:
+            return contextlib.nullcontext()
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.setdefault(micro_batch, KVPrefix())
+        return chunk_scope(SequenceChunk(index, self.seq_chunks, prefix), self.stage,
+                           instruction.micro_batch)
+
+    def _prefix_roots(self, instruction: isa.Backward) -> tuple[list, list]:
+        """The keys and values of the chunk being backwarded, with the gradients the
+        later chunks gave them (``([], [])`` without ``seq_chunks``)."""
+        if self.seq_chunks == 1:
+            return [], []
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.get(micro_batch)
+        return prefix.roots(index) if prefix is not None else ([], [])
+
+    def _release_prefix(self, instruction: isa.Backward) -> None:
+        """The chunk's entries dropped after its backward, the micro-batch's after
+        chunk 0's (its last)."""
+        if self.seq_chunks == 1:
+            return
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.get(micro_batch)
+        if prefix is not None:
+            prefix.release(index)
+            if index == 0:
+                del self._prefixes[micro_batch]
 
     def forward_inputs(self, instruction: isa.Forward) -> Buffer:
         """The buffer of ``instruction``, its inputs there (the paired executor's part)."""
@@ -560,11 +597,13 @@ class StageRuntime:
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self.backward_begin(instruction)
         loss, outputs, grads = self.backward_roots(instruction, buffer)
+        if loss is not None:
+            outputs, grads = [loss], [None]
+        keys, key_grads = self._prefix_roots(instruction)
         with expert_parallel.lane(instruction.chunk):
-            if loss is not None:
-                loss.backward()
-            elif outputs:
-                torch.autograd.backward(outputs, grads)
+            if outputs or keys:
+                torch.autograd.backward([*outputs, *keys], [*grads, *key_grads])
+        self._release_prefix(instruction)
         self.backward_done(instruction, buffer)
 
     def backward_begin(self, instruction: isa.Backward) -> Buffer:
@@ -682,10 +721,6 @@ class StageRuntime:
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
-
-
-def _same(obj: Any) -> Any:
-    return obj
 
 
 def _detach_like(obj: Any) -> Any:
