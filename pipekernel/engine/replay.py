@@ -128,7 +128,7 @@ class Recorder:
         self.at: tuple[_Seen, str] | None = None  # whose modules run now, in which phase
         self.device = engine.transport.device
         self.names: dict[int, str] = {}
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def rng_state(self) -> tuple:
         """The CPU RNG state and the device's (``None`` off CUDA)."""
