@@ -168,6 +168,8 @@ class Monitor:
         self._count_inputs = False
         self._board = PositionBoard(self)
         self._key = "pipekernel/monitor"
+        #: the sentinel's last passed check: ``{"step", "result", "seconds"}`` or ``None``
+        self.last_check: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ set-up
     @hookimpl
@@ -222,7 +224,7 @@ class Monitor:
             self._events = []
         self._in_train = True
         self._samples = self._tokens = 0
-        if self._cuda:
+        if self._cuda and self.engine is not None:
             import torch
             torch.cuda.reset_peak_memory_stats(engine.transport.device)
         self._step_start = self._clock()
@@ -247,6 +249,8 @@ class Monitor:
             self._count(instruction)
 
     def _count(self, instruction: Any) -> None:
+        if self.engine is None:  # not configured: nothing to count against
+            return
         inputs = self.engine.runtime.inputs_of(instruction)
         if inputs is None:
             return
@@ -277,6 +281,9 @@ class Monitor:
                             tokens=self._tokens)
         mine["loss"] = float(loss) if loss is not None else float("nan")
         mine["skipped"] = bool(metrics.get("skipped", False))
+        if "check_seconds" in metrics:  # the sentinel ran after this step and passed
+            self.last_check = {"step": step, "result": "passed",
+                               "seconds": float(metrics["check_seconds"])}
         # other numbers the engine reports for the step (e.g. the precision's loss_scale)
         mine["extra"] = {k: v for k, v in metrics.items()
                          if k not in ("step", "seconds", "skipped")
@@ -315,7 +322,7 @@ class Monitor:
         self._trace.keep([(start + o, s, ins) for o, s, ins in spans], None, self._epoch)
 
     def _peak_memory_mb(self) -> float:
-        if self._cuda:
+        if self._cuda and self.engine is not None:
             import torch
             return torch.cuda.max_memory_allocated(self.engine.transport.device) / 2**20
         try:
@@ -356,14 +363,16 @@ class Monitor:
         ``wait_fraction``, ``samples``, ``tokens``, ``samples_per_s`` and
         ``tokens_per_s`` (this rank's inputs: zero except on first stages),
         ``peak_memory_mb``, ``skipped_steps``, ``instructions`` (seconds per
-        instruction class) and ``losses`` (of the last ``keep_steps`` steps).
+        instruction class), ``losses`` (of the last ``keep_steps`` steps) and
+        ``last_check``: the sentinel's last check (``check_every``), ``{"step",
+        "result", "seconds"}`` or ``None`` (a failed check raises instead).
         Totals are running sums: memory does not grow with the number of steps.
         """
         totals = self._measured if self._measured.steps else self._all
         data, stage = (self.topology.data_rank, self.stage) if self.engine else (0, 0)
         summary = derive(self.rank, stage, data, totals.numbers, totals.classes)
         summary.update(steps=totals.steps, skipped_steps=totals.skipped,
-                       losses=[h["loss"] for h in self.history])
+                       losses=[h["loss"] for h in self.history], last_check=self.last_check)
         return summary
 
     def gather(self) -> list[dict[str, Any]] | None:

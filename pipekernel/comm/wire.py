@@ -63,6 +63,7 @@ each time the length changes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ from pipekernel.comm.transport import P2POp
 from pipekernel.nested import map_tensors  # re-exported: the wire's users walk with it
 
 __all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv",
-           "HEADER_BYTES", "Partitioned", "PartitionSpec"]
+           "HEADER_BYTES"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
@@ -80,33 +81,11 @@ _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _NAMES = {dtype: str(dtype).replace("torch.", "") for dtype in _DTYPES}
 # structure codes in the metadata (a tensor leaf is 0)
 _TUPLE, _DICT, _LIST, _NONE, _BOOL, _INT, _FLOAT = -1, -2, -3, -4, -5, -6, -7
-_PARTITIONED = -8
 _CONTAINERS = {_TUPLE: "tuple", _LIST: "list"}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 #: Size of the header of every transfer (two int64: changed flag, metadata length).
 HEADER_BYTES = 16
 _ALIGN = 16
-
-
-class PartitionSpec(tuple):
-    """Structure node of a :class:`Partitioned` tensor: ``(parts, full shape)``."""
-
-    __slots__ = ()
-
-    def __new__(cls, parts: int, shape: tuple[int, ...]) -> PartitionSpec:
-        return super().__new__(cls, (parts, tuple(shape)))
-
-
-class Partitioned:
-    """One rank's slice of a tensor that ``parts`` ranks hold whole (a tensor-parallel
-    group's replicated activation): ``part`` is 1-D, ``ceil(numel / parts)`` elements
-    (zero-padded at the end). The metadata carries ``parts`` and the full ``shape``, so
-    the receiver knows what to rebuild (:mod:`pipekernel.grid.partitioned`)."""
-
-    __slots__ = ("part", "shape", "parts")
-
-    def __init__(self, part: torch.Tensor, shape: tuple[int, ...], parts: int) -> None:
-        self.part, self.shape, self.parts = part, tuple(shape), parts
 
 
 def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
@@ -123,8 +102,6 @@ def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
     """
     if isinstance(obj, torch.Tensor):
         return [obj], None
-    if isinstance(obj, Partitioned):
-        return [obj.part], PartitionSpec(obj.parts, obj.shape)
     if isinstance(obj, (tuple, list)):
         tensors, parts = [], []
         for i, item in enumerate(obj):
@@ -165,8 +142,6 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
     """Inverse of :func:`flatten`."""
     if structure is None:
         return tensors[0]
-    if isinstance(structure, PartitionSpec):
-        return Partitioned(tensors[0], structure[1], structure[0])
     kind = structure[0]
     if kind == "value":
         return structure[1]
@@ -182,9 +157,6 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
 def _encode_structure(structure: Any, out: list[int]) -> None:
     if structure is None:
         out.append(0)
-        return
-    if isinstance(structure, PartitionSpec):
-        out += [_PARTITIONED, structure[0], len(structure[1]), *structure[1]]
         return
     kind = structure[0]
     if kind == "value":
@@ -216,9 +188,6 @@ def _decode_structure(data: list[int], pos: int) -> tuple[Any, int]:
     code = data[pos]
     if code == 0:
         return None, pos + 1
-    if code == _PARTITIONED:
-        ndim = data[pos + 2]
-        return PartitionSpec(data[pos + 1], data[pos + 3:pos + 3 + ndim]), pos + 3 + ndim
     if code == _NONE:
         return _value(None), pos + 1
     if code in (_BOOL, _INT, _FLOAT):
@@ -356,7 +325,8 @@ class Channel:
         # and compared in C, and each tensor's dtype, flag and shape) is what it encodes.
         key = (structure, [(t.dtype, t.requires_grad, t.shape) for t in tensors])
         if key == self._sent_key:
-            layout = self._sent_layout
+            # set together with _sent_key (never None once a key matched)
+            layout: _Layout = self._sent_layout  # type: ignore[assignment]
             self._layout_sends += 1
             if self.control is not None:
                 return self._in_place(tensors, layout, _UNCHANGED, [])
@@ -479,35 +449,37 @@ class Channel:
             handle.wait()
         for handle in pending.handles:
             handle.wait()
+        # post() sets buf (the header leads it) without a control lane, header with one
+        buf: torch.Tensor = pending.buf  # type: ignore[assignment]
         if self.control is None:
-            changed, length = pending.buf[:HEADER_BYTES].view(torch.int64).tolist()  # host memory
+            changed, length = buf[:HEADER_BYTES].view(torch.int64).tolist()  # host memory
         else:
-            changed, length = pending.header.tolist()  # host memory
+            changed, length = pending.header.tolist()  # type: ignore[union-attr]  # host memory
         if not changed:
             if self._recv_layout is None:
                 raise DataError(f"rank {self.transport.rank} got no metadata from rank "
                                 f"{self.peer}",
                                 hint="both sides must use the same pipekernel wire protocol")
-            return self._recv_layout.unpack(pending.buf)
+            return self._recv_layout.unpack(buf)
         if changed == 2 and self.control is None:  # the metadata came in the message
             shift = -(-8 * length // _ALIGN) * _ALIGN
-            meta = pending.buf[HEADER_BYTES:HEADER_BYTES + 8 * length].view(torch.int64)
-            layout = self._recv_layout = _Layout(meta.tolist(), self._start)  # host memory
-            return layout.unpack(pending.buf[shift:])
+            front = buf[HEADER_BYTES:HEADER_BYTES + 8 * length].view(torch.int64)
+            layout = self._recv_layout = _Layout(front.tolist(), self._start)  # host memory
+            return layout.unpack(buf[shift:])
         lane = self.control if self.control is not None else self.transport
         meta = torch.empty(length, dtype=torch.int64, device=lane.device)
         lane.irecv(meta, self.peer, self.tag).wait()
-        old, meta = self._recv_layout, meta.tolist()  # host memory
-        layout = self._recv_layout = _Layout(meta, self._start)
+        old, values = self._recv_layout, meta.tolist()  # host memory
+        layout = self._recv_layout = _Layout(values, self._start)
         if changed == 2:  # the data came in the posted device message
-            return layout.unpack(pending.buf)
+            return layout.unpack(buf)
         buf = torch.empty(layout.payload, dtype=torch.uint8, device=lane.device)
         lane.irecv(buf, self.peer, self.tag).wait()
         if self.control is not None:
             self._recv_cap = max(self._recv_cap, layout.payload)
             buf = buf.to(self.transport.device)
         else:
-            self._recv_cap = _grown(self._recv_cap, old, layout, meta)
+            self._recv_cap = _grown(self._recv_cap, old, layout, values)
         return layout.unpack(buf)
 
 

@@ -22,9 +22,8 @@ from pipekernel.extend.views import Placed
 from pipekernel.errors import ConfigError
 from pipekernel.extend.manager import make_precision
 from pipekernel.grid import expert_parallel
-from pipekernel.grid.partitioned import ActivationPartitioner
-from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.kernel.loop import Kernel
+from pipekernel.schedules import instructions as isa
 from pipekernel.model.module import PipelineModule
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
@@ -49,7 +48,6 @@ class StageBuild(Placed):
     mesh: Any
     module: Any
     precision: Any
-    tp_group: Any
     ep_group: Any
     schedule_cls: Any
     eval_schedule_cls: Any
@@ -86,7 +84,7 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     tied_groups = make_tied_groups(module, parts, topology, transport)
     sync_parameters(stage, tied_groups, topology, transport, data_group, data_ranks)
     build = StageBuild(module, pm, transport, topology, options.parallel, stage.grid,
-                       stage.mesh, stage.module, precision, stage.tp_group, stage.ep_group,
+                       stage.mesh, stage.module, precision, stage.ep_group,
                        layout.schedule_cls, layout.eval_schedule_cls, layout.chunks,
                        layout.placement, layout.micro_batches, parts.bounds, parts.part_stages)
     # before the precision and the optimizer see the parameters (FSDP2, DTensor)
@@ -104,7 +102,7 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     scheduler = make_lr_scheduler(options.lr_scheduler, built)
     runtime, batch_step, kernel = build_kernel(
         module, options, layout, stage, precision, transport, pm,
-        backward_callbacks(grad_reducer, stage_parallel),
+        backward_callbacks(grad_reducer, stage_parallel), stage_parallel,
         dict(optimizer=built, lr_scheduler=scheduler, tied_groups=tied_groups,
              tied_reducers=tied_reducers, grad_reducer=grad_reducer))
     return Assembly(module, pm, transport, options, layout, parts, stage, precision,
@@ -130,8 +128,9 @@ def make_tied_groups(module: PipelineModule, parts: Parts, topology: Any,
 
 def sync_parameters(stage: Stage, tied_groups: dict, topology: Any, transport: Any,
                     data_group: Any, data_ranks: list[int]) -> None:
-    """Make tied copies and replicas start identical (matters when no seed is given)."""
-    module, ep, tp = stage.module, stage.ep_group, stage.tp_group
+    """Make tied copies, replicas and tensor-parallel ranks start identical (matters when
+    no seed is given; before the DTensor plan shards the stage, so every parameter is whole)."""
+    module, ep = stage.module, stage.ep_group
     with torch.no_grad():
         for key, (group, ranks) in tied_groups.items():
             for p in module.tied_modules[key].parameters():
@@ -143,10 +142,10 @@ def sync_parameters(stage: Stage, tied_groups: dict, topology: Any, transport: A
         if ep.size > 1:  # experts differ over the data-parallel group
             expert_parallel.broadcast_experts(
                 transport, [p for p in module.parameters() if expert_parallel.is_expert(p)], ep)
-        if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
+        if topology.model_size > 1:
+            handle, ranks = stage.grid.groups["tp"]
             for p in module.parameters():
-                if sharded_dim(p) is None:
-                    transport.broadcast(p.data, tp.ranks[0], tp.handle)
+                transport.broadcast(p.data, ranks[0], handle)
 
 
 def make_reducers(stage: Stage, precision: Any, tied_groups: dict, topology: Any,
@@ -181,28 +180,23 @@ def make_reducers(stage: Stage, precision: Any, tied_groups: dict, topology: Any
 
 
 def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
-    """What the runtime calls around the stage's last backward of the batch."""
+    """What the runtime calls around the stage's last backward of the batch (the
+    data-parallel reducer's overlap; FSDP2's timing is instructions of the program) and
+    the parameters autograd holds under FSDP2."""
     callbacks: dict[str, Any] = {}
-    if sharded is not None:  # FSDP2's reduce-scatters, once per batch
-        callbacks = {"after_last_backward": sharded.after_last_backward,
-                     "params_of": sharded.autograd_params, "prefetch": sharded.prefetch}
-    if reducer is None or reducer.bucket_bytes <= 0:
-        return callbacks
     if sharded is not None:
-        def after() -> None:
-            sharded.after_last_backward()
-            reducer.backward_done()
-    else:
-        after = reducer.backward_done
-    return {**callbacks, "after_last_backward": after,
-            "before_last_backward": lambda settled: reducer.arm(final=settled)}
+        callbacks["params_of"] = sharded.autograd_params
+    if reducer is not None and reducer.bucket_bytes > 0:
+        callbacks["after_last_backward"] = reducer.backward_done
+        callbacks["before_last_backward"] = lambda settled: reducer.arm(final=settled)
+    return callbacks
 
 
 def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage: Stage,
                  precision: Any, transport: Any, pm: Any, callbacks: dict[str, Any],
-                 step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
+                 sharded: Any, step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
     """The stage runtime, the batch step (the one owner of the batch's losses and token
-    counts) and the kernel over both's handlers."""
+    counts) and the kernel over both's handlers (and FSDP2's, ``sharded``)."""
     topology = layout.topology
     batch_step = BatchStep(
         module=stage.module, precision=precision, transport=transport, topology=topology,
@@ -211,15 +205,20 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
         expert_parallel=stage.ep_group if stage.ep_group.size > 1 else None, **step)
     runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
                            chunks=layout.chunks, placement=layout.placement,
-                           wire=ActivationPartitioner(stage.tp_group)
-                           if options.parallel.partitions else None,
                            skips=stage.skip_router, losses=batch_step.losses,
                            tokens=batch_step.tokens, **callbacks)
     handlers = {**runtime.handlers(), **batch_step.handlers(),
+                **(sharded_handlers(sharded) if sharded is not None else {}),
                 **plugin_handlers(pm, runtime)}
     kernel = Kernel(handlers, hook=pm.hook, rank=transport.rank, stage=topology.stage,
                     enter=runtime.enter)
     return runtime, batch_step, kernel
+
+
+def sharded_handlers(sharded: Any) -> dict[type, Any]:
+    """The handlers of FSDP2's instructions (:mod:`pipekernel.schedules.sharded`)."""
+    return {isa.Unshard: sharded.unshard, isa.Reshard: lambda _: sharded.reshard(),
+            isa.ReduceShardedGrads: lambda _: sharded.reduce_grads()}
 
 
 def plugin_handlers(pm: Any, runtime: Any) -> dict[type, Any]:

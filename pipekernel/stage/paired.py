@@ -118,7 +118,8 @@ class _Half:
 
     def __init__(self, runtime: Any, chunk: int) -> None:
         self._runtime, self.chunk = runtime, chunk
-        self.calls, self.aux, self.outputs = 0, [], None
+        self.calls, self.outputs = 0, None
+        self.aux: list[Any] = []
 
     def __call__(self, inputs: Any) -> Any:
         with collect_aux() as aux:

@@ -2,9 +2,9 @@
 
 Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`; knows
 nothing of schedules — it executes whatever instructions the kernel hands it,
-and posts communication by the :class:`~pipekernel.kernel.program.LoadedProgram` the
-engine gives it (read, never changed or cached here; :meth:`StageRuntime.bind` makes
-the runtime's part of it): each posting point's sends and receives go out as one group
+and posts communication by the :class:`~pipekernel.schedules.program.Program` the engine
+gives it (read, never changed or cached here; :meth:`StageRuntime.bind` makes the runtime's
+binding of it once): each posting point's sends and receives go out as one group
 (``batch_isend_irecv``), receives ahead of the compute that needs them, and a
 receive is waited on only at its own instruction. Sends never block compute:
 their handles are kept until the batch ends. Skip connections between parts are
@@ -13,9 +13,10 @@ transfers like the others; what they carry and where it goes is
 """
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,8 +27,6 @@ from pipekernel.model.aux_loss import attach as attach_aux
 from pipekernel.model.aux_loss import COLLECTOR as AUX_COLLECTOR
 from pipekernel.stage.loss import TokenLoss
 from pipekernel.stage.fingerprint import fingerprint
-from pipekernel.kernel.program import LoadedProgram
-from pipekernel.schedules.comm import SENDS
 from pipekernel.schedules.program import Program
 from pipekernel.schedules.placement import position
 from pipekernel.model.skip_routing import SkipRouter, SkipState
@@ -37,6 +36,7 @@ from pipekernel.comm.wire import Channel, flatten
 from pipekernel.nested import describe, map_tensors
 from pipekernel.grid import expert_parallel
 from pipekernel.stage.paired import PairedExecutor
+from pipekernel.stage.sequence import KVPrefix, SequenceChunk, chunk_scope
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -66,31 +66,17 @@ def _to(obj: Any, device: torch.device) -> Any:
 #: How a send names what it carries in errors (the kernel adds stage and micro-batch).
 _WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
          isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
-#: The receive a local hand-off of each send fills.
-_RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
-            isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
 
 
-#: the compute instructions after which the runtime prefetches (``prefetch=``)
-_PREFETCHED = (isa.Forward, isa.Backward, isa.BackwardInput, isa.BackwardWeight,
-               isa.ForwardBackward)
+class Bound(NamedTuple):
+    """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
+    channel of a remote transfer (``channels``) and the group posted there (``groups``, as
+    ``(index, is_send, channel, what, instruction)``); the parameters whose gradients are final before
+    the program's last weight-gradient instruction (``settled``)."""
 
-
-def _next_computes(stream: Sequence[Any], first_chunk: int | None) -> list[Any]:
-    """For each index of ``stream``, the first compute instruction after it that gathers
-    parameters, else ``None``: a forward, backward, input pass or pair; a weight pass
-    only at the first position (``first_chunk``), whose input pass has no inputs to
-    differentiate, so that its weight pass runs the whole backward (elsewhere it reuses
-    what the input pass gathered)."""
-    out: list[Any] = [None] * len(stream)
-    upcoming = None
-    for index in range(len(stream) - 1, -1, -1):
-        out[index] = upcoming
-        step = stream[index]
-        if isinstance(step, _PREFETCHED) and (not isinstance(step, isa.BackwardWeight)
-                                              or step.chunk == first_chunk):
-            upcoming = step
-    return out
+    channels: tuple[Channel | None, ...]
+    groups: tuple[tuple[tuple, ...], ...]
+    settled: tuple = ()
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -116,19 +102,11 @@ class StageRuntime:
         start reductions), with the program's ``settled`` parameters.
     :param after_last_backward: called right after that instruction and the
         precision's ``after_backward`` (gradients are final there, fp32 masters included).
-    :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
-        ``join(obj)`` (what a received object stands for), e.g. the partitioned
-        activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
-        Skip connections travel as they are.
     :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
-    :param prefetch: ``prefetch(chunk, forward)`` is called after each compute
-        instruction for the program's next one on this stage that gathers parameters, if
-        any (both halves of a pair) (FSDP2's all-gathers issued ahead:
-        :meth:`pipekernel.grid.stage_parallel.StageParallel.prefetch`).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -136,10 +114,9 @@ class StageRuntime:
                  placement: str = "loop",
                  before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 wire: Any = None, skips: SkipRouter | None = None,
+                 skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
-                 losses: BatchLosses | None = None, tokens: bool = False,
-                 prefetch: Callable[[Any], None] | None = None) -> None:
+                 losses: BatchLosses | None = None, tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.tokens = tokens and loss_fn is not None
         self.loss_fn = TokenLoss(loss_fn) if self.tokens else loss_fn  # type: ignore[arg-type]
@@ -155,15 +132,8 @@ class StageRuntime:
                       for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
-        self._prefetch = prefetch
-        # (program, per index its next compute): the program being run, worked out when
-        # it changes (a micro-batch count change), nothing kept per program object
-        self._next_compute: tuple[Any, list] | None = None
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
-        # None: objects travel as they are (no identity call per transfer)
-        self._split = wire.split if wire is not None else None
-        self._join = wire.join if wire is not None else None
         self._skips = skips
         self._channels: dict[tuple[type, int, int | None], Channel] = {}
         self.buffers: list[Buffer] = []
@@ -178,20 +148,27 @@ class StageRuntime:
         self.outputs: list[Any] = []
         self.check_data = False
         self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
-        self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
+        self._program: Program | None = None  # the batch's (the engine's, read only)
+        self._bound: Bound | None = None  # its binding here (bind())
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: deque[tuple] = deque()  # (handle, P2POp) of sends in flight, oldest first
         self._is_local: Sequence[bool] = ()  # the batch program's local flags, read per transfer
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+        self.seq_chunks = 1  # sequence chunks per micro-batch (Seq1F1B): units are chunks
+        self._prefixes: dict[int, KVPrefix] = {}  # micro-batch -> its KV prefix here
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
+        #: the sentinel's hashes of this batch's transfers (``add(instruction, position,
+        #: obj)``; :class:`pipekernel.engine.sentinel.TransferSums`), or ``None``: set by
+        #: the engine for a checked step's batch only
+        self.transfer_sums: Any = None
 
     # -- batch lifecycle ---------------------------------------------------
-    def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
-              program: LoadedProgram | None = None, *, compute_loss: bool = True,
-              keep_outputs: bool = False, check_data: bool = False) -> None:
-        """Start a batch that runs ``program.stream`` (loaded by the engine once per schedule
-        and count, with :meth:`bind`).
+    def begin(self, data_iter: Iterator | None, micro_batches: int, program: Program,
+              bound: Bound, *, compute_loss: bool = True, keep_outputs: bool = False,
+              check_data: bool = False, seq_chunks: int = 1) -> None:
+        """Start a batch that runs ``program.stream`` (compiled by the engine once per
+        schedule and count; ``bound``: its :meth:`bind` here, made as often).
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
@@ -199,38 +176,43 @@ class StageRuntime:
         the same value. The losses computed go into :attr:`losses` (the
         :class:`~pipekernel.step.optimizer_step.BatchLosses` given at construction, which
         the batch step clears at the start of each batch), which :meth:`end` returns.
+
+        With ``seq_chunks > 1`` (:mod:`pipekernel.stage.sequence`) ``micro_batches`` counts
+        units, sequence chunks of the micro-batches, and every forward runs in its chunk's
+        scope, the micro-batch's KV prefix kept on this stage until its chunk 0's backward.
         """
         self.flush()
         self.check_data, self._fingerprints = check_data, {}
         self.data_iter, self.micro_batches = data_iter, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
+        self.buffers = [_EMPTY] * program.num_buffers  # _fill replaces an empty slot on first use
         self.outputs, self.labels = [], {}
-        self._program, self._at, self._recvs, self._local = program, -1, {}, {}
-        self._is_local = program.program.local if program is not None else ()
+        self._program, self._bound, self._at, self._recvs, self._local = program, bound, -1, \
+            {}, {}
+        self._is_local = program.local  # read per transfer: no property chain
         self._counts = {}
+        self.seq_chunks, self._prefixes = seq_chunks, {}
 
-    def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
-        """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
-        ``program``: ``(channels, groups)`` — per stream index, the channel of a remote
-        transfer (one per channel key, made on first use and shared by every program of
-        this stage) and the group posted there as ``(index, is_send, channel, what,
+    def bind(self, program: Program, settled: tuple = ()) -> Bound:
+        """``program`` bound to this runtime (:class:`Bound`): its channels (one per channel
+        key, made on first use and shared by every program of this stage) by stream index,
+        and its groups with them, each entry ``(index, is_send, channel, what,
         instruction)``."""
-        channels: list[Channel | None] = [None] * len(program.stream)
-        for index, number in enumerate(program.channel_of):
-            if number is not None:
-                channels[index] = self._channel(program.channels[number])
+        mine = [self._channel(spec) for spec in program.channels]
+        channels = tuple(None if number is None else mine[number]
+                         for number in program.channel_of)
         stream = program.stream
-        groups = tuple(tuple((index, isinstance(stream[index], SENDS), channels[index],
-                              _WHAT.get(type(stream[index]), "value"), stream[index])
+        groups = tuple(tuple((index, program.channels[program.channel_of[index]].send,
+                              channels[index], _WHAT.get(type(stream[index]), "value"),
+                              stream[index])
                              for index in group) for group in program.posts)
-        return tuple(channels), groups
+        return Bound(channels, groups, settled)
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
         (The kernel calls it before each instruction, whoever handles it.)"""
         self._at = index
-        group = self._program.groups[index]
+        group = self._bound.groups[index]
         if group:
             self._post_group(group)
 
@@ -286,12 +268,15 @@ class StageRuntime:
         held += list(self._recvs.values())
         held += list(self._local.values())
         held += list(self.labels.values())
+        for prefix in self._prefixes.values():
+            held += prefix.tensors()
         return held
 
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
         more; the process group is destroyed by the transport's ``close()``)."""
         self._sends, self._recvs, self._local = deque(), {}, {}
+        self._prefixes = {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         table: dict[type, Callable[[Any], Any]] = {
@@ -303,34 +288,7 @@ class StageRuntime:
             isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
             isa.RecvSkipGrad: self.recv_skip, isa.ForwardBackward: self.forward_backward,
         }
-        if self._prefetch is not None:
-            for kind in _PREFETCHED:
-                table[kind] = self._then_prefetch(table[kind])
         return table
-
-    def _then_prefetch(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def run(instruction: Any) -> Any:
-            result = handler(instruction)
-            self.prefetch_next()
-            return result
-        return run
-
-    def prefetch_next(self) -> None:
-        """Hand the program's next compute instruction after the current one (if any) to
-        the ``prefetch`` callback."""
-        program = self._program
-        if self._prefetch is None or program is None or self._at < 0:
-            return
-        entry = self._next_compute
-        if entry is None or entry[0] is not program:
-            entry = self._next_compute = (program,
-                                          _next_computes(program.stream, self.first_chunk))
-        upcoming = entry[1][self._at]
-        halves = (upcoming.forward, upcoming.backward) \
-            if isinstance(upcoming, isa.ForwardBackward) else (upcoming,)
-        for half in halves:
-            if half is not None:
-                self._prefetch(half.chunk, isinstance(half, isa.Forward))
 
     @property
     def pairs(self) -> bool:
@@ -390,14 +348,14 @@ class StageRuntime:
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SkipInstruction):
             return self._skips.payload(instruction, buffer.skips)
-        if isinstance(instruction, isa.SendActivation):
-            obj = buffer.outputs
-            if self.check_data:
-                flatten(obj, "outputs")  # names the path without the wrapper
-                obj = (obj, self._fingerprint(instruction.micro_batch))
-        else:
-            obj = buffer.input_grads
-        return obj if self._split is None else self._split(obj)
+        activation = isinstance(instruction, isa.SendActivation)
+        obj = buffer.outputs if activation else buffer.input_grads
+        if self.transfer_sums is not None:  # a checked step: hashed as the model made it
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
+        if activation and self.check_data:
+            flatten(obj, "outputs")  # names the path without the wrapper
+            return obj, self._fingerprint(instruction.micro_batch)
+        return obj
 
     def _fingerprint(self, micro_batch: int) -> torch.Tensor:
         fp = self._fingerprints.get(micro_batch)
@@ -426,41 +384,36 @@ class StageRuntime:
     def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
         index = self._at
         if self._is_local[index]:
-            key = (type(instruction), instruction.chunk, instruction.micro_batch,
-                   getattr(instruction, "peer", None))
-            if key not in self._local:
+            if index not in self._local:
                 raise PipelineError(f"{instruction} on stage {self.stage} comes before the "
                                     "matching send on this stage",
                                     hint="check the schedule with pipekernel.schedules.simulate")
-            return self._local.pop(key)
+            return self._local.pop(index)
         pending = self._recvs.pop(index)
-        obj = self._program.channels[index].finish(pending)
-        if self._join is not None:
-            obj = self._join(obj)
+        obj = self._bound.channels[index].finish(pending)
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
+        if self.transfer_sums is not None:
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
         return obj
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
-        index = self._at
-        if self._is_local[index]:
-            peer_chunk = self._program.program.peers[index][1]
-            # a skip hand-off is found by the position it comes from
-            source = self.positions[instruction.chunk] \
-                if isinstance(instruction, isa.SkipInstruction) else None
-            self._local[(_RECV_OF[type(instruction)], peer_chunk, instruction.micro_batch,
-                         source)] = _detach_like(obj)
+        if self._is_local[self._at]:
+            fills = self._program.handoffs[self._at]  # the receive it fills
+            if fills is not None:
+                self._local[fills] = _detach_like(obj)
 
     # -- handlers ----------------------------------------------------------
     def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
+            count = self.micro_batches // self.seq_chunks  # units are chunks (seq_chunks)
             raise DataError(
-                f"the data iterator ran out at micro-batch {instruction.micro_batch} of "
-                f"{self.micro_batches}",
+                f"the data iterator ran out at micro-batch "
+                f"{instruction.micro_batch // self.seq_chunks} of {count}",
                 hint=f"give each train_batch/eval_batch an iterator with at least "
-                     f"{self.micro_batches} micro-batches (e.g. itertools.cycle(loader))") from None
+                     f"{count} micro-batches (e.g. itertools.cycle(loader))") from None
         except TypeError as err:
             raise DataError(f"data_iter is not an iterator: {err}",
                             hint="pass iter(loader), not the loader itself") from err
@@ -489,13 +442,49 @@ class StageRuntime:
         aux: list[torch.Tensor] = []
         token = AUX_COLLECTOR.set(aux)  # what aux_loss.collecting() does, without its calls
         try:
-            if self._skips is None:
-                outputs = self.run_part(chunk, buffer.inputs)
+            if self.seq_chunks == 1:  # no sequence chunk: no scope to open
+                outputs = self._forward_part(buffer, chunk, instruction.micro_batch)
             else:
-                outputs = self._forward_with_skips(buffer, chunk, instruction.micro_batch)
+                with self._sequence_scope(instruction):
+                    outputs = self._forward_part(buffer, chunk, instruction.micro_batch)
         finally:
             AUX_COLLECTOR.reset(token)
         self.forward_done(instruction, buffer, outputs, aux)
+
+    def _forward_part(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
+        if self._skips is None:
+            return self.run_part(chunk, buffer.inputs)
+        return self._forward_with_skips(buffer, chunk, micro_batch)
+
+    def _sequence_scope(self, instruction: isa.MicroBatchInstruction) -> Any:
+        """The scope of the forward's sequence chunk (nothing without ``seq_chunks``)."""
+        if self.seq_chunks == 1:
+            return contextlib.nullcontext()
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.setdefault(micro_batch, KVPrefix())
+        return chunk_scope(SequenceChunk(index, self.seq_chunks, prefix), self.stage,
+                           instruction.micro_batch)
+
+    def _prefix_roots(self, instruction: isa.Backward) -> tuple[list, list]:
+        """The keys and values of the chunk being backwarded, with the gradients the
+        later chunks gave them (``([], [])`` without ``seq_chunks``)."""
+        if self.seq_chunks == 1:
+            return [], []
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.get(micro_batch)
+        return prefix.roots(index) if prefix is not None else ([], [])
+
+    def _release_prefix(self, instruction: isa.Backward) -> None:
+        """The chunk's entries dropped after its backward, the micro-batch's after
+        chunk 0's (its last)."""
+        if self.seq_chunks == 1:
+            return
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.get(micro_batch)
+        if prefix is not None:
+            prefix.release(index)
+            if index == 0:
+                del self._prefixes[micro_batch]
 
     def forward_inputs(self, instruction: isa.Forward) -> Buffer:
         """The buffer of ``instruction``, its inputs there (the paired executor's part)."""
@@ -634,7 +623,7 @@ class StageRuntime:
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
         if self._before_last_backward is not None and self._at == self._program.last_weight:
-            self._before_last_backward(self._program.settled)
+            self._before_last_backward(self._bound.settled)
 
     def _after_weights(self, instruction: isa.Instruction) -> None:
         if self._after_last_backward is not None and self._at == self._program.last_weight:
@@ -643,15 +632,18 @@ class StageRuntime:
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self.backward_begin(instruction)
         loss, outputs, grads = self.backward_roots(instruction, buffer)
+        if loss is not None:
+            outputs, grads = [loss], [None]
+        keys, key_grads = self._prefix_roots(instruction) if self.seq_chunks > 1 else ([], [])
         token = expert_parallel.LANE.set(instruction.chunk) if self.chunks > 1 else None
         try:  # the chunk's lane, as in run_part
-            if loss is not None:
-                loss.backward()
-            elif outputs:
-                torch.autograd.backward(outputs, grads)
+            if outputs or keys:
+                torch.autograd.backward([*outputs, *keys], [*grads, *key_grads])
         finally:
             if token is not None:
                 expert_parallel.LANE.reset(token)
+        if self.seq_chunks > 1:
+            self._release_prefix(instruction)
         self.backward_done(instruction, buffer)
 
     def backward_begin(self, instruction: isa.Backward) -> Buffer:
@@ -769,7 +761,6 @@ class StageRuntime:
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
-
 
 
 def _detach_like(obj: Any) -> Any:
