@@ -256,17 +256,16 @@ class PipelineEngine(EngineFields):
         try:
             agree_micro_batches(self)
             program = self._program(cls)
-            self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
-            self.runtime.begin(data_iter, self.micro_batches, program.program.num_buffers, program,
-                               compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check)
+            self.batch_step.begin(self.micro_batches, self.global_steps)
+            self.runtime.begin(data_iter, program, compute_loss=compute_loss,
+                               keep_outputs=keep_outputs, check_data=check)
             if sharded is not None:
                 sharded.begin_batch(cls.trains)
             self.kernel.run(program, **self._when(cls))
             if sharded is not None:
                 sharded.end_batch(cls.trains)
-            self.runtime.end()
-            return self.batch_step.mean_loss(cls.trains) if compute_loss else None
+            losses = self.runtime.end()
+            return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
             cause = root_cause(err, self.transport, self.abort_board, self.rank)
             if isinstance(cause, PipelineError):  # errors from outside the kernel too

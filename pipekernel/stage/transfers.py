@@ -1,0 +1,182 @@
+"""A stage's transfers: what the runtime posts by the program, waits on and hands off.
+
+Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`, and posts
+communication by the :class:`~pipekernel.kernel.program.LoadedProgram` the engine gives it
+(read, never changed or cached here; :meth:`Transfers.bind` makes this part of it): each
+posting point's sends and receives go out as one group (``batch_isend_irecv``), receives
+ahead of the compute that needs them, and a receive is waited on only at its own
+instruction. Sends never block compute: their handles are kept until the batch ends.
+Transfers between two chunks of this stage are hand-offs (no transport). Skip connections
+are transfers like the others.
+
+It knows no buffers: what a posted send carries and what a received object stands for are
+the runtime's (``payload`` and ``arrived``, given at construction).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipekernel.comm.wire import Channel
+from pipekernel.errors import PipelineError
+from pipekernel.kernel.program import LoadedProgram
+from pipekernel.nested import map_tensors
+from pipekernel.schedules import instructions as isa
+from pipekernel.schedules.comm import SENDS
+from pipekernel.schedules.program import Program
+
+__all__ = ["Transfers"]
+
+#: How a send names what it carries in errors (the kernel adds stage and micro-batch).
+_WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
+         isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
+#: The receive a local hand-off of each send fills.
+_RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
+            isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
+
+
+class Transfers:
+    """The point-to-point traffic of one stage.
+
+    :param transport: the communication backend (``batch_isend_irecv``, ``control``).
+    :param stage_rank: ``stage -> global rank`` of this pipeline's ranks.
+    :param positions: the pipeline position of each chunk of this stage.
+    :param payload: ``payload(instruction)``: what the posted send ``instruction`` carries.
+    :param arrived: ``arrived(instruction, obj)``: what the received ``obj`` stands for.
+    """
+
+    def __init__(self, transport: Any, stage_rank: Callable[[int], int],
+                 positions: Sequence[int], payload: Callable[[Any], Any],
+                 arrived: Callable[[Any, Any], Any]) -> None:
+        self.transport = transport
+        self._stage_rank, self._positions = stage_rank, positions
+        self._payload, self._arrived = payload, arrived
+        self._channels: dict[tuple[type, int, int | None], Channel] = {}
+        self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
+        self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
+        self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
+        self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+
+    def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
+        """This part of a :class:`~pipekernel.kernel.program.LoadedProgram` of ``program``:
+        ``(channels, groups)`` — per stream index, the channel of a remote transfer (one
+        per channel key, made on first use and shared by every program of this stage) and
+        the group posted there as ``(index, is_send, channel, what)``."""
+        channels: list[Channel | None] = [None] * len(program.stream)
+        for index, number in enumerate(program.channel_of):
+            if number is not None:
+                channels[index] = self._channel(program.channels[number])
+        groups = tuple(tuple((index, isinstance(program.stream[index], SENDS), channels[index],
+                              _WHAT.get(type(program.stream[index]), "value"))
+                             for index in group) for group in program.posts)
+        return tuple(channels), groups
+
+    def begin(self, program: LoadedProgram) -> None:
+        """Start a batch running ``program`` (the sends of the last one waited for)."""
+        self.flush()
+        self._program, self._recvs, self._local = program, {}, {}
+
+    def _channel(self, spec: Any) -> Channel:
+        """The channel of ``spec`` (a :class:`~pipekernel.schedules.program.ChannelSpec`),
+        made on first use."""
+        channel = self._channels.get(spec.key)
+        if channel is None:
+            channel = Channel(self.transport, self._stage_rank(spec.peer_stage), tag=spec.lane)
+            self._channels[spec.key] = channel
+        return channel
+
+    def post(self, group: Sequence[tuple]) -> None:
+        """Post one group: every op of ``group`` on the data lane in one call (and the
+        headers on the control lane, when the transport has one, just before)."""
+        data: list[Any] = []
+        control: list[Any] = []
+        spans = []
+        stream = self._program.program.stream  # type: ignore[union-attr]
+        for index, is_send, channel, what in group:
+            if is_send:
+                pending = None
+                ops, ctrl = channel.send_ops(self._payload(stream[index]), what)
+            else:
+                pending = channel.recv_ops()
+                self._recvs[index] = pending
+                ops, ctrl = pending.ops, pending.control_ops
+            spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
+            data += ops
+            control += ctrl
+        control_handles = self.transport.control.batch_isend_irecv(control) if control else []
+        handles = self.transport.batch_isend_irecv(data) if data else []
+        self.prune()
+        for pending, d0, dn, c0, cn in spans:
+            if pending is None:
+                self._sends += [(h, op.tensor) for h, op in
+                                zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
+                self._sends += [(h, op.tensor) for h, op in
+                                zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
+            else:
+                pending.handles = handles[d0:d0 + dn]
+                pending.control_handles = control_handles[c0:c0 + cn]
+
+    def receive(self, index: int, instruction: isa.MicroBatchInstruction) -> Any:
+        """What the receive ``instruction`` at stream ``index`` brought (waited for here)."""
+        program = self._program
+        if program.program.local[index]:  # type: ignore[union-attr]
+            key = (type(instruction), instruction.chunk, instruction.micro_batch,
+                   getattr(instruction, "peer", None))
+            if key not in self._local:
+                raise PipelineError(f"{instruction} comes before the matching send on this "
+                                    "stage",
+                                    hint="check the schedule with pipekernel.schedules.simulate")
+            return self._local.pop(key)
+        pending = self._recvs.pop(index)
+        return self._arrived(instruction, program.channels[index].finish(pending))  # type: ignore[union-attr]
+
+    def send(self, index: int, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
+        """The send ``instruction`` at stream ``index`` of ``obj``: a hand-off to a chunk of
+        this stage is kept here; a remote one was posted with its group."""
+        program = self._program.program  # type: ignore[union-attr]
+        if program.local[index]:
+            peer_chunk = program.peers[index][1]
+            # a skip hand-off is found by the position it comes from
+            source = self._positions[instruction.chunk] \
+                if isinstance(instruction, isa.SkipInstruction) else None
+            self._local[(_RECV_OF[type(instruction)], peer_chunk, instruction.micro_batch,
+                         source)] = _detach_like(obj)
+
+    def flush(self) -> None:
+        """Wait for every send still in flight."""
+        sends, self._sends = self._sends, []
+        for handle, _ in sends:
+            handle.wait()
+
+    def prune(self) -> None:
+        """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
+        buffer lives exactly as long as its transfer: a query, no device sync."""
+        if any(handle.is_completed() for handle, _ in self._sends):
+            for handle, _ in self._sends:
+                if handle.is_completed():
+                    handle.wait()
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def held(self) -> list[Any]:
+        """Send buffers whose transfer has not completed, posted receives and hand-offs."""
+        self.prune()
+        return [t for _, t in self._sends] + list(self._recvs.values()) \
+            + list(self._local.values())
+
+    def abandon(self) -> None:
+        """Forget every transfer in flight after a failure (nothing waits on them any
+        more; the process group is destroyed by the transport's ``close()``)."""
+        self._sends, self._recvs, self._local = [], {}, {}
+
+    def payload_bytes(self) -> dict[str, int]:
+        """Tensor bytes sent to peers so far, by dtype name."""
+        total: dict[str, int] = {}
+        for channel in self._channels.values():
+            for name, count in channel.payload.items():
+                total[name] = total.get(name, 0) + count
+        return total
+
+
+def _detach_like(obj: Any) -> Any:
+    """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
