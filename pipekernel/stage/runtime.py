@@ -493,8 +493,8 @@ class StageRuntime:
         for _, tensors in leaves:
             inputs += tensors
         if chunk == self.last_chunk:
-            count = self._program.program.micro_batches  # type: ignore[union-attr]
-            loss = self.precision.scale_loss(buffer.loss / count)
+            loss = self.precision.scale_loss(
+                buffer.loss / self._program.program.micro_batches)  # type: ignore[union-attr]
             grads, buffer.split = backward_input([], [], inputs, self._weights(chunk),
                                                  loss=loss)
         else:
