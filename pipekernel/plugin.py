@@ -44,7 +44,7 @@ so this surface is the one the project itself uses.
 """
 from __future__ import annotations
 
-from pipekernel.comm.conformance import run_transport_conformance
+from pipekernel.testing.conformance import run_transport_conformance
 from pipekernel.comm.transport import Handle, P2POp, Transport, wait_sliced
 from pipekernel.extend.hookspecs import hookimpl, hookspec
 from pipekernel.extend.manager import make_plugin_manager
@@ -72,8 +72,8 @@ from pipekernel.extend.views import EngineView, RuntimeView, StageView
 from pipekernel.grid.stage_parallel import find as find_stage_parallel
 from pipekernel.nested import describe, map_tensors, tensors_of, tensors_to
 from pipekernel.stage.memory import MemoryLedger
-from pipekernel.stage.partitioning import Balance, Memory, Profile
-from pipekernel.stage.skips import SkipScope
+from pipekernel.model.partitioning import Balance, Memory, Profile
+from pipekernel.model.skips import SkipScope
 from pipekernel.stage.split_backward import backward_input, backward_weight
 from pipekernel.step.precision import Precision, cast_floats
 

@@ -9,7 +9,7 @@
 * ``pk.profile(sample)``: measured forward + backward seconds per layer;
 * ``pk.memory(sample)`` / ``"memory"``: estimated bytes, with activations
   multiplied by the micro-batches the schedule keeps in flight on each stage.
-  A skip connection's stashed value (:mod:`pipekernel.stage.skips`) counts as an
+  A skip connection's stashed value (:mod:`pipekernel.model.skips`) counts as an
   activation of the layer that stashes it (unless autograd saves it there anyway)
   *and* of the layer that pops it: each end holds it until the micro-batch's
   backward. The stages in between hold nothing (the value is routed past them).

@@ -280,7 +280,7 @@ class ForwardsOutOfOrder(BUILTIN_SCHEDULES["gpipe"]):
 
 
 def test_a_schedule_that_cannot_route_skips_is_refused_before_the_first_batch():
-    from pipekernel.stage.skip_routing import check_schedules
+    from pipekernel.model.skip_routing import check_schedules
 
     simulate(ForwardsOutOfOrder, 2, 2)  # fine without skips
     with pytest.raises(pk.ScheduleError, match="mismatched skip"):

@@ -58,13 +58,13 @@ def test_built_ins_import_only_the_public_surface(folder):
 
 def test_the_reader_sees_every_form(tmp_path):
     src = tmp_path / "bad.py"
-    src.write_text("from pipekernel.stage.module import LayerSpec\n"
+    src.write_text("from pipekernel.model.module import LayerSpec\n"
                    "def f():\n    from pipekernel.comm.wire import flatten\n"
                    "import pipekernel.grid.zero\nfrom pipekernel import stage\n"
                    "from pipekernel import PipelineModule\nfrom pipekernel.plugin import P2POp\n"
                    "from pipekernel.plugins.sinks import make_sink\nfrom . import sibling\n")
     bad = [(m, n) for _, m, n in _pipekernel_imports(src) if _offends(m, n)]
-    assert bad == [("pipekernel.stage.module", "LayerSpec"), ("pipekernel.comm.wire", "flatten"),
+    assert bad == [("pipekernel.model.module", "LayerSpec"), ("pipekernel.comm.wire", "flatten"),
                    ("pipekernel.grid.zero", ""), ("pipekernel", "stage")]
 
 

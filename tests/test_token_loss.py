@@ -91,7 +91,7 @@ def test_token_mean_matches_one_process(stages, dp, schedule, max_grad_norm):
 
 
 def test_token_loss_wrapper_returns_the_sum_and_the_count_kept_with_the_loss():
-    from pipekernel.stage.loss import BatchLosses
+    from pipekernel.step.optimizer_step import BatchLosses
     wrapped = TokenLoss(token_sum)
     logits = torch.randn(2, LENGTH, VOCAB)
     _, labels = padded_data(0, 0, 1, batch=2)[0]

@@ -214,7 +214,7 @@ class TorchDistributedTransport:
             if missing:
                 raise ConfigError(
                     f"no process group exists and the environment lacks {', '.join(missing)}",
-                    hint="start the processes with torchrun or pipekernel.engine.launch(), or "
+                    hint="start the processes with torchrun or pipekernel.launcher.launch(), or "
                          "call "
                          "torch.distributed.init_process_group() before creating the engine")
             bind_defaults_before_init()

@@ -1,1 +1,1 @@
-"""Communication: the Transport protocol, the wire format (tensor metadata), collectives, the conformance suite."""
+"""Communication: the Transport protocol, the wire format (tensor metadata), collectives, agreement (the conformance suite: ``pipekernel.testing.conformance``)."""

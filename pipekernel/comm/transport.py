@@ -132,7 +132,7 @@ Optional members (the core uses them when present)
   every rank ends within seconds of the first failure instead of after the
   timeout. :func:`wait_sliced` implements such a wait.
 
-Proving it: :mod:`pipekernel.comm.conformance` is a suite any transport runs
+Proving it: :mod:`pipekernel.testing.conformance` is a suite any transport runs
 against itself (``check_transport("my_transport")``); pipekernel runs it for
 gloo in its tests and for nccl on GPU machines. See
 ``docs/writing-a-plugin.md`` for publishing a transport.

@@ -25,7 +25,7 @@ from pipekernel.grid import expert_parallel
 from pipekernel.grid.partitioned import ActivationPartitioner
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.kernel.loop import Kernel
-from pipekernel.stage.module import PipelineModule
+from pipekernel.model.module import PipelineModule
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
 from pipekernel.step.grad_reduce import GradReducer

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from pipekernel.comm import clusters, teardown  # noqa: F401 - teardown binds at import
+from pipekernel.comm import teardown  # noqa: F401 - teardown binds at import
+from pipekernel.launcher import clusters
 from pipekernel.engine.assembly import Assembly, check_options
 from pipekernel.engine.assembly_step import assemble, make_lr_scheduler, make_optimizer
 from pipekernel.engine.faults import engine_board, root_cause
@@ -27,7 +28,7 @@ from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.kernel.program import LoadedProgram
-from pipekernel.stage.module import PipelineModule
+from pipekernel.model.module import PipelineModule
 
 __all__ = ["PipelineEngine"]
 
@@ -334,7 +335,7 @@ class PipelineEngine(EngineFields):
                    "skipped": not step.last_step_taken, **self.precision.metrics()}
         if self.max_grad_norm is not None:
             metrics["grad_norm"] = state.last_grad_norm
-        if step.last_aux_loss is not None:  # part of loss (stage/aux_loss.py)
+        if step.last_aux_loss is not None:  # part of loss (model/aux_loss.py)
             metrics["aux_loss"] = step.last_aux_loss
         if checked is not None:  # the sentinel ran (and passed) after this step
             metrics["check_seconds"] = checked

@@ -10,7 +10,7 @@ from pipekernel.comm.agreement import check_consistency
 from pipekernel.errors import ConfigError
 from pipekernel.kernel.program import LoadedProgram
 from pipekernel.schedules.program import compile_program
-from pipekernel.stage.skip_routing import check_schedules
+from pipekernel.model.skip_routing import check_schedules
 from pipekernel.step.grad_reduce import settled_parameters
 
 __all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batches",

@@ -120,7 +120,7 @@ class RecvGrad(MicroBatchInstruction):
 
 @dataclass(frozen=True, slots=True)
 class SkipInstruction(MicroBatchInstruction):
-    """A transfer of a skip connection (:mod:`pipekernel.stage.skips`): the tensors layers of
+    """A transfer of a skip connection (:mod:`pipekernel.model.skips`): the tensors layers of
     one pipeline position stash for a later one, sent straight between the two.
 
     ``peer`` is the pipeline position at the other end (the consumer for

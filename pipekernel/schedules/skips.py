@@ -2,7 +2,7 @@
 
 A *skip edge* ``(producer, consumer)`` says that layers at pipeline position
 ``producer`` stash tensors that layers at the later position ``consumer`` pop
-(:mod:`pipekernel.stage.skips`). The tensors go straight from one to the other, not
+(:mod:`pipekernel.model.skips`). The tensors go straight from one to the other, not
 through the positions in between, and their gradients come straight back.
 
 Schedules know nothing of skips: once the layers are placed, the engine (and the

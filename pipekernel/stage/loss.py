@@ -27,12 +27,13 @@ import torch
 
 from pipekernel.comm.wire import flatten
 from pipekernel.errors import ConfigError, DataError, PipelineError
+from pipekernel.model.aux_loss import attach as attach_aux
 from pipekernel.nested import describe, map_tensors
-from pipekernel.stage.aux_loss import attach as attach_aux
 from pipekernel.stage.device import to_device
 from pipekernel.stage.fingerprint import fingerprint
+from pipekernel.step.optimizer_step import BatchLosses
 
-__all__ = ["LOSS_REDUCTIONS", "TokenLoss", "check_loss_reduction", "BatchLosses", "LossKeeper"]
+__all__ = ["LOSS_REDUCTIONS", "TokenLoss", "check_loss_reduction", "LossKeeper"]
 
 #: The values ``PipelineEngine(loss_reduction=...)`` accepts.
 LOSS_REDUCTIONS = ("mean", "tokens")
@@ -52,7 +53,7 @@ class TokenLoss:
     """Wraps a ``loss_fn`` returning ``(loss_sum, token_count)``: calls check that and
     return ``(loss_sum, count)``, the count a 0-dim float64 tensor (no device sync). It
     keeps nothing: :class:`LossKeeper` records each count with its loss in the batch's
-    :class:`BatchLosses`.
+    :class:`~pipekernel.step.optimizer_step.BatchLosses`.
 
     :param loss_fn: ``loss_fn(outputs, labels) -> (loss_sum, token_count)``.
     """
@@ -76,46 +77,11 @@ class TokenLoss:
         return loss_sum, count.detach().reshape(()).to(torch.float64)
 
 
-class BatchLosses:
-    """The losses one rank computed in one batch, in the order computed: ``values`` (0-dim
-    tensors, detached) and ``micro_batches`` (which micro-batch each is), the token count
-    of each under ``loss_reduction="tokens"`` (``tokens``, 0-dim float64), and the same
-    for the auxiliary losses its chunks added (``aux_values``, ``aux_micro_batches``; one
-    sum per chunk forward, any stage: :mod:`pipekernel.stage.aux_loss`). A new one per
-    batch: :class:`LossKeeper` appends, the stage runtime's ``end()`` hands it over (empty
-    on stages that compute no loss)."""
-
-    __slots__ = ("values", "micro_batches", "tokens", "aux_values", "aux_micro_batches")
-
-    def __init__(self) -> None:
-        self.values: list[torch.Tensor] = []
-        self.micro_batches: list[int] = []
-        self.tokens: list[torch.Tensor] = []
-        self.aux_values: list[torch.Tensor] = []
-        self.aux_micro_batches: list[int] = []
-
-    def add(self, loss: torch.Tensor, micro_batch: int,
-            tokens: torch.Tensor | None = None) -> None:
-        self.values.append(loss)
-        self.micro_batches.append(micro_batch)
-        if tokens is not None:
-            self.tokens.append(tokens)
-
-    def local_tokens(self, device: Any) -> torch.Tensor:
-        """This rank's tokens in the batch (0-dim float64 on ``device``)."""
-        if not self.tokens:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        return torch.stack(self.tokens).sum().to(device)
-
-    def add_aux(self, aux: torch.Tensor, micro_batch: int) -> None:
-        self.aux_values.append(aux)
-        self.aux_micro_batches.append(micro_batch)
-
-
 class LossKeeper:
     """One stage's losses in a batch: the labels the last position reads, its loss and
     token count per micro-batch, the aux losses of every chunk, and the labels'
-    fingerprints (``check_data``). Fills a new :class:`BatchLosses` each batch.
+    fingerprints (``check_data``). Fills a new :class:`~pipekernel.step.optimizer_step.BatchLosses`
+    each batch.
 
     :param loss_fn: ``loss_fn(outputs, labels)`` (``None``: no loss on this stage).
     :param precision: the precision policy (``scale_loss`` for the aux losses' seed).
@@ -242,7 +208,7 @@ class LossKeeper:
 
     def aux(self, buffer: Any, aux: list[torch.Tensor], micro_batch: int, chunk: int,
             last: bool, micro_batches: int) -> None:
-        """The aux losses a chunk's forward added (:mod:`pipekernel.stage.aux_loss`):
+        """The aux losses a chunk's forward added (:mod:`pipekernel.model.aux_loss`):
         recorded, and their gradient made part of this stage's backward — added to the
         loss on the chunk computing it (``buffer.aux``), else attached to the chunk's
         outputs. Nothing of it travels to another stage."""

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 
 from pipekernel.errors import ConfigError, PipelineError
-from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.model.aux_loss import collecting as collect_aux
 
 __all__ = ["PairedExecutor", "PairedStage", "sequential", "overlap_all_to_all", "run_backward"]
 

@@ -9,7 +9,7 @@ hands off what travels between stages; :class:`~pipekernel.stage.loss.LossKeeper
 labels, losses, token counts, aux losses and the labels' fingerprints;
 :class:`~pipekernel.stage.paired.PairedExecutor` runs ``ForwardBackward`` pairs through the
 :class:`~pipekernel.stage.paired.PairedStage` this runtime provides. What skip connections
-carry and where it goes is :mod:`pipekernel.stage.skip_routing`'s business.
+carry and where it goes is :mod:`pipekernel.model.skip_routing`'s business.
 """
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ from pipekernel.errors import DataError, PipelineError
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.topology import Topology
 from pipekernel.kernel.program import LoadedProgram
+from pipekernel.model.aux_loss import collecting as collect_aux
+from pipekernel.model.skip_routing import SkipRouter, SkipState
 from pipekernel.nested import map_tensors
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.placement import position
 from pipekernel.schedules.program import Program
-from pipekernel.stage.aux_loss import collecting as collect_aux
 from pipekernel.stage.device import to_device
-from pipekernel.stage.loss import BatchLosses, LossKeeper
+from pipekernel.stage.loss import LossKeeper
 from pipekernel.stage.paired import PairedExecutor
-from pipekernel.stage.skip_routing import SkipRouter, SkipState
 from pipekernel.stage.transfers import Transfers
+from pipekernel.step.optimizer_step import BatchLosses
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -90,7 +91,7 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
 class StageRuntime:
     """Executes the core instructions for one stage of one pipeline.
 
-    :param module: the stage's layers (a :class:`~pipekernel.stage.module.StageModule`,
+    :param module: the stage's layers (a :class:`~pipekernel.model.module.StageModule`,
         one part per chunk).
     :param topology: this rank's place in the grid.
     :param transport: the communication backend.
@@ -108,7 +109,7 @@ class StageRuntime:
         ``join(obj)`` (what a received object stands for), e.g. the partitioned
         activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
         Skip connections travel as they are.
-    :param skips: the :class:`~pipekernel.stage.skip_routing.SkipRouter` of a model with skip
+    :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
@@ -546,7 +547,7 @@ class StageRuntime:
 
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
-        the gradients of what an earlier part sent (:mod:`pipekernel.stage.skip_routing`)."""
+        the gradients of what an earlier part sent (:mod:`pipekernel.model.skip_routing`)."""
         state = self._slot(instruction).skips
         self.transfers.send(self._at, instruction, self._skips.payload(instruction, state))
         self._skips.sent(instruction, state, torch.is_grad_enabled())

@@ -5,9 +5,8 @@ on every rank.
 
 :class:`BatchStep` serves the step's instructions (``ReduceTiedGrads``, ``ReduceGrads``,
 ``OptimizerStep``) in the kernel's dispatch table like the runtime's handlers serve the
-others. It reads the batch's losses (:class:`~pipekernel.stage.loss.BatchLosses`: losses,
-auxiliary losses and token counts, which the stage runtime records): those recorded so far
-through ``losses()`` at ``OptimizerStep``, and those the runtime's ``end()`` returned for
+others. It reads the batch's losses (:class:`BatchLosses`: losses, auxiliary losses and
+token counts, which the stage runtime records): those recorded so far through ``losses()`` at ``OptimizerStep``, and those the runtime's ``end()`` returned for
 the batch's loss (:meth:`BatchStep.mean_loss`). Nothing here reads the engine or the
 runtime.
 """
@@ -24,11 +23,47 @@ from pipekernel.grid.expert_parallel import is_expert
 from pipekernel.grid.mesh import local_share
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.schedules import instructions as isa
-from pipekernel.stage.loss import BatchLosses
 from pipekernel.step.local_shards import step_local_shards
 from pipekernel.step.stats import StepStats, nonfinite_flag
 
-__all__ = ["BatchStep"]
+__all__ = ["BatchStep", "BatchLosses"]
+
+
+class BatchLosses:
+    """The losses one rank computed in one batch, in the order computed: ``values`` (0-dim
+    tensors, detached) and ``micro_batches`` (which micro-batch each is), the token count
+    of each under ``loss_reduction="tokens"`` (``tokens``, 0-dim float64), and the same
+    for the auxiliary losses its chunks added (``aux_values``, ``aux_micro_batches``; one
+    sum per chunk forward, any stage: :mod:`pipekernel.model.aux_loss`). A new one per
+    batch: the stage runtime's :class:`~pipekernel.stage.loss.LossKeeper` appends, the
+    runtime's ``end()`` hands it over (empty on stages that compute no loss)."""
+
+    __slots__ = ("values", "micro_batches", "tokens", "aux_values", "aux_micro_batches")
+
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+        self.micro_batches: list[int] = []
+        self.tokens: list[torch.Tensor] = []
+        self.aux_values: list[torch.Tensor] = []
+        self.aux_micro_batches: list[int] = []
+
+    def add(self, loss: torch.Tensor, micro_batch: int,
+            tokens: torch.Tensor | None = None) -> None:
+        self.values.append(loss)
+        self.micro_batches.append(micro_batch)
+        if tokens is not None:
+            self.tokens.append(tokens)
+
+    def local_tokens(self, device: Any) -> torch.Tensor:
+        """This rank's tokens in the batch (0-dim float64 on ``device``)."""
+        if not self.tokens:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.stack(self.tokens).sum().to(device)
+
+    def add_aux(self, aux: torch.Tensor, micro_batch: int) -> None:
+        self.aux_values.append(aux)
+        self.aux_micro_batches.append(micro_batch)
+
 
 
 class BatchStep:
@@ -256,7 +291,7 @@ class BatchStep:
             self._raise_nonfinite(stats.bad_micro_batches(values), stats.bad_ranks(values))
         copies = self.micro_batches * self._loss_copies()
         #: The batch's auxiliary loss (part of the returned loss), or ``None`` when no
-        #: stage added one (:mod:`pipekernel.stage.aux_loss`).
+        #: stage added one (:mod:`pipekernel.model.aux_loss`).
         self.last_aux_loss = aux_sum / copies if values[stats.AUX_COUNT] > 0 else None
         if not self.tokens:
             # float32 as the losses (the reference's division)

@@ -3,7 +3,7 @@
 A step needs, from every rank: whether fp16 unscaling overflowed, the squared gradient
 norm (clipping), whether a loss was NaN/inf (``nonfinite="skip"``), the token count
 (``loss_reduction="tokens"``), and, for the batch's loss, the loss sum, the sum and
-count of the auxiliary losses (:mod:`pipekernel.stage.aux_loss`, any stage) and which
+count of the auxiliary losses (:mod:`pipekernel.model.aux_loss`, any stage) and which
 micro-batches and ranks had a non-finite loss or aux loss (``nonfinite="error"``). Each is a 0-dim
 tensor on the device. :class:`StepStats` writes them into one float64 vector **on the
 device** (copies between device tensors: no host synchronisation), the caller

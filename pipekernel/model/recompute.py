@@ -46,12 +46,17 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pipekernel.errors import ConfigError
-from pipekernel.stage.memory import note_saved
 
 __all__ = ["checkpoint", "SegmentWatch"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 Slot = tuple[nn.Module, str]
+
+
+#: Told of each checkpointed segment's input, which the recompute's closure keeps alive
+#: where autograd's pack hooks cannot see it: the stage's recording memory ledgers
+#: (``pipekernel.stage.memory``) add themselves while they record.
+KEPT_INPUT_OBSERVERS: list[Callable[[Any], None]] = []
 
 
 class SegmentWatch:
@@ -99,7 +104,8 @@ class _Run:
         keep = before if watch.written is None else \
             {key: before[key] for key in watch.written if key in before}
         copies: dict[int, torch.Tensor] = {}  # one copy per tensor (shared buffers)
-        note_saved(x)  # the recompute keeps the segment's input: count it as saved
+        for observe in KEPT_INPUT_OBSERVERS:  # the recompute keeps the input: it is saved
+            observe(x)
         with torch.no_grad():
             for _, tensor, _ in keep.values():
                 if id(tensor) not in copies:

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from pipekernel.comm.conformance import run_transport_conformance
+from pipekernel.testing.conformance import run_transport_conformance
 from pipekernel.comm.transport import Transport
-from pipekernel.engine.launch import launch
+from pipekernel.launcher.launch import launch
 from pipekernel.nested import tensors_to
-from pipekernel.stage.aux_loss import aux_losses
+from pipekernel.model.aux_loss import aux_losses
 from pipekernel.extend.manager import make_plugin_manager, make_transport
-from pipekernel.stage.module import PipelineModule
+from pipekernel.model.module import PipelineModule
 
 __all__ = ["run_ranks", "check_transport", "reference_train", "reference_eval", "assert_parity", "TensorBytes",
            "HostSyncs"]

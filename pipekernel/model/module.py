@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from pipekernel.nested import map_tensors
-from pipekernel.stage import recompute, skips
+from pipekernel.model import skips
+from pipekernel.model import recompute
 from pipekernel.errors import ConfigError, did_you_mean
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
@@ -242,9 +243,9 @@ class PipelineModule:
     :param seed: if set, layer ``i`` is built right after ``torch.manual_seed(seed + i)``
         (a tied layer with the seed of its first occurrence), so weights do not
         depend on the partitioning.
-    Layers may be wrapped in :class:`~pipekernel.stage.skips.Skip` (or have a class decorated
-    with :func:`~pipekernel.stage.skips.skippable`) to pass tensors to a later layer by name
-    (skip connections, :mod:`pipekernel.stage.skips`); the wrapper is removed from ``layers``
+    Layers may be wrapped in :class:`~pipekernel.model.skips.Skip` (or have a class decorated
+    with :func:`~pipekernel.model.skips.skippable`) to pass tensors to a later layer by name
+    (skip connections, :mod:`pipekernel.model.skips`); the wrapper is removed from ``layers``
     and its names kept in ``skip_declarations``.
 
     :param batch_fn: ``batch_fn(item) -> (inputs, labels)``, applied to every item the
@@ -256,7 +257,7 @@ class PipelineModule:
         enabled and recomputes the run in backward (non-reentrant
         ``torch.utils.checkpoint``, RNG state preserved so dropout matches; the
         recompute leaves every buffer as the forward left it, and a Python attribute it
-        changes is a ``ConfigError``: :mod:`pipekernel.stage.recompute`);
+        changes is a ``ConfigError``: :mod:`pipekernel.model.recompute`);
         ``0`` (default) stores every activation.
     :param overlapped_forward_backward: how a stage runs a ``ForwardBackward`` (the pairs
         of ``dualpipev`` and ``zbv``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.
@@ -340,7 +341,7 @@ class PipelineModule:
         """Layer ``index`` built on ``device`` for measuring it (a user's own module is
         copied: the model itself is never moved or stepped) and the call running it on
         an input, its ``forward_fn`` for a tied layer, inside the skip ``scope``
-        (a :class:`~pipekernel.stage.skips.SkipScope`) if any. What the partitioner and the
+        (a :class:`~pipekernel.model.skips.SkipScope`) if any. What the partitioner and the
         planner's measurements run."""
         spec = self.layers[index]
         layer = self.build_layer(index)
@@ -374,7 +375,7 @@ class PipelineModule:
         """Stage boundaries ``[0, ..., len(layers)]`` for ``num_stages`` stages.
 
         :param pm: the plugin manager (default: a fresh one).
-        :param context: a :class:`~pipekernel.stage.partitioning.PartitionContext`
+        :param context: a :class:`~pipekernel.model.partitioning.PartitionContext`
             (default: one for a single CPU process); plugins leave their per-layer
             estimates on it for the partition report.
         """
@@ -383,7 +384,7 @@ class PipelineModule:
             from pipekernel.extend.manager import make_plugin_manager
             pm = make_plugin_manager()
         if context is None:
-            from pipekernel.stage.partitioning import PartitionContext
+            from pipekernel.model.partitioning import PartitionContext
             context = PartitionContext(module=self, num_stages=num_stages)
         bounds = pm.hook.pipekernel_partition(method=self.partition_method, layers=self.layers,
                                               num_stages=num_stages, context=context)

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipekernel.errors import ConfigError
 from pipekernel.grid import expert_parallel
-from pipekernel.stage.aux_loss import add_aux_loss
+from pipekernel.model.aux_loss import add_aux_loss
 
 __all__ = ["MoE", "load_balancing_loss"]
 
