@@ -339,8 +339,10 @@ def _first_forward(call: Callable, inp: Any, index: int, spec: Any
     """The layer's output on ``inp`` and the tensors autograd saved for its backward."""
     saved: list[torch.Tensor] = []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
-                                                      lambda t: t):
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             return call(inp), saved
     except Exception as err:
         raise ConfigError(f"layer {index} ({_layer_name(spec)}) failed on the sample: "
@@ -550,6 +552,7 @@ def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> 
             module, method.sample, context.device, repeats=method.repeats,
             warmup=method.warmup, optimizer=context.optimizer, split=split,
             clock=method.clock, outputs=outputs)
+        assert seconds is not None  # time_it (the default) measures them
         first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
             else (None, None)
         return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
@@ -608,12 +611,14 @@ def _by_type(method: str, layers: Sequence[Any], context: PartitionContext,
 
 
 def stage_layer_costs(static: list[float], act: list[float] | None, bounds: Sequence[int],
-                      in_flight: Sequence[int]) -> list[float]:
-    """Per-layer bytes as placed: static + in-flight(stage of the layer) × activation."""
+                      in_flight: Sequence[int] | None) -> list[float]:
+    """Per-layer bytes as placed: static + in-flight(stage of the layer) × activation
+    (``in_flight`` ``None``: one micro-batch per stage, as :func:`balance`)."""
     out = []
     for s in range(len(bounds) - 1):
+        k = in_flight[s] if in_flight is not None else 1
         for i in range(bounds[s], bounds[s + 1]):
-            out.append(static[i] + (in_flight[s] * act[i] if act is not None else 0.0))
+            out.append(static[i] + (k * act[i] if act is not None else 0.0))
     return out
 
 

@@ -58,7 +58,7 @@ LAYERS = {
     "grid": _BASE | {"comm"},                      # topology, TP, ZeRO, partitioned activations
     "kernel": _BASE | {"schedules"},               # layer 1: the instruction loop
     "step": _BASE | {"schedules", "grid"},         # reductions, precision, the step's handlers
-    "extend": _BASE | {"schedules", "comm", "step"},  # hookspecs, plugin manager, built-ins
+    "extend": _BASE | {"schedules", "comm", "grid", "step"},  # hookspecs, plugin manager, views
     "launcher": _BASE,                             # launch, lifeline, cluster detection
     "model": _BASE | {"schedules", "comm", "grid", "extend"},  # the user's model vocabulary
     "stage": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend", "model"},

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.plugin import P2POp, attempt_prefix
+from pipekernel.comm import P2POp, attempt_prefix
 from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
@@ -330,7 +330,7 @@ class CupyNcclTransport:
             self.control.close()  # no gloo group left behind by a failed start
             raise
 
-    def _set_up(self, nccl: Any, lanes: int, watch_interval: float) -> None:
+    def _set_up(self, nccl: Any, lanes: int | None, watch_interval: float) -> None:
         """The device side: the watch, then the world's and the lanes' communicators."""
         self._watch = DeviceWatch(self.rank, lambda event: bool(event.query()),
                                   describe=self.describe,

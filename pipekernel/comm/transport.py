@@ -36,7 +36,7 @@ Contract for implementers
   runs every operation at once) but the core only relies on this. A transport
   supports lanes ``0 .. max_tags - 1`` and maps each to one stream (one
   communicator), the same lane number on every rank. The plan's ``lanes[i]``
-  (:class:`~pipekernel.schedules.comm.CommPlan`) is exactly that number: the
+  (:class:`~pipekernel.schedules.program.Program`) is exactly that number: the
   runtime gives each lane one *channel* at each rank
   (:mod:`pipekernel.schedules.lanes`), so that no receive can hold back an
   unrelated send, and :func:`~pipekernel.schedules.simulate` proves the plans

@@ -195,7 +195,7 @@ def pair_table(parts: dict[tuple[int, int], tuple[float, float, float, float]],
     executor: assumed to overlap like the built-in one)."""
     from pipekernel.schedules.instructions import ForwardBackward
 
-    table = {}
+    table: dict[tuple[int, int, int], dict[type, float]] = {}
     for (stage, cf), (fc, fa, _, _) in parts.items():
         for (other, cb), (_, _, bc, ba) in parts.items():
             if other != stage:

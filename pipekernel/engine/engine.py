@@ -22,12 +22,12 @@ from pipekernel.engine.faults import engine_board, root_cause
 from pipekernel.engine.fields import EngineFields
 from pipekernel.engine.sentinel import DEFAULT_CHECK_EVERY, Sentinel
 from pipekernel.engine.programs import (agree_micro_batches, check_micro_batch_count,
-                                        check_micro_batches, load_program, program_of)
+                                        check_micro_batches, program_of)
 from pipekernel.engine.state import RunState
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
-from pipekernel.kernel.program import LoadedProgram
+from pipekernel.schedules.program import Program
 from pipekernel.model.module import PipelineModule
 
 __all__ = ["PipelineEngine"]
@@ -179,8 +179,9 @@ class PipelineEngine(EngineFields):
         self.abort_board = engine_board(made)
         #: what changes as the engine runs (:class:`~pipekernel.engine.state.RunState`)
         self.state = RunState(micro_batches)
-        #: (schedule class, micro-batch count) -> its loaded program: the one cache of them
-        self._programs: dict[tuple[Any, int], LoadedProgram] = {}
+        #: (schedule class, micro-batch count) -> (program, handlers, runtime binding): the
+        #: one cache of them (pipekernel.engine.programs)
+        self._programs: dict[tuple[Any, int], tuple] = {}
         try:
             options = check_options(
                 schedule=schedule, eval_schedule=eval_schedule, chunks=chunks,
@@ -237,12 +238,9 @@ class PipelineEngine(EngineFields):
     def _check_micro_batches(self, micro_batches: Any) -> None:
         check_micro_batches(self, micro_batches)
 
-    def _program(self, cls: Any) -> LoadedProgram:
-        """The loaded program of ``cls`` for the current count (:mod:`.programs`)."""
-        return program_of(self, cls)
-
-    def _load(self, program: Any) -> LoadedProgram:
-        return load_program(self, program)
+    def _program(self, cls: Any) -> Program:
+        """The program of ``cls`` for the current count (:mod:`.programs`)."""
+        return program_of(self, cls)[0]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
@@ -253,18 +251,13 @@ class PipelineEngine(EngineFields):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1
-        sharded = self.stage_parallel
         try:
             agree_micro_batches(self)
-            program = self._program(cls)
+            program, handlers, bound = program_of(self, cls)
             self.batch_step.begin(self.micro_batches, self.global_steps)
-            self.runtime.begin(data_iter, program, compute_loss=compute_loss,
+            self.runtime.begin(data_iter, program, bound, compute_loss=compute_loss,
                                keep_outputs=keep_outputs, check_data=check)
-            if sharded is not None:
-                sharded.begin_batch(cls.trains)
-            self.kernel.run(program, **self._when(cls))
-            if sharded is not None:
-                sharded.end_batch(cls.trains)
+            self.kernel.run(program, handlers, **self._when(cls))
             losses = self.runtime.end()
             return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:

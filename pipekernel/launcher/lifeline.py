@@ -131,4 +131,7 @@ def forward_signal(signum: int, procs: Sequence[Any]) -> Callable[[], None]:
               f"{', '.join(map(str, pids))})", file=sys.stderr, flush=True)
 
     old = signal.signal(signum, forward)
-    return lambda: signal.signal(signum, old)
+
+    def restore() -> None:
+        signal.signal(signum, old)
+    return restore

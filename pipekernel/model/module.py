@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,6 +93,9 @@ class StageModule(nn.Module):
     ``forward`` runs the only part of a one-chunk stage.
     """
 
+    #: how a ``ForwardBackward`` runs (set from the PipelineModule's, see there)
+    overlapped_forward_backward: Callable[..., Any] | None
+
     def __init__(self, layers: Sequence[tuple[int, Any, Callable | None]],
                  tied: dict[str, nn.Module], stage: int = 0,
                  activation_checkpoint_interval: int = 0,
@@ -152,8 +156,7 @@ class StageModule(nn.Module):
             if watch is None:
                 watch = self._watches[segment[0][0]] = recompute.SegmentWatch(
                     [(index, layer) for index, layer, _ in segment], self.stage)
-            x = recompute.checkpoint(lambda v, segment=segment: _run_segment(segment, v),
-                                     x, watch)
+            x = recompute.checkpoint(functools.partial(_run_segment, segment), x, watch)
         return x
 
 
@@ -174,7 +177,8 @@ class _Part:
         return list(self._layers)
 
     def parameters(self) -> list[torch.Tensor]:
-        seen, out = set(), []
+        seen: set[int] = set()
+        out: list[torch.Tensor] = []
         for layer in self._layers:
             if isinstance(layer, nn.Module):
                 for p in layer.parameters():
@@ -213,7 +217,7 @@ def _name_layer(err: Exception, index: int, layer: Any) -> Exception:
     ``InstructionError``; the innermost tag wins (a nested pipeline names its own layer)."""
     if getattr(err, "pipekernel_where", None) is None:
         try:
-            err.pipekernel_where = f"layer {index} ({type(layer).__name__})"
+            setattr(err, "pipekernel_where", f"layer {index} ({type(layer).__name__})")
         except AttributeError:  # an exception type with __slots__: keep it untagged
             pass
     return err
@@ -224,7 +228,7 @@ def _run_scoped(calls: Sequence[tuple[int, Any, Callable | None]], x: Any,
     for index, layer, forward_fn in calls:
         try:
             x = scope.run(index, layer if forward_fn is None else
-                          (lambda v, layer=layer, fn=forward_fn: fn(layer, v)), x)
+                          functools.partial(forward_fn, layer), x)
         except Exception as err:
             raise _name_layer(err, index, layer)
     return x
@@ -308,7 +312,7 @@ class PipelineModule:
                               hint="pass a function item -> (inputs, labels), or None")
         self.batch_fn = batch_fn
         self.partition_method, self.seed = partition, seed
-        self._first_tied = {}
+        self._first_tied: dict[str, int] = {}
         for i, layer in enumerate(self.layers):
             if isinstance(layer, TiedLayerSpec):
                 self._first_tied.setdefault(layer.key, i)

@@ -96,7 +96,7 @@ class _Run:
     def __call__(self, x: Any) -> Any:
         if self.saved is None:
             return self._forward(x)
-        return self._recompute(x)
+        return self._recompute(x, self.saved)
 
     def _forward(self, x: Any) -> Any:
         watch = self.watch
@@ -124,12 +124,15 @@ class _Run:
                       for key in written if key in before and id(before[key][1]) in copies}
         return out
 
-    def _recompute(self, x: Any) -> Any:
-        live = {slot: slot[0]._buffers[slot[1]] for slot in self.saved}
+    def _recompute(self, x: Any, saved: dict[Slot, torch.Tensor]) -> Any:
+        # a saved slot is a buffer the forward wrote: a tensor (nn.Module's _buffers also
+        # holds None for a registered-but-unset buffer, never one a forward wrote)
+        live: dict[Slot, torch.Tensor] = {
+            slot: slot[0]._buffers[slot[1]] for slot in saved}  # type: ignore[misc]
         versions = [(slot, t, t._version) for slot, t in live.items()]
         fresh: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for (module, name), copy in self.saved.items():
+            for (module, name), copy in saved.items():
                 module._buffers[name] = fresh.setdefault(id(copy), copy.clone())
         attributes = None if self.watch.attributes_checked else _attributes(self.watch)
         try:
@@ -145,7 +148,7 @@ class _Run:
 
 def _attributes(watch: SegmentWatch) -> dict[tuple[int, str], tuple[Any, int | None]]:
     """The plain values of the segment's modules' ``__dict__``: ``(value, version)``."""
-    out = {}
+    out: dict[tuple[int, str], tuple[Any, int | None]] = {}
     for module in watch.modules:
         for key, value in vars(module).items():
             if isinstance(value, torch.Tensor):

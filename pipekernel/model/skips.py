@@ -223,7 +223,8 @@ class SkipScope:
         return f"{layer}{' on ' + self.where if self.where else ''}"
 
     def _check(self, what: str, name: str) -> None:
-        stash_names, pop_names = self.declarations.get(self.layer, ((), ()))
+        stash_names, pop_names = ((), ()) if self.layer is None else \
+            self.declarations.get(self.layer, ((), ()))
         names = stash_names if what == "stash" else pop_names
         if name not in names:
             raise ConfigError(f"{self._where()} called pk.{what}({name!r}) but declares "

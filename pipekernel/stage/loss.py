@@ -104,7 +104,8 @@ class LossKeeper:
     def begin(self, *, compute_loss: bool, keep_outputs: bool, check_data: bool) -> None:
         """Start a batch (a new :attr:`record`). With ``check_data``, each activation
         carries the fingerprint of the labels the first stage read with its inputs, and
-        the last stage compares it with its own (:func:`~pipekernel.stage.fingerprint.fingerprint`)."""
+        the last stage compares it with its own
+        (:func:`~pipekernel.stage.fingerprint.fingerprint`)."""
         self.compute_loss, self.keep_outputs, self.check_data = \
             compute_loss, keep_outputs, check_data
         self.record, self.labels, self.outputs = BatchLosses(), {}, []
@@ -121,12 +122,12 @@ class LossKeeper:
     # -- labels and fingerprints ------------------------------------------------
     def read(self, micro_batch: int, labels: Any, device: Any, first: bool,
              last: bool) -> None:
-        """The labels read with ``micro_batch``'s inputs: fingerprinted at the first
-        position (check steps), kept for the loss at the last."""
+        """The labels read with ``micro_batch``'s inputs (not ``None``): fingerprinted at
+        the first position (check steps), kept for the loss at the last."""
         if first and self.check_data:
             self._fingerprints[micro_batch] = \
                 fingerprint(labels).to(device, non_blocking=True)
-        if last and labels is not None:
+        if last:
             flatten(labels, "labels")
             self.labels[micro_batch] = map_tensors(lambda t: to_device(t, device), labels)
 

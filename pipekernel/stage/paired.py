@@ -154,7 +154,8 @@ class _Half:
 
     def __init__(self, stage: PairedStage, chunk: int) -> None:
         self._stage, self.chunk = stage, chunk
-        self.calls, self.aux, self.outputs = 0, [], None
+        self.calls, self.outputs = 0, None
+        self.aux: list[Any] = []
 
     def __call__(self, inputs: Any) -> Any:
         with collect_aux() as aux:

@@ -2,7 +2,7 @@
 instructions.
 
 Knows nothing of schedules — it executes whatever instructions the kernel hands it, by the
-:class:`~pipekernel.kernel.program.LoadedProgram` the engine gives it per batch (read, never
+:class:`~pipekernel.schedules.program.Program` the engine gives it per batch (read, never
 changed; the micro-batch and buffer counts are the program's). Its other jobs are parts
 with small interfaces: :class:`~pipekernel.stage.transfers.Transfers` posts, waits on and
 hands off what travels between stages; :class:`~pipekernel.stage.loss.LossKeeper` keeps
@@ -13,8 +13,8 @@ carry and where it goes is :mod:`pipekernel.model.skip_routing`'s business.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,7 +22,6 @@ from pipekernel.comm.wire import flatten
 from pipekernel.errors import DataError, PipelineError
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.topology import Topology
-from pipekernel.kernel.program import LoadedProgram
 from pipekernel.model.aux_loss import collecting as collect_aux
 from pipekernel.model.skip_routing import SkipRouter, SkipState
 from pipekernel.nested import map_tensors
@@ -60,26 +59,16 @@ def _to(obj: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: to_device(t, device), obj)  # pinned, non-blocking to a GPU
 
 
-#: the compute instructions after which the runtime prefetches (``prefetch=``)
-_PREFETCHED = (isa.Forward, isa.Backward, isa.BackwardInput, isa.BackwardWeight,
-               isa.ForwardBackward)
+class Bound(NamedTuple):
+    """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
+    channel of a remote transfer (``channels``) and the group posted there (``groups``, as
+    ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`);
+    the parameters whose gradients are final before the program's last weight-gradient
+    instruction (``settled``)."""
 
-
-def _next_computes(stream: Sequence[Any], first_chunk: int | None) -> list[Any]:
-    """For each index of ``stream``, the first compute instruction after it that gathers
-    parameters, else ``None``: a forward, backward, input pass or pair; a weight pass
-    only at the first position (``first_chunk``), whose input pass has no inputs to
-    differentiate, so that its weight pass runs the whole backward (elsewhere it reuses
-    what the input pass gathered)."""
-    out: list[Any] = [None] * len(stream)
-    upcoming = None
-    for index in range(len(stream) - 1, -1, -1):
-        out[index] = upcoming
-        step = stream[index]
-        if isinstance(step, _PREFETCHED) and (not isinstance(step, isa.BackwardWeight)
-                                              or step.chunk == first_chunk):
-            upcoming = step
-    return out
+    channels: tuple[Any, ...]
+    groups: tuple[tuple[tuple, ...], ...]
+    settled: tuple = ()
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -114,10 +103,6 @@ class StageRuntime:
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
-    :param prefetch: ``prefetch(chunk, forward)`` is called after each compute
-        instruction for the program's next one on this stage that gathers parameters, if
-        any (both halves of a pair) (FSDP2's all-gathers issued ahead:
-        :meth:`pipekernel.grid.stage_parallel.StageParallel.prefetch`).
     :param tokens: ``loss_reduction="tokens"`` (see :mod:`pipekernel.stage.loss`).
     """
 
@@ -127,8 +112,8 @@ class StageRuntime:
                  before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
                  wire: Any = None, skips: SkipRouter | None = None,
-                 params_of: Callable[[list], list] | None = None, tokens: bool = False,
-                 prefetch: Callable[[Any], None] | None = None) -> None:
+                 params_of: Callable[[list], list] | None = None,
+                 tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.precision = precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -142,10 +127,6 @@ class StageRuntime:
                       for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
-        self._prefetch = prefetch
-        # (program, per index its next compute): the program being run, worked out when
-        # it changes (a micro-batch count change), nothing kept per program object
-        self._next_compute: tuple[Any, list] | None = None
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else None
@@ -154,11 +135,13 @@ class StageRuntime:
         #: labels, losses, token counts, aux losses and fingerprints of the batch
         self.loss_keeper = LossKeeper(loss_fn, precision, tokens=tokens, stage=self.stage)
         #: what travels between stages
-        self.transfers = Transfers(transport, topology.stage_rank, self.positions,
-                                   self._payload, self._arrived)
+        self.transfers = Transfers(transport, topology.stage_rank, self._payload)
         self.buffers: list[Buffer] = []
         self.data_iter: Iterator | None = None
-        self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
+        # the batch's program (the engine's, read only) and its binding here: begin() sets
+        # both before any handler runs
+        self._program: Program = None  # type: ignore[assignment]
+        self._bound: Bound = None  # type: ignore[assignment]
         self._at = -1             # stream index of the instruction running now (enter())
         self._paired = PairedExecutor(
             self, getattr(module, "overlapped_forward_backward", None),
@@ -167,45 +150,48 @@ class StageRuntime:
                      or topology.shard_size > 1))
 
     # -- batch lifecycle ---------------------------------------------------
-    def begin(self, data_iter: Iterator | None, program: LoadedProgram, *,
+    def begin(self, data_iter: Iterator | None, program: Program, bound: Bound, *,
               compute_loss: bool = True, keep_outputs: bool = False,
               check_data: bool = False) -> None:
-        """Start a batch that runs ``program.stream`` (loaded by the engine once per schedule
-        and count, with :meth:`bind`), its micro-batches read from ``data_iter``.
+        """Start a batch that runs ``program.stream`` (compiled by the engine once per
+        schedule and count; ``bound``: its :meth:`bind` here, made as often), its
+        micro-batches read from ``data_iter``.
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
         (see :func:`pipekernel.stage.fingerprint.fingerprint`); every rank of a pipeline must pass
         the same value. :meth:`end` returns the losses computed.
         """
-        self.transfers.begin(program)
+        # a received object is itself unless a wire joins it or it carries a fingerprint
+        self.transfers.begin(program, bound.channels, self._arrived
+                             if self._join is not None or check_data else None)
         self.loss_keeper.begin(compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check_data)
         self.data_iter = data_iter
         # _fill replaces an empty slot on first use
-        self.buffers = [_EMPTY] * (program.program.num_buffers or 0)
-        self._program, self._at = program, -1
+        self.buffers = [_EMPTY] * (program.num_buffers or 0)
+        self._program, self._bound, self._at = program, bound, -1
 
     @property
     def micro_batches(self) -> int:
         """The running (or last) batch's micro-batch count: its program's."""
-        return self._program.program.micro_batches if self._program is not None else 1
+        return self._program.micro_batches if self._program is not None else 1
 
     @property
     def outputs(self) -> list[Any]:
         """The last position's outputs of the last batch run with ``keep_outputs``."""
         return self.loss_keeper.outputs
 
-    def bind(self, program: Program) -> tuple[tuple[Any, ...], tuple[tuple, ...]]:
-        """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
-        ``program``: its transfers' (:meth:`~pipekernel.stage.transfers.Transfers.bind`)."""
-        return self.transfers.bind(program)
+    def bind(self, program: Program, settled: tuple = ()) -> Bound:
+        """``program`` bound to this runtime (:class:`Bound`): its transfers' channels and
+        groups, and the ``settled`` parameters."""
+        return Bound(*self.transfers.bind(program), settled)
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
         (The kernel calls it before each instruction, whoever handles it.)"""
         self._at = index
-        group = self._program.groups[index]  # type: ignore[union-attr]
+        group = self._bound.groups[index]
         if group:
             self.transfers.post(group)
 
@@ -253,34 +239,7 @@ class StageRuntime:
             isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
             isa.RecvSkipGrad: self.recv_skip, isa.ForwardBackward: self.forward_backward,
         }
-        if self._prefetch is not None:
-            for kind in _PREFETCHED:
-                table[kind] = self._then_prefetch(table[kind])
         return table
-
-    def _then_prefetch(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def run(instruction: Any) -> Any:
-            result = handler(instruction)
-            self.prefetch_next()
-            return result
-        return run
-
-    def prefetch_next(self) -> None:
-        """Hand the program's next compute instruction after the current one (if any) to
-        the ``prefetch`` callback."""
-        program = self._program
-        if self._prefetch is None or program is None or self._at < 0:
-            return
-        entry = self._next_compute
-        if entry is None or entry[0] is not program:
-            entry = self._next_compute = (program,
-                                          _next_computes(program.stream, self.first_chunk))
-        upcoming = entry[1][self._at]
-        halves = (upcoming.forward, upcoming.backward) \
-            if isinstance(upcoming, isa.ForwardBackward) else (upcoming,)
-        for half in halves:
-            if half is not None:
-                self._prefetch(half.chunk, isinstance(half, isa.Forward))
 
     @property
     def pairs(self) -> bool:
@@ -298,7 +257,7 @@ class StageRuntime:
         """What the posted send ``instruction`` carries (the wire's split of it)."""
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SkipInstruction):
-            return self._skips.payload(instruction, buffer.skips)  # type: ignore[union-attr]
+            return self._skips.payload(instruction, buffer.skips)
         if isinstance(instruction, isa.SendActivation):
             obj = buffer.outputs
             if self.loss_keeper.check_data:
@@ -342,7 +301,7 @@ class StageRuntime:
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
-            count = self._program.program.micro_batches  # type: ignore[union-attr]
+            count = self._program.micro_batches
             raise DataError(
                 f"the data iterator ran out at micro-batch {instruction.micro_batch} of "
                 f"{count}",
@@ -364,7 +323,9 @@ class StageRuntime:
         if first:
             flatten(inputs, "inputs")
             buffer.inputs = _to(inputs, device)
-        self.loss_keeper.read(instruction.micro_batch, labels, device, first, self.is_last)
+        if labels is not None and (self.is_last or first and self.loss_keeper.check_data):
+            self.loss_keeper.read(instruction.micro_batch, labels, device, first,
+                                  self.is_last)
 
     def forward(self, instruction: isa.Forward) -> None:
         buffer = self.forward_inputs(instruction)
@@ -412,7 +373,7 @@ class StageRuntime:
         last = instruction.chunk == self.last_chunk
         if aux:
             self.loss_keeper.aux(buffer, aux, instruction.micro_batch, instruction.chunk,
-                                 last, self._program.program.micro_batches)  # type: ignore[union-attr]
+                                 last, self._program.micro_batches)
         if last:
             self.loss_keeper.finish(instruction.micro_batch, buffer, loss)
 
@@ -421,15 +382,15 @@ class StageRuntime:
         what the layers stash for later parts is kept for ``SendSkip``."""
         if buffer.skips is None:
             buffer.skips = SkipState()
-        with self._skips.scope(buffer.skips, micro_batch) as scope:  # type: ignore[union-attr]
+        with self._skips.scope(buffer.skips, micro_batch) as scope:
             outputs = self.run_part(chunk, buffer.inputs)
-        self._skips.after_forward(scope, buffer.skips, chunk,  # type: ignore[union-attr]
+        self._skips.after_forward(scope, buffer.skips, chunk,
                                   torch.is_grad_enabled())
         return outputs
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
         if self._before_last_backward is not None and self._at == self._program.last_weight:
-            self._before_last_backward(self._program.settled)
+            self._before_last_backward(self._bound.settled)
 
     def _after_weights(self, instruction: isa.Instruction) -> None:
         if self._after_last_backward is not None and self._at == self._program.last_weight:
@@ -456,7 +417,7 @@ class StageRuntime:
         """What the backward starts from: ``(scaled loss, [], [])`` at the last position,
         else ``(None, outputs, their gradients)``."""
         if instruction.chunk == self.last_chunk:
-            count = self._program.program.micro_batches  # type: ignore[union-attr]
+            count = self._program.micro_batches
             return self.precision.scale_loss(buffer.loss / count), [], []
         outputs, grads = self._roots(buffer)
         return None, outputs, grads
@@ -495,7 +456,7 @@ class StageRuntime:
             inputs += tensors
         if chunk == self.last_chunk:
             loss = self.precision.scale_loss(
-                buffer.loss / self._program.program.micro_batches)  # type: ignore[union-attr]
+                buffer.loss / self._program.micro_batches)
             grads, buffer.split = backward_input([], [], inputs, self._weights(chunk),
                                                  loss=loss)
         else:
@@ -528,7 +489,7 @@ class StageRuntime:
 
     def send_activation(self, instruction: isa.SendActivation) -> None:
         buffer = self._slot(instruction)
-        self.transfers.send(self._at, instruction, buffer.outputs)
+        self.transfers.send(self._at, buffer.outputs)
         if not torch.is_grad_enabled():
             buffer.outputs = None  # inference: nothing else needs it
 
@@ -538,7 +499,7 @@ class StageRuntime:
 
     def send_grad(self, instruction: isa.SendGrad) -> None:
         buffer = self._slot(instruction)
-        self.transfers.send(self._at, instruction, buffer.input_grads)
+        self.transfers.send(self._at, buffer.input_grads)
         buffer.inputs = buffer.input_grads = None
 
     def recv_grad(self, instruction: isa.RecvGrad) -> None:
@@ -549,7 +510,7 @@ class StageRuntime:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
         the gradients of what an earlier part sent (:mod:`pipekernel.model.skip_routing`)."""
         state = self._slot(instruction).skips
-        self.transfers.send(self._at, instruction, self._skips.payload(instruction, state))
+        self.transfers.send(self._at, self._skips.payload(instruction, state))
         self._skips.sent(instruction, state, torch.is_grad_enabled())
 
     def recv_skip(self, instruction: isa.SkipInstruction) -> None:

@@ -1,8 +1,9 @@
 """A stage's transfers: what the runtime posts by the program, waits on and hands off.
 
 Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`, and posts
-communication by the :class:`~pipekernel.kernel.program.LoadedProgram` the engine gives it
-(read, never changed or cached here; :meth:`Transfers.bind` makes this part of it): each
+communication by the :class:`~pipekernel.schedules.program.Program` the engine gives it
+(read, never changed or cached here; :meth:`Transfers.bind` makes its channels and groups
+once per program): each
 posting point's sends and receives go out as one group (``batch_isend_irecv``), receives
 ahead of the compute that needs them, and a receive is waited on only at its own
 instruction. Sends never block compute: their handles are kept until the batch ends.
@@ -10,7 +11,7 @@ Transfers between two chunks of this stage are hand-offs (no transport). Skip co
 are transfers like the others.
 
 It knows no buffers: what a posted send carries and what a received object stands for are
-the runtime's (``payload`` and ``arrived``, given at construction).
+the runtime's (``payload``, given at construction, and ``arrived``, per batch).
 """
 from __future__ import annotations
 
@@ -19,20 +20,15 @@ from typing import Any
 
 from pipekernel.comm.wire import Channel
 from pipekernel.errors import PipelineError
-from pipekernel.kernel.program import LoadedProgram
 from pipekernel.nested import map_tensors
 from pipekernel.schedules import instructions as isa
-from pipekernel.schedules.comm import SENDS
 from pipekernel.schedules.program import Program
 
 __all__ = ["Transfers"]
 
 #: How a send names what it carries in errors (the kernel adds stage and micro-batch).
-_WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
+_WHAT: dict[type, str] = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
          isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
-#: The receive a local hand-off of each send fills.
-_RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
-            isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
 
 
 class Transfers:
@@ -40,41 +36,43 @@ class Transfers:
 
     :param transport: the communication backend (``batch_isend_irecv``, ``control``).
     :param stage_rank: ``stage -> global rank`` of this pipeline's ranks.
-    :param positions: the pipeline position of each chunk of this stage.
     :param payload: ``payload(instruction)``: what the posted send ``instruction`` carries.
-    :param arrived: ``arrived(instruction, obj)``: what the received ``obj`` stands for.
     """
 
     def __init__(self, transport: Any, stage_rank: Callable[[int], int],
-                 positions: Sequence[int], payload: Callable[[Any], Any],
-                 arrived: Callable[[Any, Any], Any]) -> None:
+                 payload: Callable[[Any], Any]) -> None:
         self.transport = transport
-        self._stage_rank, self._positions = stage_rank, positions
-        self._payload, self._arrived = payload, arrived
+        self._stage_rank, self._payload = stage_rank, payload
+        self._arrived: Callable[[Any, Any], Any] | None = None  # the batch's (begin())
         self._channels: dict[tuple[type, int, int | None], Channel] = {}
-        self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
+        # the batch's (the engine's, read only): begin() sets it before any other call
+        self._program: Program = None  # type: ignore[assignment]
+        self._by_index: Sequence[Any] = ()  # its channel of each stream index (bind())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
-        self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+        self._local: dict[int, Any] = {}   # receive's stream index -> hand-off to it
 
     def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
-        """This part of a :class:`~pipekernel.kernel.program.LoadedProgram` of ``program``:
-        ``(channels, groups)`` — per stream index, the channel of a remote transfer (one
-        per channel key, made on first use and shared by every program of this stage) and
-        the group posted there as ``(index, is_send, channel, what)``."""
-        channels: list[Channel | None] = [None] * len(program.stream)
-        for index, number in enumerate(program.channel_of):
-            if number is not None:
-                channels[index] = self._channel(program.channels[number])
-        groups = tuple(tuple((index, isinstance(program.stream[index], SENDS), channels[index],
-                              _WHAT.get(type(program.stream[index]), "value"))
+        """``(channels, groups)`` of ``program`` here: per stream index, the channel of a
+        remote transfer (one per channel key, made on first use and shared by every program
+        of this stage) and the group posted there as ``(index, is_send, channel, what)``."""
+        mine = [self._channel(spec) for spec in program.channels]
+        channels = tuple(None if number is None else mine[number]
+                         for number in program.channel_of)
+        stream, spec = program.stream, program.channels
+        groups = tuple(tuple((index, spec[program.channel_of[index]].send,  # type: ignore[index]
+                              channels[index], _WHAT.get(type(stream[index]), "value"))
                              for index in group) for group in program.posts)
-        return tuple(channels), groups
+        return channels, groups
 
-    def begin(self, program: LoadedProgram) -> None:
-        """Start a batch running ``program`` (the sends of the last one waited for)."""
+    def begin(self, program: Program, channels: Sequence[Channel | None],
+              arrived: Callable[[Any, Any], Any] | None = None) -> None:
+        """Start a batch running ``program`` with its ``channels`` (:meth:`bind`'s); the
+        sends of the last batch waited for. ``arrived(instruction, obj)``: what a received
+        ``obj`` stands for (``None``: itself)."""
         self.flush()
-        self._program, self._recvs, self._local = program, {}, {}
+        self._program, self._by_index, self._recvs, self._local = program, channels, {}, {}
+        self._arrived = arrived
 
     def _channel(self, spec: Any) -> Channel:
         """The channel of ``spec`` (a :class:`~pipekernel.schedules.program.ChannelSpec`),
@@ -91,7 +89,7 @@ class Transfers:
         data: list[Any] = []
         control: list[Any] = []
         spans = []
-        stream = self._program.program.stream  # type: ignore[union-attr]
+        stream = self._program.stream
         for index, is_send, channel, what in group:
             if is_send:
                 pending = None
@@ -118,29 +116,23 @@ class Transfers:
 
     def receive(self, index: int, instruction: isa.MicroBatchInstruction) -> Any:
         """What the receive ``instruction`` at stream ``index`` brought (waited for here)."""
-        program = self._program
-        if program.program.local[index]:  # type: ignore[union-attr]
-            key = (type(instruction), instruction.chunk, instruction.micro_batch,
-                   getattr(instruction, "peer", None))
-            if key not in self._local:
+        if self._program.local[index]:
+            if index not in self._local:
                 raise PipelineError(f"{instruction} comes before the matching send on this "
                                     "stage",
                                     hint="check the schedule with pipekernel.schedules.simulate")
-            return self._local.pop(key)
-        pending = self._recvs.pop(index)
-        return self._arrived(instruction, program.channels[index].finish(pending))  # type: ignore[union-attr]
+            return self._local.pop(index)
+        obj = self._by_index[index].finish(self._recvs.pop(index))
+        return obj if self._arrived is None else self._arrived(instruction, obj)
 
-    def send(self, index: int, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
-        """The send ``instruction`` at stream ``index`` of ``obj``: a hand-off to a chunk of
-        this stage is kept here; a remote one was posted with its group."""
-        program = self._program.program  # type: ignore[union-attr]
+    def send(self, index: int, obj: Any) -> None:
+        """The send at stream ``index`` of ``obj``: a hand-off to a chunk of this stage is
+        kept for the receive it fills; a remote one was posted with its group."""
+        program = self._program
         if program.local[index]:
-            peer_chunk = program.peers[index][1]
-            # a skip hand-off is found by the position it comes from
-            source = self._positions[instruction.chunk] \
-                if isinstance(instruction, isa.SkipInstruction) else None
-            self._local[(_RECV_OF[type(instruction)], peer_chunk, instruction.micro_batch,
-                         source)] = _detach_like(obj)
+            fills = program.handoffs[index]
+            if fills is not None:
+                self._local[fills] = _detach_like(obj)
 
     def flush(self) -> None:
         """Wait for every send still in flight."""

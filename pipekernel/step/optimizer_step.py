@@ -6,9 +6,9 @@ on every rank.
 :class:`BatchStep` serves the step's instructions (``ReduceTiedGrads``, ``ReduceGrads``,
 ``OptimizerStep``) in the kernel's dispatch table like the runtime's handlers serve the
 others. It reads the batch's losses (:class:`BatchLosses`: losses, auxiliary losses and
-token counts, which the stage runtime records): those recorded so far through ``losses()`` at ``OptimizerStep``, and those the runtime's ``end()`` returned for
-the batch's loss (:meth:`BatchStep.mean_loss`). Nothing here reads the engine or the
-runtime.
+token counts, which the stage runtime records): those recorded so far through
+``losses()`` at ``OptimizerStep``, and those the runtime's ``end()`` returned for the
+batch's loss (:meth:`BatchStep.mean_loss`). Nothing here reads the engine or the runtime.
 """
 from __future__ import annotations
 
@@ -264,6 +264,8 @@ class BatchStep:
         return self.micro_batches * self._loss_copies() / total_tokens
 
     def _clip_coef(self, norm: float) -> float:
+        if self.max_grad_norm is None:  # no clipping
+            return 1.0
         return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
 
     @staticmethod

@@ -33,7 +33,7 @@ def nonfinite_flag(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
     when there are none). No host synchronisation."""
     if not losses:
         return None
-    return (~torch.isfinite(torch.stack(losses).float())).any()
+    return (~torch.isfinite(torch.stack(list(losses)).float())).any()
 
 
 class StepStats:
@@ -68,7 +68,7 @@ class StepStats:
         for ``micro_batches``) and which rank (``rank``) had a NaN/inf loss."""
         if not losses:
             return
-        stacked = torch.stack(losses).detach()
+        stacked = torch.stack(list(losses)).detach()
         # the float32 sum is kept as the reference computes it; float64 on the wire
         self.vec[self.LOSS].copy_(stacked.sum())
         self._flag(stacked, micro_batches, rank)
@@ -78,7 +78,7 @@ class StepStats:
         """The auxiliary losses' sum and count, flagged like :meth:`put_losses`."""
         if not values:
             return
-        stacked = torch.stack(values).detach()
+        stacked = torch.stack(list(values)).detach()
         self.vec[self.AUX].copy_(stacked.sum())
         self.vec[self.AUX_COUNT].fill_(len(values))
         self._flag(stacked, micro_batches, rank)
