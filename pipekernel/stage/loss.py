@@ -190,10 +190,11 @@ class LossKeeper:
         return (lambda out, labels: self.loss_of(out, labels, micro_batch),
                 self.labels.get(micro_batch))
 
-    def loss_of(self, outputs: Any, labels: Any, micro_batch: int) -> torch.Tensor:
+    def loss_of(self, outputs: Any, labels: Any, micro_batch: int,
+                keep_count: bool = True) -> torch.Tensor:
         """``loss_fn(outputs, labels)``, checked: a 0-dim tensor, failures named. Under
         ``loss_reduction="tokens"`` the loss sum; its count waits for the micro-batch's
-        record."""
+        record (``keep_count=False``: dropped, for a replay)."""
         try:
             loss = self.loss_fn(outputs, labels)  # type: ignore[misc]
         except Exception as err:
@@ -204,7 +205,9 @@ class LossKeeper:
                 hint="make the labels from the data iterator match what loss_fn expects"
             ) from err
         if self.tokens:
-            loss, self._counts[micro_batch] = loss
+            loss, count = loss
+            if keep_count:
+                self._counts[micro_batch] = count
         return _scalar(loss, "loss_fn")
 
     def aux(self, buffer: Any, aux: list[torch.Tensor], micro_batch: int, chunk: int,

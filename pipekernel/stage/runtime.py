@@ -13,6 +13,7 @@ carry and where it goes is :mod:`pipekernel.model.skip_routing`'s business.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -31,6 +32,7 @@ from pipekernel.schedules.program import Program
 from pipekernel.stage.device import to_device
 from pipekernel.stage.loss import LossKeeper
 from pipekernel.stage.paired import PairedExecutor
+from pipekernel.stage.sequence import KVPrefix, SequenceChunk, chunk_scope
 from pipekernel.stage.transfers import Transfers
 from pipekernel.step.optimizer_step import BatchLosses
 
@@ -94,10 +96,6 @@ class StageRuntime:
         start reductions), with the program's ``settled`` parameters.
     :param after_last_backward: called right after that instruction and the
         precision's ``after_backward`` (gradients are final there, fp32 masters included).
-    :param wire: an object with ``split(obj)`` (what is sent for ``obj``) and
-        ``join(obj)`` (what a received object stands for), e.g. the partitioned
-        activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
-        Skip connections travel as they are.
     :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
@@ -111,7 +109,7 @@ class StageRuntime:
                  placement: str = "loop",
                  before_last_backward: Callable[[tuple], None] | None = None,
                  after_last_backward: Callable[[], None] | None = None,
-                 wire: Any = None, skips: SkipRouter | None = None,
+                 skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
                  tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
@@ -129,8 +127,6 @@ class StageRuntime:
         self._params_of = params_of
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
-        self._split = wire.split if wire is not None else None
-        self._join = wire.join if wire is not None else None
         self._skips = skips
         #: labels, losses, token counts, aux losses and fingerprints of the batch
         self.loss_keeper = LossKeeper(loss_fn, precision, tokens=tokens, stage=self.stage)
@@ -143,6 +139,13 @@ class StageRuntime:
         self._program: Program = None  # type: ignore[assignment]
         self._bound: Bound = None  # type: ignore[assignment]
         self._at = -1             # stream index of the instruction running now (enter())
+        self._units = 1  # what the losses divide by: the program's micro-batches x seq_chunks
+        self.seq_chunks = 1  # sequence chunks per micro-batch (Seq1F1B): units are chunks
+        self._prefixes: dict[int, KVPrefix] = {}  # micro-batch -> its KV prefix here
+        #: the sentinel's hashes of this batch's transfers (``add(instruction, position,
+        #: obj)``; :class:`pipekernel.engine.sentinel.TransferSums`), or ``None``: set by
+        #: the engine for a checked step's batch only
+        self.transfer_sums: Any = None
         self._paired = PairedExecutor(
             self, getattr(module, "overlapped_forward_backward", None),
             where=f"stage {self.stage}", skips=skips is not None,
@@ -152,7 +155,7 @@ class StageRuntime:
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, program: Program, bound: Bound, *,
               compute_loss: bool = True, keep_outputs: bool = False,
-              check_data: bool = False) -> None:
+              check_data: bool = False, seq_chunks: int = 1) -> None:
         """Start a batch that runs ``program.stream`` (compiled by the engine once per
         schedule and count; ``bound``: its :meth:`bind` here, made as often), its
         micro-batches read from ``data_iter``.
@@ -161,21 +164,28 @@ class StageRuntime:
         first stage read with its inputs, and the last stage compares it with its own
         (see :func:`pipekernel.stage.fingerprint.fingerprint`); every rank of a pipeline must pass
         the same value. :meth:`end` returns the losses computed.
+
+        With ``seq_chunks > 1`` (:mod:`pipekernel.stage.sequence`) the program's units are
+        sequence chunks of its micro-batches, and every forward runs in its chunk's scope,
+        the micro-batch's KV prefix kept on this stage until its chunk 0's backward.
         """
-        # a received object is itself unless a wire joins it or it carries a fingerprint
+        # a received object is itself unless it carries a fingerprint or is hashed
         self.transfers.begin(program, bound.channels, self._arrived
-                             if self._join is not None or check_data else None)
+                             if check_data or self.transfer_sums is not None else None)
         self.loss_keeper.begin(compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check_data)
         self.data_iter = data_iter
         # _fill replaces an empty slot on first use
         self.buffers = [_EMPTY] * (program.num_buffers or 0)
         self._program, self._bound, self._at = program, bound, -1
+        self._units = program.micro_batches * seq_chunks
+        self.seq_chunks, self._prefixes = seq_chunks, {}
 
     @property
     def micro_batches(self) -> int:
-        """The running (or last) batch's micro-batch count: its program's."""
-        return self._program.micro_batches if self._program is not None else 1
+        """The running (or last) batch's unit count: its program's micro-batches (times
+        ``seq_chunks``)."""
+        return self._units
 
     @property
     def outputs(self) -> list[Any]:
@@ -222,12 +232,15 @@ class StageRuntime:
         weight-pass state), send buffers whose transfer has not completed, posted
         receives, hand-offs within the stage, and labels waiting for their loss."""
         held: list[Any] = [b for b in self.buffers if b is not _EMPTY]
+        for prefix in self._prefixes.values():
+            held += prefix.tensors()
         return held + self.transfers.held() + self.loss_keeper.held()
 
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
         more; the process group is destroyed by the transport's ``close()``)."""
         self.transfers.abandon()
+        self._prefixes = {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         table: dict[type, Callable[[Any], Any]] = {
@@ -254,28 +267,28 @@ class StageRuntime:
 
     # -- what travels (Transfers' callbacks) --------------------------------------------
     def _payload(self, instruction: isa.MicroBatchInstruction) -> Any:
-        """What the posted send ``instruction`` carries (the wire's split of it)."""
+        """What the posted send ``instruction`` carries."""
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SkipInstruction):
-            return self._skips.payload(instruction, buffer.skips)
-        if isinstance(instruction, isa.SendActivation):
-            obj = buffer.outputs
-            if self.loss_keeper.check_data:
-                flatten(obj, "outputs")  # names the path without the wrapper
-                obj = (obj, self.loss_keeper.fingerprint(instruction.micro_batch,
-                                                         self.transport.device))
-        else:
-            obj = buffer.input_grads
-        return obj if self._split is None else self._split(obj)
+            return self._skips.payload(instruction, buffer.skips)  # type: ignore[union-attr]
+        activation = isinstance(instruction, isa.SendActivation)
+        obj = buffer.outputs if activation else buffer.input_grads
+        if self.transfer_sums is not None:  # a checked step: hashed as the model made it
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
+        if activation and self.loss_keeper.check_data:
+            flatten(obj, "outputs")  # names the path without the wrapper
+            return obj, self.loss_keeper.fingerprint(instruction.micro_batch,
+                                                     self.transport.device)
+        return obj
 
     def _arrived(self, instruction: isa.MicroBatchInstruction, obj: Any) -> Any:
-        """What a received ``obj`` stands for (the wire's join; under ``check_data`` an
-        activation's fingerprint taken off)."""
-        if self._join is not None:
-            obj = self._join(obj)
+        """What a received ``obj`` stands for: under ``check_data`` an activation's
+        fingerprint taken off; hashed on a checked step."""
         if self.loss_keeper.check_data and isinstance(instruction, isa.RecvActivation):
             obj, fp = obj
             self.loss_keeper.received(instruction.micro_batch, fp)
+        if self.transfer_sums is not None:
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
         return obj
 
     def _slot(self, instruction: isa.MicroBatchInstruction) -> Buffer:
@@ -301,10 +314,10 @@ class StageRuntime:
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
-            count = self._program.micro_batches
+            count = self._units // self.seq_chunks  # units are chunks (seq_chunks)
             raise DataError(
-                f"the data iterator ran out at micro-batch {instruction.micro_batch} of "
-                f"{count}",
+                f"the data iterator ran out at micro-batch "
+                f"{instruction.micro_batch // self.seq_chunks} of {count}",
                 hint=f"give each train_batch/eval_batch an iterator with at least "
                      f"{count} micro-batches (e.g. itertools.cycle(loader))") from None
         except TypeError as err:
@@ -330,7 +343,7 @@ class StageRuntime:
     def forward(self, instruction: isa.Forward) -> None:
         buffer = self.forward_inputs(instruction)
         chunk = instruction.chunk
-        with collect_aux() as aux:
+        with collect_aux() as aux, self._sequence_scope(instruction):
             if self._skips is None:
                 outputs = self.run_part(chunk, buffer.inputs)
             else:
@@ -373,9 +386,39 @@ class StageRuntime:
         last = instruction.chunk == self.last_chunk
         if aux:
             self.loss_keeper.aux(buffer, aux, instruction.micro_batch, instruction.chunk,
-                                 last, self._program.micro_batches)
+                                 last, self._units)
         if last:
             self.loss_keeper.finish(instruction.micro_batch, buffer, loss)
+
+    def _sequence_scope(self, instruction: isa.MicroBatchInstruction) -> Any:
+        """The scope of the forward's sequence chunk (nothing without ``seq_chunks``)."""
+        if self.seq_chunks == 1:
+            return contextlib.nullcontext()
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.setdefault(micro_batch, KVPrefix())
+        return chunk_scope(SequenceChunk(index, self.seq_chunks, prefix), self.stage,
+                           instruction.micro_batch)
+
+    def _prefix_roots(self, instruction: isa.Backward) -> tuple[list, list]:
+        """The keys and values of the chunk being backwarded, with the gradients the
+        later chunks gave them (``([], [])`` without ``seq_chunks``)."""
+        if self.seq_chunks == 1:
+            return [], []
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.get(micro_batch)
+        return prefix.roots(index) if prefix is not None else ([], [])
+
+    def _release_prefix(self, instruction: isa.Backward) -> None:
+        """The chunk's entries dropped after its backward, the micro-batch's after
+        chunk 0's (its last)."""
+        if self.seq_chunks == 1:
+            return
+        micro_batch, index = divmod(instruction.micro_batch, self.seq_chunks)
+        prefix = self._prefixes.get(micro_batch)
+        if prefix is not None:
+            prefix.release(index)
+            if index == 0:
+                del self._prefixes[micro_batch]
 
     def _forward_with_skips(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
         """The forward inside the skip scope: pops find what ``RecvSkip`` brought, and
@@ -399,11 +442,13 @@ class StageRuntime:
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self.backward_begin(instruction)
         loss, outputs, grads = self.backward_roots(instruction, buffer)
+        if loss is not None:
+            outputs, grads = [loss], [None]
+        keys, key_grads = self._prefix_roots(instruction)
         with expert_parallel.lane(instruction.chunk):
-            if loss is not None:
-                loss.backward()
-            elif outputs:
-                torch.autograd.backward(outputs, grads)
+            if outputs or keys:
+                torch.autograd.backward([*outputs, *keys], [*grads, *key_grads])
+        self._release_prefix(instruction)
         self.backward_done(instruction, buffer)
 
     def backward_begin(self, instruction: isa.Backward) -> Buffer:
@@ -417,8 +462,7 @@ class StageRuntime:
         """What the backward starts from: ``(scaled loss, [], [])`` at the last position,
         else ``(None, outputs, their gradients)``."""
         if instruction.chunk == self.last_chunk:
-            count = self._program.micro_batches
-            return self.precision.scale_loss(buffer.loss / count), [], []
+            return self.precision.scale_loss(buffer.loss / self._units), [], []
         outputs, grads = self._roots(buffer)
         return None, outputs, grads
 
@@ -456,7 +500,7 @@ class StageRuntime:
             inputs += tensors
         if chunk == self.last_chunk:
             loss = self.precision.scale_loss(
-                buffer.loss / self._program.micro_batches)
+                buffer.loss / self._units)
             grads, buffer.split = backward_input([], [], inputs, self._weights(chunk),
                                                  loss=loss)
         else:

@@ -21,7 +21,6 @@ import torch
 from pipekernel.errors import ConfigError, DataError, NonFiniteLossError
 from pipekernel.grid.expert_parallel import is_expert
 from pipekernel.grid.mesh import local_share
-from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.schedules import instructions as isa
 from pipekernel.step.local_shards import step_local_shards
 from pipekernel.step.stats import StepStats, nonfinite_flag
@@ -222,8 +221,8 @@ class BatchStep:
         """This rank's share of the global squared gradient norm (0-dim float64 on the
         device, ``None`` for nothing): one replica counts (gradients are equal after the
         data-parallel reduction), a tied weight counts on the first stage holding it only,
-        and a parameter replicated over the tensor-parallel group on its rank 0 only
-        (shards count on every rank). A DTensor gradient (FSDP2, DTensor plans) counts its
+        and a plain parameter (replicated over the tensor-parallel group) on its rank 0 only.
+        A DTensor gradient (FSDP2, DTensor plans) counts its
         local shard where it is not a copy (:func:`~pipekernel.grid.mesh.local_share`);
         a plain one under ``data_parallel_shard`` on the first shard only. Spread experts
         count on the first member of their expert-data-parallel group (together those hold
@@ -242,7 +241,7 @@ class BatchStep:
                 continue
             share = local_share(grad, topo.model_rank)
             if share is False:  # a plain tensor: equal on every shard and (maybe) tp rank
-                if topo.shard_rank != 0 or (replicated and sharded_dim(p) is None):
+                if topo.shard_rank != 0 or replicated:
                     continue
                 share = grad
             if share is not None:
