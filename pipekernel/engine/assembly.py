@@ -60,6 +60,7 @@ class Options:
     nonfinite: str
     check_data_steps: int
     check_every: int | None
+    verify_every: int | None
     loss_reduction: str
     grad_bucket_mb: float
     max_grad_norm: float | None
@@ -136,7 +137,8 @@ class Assembly:
 
 
 def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
-                  max_grad_norm: float | None, check_every: Any = None, **rest: Any
+                  max_grad_norm: float | None, check_every: Any = None,
+                  verify_every: Any = None, **rest: Any
                   ) -> Options:
     """The options, refused by name when wrong."""
     if nonfinite not in ("error", "skip"):
@@ -149,6 +151,7 @@ def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
                                "labels are checked (0: off)")
     return Options(nonfinite=nonfinite, check_data_steps=check_data_steps,
                    check_every=check_every_option(check_every),
+                   verify_every=check_every_option(verify_every, "verify_every"),
                    loss_reduction=check_loss_reduction(loss_reduction),
                    max_grad_norm=max_grad_norm, **rest)
 
@@ -286,7 +289,7 @@ def agree(module: PipelineModule, layout: Layout, options: Options, transport: A
               "partition": partition if isinstance(partition, (str, list, tuple))
               else type(partition).__name__,
               "nonfinite": options.nonfinite, "check_data_steps": options.check_data_steps,
-              "check_every": options.check_every,
+              "check_every": options.check_every, "verify_every": options.verify_every,
               "loss_reduction": options.loss_reduction, **options.parallel.fields(),
               "skip connections": sorted(module.skip_names.items())}
     check_consistency(transport, fields)

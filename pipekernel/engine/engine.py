@@ -8,6 +8,7 @@ hooks and checkpoints get: hooks receive the engine itself, so a plugin reading
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -88,11 +89,15 @@ class PipelineEngine(EngineFields):
         differently raise a ``DataError`` naming the micro-batch. ``0`` turns it off.
     :param check_every: every this many train steps, after the optimizer step, check the
         invariants that a silently wrong pipeline breaks (:mod:`pipekernel.engine.sentinel`):
-        data-parallel replicas hold bit-identical parameters and optimizer state, tied
-        copies are identical over their stages, every rank normalised the loss alike. One
-        all-reduce per check; a violation raises ``ConsistencyError`` on every rank naming
-        the check, stage, rank, parameter and step. Default ``100`` (measured well under 1%
-        of step time, docs/faults.md); ``None`` turns the checks off.
+        data-parallel replicas (and the replicas of each expert slice) hold bit-identical
+        parameters and optimizer state, tied copies are identical over their stages, every
+        rank normalised the loss alike, and (during the checked step's batch) every
+        activation and gradient arrived as it was sent. One all-reduce per check; a
+        violation raises ``ConsistencyError`` on every rank naming the check, stage, rank,
+        parameter and step. Default ``100`` (docs/faults.md); ``None`` turns them off.
+    :param verify_every: every this many train steps, ``train_batch`` first replays its
+        batch (:meth:`verify_batch`: the micro-batches are read once and used twice), then
+        trains on it; ``None`` (default): never.
     :param chunks: model chunks (virtual stages) per rank, for schedules that hold
         several (``"interleaved"``: any, default 2; ``"zbv"``: 2). The layers are
         split into ``num_stages * chunks`` parts, placed by the schedule's
@@ -163,7 +168,7 @@ class PipelineEngine(EngineFields):
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
                  nonfinite: str = "error", check_data_steps: int = 3,
-                 check_every: int | None = DEFAULT_CHECK_EVERY,
+                 check_every: int | None = DEFAULT_CHECK_EVERY, verify_every: int | None = None,
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
                  partition_activations: Any = None, zero_stage: int = 0,
@@ -195,7 +200,7 @@ class PipelineEngine(EngineFields):
                 data_parallel_size=data_parallel_size, transport=transport,
                 precision=precision, precision_options=dict(precision_options or {}),
                 nonfinite=nonfinite, check_data_steps=check_data_steps,
-                check_every=check_every,
+                check_every=check_every, verify_every=verify_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                 seq_chunks=seq_chunks,
@@ -251,7 +256,9 @@ class PipelineEngine(EngineFields):
         return program_of(self, cls)[0]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
-             keep_outputs: bool) -> torch.Tensor | None:
+             keep_outputs: bool, wrap: Any = None) -> torch.Tensor | None:
+        """One batch of schedule ``cls``; ``wrap(program, handlers)`` gives the handlers
+        run instead (the replay check's recording: :mod:`pipekernel.engine.replay`)."""
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
         batch_fn = getattr(self.pipeline_module, "batch_fn", None)
@@ -266,6 +273,8 @@ class PipelineEngine(EngineFields):
         try:
             agree_micro_batches(self)
             program, handlers, bound = program_of(self, cls)
+            if wrap is not None:
+                handlers = wrap(program, handlers)
             self.batch_step.begin(units, self.global_steps)  # clears the losses
             self.runtime.begin(data_iter, units, program, bound,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
@@ -310,7 +319,20 @@ class PipelineEngine(EngineFields):
             raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
                               hint="use schedule='1f1b' or 'gpipe'")
         with self._micro_batches_for(micro_batches):
+            every = self._assembly.options.verify_every
+            if every is not None and (self.global_steps + 1) % every == 0:
+                data_iter = self._verified(data_iter)
             return self._train_batch(data_iter)
+
+    def _verified(self, data_iter: Any) -> Any:
+        """``verify_every``: the batch's micro-batches read once, replayed
+        (:meth:`verify_batch`), then handed to the train step."""
+        if data_iter is not None:
+            items = list(itertools.islice(iter(data_iter), self.micro_batches))
+            self.verify_batch(iter(items))
+            return iter(items)
+        self.verify_batch(None)
+        return None
 
     @contextlib.contextmanager
     def _micro_batches_for(self, micro_batches: int | None) -> Iterator[None]:
@@ -329,12 +351,15 @@ class PipelineEngine(EngineFields):
         start, state, step = time.perf_counter(), self.state, self.batch_step
         self.pm.hook.pipekernel_before_train_batch(engine=self)
         self.module.train()
+        sentinel = self.sentinel
+        if sentinel is not None and sentinel.due(state.global_steps + 1):
+            self.runtime.transfer_sums = sentinel.transfer_sums()  # read by its check
         loss = self._run(self.schedule_cls, data_iter, True, False)
         state.global_steps += 1
         state.trained_micro_batches += self.micro_batches
         state.skipped_steps += not step.last_step_taken
         state.last_loss, state.last_grad_norm = loss, step.last_grad_norm
-        sentinel, checked = self.sentinel, None
+        checked = None
         if sentinel is not None and sentinel.due(state.global_steps):
             checked = self._check_invariants(sentinel)
         metrics = {"step": state.global_steps, "seconds": time.perf_counter() - start,
@@ -347,6 +372,30 @@ class PipelineEngine(EngineFields):
             metrics["check_seconds"] = checked
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
         return loss  # type: ignore[return-value]
+
+    def verify_batch(self, data_iter: Iterator | None = None,
+                     micro_batches: int | None = None) -> torch.Tensor:
+        """Check one batch by replaying it (:mod:`pipekernel.engine.replay`): run it through
+        the schedule, recording what each stage's compute saw, then re-run its micro-batches
+        on every stage in the plainest order (full backward, no recomputation, no split, no
+        pairs, no overlap) and compare the gradients. Nothing is reduced or stepped: the
+        weights, optimizer and step counters stay as they were, and the batch's gradients
+        are dropped. Every rank calls it, like :meth:`train_batch`; it costs about three
+        times a batch.
+
+        :returns: the batch's mean loss, as :meth:`train_batch` would.
+        :raises ConsistencyError: on every rank (``check="replay"``) when a stage's
+            gradients differ, naming the stage, rank and module.
+        :raises ConfigError: when a stage cannot replay (why and what to change).
+        """
+        from pipekernel.engine.replay import verify
+
+        self._check_loss_fn("verify_batch")
+        if not self.schedule_cls.trains:
+            raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
+                              hint="verify_batch checks a training schedule's batch")
+        with self._micro_batches_for(micro_batches):
+            return verify(self, data_iter)
 
     def _check_invariants(self, sentinel: Sentinel) -> float:
         """Run the sentinel's checks (every rank together); their seconds. A failure ends

@@ -156,6 +156,10 @@ class StageRuntime:
         self.seq_chunks = 1  # sequence chunks per micro-batch (Seq1F1B): units are chunks
         self._prefixes: dict[int, KVPrefix] = {}  # micro-batch -> its KV prefix here
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
+        #: the sentinel's hashes of this batch's transfers (``add(instruction, position,
+        #: obj)``; :class:`pipekernel.engine.sentinel.TransferSums`), or ``None``: set by
+        #: the engine for a checked step's batch only
+        self.transfer_sums: Any = None
 
     # -- batch lifecycle ---------------------------------------------------
     def begin(self, data_iter: Iterator | None, micro_batches: int, program: Program,
@@ -332,12 +336,14 @@ class StageRuntime:
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SkipInstruction):
             return self._skips.payload(instruction, buffer.skips)
-        if isinstance(instruction, isa.SendActivation):
-            if self.check_data:
-                flatten(buffer.outputs, "outputs")  # names the path without the wrapper
-                return buffer.outputs, self._fingerprint(instruction.micro_batch)
-            return buffer.outputs
-        return buffer.input_grads
+        activation = isinstance(instruction, isa.SendActivation)
+        obj = buffer.outputs if activation else buffer.input_grads
+        if self.transfer_sums is not None:  # a checked step: hashed as the model made it
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
+        if activation and self.check_data:
+            flatten(obj, "outputs")  # names the path without the wrapper
+            return obj, self._fingerprint(instruction.micro_batch)
+        return obj
 
     def _fingerprint(self, micro_batch: int) -> torch.Tensor:
         fp = self._fingerprints.get(micro_batch)
@@ -375,6 +381,8 @@ class StageRuntime:
         obj = self._bound.channels[index].finish(pending)
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
+        if self.transfer_sums is not None:
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
         return obj
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
