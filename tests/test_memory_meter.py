@@ -169,3 +169,15 @@ def test_split_backward_schedules_report_saved_and_free_it(schedule):
             metrics[f"memory_{c}_bytes"] for c in ("params", "grads", "optimizer", "saved",
                                                    "buffers"))
         assert after["saved"] == 0  # nothing saved outlives the step (no leak)
+
+
+def _buffers_at(micro_batches):
+    return [_worker("1f1b", m, 0)[0]["memory_buffers_bytes"] for m in micro_batches]
+
+
+def test_first_stage_buffers_do_not_grow_with_micro_batches_under_1f1b():
+    # gloo reports a send complete only once waited: every activation sent stayed held
+    # until the step's end. The runtime now waits an activation's send when its gradient
+    # arrives (the peer used it), so stage 0 holds the same at m = 4 and m = 8.
+    first, _ = run_ranks(_buffers_at, 2, (4, 8))
+    assert first[0] == first[1]

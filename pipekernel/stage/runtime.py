@@ -179,7 +179,7 @@ class StageRuntime:
         self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
+        self._sends: list[tuple] = []      # (handle, tensor, what) of sends in flight
         self._local: dict[tuple, Any] = {}  # hand-offs to this stage
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
 
@@ -252,17 +252,29 @@ class StageRuntime:
     def flush(self) -> None:
         """Wait for every send still in flight."""
         sends, self._sends = self._sends, []
-        for handle, _ in sends:
+        for handle, _, _ in sends:
             handle.wait()
 
     def _prune_sends(self) -> None:
         """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
         buffer lives exactly as long as its transfer: a query, no device sync."""
-        if any(handle.is_completed() for handle, _ in self._sends):
-            for handle, _ in self._sends:
+        if any(handle.is_completed() for handle, _, _ in self._sends):
+            for handle, _, _ in self._sends:
                 if handle.is_completed():
                     handle.wait()
             self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def _settle_sends(self, what: tuple) -> None:
+        """Wait for the sends of ``what`` (``(micro-batch, chunk)`` of an activation whose
+        gradient just arrived): the peer computed that gradient from them, so they were
+        received and ``wait`` returns at once. A gloo send reports ``is_completed()`` only
+        after ``wait()``, so without this every activation sent stayed in memory until the
+        step's end (under 1F1B, a stage's memory grew with the micro-batch count)."""
+        if any(s[2] == what for s in self._sends):
+            for handle, _, key in self._sends:
+                if key == what:
+                    handle.wait()
+            self._sends = [s for s in self._sends if s[2] != what]
 
     def held_tensors(self) -> list[Any]:
         """What the runtime holds now, for memory accounting (stage/memory.py): every
@@ -271,7 +283,7 @@ class StageRuntime:
         completed, and hand-offs within the stage."""
         self._prune_sends()
         held: list[Any] = [b for b in self.buffers if b is not _EMPTY]
-        held += [t for _, t in self._sends]
+        held += [t for _, t, _ in self._sends]
         held += list(self._recvs.values())
         held += list(self._local.values())
         held += list(self.labels.values())
@@ -358,17 +370,20 @@ class StageRuntime:
                 pending = channel.recv_ops()
                 self._recvs[index] = pending
                 ops, ctrl = pending.ops, pending.control_ops
-            spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
+            spans.append((pending, index, len(data), len(ops), len(control), len(ctrl)))
             data += ops
             control += ctrl
         control_handles = self.transport.control.batch_isend_irecv(control) if control else []
         handles = self.transport.batch_isend_irecv(data) if data else []
         self._prune_sends()
-        for pending, d0, dn, c0, cn in spans:
+        for pending, index, d0, dn, c0, cn in spans:
             if pending is None:
-                self._sends += [(h, op.tensor) for h, op in
+                ins = stream[index]
+                carried = (ins.micro_batch, ins.chunk) \
+                    if isinstance(ins, isa.SendActivation) else None
+                self._sends += [(h, op.tensor, carried) for h, op in
                                 zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
-                self._sends += [(h, op.tensor) for h, op in
+                self._sends += [(h, op.tensor, carried) for h, op in
                                 zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
             else:
                 pending.handles = handles[d0:d0 + dn]
@@ -722,6 +737,7 @@ class StageRuntime:
     def recv_grad(self, instruction: isa.RecvGrad) -> None:
         obj = self._receive(instruction)
         self._slot(instruction).output_grads = obj
+        self._settle_sends((instruction.micro_batch, instruction.chunk))
 
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
