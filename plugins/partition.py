@@ -258,7 +258,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                         optimizer_states: float | None = None,
                         split: list | None = None,
                         clock: Callable[[], float] | None = None,
-                        outputs: list | None = None
+                        outputs: list | None = None,
+                        weight_states: list | None = None
                         ) -> tuple[list[float] | None, list[float] | None, list[float],
                                    list[float]]:
     """:func:`measure_layers`, with the forward timed on its own too.
@@ -267,6 +268,9 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
         (``(input pass, weight pass)``, :mod:`pipekernel.stage.split_backward`) to; ``None``:
         not timed.
     :param outputs: a list to append, per layer, the bytes of the tensors it returns to.
+    :param weight_states: a list to append, per layer, the bytes a split backward's input
+        pass keeps for its weight pass beyond the graph (the gradients it records at the
+        split nodes, :mod:`pipekernel.stage.split_backward`), for the memory model.
     :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
         median forward + backward time and, of the same repetitions, the median
         forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
@@ -301,6 +305,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
             act.append(float(nbytes))
             if outputs is not None:
                 outputs.append(float(sum(t.numel() * t.element_size() for t in _tensors(out))))
+            if weight_states is not None:
+                weight_states.append(_weight_state_bytes(call, inp, layer))
             if time_it:
                 _time_into(seconds, forwards, split, call, inp, layer, device,
                            (warmup, repeats, now))
@@ -322,6 +328,27 @@ def _time_into(seconds: list, forwards: list, split: list | None, call: Callable
         split.append(_time_split(call, inp, layer, device, warmup, repeats, now))
     if isinstance(layer, nn.Module):
         layer.zero_grad(set_to_none=True)
+
+
+def _weight_state_bytes(call: Callable, inp: Any, layer: Any) -> float:
+    """Bytes of the gradients one layer's input pass records for its weight pass (each
+    storage once); the layer's gradients are dropped after."""
+    params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
+    inputs = _grad_outputs(inp)
+    outputs = _grad_outputs(call(inp))
+    if not outputs or not params:
+        return 0.0
+    _, state = backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, params)
+    held = [g for s in state._splits for g in s.grads if g is not None]
+    held += [g for _, g in state._roots]
+    nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in held}.values())
+    backward_weight(state)
+    if isinstance(layer, nn.Module):
+        layer.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    return float(nbytes)
 
 
 def _check_measuring(sample: Any, repeats: int, warmup: int) -> None:
