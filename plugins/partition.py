@@ -573,16 +573,19 @@ def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> 
     def compute() -> tuple:
         split: list | None = [] if method.split_backward else None
         outputs: list = []
+        states: list | None = [] if method.split_backward else None
         seconds, forward, static, act = measure_layer_times(
             module, method.sample, context.device, repeats=method.repeats,
             warmup=method.warmup, optimizer=context.optimizer, split=split,
-            clock=method.clock, outputs=outputs)
+            clock=method.clock, outputs=outputs, weight_states=states)
         first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
             else (None, None)
         return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
-                outputs)
-    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute)
+                outputs, states)
+    bounds, costs, static, act, forward, first, second, outputs, states = \
+        _agree(context, compute)
     context.layer_output_bytes = outputs
+    context.layer_weight_state_bytes = states
     context.layer_costs, context.cost_unit = costs, "seconds"
     context.layer_forward_seconds = forward
     context.layer_split_backward_seconds = (list(zip(first, second))

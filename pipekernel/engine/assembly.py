@@ -36,6 +36,7 @@ from pipekernel.schedules.comm import lanes_needed
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.stage.loss import check_loss_reduction
 from pipekernel.stage.module import PipelineModule
+from pipekernel.schedules.sim_memory import live_graphs
 from pipekernel.stage.partitioning import PartitionContext, PartitionReport
 from pipekernel.stage.skip_routing import check_schedules, router_for
 
@@ -276,14 +277,16 @@ def partition(module: PipelineModule, optimizer: Any, layout: Layout, pm: Any,
     num_stages, chunks = layout.topology.pipe_size, layout.chunks
     micro_batches = layout.micro_batches
     # every rank partitions here, before any group exists: plugins may broadcast
-    in_flight = [layout.schedule_cls(num_stages, s, micro_batches, chunks).num_buffers()
-                 for s in range(num_stages)]
+    # per part, the micro-batches whose graph its chunk holds at once (a deferred weight
+    # pass included), not its stage's whole in-flight count, which counts every chunk's
+    live = live_graphs(layout.schedule_cls, num_stages, micro_batches, chunks)
     num_parts = num_stages * chunks
     part_stages = [locate(p, num_stages, layout.placement)[0] for p in range(num_parts)]
     context = PartitionContext(
         module=module, num_stages=num_parts, transport=transport, device=transport.device,
         rank=transport.rank, micro_batches=micro_batches,
-        in_flight=[in_flight[s] for s in part_stages], optimizer=_factory(optimizer))
+        in_flight=[live[locate(p, num_stages, layout.placement)] for p in range(num_parts)],
+        optimizer=_factory(optimizer))
     bounds = list(layout.plan.bounds) if layout.plan is not None else \
         module.partition(num_parts, pm, context)
     check_consistency(transport, {"partition bounds": list(bounds)},

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.program import lower
 
-__all__ = ["PartBytes", "stage_memory"]
+__all__ = ["PartBytes", "stage_memory", "part_bytes", "live_graphs"]
 
 
 @dataclass(frozen=True)
@@ -188,3 +188,50 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
         if not plan.local[i]:
             state["sends"] += slot.input_grads
         slot.inputs = slot.input_grads = 0.0
+
+
+def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, outputs,
+             weight_states=None, input_bytes: float = 0.0,
+             label_bytes: float = 0.0) -> dict[tuple[int, int], PartBytes]:
+    """``{(stage, chunk): PartBytes}`` of a partition (``bounds``, one more than the parts)
+    from per-layer bytes: ``saved`` (saved for backward), ``outputs`` (what each layer
+    returns), ``weight_states`` (what its input pass keeps for the weight pass; ``None``:
+    nothing). ``input_bytes``: one micro-batch of the first layer's inputs;
+    ``label_bytes``: of its labels (the loss saves them). The first position's input pass
+    runs no node (nothing requires grad below it), so its weight pass keeps the outputs'
+    gradient instead."""
+    from pipekernel.schedules.placement import locate
+
+    count = num_stages * chunks
+    out = {}
+    for q in range(count):
+        lo, hi = bounds[q], bounds[q + 1]
+        state = outputs[hi - 1] if q == 0 else sum((weight_states or [0.0] * hi)[lo:hi])
+        out[locate(q, num_stages, placement)] = PartBytes(
+            saved=sum(saved[lo:hi]), inputs=outputs[lo - 1] if lo else input_bytes,
+            outputs=outputs[hi - 1], weight_state=state,
+            labels=label_bytes if q == count - 1 else 0.0)
+    return out
+
+
+def live_graphs(schedule_cls, num_stages: int, micro_batches: int,
+                chunks: int) -> dict[tuple[int, int], int]:
+    """``{(stage, chunk): the most micro-batches whose graph that chunk holds at once}``
+    (from its ``Forward`` to its ``Backward``, or to its ``BackwardWeight``): the multiplier
+    of a part's saved activations, per part — not the stage's whole in-flight count."""
+    placement = getattr(schedule_cls, "placement", "loop")
+    out = {}
+    for stage in range(num_stages):
+        program = lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
+                        num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
+                        placement=placement, paired=False)
+        live = [0] * chunks
+        peak = [0] * chunks
+        for ins in program.plan.stream:
+            if isinstance(ins, isa.Forward):
+                live[ins.chunk] += 1
+                peak[ins.chunk] = max(peak[ins.chunk], live[ins.chunk])
+            elif isinstance(ins, isa.Backward) or isinstance(ins, isa.BackwardWeight):
+                live[ins.chunk] -= 1
+        out.update({(stage, c): peak[c] for c in range(chunks)})
+    return out
