@@ -145,6 +145,12 @@ class LayerCosts:
     #: loss saves): the first and last stage's share of the memory model
     input_bytes: float = 0.0
     label_bytes: float = 0.0
+    #: the module's ``activation_checkpoint_interval`` (each part keeps only the input of
+    #: every run of that many layers)
+    checkpoint_interval: int = 0
+    #: per layer, its parameters' gradient bytes (part of ``static_bytes``, but absent
+    #: until a stage's first backward writes them); ``None``: counted as always there
+    grad_bytes: Sequence[float] | None = None
 
     def all_to_all_share(self) -> tuple[float, float]:
         """``(all-to-all seconds, all seconds)`` of one micro-batch's forward + backward."""
@@ -290,7 +296,7 @@ class Plan:
                                      self.bounds)), None)
         if chosen is None or not chosen.stage_memory:
             return []
-        lines = ["  predicted memory per stage (static = parameters + gradients + optimizer "
+        lines = ["  predicted memory per stage at its peak (static = parameters + optimizer "
                  "state; saved = activations saved for backward; buffers = the runtime's):"]
         for s, row in enumerate(chosen.stage_memory):
             lines.append(f"    stage {s}: " + ", ".join(
@@ -490,15 +496,19 @@ MEMORY_MARGIN = 0.05
 
 def _stage_memory(cls: Any, num_stages: int, m: int, chunks: int, bounds: tuple[int, ...],
                   costs: LayerCosts, static: list[float]) -> tuple[dict[str, float], ...]:
-    """Per stage ``{"static", "saved", "buffers"}`` bytes at its predicted peak: the static
-    state plus the replay of its program (:func:`~pipekernel.schedules.sim_memory.stage_memory`)."""
+    """Per stage ``{"static", "grads", "saved", "buffers"}`` bytes at its predicted peak: the
+    parameters and optimizer state plus the replay of its program (:func:`~pipekernel.schedules.sim_memory.stage_memory`)."""
     outputs = costs.output_bytes or [0.0] * len(costs.activation_bytes)
     parts = part_bytes(bounds, num_stages, chunks, getattr(cls, "placement", "loop"),
                        saved=costs.activation_bytes, outputs=outputs,
                        weight_states=costs.weight_state_bytes, input_bytes=costs.input_bytes,
-                       label_bytes=costs.label_bytes)
+                       label_bytes=costs.label_bytes,
+                       checkpoint_interval=costs.checkpoint_interval, grads=costs.grad_bytes)
     peaks = stage_memory(cls, num_stages, m, chunks, parts)
-    return tuple({"static": static[s], **peaks[s]} for s in range(num_stages))
+    fixed = list(static)  # less the gradients, which the replay places in time
+    for (stage, _), part in parts.items():
+        fixed[stage] -= part.grads
+    return tuple({"static": fixed[s], **peaks[s]} for s in range(num_stages))
 
 
 # -- the engine's (and the CLI's) way in: profile through the plugins, then search --------
@@ -617,8 +627,17 @@ def _profile(module: Any, request: Auto, sample: Any, n: int, pm: Any, where: tu
     pm.hook.pipekernel_partition(
         method=Profile(sample, request.repeats, request.warmup, split_backward=True),
         layers=module.layers, num_stages=1, context=context)
-    costs = dataclasses.replace(_layer_costs(context), input_bytes=_nbytes(sample))
+    costs = dataclasses.replace(
+        _layer_costs(context), input_bytes=_nbytes(sample),
+        checkpoint_interval=getattr(module, "activation_checkpoint_interval", 0) or 0,
+        grad_bytes=_grad_bytes(module))
     return _with_all_to_all(costs, module, sample, ep_group, transport, device, request)
+
+
+def _grad_bytes(module: Any) -> list[float] | None:
+    """Per layer, its gradients' bytes (fp32: what the optimizer steps on)."""
+    counts = getattr(module, "parameter_counts", None)
+    return [4.0 * c for c in counts()] if callable(counts) else None
 
 
 def _nbytes(sample: Any) -> float:

@@ -48,6 +48,9 @@ class PartBytes:
     :param weight_state: what a ``BackwardInput`` keeps for its ``BackwardWeight``
         beyond the graph (the split nodes' recorded gradients).
     :param labels: the labels a last position loads.
+    :param grads: the part's parameter gradients: absent until its first backward writes
+        them (``Backward`` or ``BackwardWeight``; they are dropped before each step), then
+        held to the step's end.
     """
 
     saved: float = 0.0
@@ -55,6 +58,7 @@ class PartBytes:
     outputs: float = 0.0
     weight_state: float = 0.0
     labels: float = 0.0
+    grads: float = 0.0
 
 
 class _Slot:
@@ -74,9 +78,9 @@ class _Slot:
 
 def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
                  parts: Mapping[tuple[int, int], PartBytes]) -> list[dict[str, float]]:
-    """Per stage, ``{"saved": bytes, "buffers": bytes}`` at the peak of their sum over the
-    step (sampled between instructions, as the meter samples). ``parts``: ``{(stage,
-    chunk): PartBytes}`` for every part."""
+    """Per stage, ``{"grads": bytes, "saved": bytes, "buffers": bytes}`` at the peak of
+    their sum over the step (sampled between instructions, as the meter samples).
+    ``parts``: ``{(stage, chunk): PartBytes}`` for every part."""
     placement = getattr(schedule_cls, "placement", "loop")
     out = []
     for stage in range(num_stages):
@@ -99,9 +103,10 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
     slots: dict[int, _Slot] = {}
     where: dict[tuple[int, int], _Slot] = {}
     state = {"posted": 0.0, "sends": 0.0, "labels": 0.0}
+    written: set[int] = set()  # chunks whose gradients exist
     pending_acts: dict[tuple[int, int], float] = {}
     posted: dict[int, float] = {}
-    best = {"saved": 0.0, "buffers": 0.0}
+    best = {"grads": 0.0, "saved": 0.0, "buffers": 0.0}
 
     def fill(ins) -> _Slot:
         slot = slots.get(ins.buffer)
@@ -114,8 +119,9 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
         saved = sum(s.graph for s in slots.values())
         buffers = sum(s.buffers() for s in slots.values()) + sum(state.values())
         buffers += sum(pending_acts.values())
-        if saved + buffers > best["saved"] + best["buffers"]:
-            best.update(saved=saved, buffers=buffers)
+        grads = sum(parts[(stage, c)].grads for c in written)
+        if grads + saved + buffers > sum(best.values()):
+            best.update(grads=grads, saved=saved, buffers=buffers)
 
     for i, ins in enumerate(plan.stream):
         for j in plan.posts[i]:
@@ -126,6 +132,8 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
                 state["posted"] += posted[j]
         sample()
         _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts, posted)
+        if isinstance(ins, (isa.Backward, isa.BackwardWeight)):
+            written.add(ins.chunk)
         sample()
     return best
 
@@ -191,15 +199,18 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
 
 
 def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, outputs,
-             weight_states=None, input_bytes: float = 0.0,
-             label_bytes: float = 0.0) -> dict[tuple[int, int], PartBytes]:
+             weight_states=None, input_bytes: float = 0.0, label_bytes: float = 0.0,
+             checkpoint_interval: int = 0, grads=None) -> dict[tuple[int, int], PartBytes]:
     """``{(stage, chunk): PartBytes}`` of a partition (``bounds``, one more than the parts)
     from per-layer bytes: ``saved`` (saved for backward), ``outputs`` (what each layer
     returns), ``weight_states`` (what its input pass keeps for the weight pass; ``None``:
     nothing). ``input_bytes``: one micro-batch of the first layer's inputs;
     ``label_bytes``: of its labels (the loss saves them). The first position's input pass
     runs no node (nothing requires grad below it), so its weight pass keeps the outputs'
-    gradient instead."""
+    gradient instead. ``checkpoint_interval`` ``k > 0``: a part keeps only the input of
+    each run of ``k`` of its layers (what activation checkpointing saves; the recompute's
+    own tensors live inside the backward, where the meter does not see them). ``grads``:
+    per layer, its parameters' gradient bytes (``None``: counted as nothing)."""
     from pipekernel.schedules.placement import locate
 
     count = num_stages * chunks
@@ -207,10 +218,14 @@ def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, o
     for q in range(count):
         lo, hi = bounds[q], bounds[q + 1]
         state = outputs[hi - 1] if q == 0 else sum((weight_states or [0.0] * hi)[lo:hi])
+        inputs = outputs[lo - 1] if lo else input_bytes
+        kept = sum(saved[lo:hi]) if not checkpoint_interval else sum(
+            outputs[k - 1] if k else input_bytes for k in range(lo, hi, checkpoint_interval))
         out[locate(q, num_stages, placement)] = PartBytes(
-            saved=sum(saved[lo:hi]), inputs=outputs[lo - 1] if lo else input_bytes,
+            saved=kept, inputs=inputs,
             outputs=outputs[hi - 1], weight_state=state,
-            labels=label_bytes if q == count - 1 else 0.0)
+            labels=label_bytes if q == count - 1 else 0.0,
+            grads=sum((grads or [0.0] * hi)[lo:hi]))
     return out
 
 
