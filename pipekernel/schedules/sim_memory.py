@@ -154,8 +154,8 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
         slot = fill(ins)
         if ins.chunk in first:
             slot.inputs = part.inputs
-        if ins.chunk in last:
-            state["labels"] += part.labels
+        for c in last:  # the stage holding the last position keeps the labels from any load
+            state["labels"] += parts[(stage, c)].labels
     elif isinstance(ins, isa.RecvActivation):
         state["posted"] -= posted.pop(i, 0.0)
         fill(ins).inputs = part.inputs
