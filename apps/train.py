@@ -1,7 +1,7 @@
 """``pipekernel train``: train a small GPT-style byte-level LM with pipeline parallelism.
 
 On one machine with no arguments it starts ``stages x data_parallel`` local
-processes (CPU, gloo) through :func:`pipekernel.engine.launch`; under ``torchrun``
+processes (CPU, gloo) through :func:`pipekernel.launcher.launch`; under ``torchrun``
 (``RANK`` and ``WORLD_SIZE`` set) it runs just this rank. Rank 0 shows a
 progress bar and, at the end, a per-stage time table, the partition, a sample
 of generated text and the paths of the metrics CSV, the trace and the timeline

@@ -294,6 +294,7 @@ def _pk_owner(func: str, rel: str) -> str | None:
     for prefix, owner in (("pk:pipekernel/comm/wire.py", "pk wire"),
                           ("pk:pipekernel/kernel/", "pk kernel loop"),
                           ("pk:pipekernel/stage/", "pk stage runtime"),
+                          ("pk:pipekernel/model/", "pk stage runtime"),  # the layers' runner
                           ("pk:pipekernel/engine/", "pk engine/step"),
                           ("pk:pipekernel/step/", "pk engine/step")):
         if rel.startswith(prefix):

@@ -68,7 +68,7 @@ def worker(rounds, steps, micro_batches):
             for step in range(steps):
                 engine.train_batch(data(micro_batches, vary, step))
             times[(name, vary)].append((time.perf_counter() - start) / steps)
-    buffers = {name: e._program(e.schedule_cls).program.num_buffers for name, e in engines.items()}
+    buffers = {name: e._program(e.schedule_cls).num_buffers for name, e in engines.items()}
     label = {False: "", "68": " length 68", True: " length 64..71"}
     return {f"{n}{label[v]}": statistics.median(t)
             for (n, v), t in times.items()}, buffers

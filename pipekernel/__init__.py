@@ -6,7 +6,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 from importlib.metadata import PackageNotFoundError, version
 
 from pipekernel.grid import expert_parallel, tensor_parallel
-from pipekernel.stage.moe import MoE
+from pipekernel.model.moe import MoE
 from pipekernel.stage.paired import overlap_all_to_all
 from pipekernel.engine.checkpoint import load_sequential
 from pipekernel.engine.engine import PipelineEngine
@@ -15,12 +15,12 @@ from pipekernel.errors import (ConfigError, ConsistencyError, DataError, Instruc
                                PeerAbort, PipelineError, ScheduleError, TransportError,
                                TransportTimeout, UnknownNameError)
 from pipekernel.extend.hookspecs import hookimpl
-from pipekernel.engine.launch import LaunchInterrupted, RankError, launch
-from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
-from pipekernel.stage.partitioning import PartitionContext, PartitionReport, balance, memory, profile
+from pipekernel.launcher.launch import LaunchInterrupted, RankError, launch
+from pipekernel.model.module import LayerSpec, PipelineModule, TiedLayerSpec
+from pipekernel.model.partitioning import PartitionContext, PartitionReport, balance, memory, profile
 from pipekernel.engine.planner import Plan, auto
-from pipekernel.stage.skips import Skip, pop, skippable, stash
-from pipekernel.stage.aux_loss import add_aux_loss, aux_losses
+from pipekernel.model.skips import Skip, pop, skippable, stash
+from pipekernel.model.aux_loss import add_aux_loss, aux_losses
 from pipekernel.stage.packing import document_ids, document_mask, pack
 
 try:

@@ -7,6 +7,8 @@ any rank is self-explaining.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "PipelineError", "ConfigError", "ScheduleError", "InstructionError", "DataError",
     "UntrustedCheckpointError",
@@ -39,7 +41,7 @@ def describe_where(where: object) -> str:
                      for key, words in _WHERE if get(key) is not None)
 
 
-def did_you_mean(name: object, choices: object) -> str:
+def did_you_mean(name: object, choices: Iterable[object]) -> str:
     """``" (did you mean 'nccl'?)"`` for the closest of ``choices`` to ``name``, or ``""``.
 
     For the message of an unknown-name error: a typo gets the fix, not just a list."""

@@ -4,14 +4,15 @@
 code that *extends* pipekernel. Everything here keeps its name and meaning across minor
 versions; internal module paths (``pipekernel.stage.runtime`` and the like) may move.
 
-* hooks: :data:`hookimpl` / :data:`hookspec` (pluggy markers of project ``"pipekernel"``);
-* transports: :class:`Transport`, :class:`Handle`, :class:`P2POp`, :func:`wait_sliced`, and
-  the conformance suite on ranks you started (:func:`run_transport_conformance`; the
-  helper that starts the processes, ``check_transport``, is in :mod:`pipekernel.testing`);
+* hooks: :data:`hookimpl` (the pluggy marker of project ``"pipekernel"``);
+* transports as a plugin sees them: :class:`Transport` and :class:`Handle` (the contract;
+  what a transport *author* builds on, :class:`P2POp` and the plumbing, is
+  :mod:`pipekernel.comm`, its conformance suite :mod:`pipekernel.testing`);
 * embedding: :class:`Kernel` (the instruction loop with your handlers),
   :func:`make_plugin_manager`;
 * schedules: :class:`Schedule`, :data:`BUILTIN_SCHEDULES`, :func:`simulate`,
-  :func:`plan_communication` / :class:`CommPlan`, :func:`compile_program` / :class:`Program`,
+  :func:`compile_program` / :func:`plan_communication` (a :class:`Program` from a schedule or
+  from steps),
   and every instruction class;
 * torch parallelism inside a stage: the hook ``pipekernel_parallelize_stage(module, mesh,
   engine)`` (FSDP2, DTensor, float8, a wrapping policy of your own; the built-in FSDP2 of
@@ -34,26 +35,23 @@ versions; internal module paths (``pipekernel.stage.runtime`` and the like) may 
 * agreement across ranks: :func:`all_gather_objects`, :func:`broadcast_object`,
   :func:`compute_on_one` (one rank computes, every rank gets the value or its error),
   :func:`raise_on_every_rank` (one rank's failure raised on all);
-* writing a transport: :data:`TORCH_REDUCE_OPS`, :func:`attempt`, :func:`attempt_prefix`,
-  :func:`keyed_store`, :func:`bind_defaults_before_init`;
 * installed extensions: :func:`entry_points`.
 
 Built-in plugins (``pipekernel.plugins.*``) and transports (``pipekernel.transports.*``)
-import from here, ``pipekernel`` and ``pipekernel.errors`` only (``tests/test_surface.py``),
-so this surface is the one the project itself uses.
+import from here, ``pipekernel.comm``, ``pipekernel`` and ``pipekernel.errors`` only
+(``tests/test_surface.py``), so this surface is the one the project itself uses.
 """
 from __future__ import annotations
 
-from pipekernel.comm.conformance import run_transport_conformance
-from pipekernel.comm.transport import Handle, P2POp, Transport, wait_sliced
-from pipekernel.extend.hookspecs import hookimpl, hookspec
+from pipekernel.comm.transport import Handle, Transport
+from pipekernel.extend.hookspecs import hookimpl
 from pipekernel.extend.manager import make_plugin_manager
 from pipekernel.grid.mesh import MESH_DIMS
 from pipekernel.grid.stage_parallel import StageParallel
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import BUILTIN_SCHEDULES, Schedule, SimulationResult, simulate
-from pipekernel.schedules.comm import CommPlan, lanes_needed, plan_communication
-from pipekernel.schedules.program import Program, compile_program
+from pipekernel.schedules.comm import lanes_needed
+from pipekernel.schedules.program import Program, compile_program, plan_communication
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward,
                                                ForwardBackward, Instruction, LoadMicroBatch,
                                                MicroBatchInstruction, OptimizerStep,
@@ -61,10 +59,7 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
                                                ReduceGrads, ReduceTiedGrads, SendActivation,
                                                SendGrad, SendSkip, SendSkipGrad,
                                                SkipInstruction)
-# what the built-in plugins and transports use (one line each in docs/api.md)
-from pipekernel.comm.attempt import attempt, attempt_prefix, keyed_store
-from pipekernel.comm.collectives import TORCH_REDUCE_OPS
-from pipekernel.comm.teardown import bind_defaults_before_init
+# what the built-in plugins use (one line each in docs/api.md)
 from pipekernel.comm.agreement import (all_gather_objects, broadcast_object,
                                          compute_on_one, raise_on_every_rank)
 from pipekernel.extend.installed import entry_points
@@ -72,23 +67,22 @@ from pipekernel.extend.views import EngineView, RuntimeView, StageView
 from pipekernel.grid.stage_parallel import find as find_stage_parallel
 from pipekernel.nested import describe, map_tensors, tensors_of, tensors_to
 from pipekernel.stage.memory import MemoryLedger
-from pipekernel.stage.partitioning import Balance, Memory, Profile
-from pipekernel.stage.skips import SkipScope
+from pipekernel.model.partitioning import Balance, Memory, Profile
+from pipekernel.model.skips import SkipScope
 from pipekernel.stage.split_backward import backward_input, backward_weight
 from pipekernel.step.precision import Precision, cast_floats
 
 __all__ = [
-    "hookimpl", "hookspec", "make_plugin_manager", "Kernel",
-    "Transport", "Handle", "P2POp", "wait_sliced", "run_transport_conformance",
+    "hookimpl", "make_plugin_manager", "Kernel",
+    "Transport", "Handle",
     "Schedule", "BUILTIN_SCHEDULES", "simulate", "SimulationResult", "plan_communication",
-    "CommPlan", "lanes_needed", "Program", "compile_program",
+    "lanes_needed", "Program", "compile_program",
     "Instruction", "MicroBatchInstruction", "SkipInstruction", "LoadMicroBatch", "Forward",
     "Backward", "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ReduceTiedGrads",
     "ReduceGrads", "OptimizerStep", "ForwardBackward", "MESH_DIMS", "StageParallel", "find_stage_parallel",
     "Precision", "cast_floats", "Balance", "Profile", "Memory", "SkipScope", "backward_input",
-    "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "TORCH_REDUCE_OPS",
-    "attempt", "attempt_prefix", "keyed_store", "bind_defaults_before_init", "entry_points",
+    "backward_weight", "map_tensors", "tensors_of", "all_gather_objects", "entry_points",
     "EngineView", "StageView", "RuntimeView", "broadcast_object", "compute_on_one",
     "raise_on_every_rank", "tensors_to", "describe", "MemoryLedger",
 ]

@@ -21,7 +21,8 @@ class CountingTransport:
     ``sent[dtype name]`` by dtype. Everything else is the wrapped transport's."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.sent = inner, collections.Counter()
+        self.inner = inner
+        self.sent: collections.Counter[str] = collections.Counter()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

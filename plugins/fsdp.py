@@ -15,7 +15,8 @@ the schedule (:mod:`pipekernel.grid.stage_parallel`):
 * ``reshard_after_forward=True``: each layer (a child of the stage holding parameters)
   becomes one group, then the stage itself (the root): each layer's gathered parameters
   are freed after every forward and gathered again for its backward, each all-gather
-  started ahead (``StageParallel.prefetch``); one reduce-scatter per layer and batch.
+  started ahead (the program's ``Unshard`` instructions); one reduce-scatter per layer and
+  batch.
 
 What stays as it was:
 

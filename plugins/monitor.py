@@ -222,7 +222,7 @@ class Monitor:
             self._events = []
         self._in_train = True
         self._samples = self._tokens = 0
-        if self._cuda:
+        if self._cuda and self.engine is not None:
             import torch
             torch.cuda.reset_peak_memory_stats(engine.transport.device)
         self._step_start = self._clock()
@@ -247,6 +247,8 @@ class Monitor:
             self._count(instruction)
 
     def _count(self, instruction: Any) -> None:
+        if self.engine is None:  # not configured: nothing to count against
+            return
         inputs = self.engine.runtime.inputs_of(instruction)
         if inputs is None:
             return
@@ -315,7 +317,7 @@ class Monitor:
         self._trace.keep([(start + o, s, ins) for o, s, ins in spans], None, self._epoch)
 
     def _peak_memory_mb(self) -> float:
-        if self._cuda:
+        if self._cuda and self.engine is not None:
             import torch
             return torch.cuda.max_memory_allocated(self.engine.transport.device) / 2**20
         try:

@@ -37,7 +37,8 @@ class PositionBoard:
         self.monitor = monitor
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._wake_r = self._wake_w = None
+        self._wake_r: int | None = None
+        self._wake_w: int | None = None
         self._old_wakeup_fd: int | None = None
         self._old_handler: Any = None
         self._store: Any = None
@@ -107,11 +108,13 @@ class PositionBoard:
         try:
             old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         except (ValueError, OSError):
-            os.close(r), os.close(w)
+            os.close(r)
+            os.close(w)
             return
         if old != -1:  # someone else (an event loop) owns the wakeup fd: leave it to them
             signal.set_wakeup_fd(old)
-            os.close(r), os.close(w)
+            os.close(r)
+            os.close(w)
             return
         self._wake_r, self._wake_w, self._old_wakeup_fd = r, w, old
         self._old_handler = signal.signal(self.monitor.dump_signal, lambda *_: None)
@@ -154,7 +157,9 @@ class PositionBoard:
                                          else -1)
                     signal.signal(self.monitor.dump_signal, self._old_handler or signal.SIG_DFL)
             finally:
-                os.close(self._wake_r), os.close(self._wake_w)
+                for fd in (self._wake_r, self._wake_w):
+                    if fd is not None:
+                        os.close(fd)
                 self._wake_r = self._wake_w = None
         self._store = None  # the thread is gone; keep no handle into torch.distributed
 

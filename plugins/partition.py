@@ -9,7 +9,7 @@
 * ``pk.profile(sample)``: measured forward + backward seconds per layer;
 * ``pk.memory(sample)`` / ``"memory"``: estimated bytes, with activations
   multiplied by the micro-batches the schedule keeps in flight on each stage.
-  A skip connection's stashed value (:mod:`pipekernel.stage.skips`) counts as an
+  A skip connection's stashed value (:mod:`pipekernel.model.skips`) counts as an
   activation of the layer that stashes it (unless autograd saves it there anyway)
   *and* of the layer that pops it: each end holds it until the micro-batch's
   backward. The stages in between hold nothing (the value is routed past them).
@@ -366,8 +366,10 @@ def _first_forward(call: Callable, inp: Any, index: int, spec: Any
     """The layer's output on ``inp`` and the tensors autograd saved for its backward."""
     saved: list[torch.Tensor] = []
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t,
-                                                      lambda t: t):
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             return call(inp), saved
     except Exception as err:
         raise ConfigError(f"layer {index} ({_layer_name(spec)}) failed on the sample: "
@@ -578,6 +580,7 @@ def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> 
             module, method.sample, context.device, repeats=method.repeats,
             warmup=method.warmup, optimizer=context.optimizer, split=split,
             clock=method.clock, outputs=outputs, weight_states=states)
+        assert seconds is not None  # time_it (the default) measures them
         first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
             else (None, None)
         return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
@@ -638,12 +641,14 @@ def _by_type(method: str, layers: Sequence[Any], context: PartitionContext,
 
 
 def stage_layer_costs(static: list[float], act: list[float] | None, bounds: Sequence[int],
-                      in_flight: Sequence[int]) -> list[float]:
-    """Per-layer bytes as placed: static + in-flight(stage of the layer) × activation."""
+                      in_flight: Sequence[int] | None) -> list[float]:
+    """Per-layer bytes as placed: static + in-flight(stage of the layer) × activation
+    (``in_flight`` ``None``: one micro-batch per stage, as :func:`balance`)."""
     out = []
     for s in range(len(bounds) - 1):
+        k = in_flight[s] if in_flight is not None else 1
         for i in range(bounds[s], bounds[s + 1]):
-            out.append(static[i] + (in_flight[s] * act[i] if act is not None else 0.0))
+            out.append(static[i] + (k * act[i] if act is not None else 0.0))
     return out
 
 

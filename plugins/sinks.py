@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
-from pipekernel.errors import ConfigError, UnknownNameError, did_you_mean
+from pipekernel.errors import ConfigError, PipelineError, UnknownNameError, did_you_mean
 
 __all__ = ["Sink", "ConsoleSink", "CSVSink", "JSONLSink", "TraceSink", "TensorBoardSink",
            "WandbSink", "SINKS", "SINKS_GROUP", "make_sink", "flatten_record"]
@@ -120,6 +120,13 @@ class _FileSink(Sink):
             self._file.close()
             self._file = None
 
+    def _opened(self) -> TextIO:
+        """The file ``open`` opened (a write outside ``open``..``close`` is a bug)."""
+        if self._file is None:
+            raise PipelineError(f"the {self.name!r} sink was written to while not open",
+                                hint="the monitor opens each sink before the first step")
+        return self._file
+
 
 class CSVSink(_FileSink):
     """``metrics.csv``: a header and one row per step (see :func:`flatten_record`)."""
@@ -132,12 +139,12 @@ class CSVSink(_FileSink):
         self._writer: csv.DictWriter | None = None
 
     def write(self, record: Mapping[str, Any]) -> None:
-        row = flatten_record(record)
+        row, file = flatten_record(record), self._opened()
         if self._writer is None:  # columns are fixed by the first step
-            self._writer = csv.DictWriter(self._file, fieldnames=list(row), extrasaction="ignore")
+            self._writer = csv.DictWriter(file, fieldnames=list(row), extrasaction="ignore")
             self._writer.writeheader()
         self._writer.writerow(row)
-        self._file.flush()
+        file.flush()
 
 
 class JSONLSink(_FileSink):
@@ -149,8 +156,9 @@ class JSONLSink(_FileSink):
         super().__init__(filename)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        file = self._opened()
+        file.write(json.dumps(record) + "\n")
+        file.flush()
 
 
 class TraceSink(Sink):
@@ -169,6 +177,8 @@ class TraceSink(Sink):
         self.path = os.path.join(monitor.out_dir, self.filename)
 
     def close(self, monitor: Any, trace_events: list[dict] | None) -> None:
+        if self.path is None:  # never opened: no run to write
+            return
         with open(self.path, "w") as f:
             json.dump({"traceEvents": trace_events or [], "displayTimeUnit": "ms"}, f)
 
@@ -186,7 +196,7 @@ class TensorBoardSink(Sink):
 
     def __init__(self, subdir: str = "tensorboard") -> None:
         self.subdir = subdir
-        self._writer = None
+        self._writer: Any = None  # a SummaryWriter from open() (tensorboard is optional)
 
     def open(self, monitor: Any) -> None:
         try:
@@ -231,7 +241,7 @@ class WandbSink(Sink):
     def __init__(self, mode: str | None = None, **init: Any) -> None:
         self.mode = mode or os.environ.get("WANDB_MODE", "offline")
         self.init = init
-        self._run = None
+        self._run: Any = None  # a wandb run from open() (wandb is optional)
 
     def open(self, monitor: Any) -> None:
         try:

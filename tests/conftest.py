@@ -7,7 +7,7 @@ import pytest
 import torch
 
 #: what many of the suite's process worlds import again in every rank, imported once by the
-#: fork server that starts them instead (pipekernel.engine.launch.start_context): DTensor
+#: fork server that starts them instead (pipekernel.launcher.launch.start_context): DTensor
 #: and FSDP2 (~1 s of CPU per rank), transformers' model base (~4 s per rank) and Lightning
 #: (~5 s per rank). Not installed: left out. Set through ``launch.PRELOAD``, not the
 #: environment: every program a system test starts (the CLI, examples, docs programs) would
@@ -16,7 +16,7 @@ import torch
 #: turns it off) replaces this list.
 CALLER_PRELOAD = "PIPEKERNEL_PRELOAD" in os.environ
 if not CALLER_PRELOAD:
-    from pipekernel.engine import launch as _launch
+    from pipekernel.launcher import launch as _launch
     _launch.PRELOAD[:] = ["torch.distributed.tensor", "torch.distributed.fsdp",
                           "transformers.modeling_utils", "lightning.pytorch"]
 
@@ -63,7 +63,7 @@ _SYSTEM = frozenset({"subprocess", "Popen", "check_output", "check_call", "execu
 
 
 #: modules whose entry points start ranks (the applications run pk.launch)
-_LAUNCHERS = ("pipekernel.apps.train", "pipekernel.apps.cli", "pipekernel.engine.launch")
+_LAUNCHERS = ("pipekernel.apps.train", "pipekernel.apps.cli", "pipekernel.launcher.launch")
 
 
 def _names(node: ast.AST) -> frozenset[str]:
@@ -175,7 +175,7 @@ def _no_ranks_in_the_fast_tier(request: pytest.FixtureRequest,
     tier reading above cannot see), it fails saying how to fix it."""
     if request.node.get_closest_marker("fast") is None:
         return
-    from pipekernel.engine import launch
+    from pipekernel.launcher import launch
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError(

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import pipekernel as pk
-from pipekernel.plugin import P2POp
+from pipekernel.comm import P2POp
 from pipekernel.errors import TransportError, TransportTimeout
 from pipekernel.transports.gloo import GlooTransport
 

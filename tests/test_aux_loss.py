@@ -9,7 +9,7 @@ from torch import nn
 
 import pipekernel as pk
 from pipekernel.errors import DataError
-from pipekernel.stage.aux_loss import attach
+from pipekernel.model.aux_loss import attach
 from pipekernel.stage.split_backward import backward_input, backward_weight
 from pipekernel.step.stats import StepStats
 from pipekernel.testing import assert_parity, run_ranks

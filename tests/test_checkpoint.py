@@ -12,9 +12,9 @@ from sweep import Sweep
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.stage.module import StageModule
+from pipekernel.model.module import StageModule
 from pipekernel.engine import checkpoint as ckpt
-from pipekernel.engine.launch import RankError
+from pipekernel.launcher.launch import RankError
 from pipekernel.testing import assert_parity, reference_eval, reference_train, run_ranks
 
 MB = 2  # micro-batches per step

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipekernel.apps import cli
-from pipekernel.engine.launch import free_port
+from pipekernel.launcher.launch import free_port
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,9 +13,10 @@ from rendezvous_transport import RendezvousPlugin
 from sweep import Sweep
 
 import pipekernel as pk
+from pipekernel.engine.programs import load_program
 from pipekernel.errors import TransportError
 from pipekernel.schedules.comm import P2P
-from pipekernel.schedules.program import compile_program, program_of
+from pipekernel.schedules.program import compile_program
 from pipekernel.testing import assert_parity, reference_train, run_ranks
 
 STEPS = 2
@@ -32,19 +33,15 @@ def _train(model, stages, micro_batches, schedule, chunks=None, naive=False, tim
         program = compile_program(engine.schedule_cls, stage=engine.stage,
                                   num_stages=stages, micro_batches=micro_batches,
                                   chunks=engine.chunks, placement=engine.placement)
-        plan = program.plan
-        posts = tuple((i,) if isinstance(ins, P2P) and not plan.local[i] and plan.peers[i]
-                      else () for i, ins in enumerate(plan.stream))
-        naive_plan = dataclasses.replace(plan, posts=posts, lanes=tuple(
-            0 if lane is not None else None for lane in plan.lanes))
-        engine._programs[engine.schedule_cls, engine.micro_batches] = engine._load(
-            program_of(naive_plan, program.steps, schedule=program.schedule,
-                       trains=program.trains, micro_batches=program.micro_batches,
-                       num_buffers=program.num_buffers))
+        posts = tuple((i,) if isinstance(ins, P2P) and not program.local[i]
+                      and program.peers[i] else () for i, ins in enumerate(program.stream))
+        engine._programs[engine.schedule_cls, engine.micro_batches] = load_program(
+            engine, dataclasses.replace(program, posts=posts, lanes=tuple(
+                0 if lane is not None else None for lane in program.lanes)))
     losses = [engine.train_batch(iter(data(step, 0, micro_batches))).item()
               for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
-    plan = engine._program(engine.schedule_cls).program
+    plan = engine._program(engine.schedule_cls)
     expected = [[("send" if "Send" in type(plan.stream[i]).__name__ else "recv", None)
                  for i in group]
                 for group in plan.posts if group]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.stage import module as pk_module
+from pipekernel.model import module as pk_module
 from pipekernel.stage.device import to_device
 from pipekernel.plugins.precision import FP16, LowPrecision
 

@@ -167,7 +167,7 @@ def test_the_readme_rank_order_formula_is_the_code_default():
             assert eval(formula.split("=", 1)[1]) == rank  # the README's words, evaluated
 
 
-@pytest.mark.parametrize("module", ["pipekernel", "pipekernel.plugin"])
+@pytest.mark.parametrize("module", ["pipekernel", "pipekernel.plugin", "pipekernel.comm"])
 def test_the_api_reference_covers_every_public_name(module):
     import importlib
 

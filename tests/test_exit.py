@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from pipekernel.engine.launch import free_port
+from pipekernel.launcher.launch import free_port
 
 # One rank: a few steps with a busy position thread, a last collective right before
 # the exit (the monitor's gather, as ``pipekernel train`` does), then exit at once.

@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from pipekernel.engine.launch import free_port
+from pipekernel.launcher.launch import free_port
 
 RANK_SCRIPT = textwrap.dedent("""
     import atexit, os, sys

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel.engine.launch import free_port, start_context
+from pipekernel.launcher.launch import free_port, start_context
 
 TIMEOUT = 60.0   # the engine's timeout: what a rank without abort propagation would wait
 FAST = 15.0      # fault -> last rank's error, with a wide margin for a loaded machine

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from models import adam, mlp, mlp_data, sgd, tied_lm, token_data
+from plugins_for_tests import Recorder
 from sweep import Sweep, refused
 
 import pipekernel as pk
@@ -427,17 +428,19 @@ def prefetch_worker(schedule):
     torch.set_num_threads(1)
     counts, restore = _classify_all_gathers()
     try:
+        seen = Recorder()  # what the per-instruction hooks (the monitor's) see
         engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=MB,
                                    schedule=schedule, data_parallel_shard=2,
-                                   reshard_after_forward=True, timeout=120)
+                                   reshard_after_forward=True, timeout=120, plugins=[seen])
         losses, per_batch = [], []
         for step in range(STEPS):
             before = dict(counts)
             losses.append(engine.train_batch(iter(mlp_data(step, engine.data_parallel_rank,
                                                            MB))).item())
             per_batch.append({k: counts[k] - before[k] for k in counts})
+        fsdp = [name for name, _, _ in seen.after if "SHARD" in name]
         result = {"losses": losses, "state": _full_state(engine), "per_batch": per_batch,
-                  "chunks": engine.chunks}
+                  "chunks": engine.chunks, "fsdp": fsdp}
         return result
     finally:
         restore()
@@ -460,6 +463,12 @@ def test_reshard_after_forward_prefetches_the_next_chunk_and_matches_one_process
             # started before the compute that needs it
             assert counts["on_demand"] == 1, result["per_batch"]
             assert counts["ahead"] > 2 * MB, result["per_batch"]
+        # the timing is instructions of the program, seen by the per-instruction hooks:
+        # per batch one Unshard first, prefetches after the computes, one reduction
+        fsdp = result["fsdp"]
+        assert fsdp.count("UNSHARD") == fsdp.count("REDUCE_SHARDED") == STEPS, fsdp
+        assert fsdp[0] == "UNSHARD" and fsdp[-1] == "REDUCE_SHARDED"
+        assert sum(name.startswith("UNSHARD_") for name in fsdp) > 2 * MB * STEPS
 
 
 def bad_shard_worker(kwargs):

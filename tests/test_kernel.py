@@ -49,7 +49,7 @@ def test_kernel_dispatches_in_order_and_calls_hooks():
 
 
 def test_kernel_walks_a_plan_by_index_and_resolves_its_handlers_once():
-    from pipekernel.schedules.comm import plan_communication
+    from pipekernel.schedules.program import plan_communication
 
     steps = [[isa.LoadMicroBatch(0), isa.Forward(0)], [isa.SendActivation(0)],
              [isa.LoadMicroBatch(1), isa.Forward(1)], [isa.SendActivation(1)]]

@@ -12,7 +12,8 @@ import pytest
 from pipekernel.comm.transport import require_lanes
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules import BUILTIN_SCHEDULES, ZBH1, ZBV, Interleaved1F1B, OneFOneB, simulate
-from pipekernel.schedules.comm import SENDS, plan_communication
+from pipekernel.schedules.comm import SENDS
+from pipekernel.schedules.program import plan_communication
 from pipekernel.schedules.instructions import RecvActivation, SendActivation
 from pipekernel.schedules.lanes import channel_of, lane_map, lanes_needed
 

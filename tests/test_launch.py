@@ -1,4 +1,4 @@
-"""pipekernel.engine.launch: workers that returned their result may finish their clean-up."""
+"""pipekernel.launcher.launch: workers that returned their result may finish their clean-up."""
 from __future__ import annotations
 
 import multiprocessing.util
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipekernel.engine.launch import launch
+from pipekernel.launcher.launch import launch
 
 
 def _write_later(path: str) -> None:
@@ -55,7 +55,7 @@ def test_an_engine_after_a_closed_one_gets_a_new_process_group():
 
 def test_preload_joins_the_environment_and_the_list_and_leaves_out_what_is_missing(
         monkeypatch):
-    from pipekernel.engine import launch as module
+    from pipekernel.launcher import launch as module
     monkeypatch.setenv("PIPEKERNEL_PRELOAD", " json , no_such_module_xyz,")
     monkeypatch.setattr(module, "PRELOAD", ["json", "csv", "no_such_pkg_xyz.sub"])
     assert module._preload() == ["json", "csv"]
@@ -76,7 +76,7 @@ def test_the_suite_preloads_without_exporting_it_to_the_programs_it_starts():
     runs, and each of their fork servers would import both (~8 s of CPU) for nothing."""
     import os
     import conftest
-    from pipekernel.engine import launch as module
+    from pipekernel.launcher import launch as module
     if conftest.CALLER_PRELOAD:
         pytest.skip("PIPEKERNEL_PRELOAD was set by the caller")
     assert "PIPEKERNEL_PRELOAD" not in os.environ

@@ -13,9 +13,9 @@ import time
 import pytest
 
 import pipekernel as pk
-from pipekernel.comm import clusters
-from pipekernel.engine import launch as launch_mod
-from pipekernel.engine.launch import free_port
+from pipekernel.launcher import clusters
+from pipekernel.launcher import launch as launch_mod
+from pipekernel.launcher.launch import free_port
 
 
 # -- no wall-clock limit by default --------------------------------------------------------------

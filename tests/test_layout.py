@@ -58,9 +58,12 @@ LAYERS = {
     "grid": _BASE | {"comm"},                      # topology, TP, ZeRO, partitioned activations
     "kernel": _BASE | {"schedules"},               # layer 1: the instruction loop
     "step": _BASE | {"schedules", "grid"},         # reductions, precision, the step's handlers
-    "extend": _BASE | {"schedules", "comm", "step"},  # hookspecs, plugin manager, built-ins
-    "stage": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend"},
-    "engine": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend", "stage"},
+    "extend": _BASE | {"schedules", "comm", "grid", "step"},  # hookspecs, plugin manager, views
+    "launcher": _BASE,                             # launch, lifeline, cluster detection
+    "model": _BASE | {"schedules", "comm", "grid", "extend"},  # the user's model vocabulary
+    "stage": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend", "model"},
+    "engine": _BASE | {"schedules", "comm", "grid", "kernel", "step", "extend", "model", "stage",
+                       "launcher"},
 }
 TOP = {"__init__", "plugin", "testing"}
 

@@ -174,7 +174,7 @@ def _single(tmp_path, sinks, tokens_per_sample=None):
 
 def _in_process(fn, *args):
     """Run a one-rank worker in this process (for arguments that do not pickle)."""
-    from pipekernel.engine.launch import free_port
+    from pipekernel.launcher.launch import free_port
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}
     old = {k: os.environ.get(k) for k in env}

@@ -236,7 +236,7 @@ def _recv_posting(program) -> dict:
             [ins] if type(ins).__name__ in ("Forward", "Backward", "BackwardInput",
                                             "BackwardWeight") else [])
     out = {}
-    for at, index in program.plan.posted_at().items():
+    for index, at in ((n, at) for n, group in enumerate(program.posts) for at in group):
         ins = program.stream[at]
         if type(ins).__name__.startswith("Recv"):
             out[(type(ins), ins.chunk, ins.micro_batch)] = (before[index], before[at])

@@ -116,7 +116,7 @@ class FakeProfile:
 
     @pk.hookimpl(tryfirst=True)
     def pipekernel_partition(self, method, layers, num_stages, context):
-        from pipekernel.stage.partitioning import Profile
+        from pipekernel.model.partitioning import Profile
         if not isinstance(method, Profile):
             return None
         rows = method.sample.shape[0]
@@ -305,7 +305,7 @@ class FewerIsFaster:
 
     @pk.hookimpl(tryfirst=True)
     def pipekernel_partition(self, method, layers, num_stages, context):
-        from pipekernel.stage.partitioning import Profile
+        from pipekernel.model.partitioning import Profile
         if not isinstance(method, Profile):
             return None
         rows, n = method.sample.shape[0], len(layers)

@@ -16,7 +16,7 @@ import profile_engines as pe  # noqa: E402
 R = "/checkout"
 SITE = "/checkout/.venv/lib/python3.11/site-packages"   # the venv inside the checkout
 STDLIB = "/usr/lib/python3.11"
-DRIVER = [("_worker", f"{R}/pipekernel/engine/launch.py"),
+DRIVER = [("_worker", f"{R}/pipekernel/launcher/launch.py"),
           ("worker", f"{R}/benchmarks/profile_engines.py")]
 PK = DRIVER + [("PK.step", f"{R}/benchmarks/vs_torch.py"),
                ("PipelineEngine.train_batch", f"{R}/pipekernel/engine/engine.py"),
@@ -42,15 +42,15 @@ CASES = [
     ("pk", PK + [("StageRuntime.backward", f"{R}/pipekernel/stage/runtime.py")] + BACKWARD,
      "autograd backward"),
     ("pk", PK + [("StageRuntime.forward", f"{R}/pipekernel/stage/runtime.py"),
-                 ("_run_calls", f"{R}/pipekernel/stage/module.py")] + LAYER,
+                 ("_run_calls", f"{R}/pipekernel/model/module.py")] + LAYER,
      "layer forwards"),
     ("pk", PK + [("StageRuntime.forward", f"{R}/pipekernel/stage/runtime.py"),
-                 ("_run_calls", f"{R}/pipekernel/stage/module.py"),
+                 ("_run_calls", f"{R}/pipekernel/model/module.py"),
                  ("Module._call_impl", f"{SITE}/torch/nn/modules/module.py"),
                  ("CausalBlock.forward", f"{R}/benchmarks/vs_torch.py")],
      "layer forwards"),
     ("pk", PK + [("StageRuntime.forward", f"{R}/pipekernel/stage/runtime.py"),
-                 ("_run_calls", f"{R}/pipekernel/stage/module.py")], "pk stage runtime"),
+                 ("_run_calls", f"{R}/pipekernel/model/module.py")], "pk stage runtime"),
     ("pk", PK + [("StageRuntime.loss", f"{R}/pipekernel/stage/loss.py"),
                  ("loss_fn", f"{R}/benchmarks/vs_torch.py"),
                  ("cross_entropy", f"{SITE}/torch/nn/functional.py")], "loss"),

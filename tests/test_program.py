@@ -8,11 +8,10 @@ import pytest
 
 import pipekernel as pk
 from pipekernel.plugin import Kernel
-from pipekernel.kernel.program import LoadedProgram
-from pipekernel.schedules import BUILTIN_SCHEDULES
+from pipekernel.schedules import BUILTIN_SCHEDULES, simulate
 from pipekernel.schedules import instructions as isa
-from pipekernel.schedules.comm import P2P, SENDS, plan_communication
-from pipekernel.schedules.program import compile_program, program_of
+from pipekernel.schedules.comm import P2P, SENDS
+from pipekernel.schedules.program import compile_program, plan_communication
 
 CASES = [("1f1b", 4, 8, 1, ()), ("gpipe", 3, 3, 1, ()), ("interleaved", 4, 8, 2, ()),
          ("zb-h1", 4, 8, 1, ()), ("zbv", 3, 4, 2, ()), ("dualpipev", 2, 4, 2, ()),
@@ -67,15 +66,14 @@ def test_one_instruction_object_at_two_places_keeps_both_places():
     hand-written schedule may reuse one) is planned place by place, never by identity."""
     send = isa.SendActivation(0)
     steps = [[isa.LoadMicroBatch(0), isa.Forward(0), send], [isa.Forward(0), send]]
-    plan = plan_communication(steps, stage=0, num_stages=2)
-    assert plan.posts[2] == (2,) and plan.posts[4] == (4,)
-    program = program_of(plan, steps, schedule="custom", trains=False, micro_batches=1,
-                         num_buffers=1)
+    program = plan_communication(steps, stage=0, num_stages=2, schedule="custom",
+                                 trains=False, num_buffers=1)
+    assert program.posts[2] == (2,) and program.posts[4] == (4,)
     assert program.channel_of[2] == program.channel_of[4] == 0
-    assert plan.posted_at() == {2: 2, 4: 4}
+    assert [group for group in program.posts if group] == [(2,), (4,)]
 
 
-def test_the_kernel_runs_the_handlers_a_loaded_program_holds():
+def test_the_kernel_runs_the_handlers_resolved_for_a_program():
     program = compile_program(BUILTIN_SCHEDULES["gpipe"], stage=0, num_stages=2,
                               micro_batches=2)
     table, done = {isa.Instruction: lambda ins: done.append(("table", str(ins)))}, []
@@ -83,8 +81,87 @@ def test_the_kernel_runs_the_handlers_a_loaded_program_holds():
     handlers = kernel.resolve(program.stream)
     assert handlers is not None and len(handlers) == len(program.stream)
     mine = tuple((lambda ins, n=n: done.append((n, str(ins)))) for n in range(len(handlers)))
-    kernel.run(LoadedProgram(program, mine, (None,) * len(mine), ((),) * len(mine)))
+    kernel.run(program, mine)
     assert done == [(n, str(ins)) for n, ins in enumerate(program.stream)]
     assert Kernel({isa.Forward: lambda ins: None}).resolve(program.stream) is None
     with pytest.raises(pk.InstructionError, match="no handler for instruction"):
         Kernel({isa.Forward: lambda ins: None}).run(program)
+
+
+@pytest.mark.parametrize("name,stages,chunks", [("1f1b", 2, 1), ("interleaved", 2, 2),
+                                                ("zbv", 2, 2), ("dualpipev", 2, 2)])
+def test_a_sharded_program_holds_fsdp_timing_as_instructions(name, stages, chunks):
+    """FSDP2's gathers and reductions are instructions: one Unshard() first, after each
+    compute an Unshard of the next compute that gathers (a weight pass only at position 0,
+    both halves of a pair), ReduceShardedGrads after the last weight-gradient instruction
+    and the sends right after it; an evaluation ends with Reshard. Nothing else moves."""
+    cls = BUILTIN_SCHEDULES[name]
+    kw = dict(num_stages=stages, micro_batches=4, chunks=chunks,
+              placement=getattr(cls, "placement", "loop"))
+    fsdp = (isa.Unshard, isa.Reshard, isa.ReduceShardedGrads)
+    computes = (isa.Forward, isa.Backward, isa.BackwardInput, isa.BackwardWeight,
+                isa.ForwardBackward)
+    for stage in range(stages):
+        plain = compile_program(cls, stage=stage, **kw)
+        sharded = compile_program(cls, stage=stage, sharded=True, **kw)
+        stream = sharded.stream
+        assert [i for i in stream if not isinstance(i, fsdp)] == list(plain.stream)
+        assert stream[0] == isa.Unshard() and isa.Reshard() not in stream
+        reduce, last = stream.index(isa.ReduceShardedGrads()), sharded.last_weight
+        assert stream.count(isa.ReduceShardedGrads()) == 1 and reduce > last
+        assert sharded.step_of[reduce] == sharded.step_of[last]
+        assert all(isinstance(ins, (isa.Unshard, *SENDS)) for ins in stream[last + 1:reduce])
+        assert reduce + 1 == len(stream) or not isinstance(stream[reduce + 1], SENDS)
+        assert stream.index(isa.OptimizerStep()) > reduce
+        first = 0 if stage == 0 else None  # position 0: stage 0's chunk 0 (loop and v)
+        gathers = [ins for ins in stream if isinstance(ins, computes)
+                   and (not isinstance(ins, isa.BackwardWeight) or ins.chunk == first)]
+        for i, ins in enumerate(stream):
+            if not isinstance(ins, computes):
+                continue
+            after = [x for x in stream[i + 1:i + 3] if isinstance(x, isa.Unshard)]
+            nxt = next((x for x in stream[i + 1:] if x in gathers), None)
+            if nxt is None:
+                assert not after, (i, ins)
+                continue
+            halves = nxt.halves if isinstance(nxt, isa.ForwardBackward) else (nxt,)
+            assert after == [isa.Unshard(h.chunk, isinstance(h, isa.Forward))
+                             for h in halves], (i, ins)
+        assert sharded.step_of[-1] == plain.step_of[-1]  # each in the step it follows
+    evaluation = compile_program(BUILTIN_SCHEDULES["inference"], stage=0, num_stages=2,
+                                 micro_batches=2, sharded=True)
+    assert evaluation.stream[0] == isa.Unshard() and evaluation.stream[-1] == isa.Reshard()
+    assert isa.ReduceShardedGrads() not in evaluation.stream
+
+
+def test_simulate_proves_and_times_the_sharded_program():
+    """The simulator runs the same sharded programs the engine runs: the FSDP2
+    instructions are in its steps, and their costs delay the stage."""
+    cls = BUILTIN_SCHEDULES["1f1b"]
+    plain = simulate(cls, 2, 4)
+    sharded = simulate(cls, 2, 4, sharded=True)
+    assert sharded.makespan == plain.makespan  # free by default (not compute)
+    for stage, steps in enumerate(sharded.steps):
+        assert [ins for step in steps for ins in step] == list(compile_program(
+            cls, stage=stage, num_stages=2, micro_batches=4, sharded=True).stream)
+    # the reduction after the last backward's step holds up the optimizer step (a world
+    # collective), once: stage 1's own, after its last SEND_B, no longer delays stage 0
+    slow = simulate(cls, 2, 4, sharded=True, costs={isa.ReduceShardedGrads: 5.0})
+    assert slow.makespan == plain.makespan + 5.0
+
+
+def test_a_local_hand_off_names_the_receive_it_fills():
+    """At the turn of a V (zbv: stage 0 holds positions 0 and 3 of 4) each local send fills
+    the local receive of the same micro-batch, on the chunk it goes to."""
+    cls = BUILTIN_SCHEDULES["zbv"]
+    program = compile_program(cls, stage=1, num_stages=2, micro_batches=4, chunks=2,
+                              placement="v")
+    stream, handoffs = program.stream, program.handoffs
+    sends = [i for i, ins in enumerate(stream) if program.local[i] and isinstance(ins, SENDS)]
+    assert sends and [i for i, fills in enumerate(handoffs) if fills is not None] == sends
+    assert len({handoffs[i] for i in sends}) == len(sends)
+    for send, recv in ((i, handoffs[i]) for i in sends):
+        s, r = stream[send], stream[recv]
+        assert program.local[recv] and r.micro_batch == s.micro_batch and recv > send
+        assert (r.chunk, program.peers[recv][1]) == (program.peers[send][1], s.chunk)
+        assert type(r).__name__ == type(s).__name__.replace("Send", "Recv")

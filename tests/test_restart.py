@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipekernel.engine.launch import free_port
+from pipekernel.launcher.launch import free_port
 from pipekernel.testing import run_ranks
 
 HERE = Path(__file__).resolve().parent

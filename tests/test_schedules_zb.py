@@ -15,7 +15,7 @@ from pipekernel.extend.manager import make_plugin_manager, resolve_schedule
 from pipekernel.schedules import (
     ZBH1, ZBH2, ZBV, DualPipeV, Interleaved1F1B, OneFOneB, format_grid, simulate,
 )
-from pipekernel.schedules.comm import plan_communication
+from pipekernel.schedules.program import plan_communication
 from pipekernel.schedules.placement import peer
 
 SIZES = [(s, m) for s in range(1, 9) for m in range(1, 17)]

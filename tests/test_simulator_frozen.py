@@ -22,7 +22,7 @@ import pytest
 
 from pipekernel.errors import PipelineError
 from pipekernel.schedules import BUILTIN_SCHEDULES, format_grid, simulate
-from pipekernel.schedules.comm import plan_communication
+from pipekernel.schedules.program import plan_communication
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, BackwardWeight, Forward, RecvActivation, RecvGrad, SendActivation,
     SendGrad,

@@ -1,4 +1,4 @@
-"""Layer 0: the simulator's rendezvous semantics (NCCL rules) over the runtime's CommPlan."""
+"""Layer 0: the simulator's rendezvous semantics (NCCL rules) over the runtime's Program."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,8 @@ from pipekernel.schedules.instructions import (
     ReduceTiedGrads, SendActivation, SendGrad,
 )
 from pipekernel.schedules import BUILTIN_SCHEDULES, GPipe, Inference, OneFOneB, Schedule, simulate
-from pipekernel.schedules.comm import P2P, plan_communication
+from pipekernel.schedules.comm import P2P
+from pipekernel.schedules.program import plan_communication
 
 # -- 1. every built-in schedule, every size, under the plan the runtime runs -----------------
 

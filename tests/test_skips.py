@@ -223,7 +223,9 @@ def test_skip_transfers_sit_around_the_forward_and_backward():
 def test_simulator_catches_skips_on_a_shared_lane():
     # a posting policy that puts the skips on the activation lane breaks the in-order
     # matching there: the simulator must report it (what makes its proof worth having)
-    from pipekernel.schedules.comm import CommPlan, plan_communication
+    import dataclasses
+
+    from pipekernel.schedules.program import plan_communication
     from pipekernel.schedules.lanes import lane_map
 
     lanes_of = lane_map(2, 1, "loop", ((0, 1),)).lanes
@@ -232,8 +234,7 @@ def test_simulator_catches_skips_on_a_shared_lane():
     def shared(steps, **kw):
         plan = plan_communication(steps, **kw)
         lanes = tuple(activations if lane == skips else lane for lane in plan.lanes)
-        return CommPlan(plan.stage, plan.stream, plan.step_of, plan.posts, plan.peers,
-                        plan.local, lanes)
+        return dataclasses.replace(plan, lanes=lanes)
 
     with pytest.raises(pk.ScheduleError, match="mismatched|deadlock"):
         simulate(BUILTIN_SCHEDULES["1f1b"], 2, 3, skips=[(0, 1)], posting=shared)
@@ -279,7 +280,7 @@ class ForwardsOutOfOrder(BUILTIN_SCHEDULES["gpipe"]):
 
 
 def test_a_schedule_that_cannot_route_skips_is_refused_before_the_first_batch():
-    from pipekernel.stage.skip_routing import check_schedules
+    from pipekernel.model.skip_routing import check_schedules
 
     simulate(ForwardsOutOfOrder, 2, 2)  # fine without skips
     with pytest.raises(pk.ScheduleError, match="mismatched skip"):

@@ -1,8 +1,8 @@
 """Built-in plugins and transports use the public surface only (issue 29, item 3).
 
 ``plugins/`` (``pipekernel.plugins.*``) and ``transports/`` (``pipekernel.transports.*``)
-import from ``pipekernel.plugin`` (the extension surface), ``pipekernel`` (the user API)
-and ``pipekernel.errors`` — and from each other — never from a core module's internal path,
+import from ``pipekernel.plugin`` (the extension surface), ``pipekernel.comm`` (the
+transport authors' surface), ``pipekernel`` (the user API) and ``pipekernel.errors`` — and from each other — never from a core module's internal path,
 so what is offered to plugin authors is what the project's own plugins are built on.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"plugins": "pipekernel.plugins", "transports": "pipekernel.transports"}
-ALLOWED = {"pipekernel", "pipekernel.plugin", "pipekernel.errors"}
+ALLOWED = {"pipekernel", "pipekernel.plugin", "pipekernel.comm", "pipekernel.errors"}
 OWN = tuple(f"{name}." for name in FOLDERS.values())  # a plugin may import another one
 
 
@@ -52,28 +52,40 @@ def test_built_ins_import_only_the_public_surface(folder):
                  for path in files for line, module, name in _pipekernel_imports(path)
                  if _offends(module, name)]
     assert not offenders, ("built-in plugins and transports import only pipekernel.plugin, "
-                           "pipekernel and pipekernel.errors (add what they need to "
-                           "pipekernel.plugin):\n" + "\n".join(offenders))
+                           "pipekernel.comm, pipekernel and pipekernel.errors (add what they "
+                           "need to pipekernel.plugin, or pipekernel.comm for transport "
+                           "plumbing):\n" + "\n".join(offenders))
 
 
 def test_the_reader_sees_every_form(tmp_path):
     src = tmp_path / "bad.py"
-    src.write_text("from pipekernel.stage.module import LayerSpec\n"
+    src.write_text("from pipekernel.model.module import LayerSpec\n"
                    "def f():\n    from pipekernel.comm.wire import flatten\n"
                    "import pipekernel.grid.zero\nfrom pipekernel import stage\n"
                    "from pipekernel import PipelineModule\nfrom pipekernel.plugin import P2POp\n"
                    "from pipekernel.plugins.sinks import make_sink\nfrom . import sibling\n")
     bad = [(m, n) for _, m, n in _pipekernel_imports(src) if _offends(m, n)]
-    assert bad == [("pipekernel.stage.module", "LayerSpec"), ("pipekernel.comm.wire", "flatten"),
+    assert bad == [("pipekernel.model.module", "LayerSpec"), ("pipekernel.comm.wire", "flatten"),
                    ("pipekernel.grid.zero", ""), ("pipekernel", "stage")]
 
 
-def test_every_name_the_built_ins_take_from_the_surface_is_documented_public():
-    import pipekernel.plugin as surface
+@pytest.mark.parametrize("face", ["pipekernel.plugin", "pipekernel.comm"])
+def test_every_name_the_built_ins_take_from_the_surface_is_documented_public(face):
+    import importlib
 
+    surface = importlib.import_module(face)
     missing = [f"{path.relative_to(ROOT)}:{line}: {name}"
                for folder in FOLDERS for path in sorted((ROOT / folder).glob("*.py"))
                for line, module, name in _pipekernel_imports(path)
-               if module == "pipekernel.plugin" and name not in surface.__all__]
-    assert not missing, "taken from pipekernel.plugin but not in its __all__:\n" + \
-        "\n".join(missing)
+               if module == face and name not in surface.__all__]
+    assert not missing, f"taken from {face} but not in its __all__:\n" + "\n".join(missing)
+
+
+def test_the_plugin_face_holds_no_transport_plumbing():
+    """A plugin sees a transport through its contract (``Transport``, ``Handle``); what only
+    a transport's author needs is ``pipekernel.comm``'s, and is offered once."""
+    import pipekernel.comm as comm
+    import pipekernel.plugin as plugin
+
+    both = sorted(set(plugin.__all__) & set(comm.__all__) - {"Transport", "Handle"})
+    assert not both, f"pipekernel.plugin also offers the transport plumbing {both}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipekernel as pk
-from pipekernel.comm.conformance import CHECKS, SOLO_CHECKS
+from pipekernel.testing.conformance import CHECKS, SOLO_CHECKS
 from pipekernel.testing import check_transport
 from pipekernel.transports.gloo import GlooTransport
 

@@ -21,7 +21,7 @@ from pipekernel.extend.manager import make_plugin_manager, make_precision, make_
     resolve_schedule
 from pipekernel.schedules import format_grid, simulate, BUILTIN_SCHEDULES
 from pipekernel.schedules import instructions as isa
-from pipekernel.engine.launch import free_port
+from pipekernel.launcher.launch import free_port
 
 
 # -- the failing layer ------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_a_second_ctrl_c_kills_the_workers_and_still_prints_the_summary(tmp_path
     assert "Traceback" not in err  # no raw traceback from inside the launcher
     # the summary comes first (where pk.launch was called from, after it)
     assert err.lstrip().splitlines()[0] == (
-        "pipekernel.engine.launch.LaunchInterrupted: launch interrupted (Ctrl-C), then killed by "
+        "pipekernel.launcher.launch.LaunchInterrupted: launch interrupted (Ctrl-C), then killed by "
         "a second Ctrl-C: stopped ranks [0, 1]; no rank had failed")
     assert err.rstrip().endswith("pk.launch(stubborn, 2)")
     assert proc.returncode != 0

@@ -21,8 +21,8 @@ def _members(protocol: type) -> set[str]:
         if cls.__module__ != "pipekernel.extend.views":
             continue
         names |= set(getattr(cls, "__annotations__", {}))
-        names |= {n for n, v in vars(cls).items() if inspect.isfunction(v)
-                  and not n.startswith("_")}
+        names |= {n for n, v in vars(cls).items() if (inspect.isfunction(v)
+                  or isinstance(v, property)) and not n.startswith("_")}
     return names
 
 

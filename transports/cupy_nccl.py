@@ -13,7 +13,7 @@ How it works, and what a caller may rely on:
   environment when none exists): the wire's control lane, ``store``,
   ``abort_check``. Each NCCL communicator's unique id is made by the lowest
   member, written to that process group's store (TCPStore under torchrun, a
-  FileStore under :func:`pipekernel.engine.launch`) and read by the other members
+  FileStore under :func:`pipekernel.launcher.launch`) and read by the other members
   (:func:`exchange_unique_id`).
 * **Communicators**: one per lane (tag) over the whole world for point to
   point, one for the world's collectives, one per subgroup from
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.plugin import P2POp, attempt_prefix
+from pipekernel.comm import P2POp, attempt_prefix
 from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
@@ -330,7 +330,7 @@ class CupyNcclTransport:
             self.control.close()  # no gloo group left behind by a failed start
             raise
 
-    def _set_up(self, nccl: Any, lanes: int, watch_interval: float) -> None:
+    def _set_up(self, nccl: Any, lanes: int | None, watch_interval: float) -> None:
         """The device side: the watch, then the world's and the lanes' communicators."""
         self._watch = DeviceWatch(self.rank, lambda event: bool(event.query()),
                                   describe=self.describe,
@@ -344,7 +344,7 @@ class CupyNcclTransport:
         if store is None:
             raise ConfigError("transport 'cupy-nccl' found no torch.distributed store to "
                               "exchange NCCL ids through",
-                              hint="start with torchrun or pipekernel.engine.launch()")
+                              hint="start with torchrun or pipekernel.launcher.launch()")
         # keyed by attempt (pipekernel.comm.attempt): a restart never reads a dead id
         base = f"{attempt_prefix()}/cupy-nccl/{where}"
         made = store.add(f"{base}/made/{self.rank}", 1)

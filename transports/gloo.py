@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from pipekernel.errors import (ConfigError, PeerAbort, TransportError, TransportTimeout,
                                shorten)
-from pipekernel.plugin import TORCH_REDUCE_OPS as _OPS
-from pipekernel.plugin import attempt, bind_defaults_before_init, keyed_store, wait_sliced
+from pipekernel.comm import TORCH_REDUCE_OPS as _OPS
+from pipekernel.comm import Handle, attempt, bind_defaults_before_init, keyed_store, wait_sliced
 
 __all__ = ["TorchDistributedTransport", "GlooTransport"]
 
@@ -214,12 +214,12 @@ class TorchDistributedTransport:
             if missing:
                 raise ConfigError(
                     f"no process group exists and the environment lacks {', '.join(missing)}",
-                    hint="start the processes with torchrun or pipekernel.engine.launch(), or "
+                    hint="start the processes with torchrun or pipekernel.launcher.launch(), or "
                          "call "
                          "torch.distributed.init_process_group() before creating the engine")
             bind_defaults_before_init()
-            timeout = datetime.timedelta(seconds=self._group_timeout())
-            _init_process_group(self.backend, timeout, self._init_options())
+            _init_process_group(self.backend, datetime.timedelta(seconds=self._group_timeout()),
+                                self._init_options())
             _OWNED.add(self)
         else:  # the host's group: joined at exit unless the host destroys it first
             _HOST_GROUP_USED[0] = True
@@ -269,15 +269,15 @@ class TorchDistributedTransport:
     #: gloo matches point-to-point messages by (pair, tag): any tag is a lane.
     max_tags = 1 << 16
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _Handle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         work = self._post(dist.isend, tensor, dst, "send to", tag)
         return _Handle(work, self, dst, "send to")
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> _Handle:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         work = self._post(dist.irecv, tensor, src, "receive from", tag)
         return _Handle(work, self, src, "receive from")
 
-    def batch_isend_irecv(self, ops: Sequence[Any]) -> list[_Handle]:
+    def batch_isend_irecv(self, ops: Sequence[Any]) -> list[Handle]:
         """Post every op in order. gloo's isend/irecv never block the poster and progress
         in gloo's own threads, so ops posted one after the other progress together as
         a group does: a send and a receive to the same peer complete in either order."""
@@ -327,7 +327,7 @@ class TorchDistributedTransport:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> None:
         self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op]).wait()
 
-    def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> _Handle:
+    def iall_reduce(self, tensor: torch.Tensor, op: str = "sum", group: Any = None) -> Handle:
         return self._collective("all_reduce", group, dist.all_reduce, tensor, op=_OPS[op])
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: Any = None) -> None:

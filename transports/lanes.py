@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipekernel.errors import ConfigError
-from pipekernel.plugin import P2POp
+from pipekernel.comm import P2POp
 
 __all__ = ["split_by_lane"]
 

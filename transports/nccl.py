@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from pipekernel.errors import ConfigError, TransportError
-from pipekernel.plugin import P2POp, TORCH_REDUCE_OPS
+from pipekernel.comm import Handle, P2POp, TORCH_REDUCE_OPS
 from pipekernel.transports.connections import check_max_connections
 from pipekernel.transports.device_watch import DeviceWatch, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
@@ -214,13 +214,13 @@ class NcclTransport(TorchDistributedTransport):
         return self._cuda
 
     # -- point to point ----------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _DeviceHandle:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         return self.batch_isend_irecv([P2POp("send", tensor, dst, tag)])[0]
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> _DeviceHandle:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         return self.batch_isend_irecv([P2POp("recv", tensor, src, tag)])[0]
 
-    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[_DeviceHandle]:
+    def batch_isend_irecv(self, ops: Sequence[P2POp]) -> list[Handle]:
         """One ``torch.distributed.batch_isend_irecv`` (an NCCL group) per lane the ops use,
         lanes in order of first use; one handle per op (ops of one lane share the group's
         work: NCCL completes a group together)."""

@@ -32,7 +32,7 @@ class _StagedHandle:
 
     __slots__ = ("_inner", "_then", "_keep")
 
-    def __init__(self, inner: Any, keep: torch.Tensor, then: Callable[[], None] | None = None):
+    def __init__(self, inner: Any, keep: torch.Tensor, then: Callable[[], object] | None = None):
         self._inner, self._keep, self._then = inner, keep, then
 
     def is_completed(self) -> bool:

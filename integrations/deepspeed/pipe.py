@@ -35,8 +35,8 @@ from torch import nn
 import pipekernel as pk
 from pipekernel.errors import ConfigError
 from pipekernel.schedules.instructions import Backward, BackwardInput, BackwardWeight, Forward
-from pipekernel.stage import recompute
-from pipekernel.stage.module import StageModule
+from pipekernel.model import recompute
+from pipekernel.model.module import StageModule
 
 from .topology import PipeDataParallelTopology, PipelineParallelGrid, check_topology
 
@@ -362,7 +362,7 @@ def _passthrough(module: Any, x: Any) -> Any:
 class _Recomputed:
     """A run of calls under non-reentrant checkpointing (its RNG state kept, so dropout
     draws the same masks when recomputed; its buffers left as the forward left them,
-    :mod:`pipekernel.stage.recompute`)."""
+    :mod:`pipekernel.model.recompute`)."""
 
     def __init__(self, run: list, stage: int) -> None:
         self.run = run

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from pipekernel.errors import ConfigError
-from pipekernel.stage.aux_loss import add_aux_loss
+from pipekernel.model.aux_loss import add_aux_loss
 
 from pipekernel.hf import router as routing
 

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from pipekernel.grid import expert_parallel
-from pipekernel.stage.module import LayerSpec, PipelineModule, TiedLayerSpec
+from pipekernel.model.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 from pipekernel.hf.batches import split_batch
 from pipekernel.hf.experts import check_model, shard_experts

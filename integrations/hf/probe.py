@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pipekernel.errors import ConfigError
-from pipekernel.stage.aux_loss import aux_losses
+from pipekernel.model.aux_loss import aux_losses
 
 __all__ = ["probe", "probe_packed", "check_config"]
 

@@ -16,7 +16,7 @@ import torch
 
 from pipekernel.errors import ConfigError
 from pipekernel.grid import expert_parallel
-from pipekernel.stage.module import TiedLayerSpec
+from pipekernel.model.module import TiedLayerSpec
 
 __all__ = ["save_pretrained", "stage_state"]
 

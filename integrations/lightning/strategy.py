@@ -49,7 +49,7 @@ from pipekernel.lightning.modules import detach_pipeline_layers, restore_layers
 from pipekernel.lightning.options import engine_precision, trainer_step_options
 from pipekernel.lightning.predict import OutputBroadcast, PredictMixin
 from pipekernel.lightning.stepping import StepControl
-from pipekernel.stage.module import PipelineModule, StageModule
+from pipekernel.model.module import PipelineModule, StageModule
 
 __all__ = ["PipelineStrategy"]
 

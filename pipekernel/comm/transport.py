@@ -36,7 +36,7 @@ Contract for implementers
   runs every operation at once) but the core only relies on this. A transport
   supports lanes ``0 .. max_tags - 1`` and maps each to one stream (one
   communicator), the same lane number on every rank. The plan's ``lanes[i]``
-  (:class:`~pipekernel.schedules.comm.CommPlan`) is exactly that number: the
+  (:class:`~pipekernel.schedules.program.Program`) is exactly that number: the
   runtime gives each lane one *channel* at each rank
   (:mod:`pipekernel.schedules.lanes`), so that no receive can hold back an
   unrelated send, and :func:`~pipekernel.schedules.simulate` proves the plans
@@ -132,7 +132,7 @@ Optional members (the core uses them when present)
   every rank ends within seconds of the first failure instead of after the
   timeout. :func:`wait_sliced` implements such a wait.
 
-Proving it: :mod:`pipekernel.comm.conformance` is a suite any transport runs
+Proving it: :mod:`pipekernel.testing.conformance` is a suite any transport runs
 against itself (``check_transport("my_transport")``); pipekernel runs it for
 gloo in its tests and for nccl on GPU machines. See
 ``docs/writing-a-plugin.md`` for publishing a transport.

@@ -54,6 +54,7 @@ each time the length changes.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -84,7 +85,7 @@ class PartitionSpec(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, parts: int, shape: tuple[int, ...]) -> PartitionSpec:
+    def __new__(cls, parts: int, shape: Sequence[int]) -> PartitionSpec:
         return super().__new__(cls, (parts, tuple(shape)))
 
 
@@ -344,7 +345,8 @@ class Channel:
         # and compared in C, and each tensor's dtype, flag and shape) is what it encodes.
         key = (structure, [(t.dtype, t.requires_grad, t.shape) for t in tensors])
         if key == self._sent_key:
-            layout = self._sent_layout
+            # set together with _sent_key (never None once a key matched)
+            layout: _Layout = self._sent_layout  # type: ignore[assignment]
             self._count(layout.dtype_bytes)
             if self.control is not None:
                 return self._in_place(tensors, layout, _UNCHANGED, [])
@@ -365,7 +367,7 @@ class Channel:
         else:
             ops = self._changed(tensors, meta, self._start)
         self._sent_key = key
-        self._count(self._sent_layout.dtype_bytes)
+        self._count(self._sent_layout.dtype_bytes)  # type: ignore[union-attr]  # both branches set it
         return ops
 
     def _in_place(self, tensors: list[torch.Tensor], layout: _Layout, header: torch.Tensor,
@@ -444,23 +446,25 @@ class Channel:
             handle.wait()
         for handle in pending.handles:
             handle.wait()
+        # post() sets buf (the header leads it) without a control lane, header with one
+        buf: torch.Tensor = pending.buf  # type: ignore[assignment]
         if self.control is None:
-            changed, length = pending.buf[:HEADER_BYTES].view(torch.int64).tolist()  # host memory
+            changed, length = buf[:HEADER_BYTES].view(torch.int64).tolist()  # host memory
         else:
-            changed, length = pending.header.tolist()  # host memory
+            changed, length = pending.header.tolist()  # type: ignore[union-attr]  # host memory
         if not changed:
             if self._recv_layout is None:
                 raise DataError(f"rank {self.transport.rank} got no metadata from rank "
                                 f"{self.peer}",
                                 hint="both sides must use the same pipekernel wire protocol")
-            return self._recv_layout.unpack(pending.buf)
+            return self._recv_layout.unpack(buf)
         lane = self.control if self.control is not None else self.transport
         meta = torch.empty(length, dtype=torch.int64, device=lane.device)
         lane.irecv(meta, self.peer, self.tag).wait()
         layout = _Layout(meta.tolist(), self._start)  # host memory
         self._recv_layout = layout
         if changed == 2:  # the data came in the posted device message
-            return layout.unpack(pending.buf)
+            return layout.unpack(buf)
         buf = torch.empty(layout.payload, dtype=torch.uint8, device=lane.device)
         lane.irecv(buf, self.peer, self.tag).wait()
         if self.control is not None:

@@ -54,7 +54,7 @@ def measure_all_to_all(module: Any, sample: Any, ep_group: expert_parallel.Exper
     device = torch.device(device)
     scope = None
     if module.skip_declarations:  # as the layer profile runs them (plugins/partition.py)
-        from pipekernel.stage.skips import SkipScope
+        from pipekernel.model.skips import SkipScope
         scope = SkipScope(module.skip_declarations, where="the all-to-all measurement",
                           replay=True, keep=_leaf)
 
@@ -195,7 +195,7 @@ def pair_table(parts: dict[tuple[int, int], tuple[float, float, float, float]],
     executor: assumed to overlap like the built-in one)."""
     from pipekernel.schedules.instructions import ForwardBackward
 
-    table = {}
+    table: dict[tuple[int, int, int], dict[type, float]] = {}
     for (stage, cf), (fc, fa, _, _) in parts.items():
         for (other, cb), (_, _, bc, ba) in parts.items():
             if other != stage:

@@ -35,10 +35,10 @@ from pipekernel.engine.parallelize import tp_group_of
 from pipekernel.schedules.comm import lanes_needed
 from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.stage.loss import check_loss_reduction
-from pipekernel.stage.module import PipelineModule
+from pipekernel.model.module import PipelineModule
 from pipekernel.schedules.sim_memory import live_graphs
-from pipekernel.stage.partitioning import PartitionContext, PartitionReport
-from pipekernel.stage.skip_routing import check_schedules, router_for
+from pipekernel.model.partitioning import PartitionContext, PartitionReport
+from pipekernel.model.skip_routing import check_schedules, router_for
 
 __all__ = ["Options", "Layout", "Parts", "Stage", "Assembly", "check_options",
            "choose_layout", "agree", "partition", "build_stage", "require_layout_lanes"]

@@ -25,7 +25,8 @@ from pipekernel.grid import expert_parallel
 from pipekernel.grid.partitioned import ActivationPartitioner
 from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.kernel.loop import Kernel
-from pipekernel.stage.module import PipelineModule
+from pipekernel.schedules import instructions as isa
+from pipekernel.model.module import PipelineModule
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
 from pipekernel.step.grad_reduce import GradReducer
@@ -104,7 +105,7 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     scheduler = make_lr_scheduler(options.lr_scheduler, built)
     runtime, batch_step, kernel = build_kernel(
         module, options, layout, stage, precision, transport, pm,
-        backward_callbacks(grad_reducer, stage_parallel),
+        backward_callbacks(grad_reducer, stage_parallel), stage_parallel,
         dict(optimizer=built, lr_scheduler=scheduler, tied_groups=tied_groups,
              tied_reducers=tied_reducers, grad_reducer=grad_reducer))
     return Assembly(module, pm, transport, options, layout, parts, stage, precision,
@@ -181,28 +182,23 @@ def make_reducers(stage: Stage, precision: Any, tied_groups: dict, topology: Any
 
 
 def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
-    """What the runtime calls around the stage's last backward of the batch."""
+    """What the runtime calls around the stage's last backward of the batch (the
+    data-parallel reducer's overlap; FSDP2's timing is instructions of the program) and
+    the parameters autograd holds under FSDP2."""
     callbacks: dict[str, Any] = {}
-    if sharded is not None:  # FSDP2's reduce-scatters, once per batch
-        callbacks = {"after_last_backward": sharded.after_last_backward,
-                     "params_of": sharded.autograd_params, "prefetch": sharded.prefetch}
-    if reducer is None or reducer.bucket_bytes <= 0:
-        return callbacks
     if sharded is not None:
-        def after() -> None:
-            sharded.after_last_backward()
-            reducer.backward_done()
-    else:
-        after = reducer.backward_done
-    return {**callbacks, "after_last_backward": after,
-            "before_last_backward": lambda settled: reducer.arm(final=settled)}
+        callbacks["params_of"] = sharded.autograd_params
+    if reducer is not None and reducer.bucket_bytes > 0:
+        callbacks["after_last_backward"] = reducer.backward_done
+        callbacks["before_last_backward"] = lambda settled: reducer.arm(final=settled)
+    return callbacks
 
 
 def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage: Stage,
                  precision: Any, transport: Any, pm: Any, callbacks: dict[str, Any],
-                 step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
+                 sharded: Any, step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
     """The stage runtime, the batch step (the one owner of the batch's losses and token
-    counts) and the kernel over both's handlers."""
+    counts) and the kernel over both's handlers (and FSDP2's, ``sharded``)."""
     topology = layout.topology
     batch_step = BatchStep(
         module=stage.module, precision=precision, transport=transport, topology=topology,
@@ -216,10 +212,17 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
                            skips=stage.skip_router, losses=batch_step.losses,
                            tokens=batch_step.tokens, **callbacks)
     handlers = {**runtime.handlers(), **batch_step.handlers(),
+                **(sharded_handlers(sharded) if sharded is not None else {}),
                 **plugin_handlers(pm, runtime)}
     kernel = Kernel(handlers, hook=pm.hook, rank=transport.rank, stage=topology.stage,
                     enter=runtime.enter)
     return runtime, batch_step, kernel
+
+
+def sharded_handlers(sharded: Any) -> dict[type, Any]:
+    """The handlers of FSDP2's instructions (:mod:`pipekernel.schedules.sharded`)."""
+    return {isa.Unshard: sharded.unshard, isa.Reshard: lambda _: sharded.reshard(),
+            isa.ReduceShardedGrads: lambda _: sharded.reduce_grads()}
 
 
 def plugin_handlers(pm: Any, runtime: Any) -> dict[type, Any]:

@@ -115,7 +115,7 @@ def _has_state(layer: nn.Module) -> bool:
 def _layer_meta(module: Any) -> list[dict[str, Any]]:
     """Per global layer: type, tie, the file holding it and its tensors' shapes (from a
     meta-device build: nothing is allocated)."""
-    from pipekernel.stage.module import TiedLayerSpec
+    from pipekernel.model.module import TiedLayerSpec
     num = len(module.layers)
     with torch.device("meta"):
         full = module.build_stage(0, [0, num])
@@ -573,7 +573,7 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
                     device: torch.device | str | None = None, *,
                     trust_checkpoint: bool = False) -> nn.Module:
     """The whole model of checkpoint ``tag`` (default ``latest``) as one
-    :class:`~pipekernel.stage.module.StageModule` — chained like ``nn.Sequential``,
+    :class:`~pipekernel.model.module.StageModule` — chained like ``nn.Sequential``,
     ``state_dict`` keys ``"{global layer}.{name}"`` — with the checkpoint's weights
     (fp32 masters for low-precision training), in eval mode. No process group is
     needed: it runs in any single process (inference, export).

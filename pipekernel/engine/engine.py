@@ -14,20 +14,21 @@ from typing import Any
 
 import torch
 
-from pipekernel.comm import clusters, teardown  # noqa: F401 - teardown binds at import
+from pipekernel.comm import teardown  # noqa: F401 - teardown binds at import
+from pipekernel.launcher import clusters
 from pipekernel.engine.assembly import Assembly, check_options
 from pipekernel.engine.assembly_step import assemble, make_lr_scheduler, make_optimizer
 from pipekernel.engine.faults import engine_board, root_cause
 from pipekernel.engine.fields import EngineFields
 from pipekernel.engine.sentinel import DEFAULT_CHECK_EVERY, Sentinel
 from pipekernel.engine.programs import (agree_micro_batches, check_micro_batch_count,
-                                        check_micro_batches, load_program, program_of)
+                                        check_micro_batches, program_of)
 from pipekernel.engine.state import RunState
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
-from pipekernel.kernel.program import LoadedProgram
-from pipekernel.stage.module import PipelineModule
+from pipekernel.schedules.program import Program
+from pipekernel.model.module import PipelineModule
 
 __all__ = ["PipelineEngine"]
 
@@ -178,8 +179,9 @@ class PipelineEngine(EngineFields):
         self.abort_board = engine_board(made)
         #: what changes as the engine runs (:class:`~pipekernel.engine.state.RunState`)
         self.state = RunState(micro_batches)
-        #: (schedule class, micro-batch count) -> its loaded program: the one cache of them
-        self._programs: dict[tuple[Any, int], LoadedProgram] = {}
+        #: (schedule class, micro-batch count) -> (program, handlers, runtime binding): the
+        #: one cache of them (pipekernel.engine.programs)
+        self._programs: dict[tuple[Any, int], tuple] = {}
         try:
             options = check_options(
                 schedule=schedule, eval_schedule=eval_schedule, chunks=chunks,
@@ -236,12 +238,9 @@ class PipelineEngine(EngineFields):
     def _check_micro_batches(self, micro_batches: Any) -> None:
         check_micro_batches(self, micro_batches)
 
-    def _program(self, cls: Any) -> LoadedProgram:
-        """The loaded program of ``cls`` for the current count (:mod:`.programs`)."""
-        return program_of(self, cls)
-
-    def _load(self, program: Any) -> LoadedProgram:
-        return load_program(self, program)
+    def _program(self, cls: Any) -> Program:
+        """The program of ``cls`` for the current count (:mod:`.programs`)."""
+        return program_of(self, cls)[0]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
              keep_outputs: bool) -> torch.Tensor | None:
@@ -252,19 +251,14 @@ class PipelineEngine(EngineFields):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1
-        sharded = self.stage_parallel
         try:
             agree_micro_batches(self)
-            program = self._program(cls)
+            program, handlers, bound = program_of(self, cls)
             self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
-            self.runtime.begin(data_iter, self.micro_batches, program.program.num_buffers, program,
+            self.runtime.begin(data_iter, self.micro_batches, program, bound,
                                compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check)
-            if sharded is not None:
-                sharded.begin_batch(cls.trains)
-            self.kernel.run(program, **self._when(cls))
-            if sharded is not None:
-                sharded.end_batch(cls.trains)
+            self.kernel.run(program, handlers, **self._when(cls))
             self.runtime.end()
             return self.batch_step.mean_loss(cls.trains) if compute_loss else None
         except BaseException as err:
@@ -335,7 +329,7 @@ class PipelineEngine(EngineFields):
                    "skipped": not step.last_step_taken, **self.precision.metrics()}
         if self.max_grad_norm is not None:
             metrics["grad_norm"] = state.last_grad_norm
-        if step.last_aux_loss is not None:  # part of loss (stage/aux_loss.py)
+        if step.last_aux_loss is not None:  # part of loss (model/aux_loss.py)
             metrics["aux_loss"] = step.last_aux_loss
         if checked is not None:  # the sentinel ran (and passed) after this step
             metrics["check_seconds"] = checked

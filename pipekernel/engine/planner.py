@@ -60,7 +60,7 @@ from pipekernel.schedules.instructions import (Backward, BackwardInput, Backward
 from pipekernel.schedules.placement import locate
 from pipekernel.schedules.sim_memory import live_graphs, part_bytes, stage_memory
 from pipekernel.schedules.simulator import simulate
-from pipekernel.stage.partitioning import format_bytes
+from pipekernel.model.partitioning import format_bytes
 
 __all__ = ["Auto", "auto", "LayerCosts", "Link", "Candidate", "Plan", "search", "plan_module",
            "measure_link", "is_auto"]
@@ -563,7 +563,7 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
         (:func:`~pipekernel.engine.all_to_all_cost.measure_all_to_all`) into
         ``LayerCosts.all_to_all_s``.
     """
-    from pipekernel.stage.partitioning import Balance, PartitionContext, Profile
+    from pipekernel.model.partitioning import Balance, PartitionContext, Profile
 
     sample = _sample_of(module, request, Profile)
     rows = _rows(sample)
@@ -618,7 +618,7 @@ def _schedules(request: Auto, pm: Any) -> dict[str, Any]:
 
 def _profile(module: Any, request: Auto, sample: Any, n: int, pm: Any, where: tuple) -> LayerCosts:
     """The layer costs of one micro-batch ``sample`` (``n`` per batch), all-to-alls included."""
-    from pipekernel.stage.partitioning import PartitionContext, Profile
+    from pipekernel.model.partitioning import PartitionContext, Profile
 
     transport, device, optimizer, ep_group = where
     context = PartitionContext(module=module, num_stages=1, transport=transport,

@@ -1,6 +1,7 @@
-"""The engine's programs, one per (schedule, micro-batch count): compiled and loaded once
-(:mod:`pipekernel.schedules.program`, :class:`~pipekernel.kernel.program.LoadedProgram`) in
-the engine's one cache (``engine._programs``), and the checks a new count passes first.
+"""The engine's programs, one per (schedule, micro-batch count): compiled once
+(:mod:`pipekernel.schedules.program`) and kept, with what this engine's kernel (a handler per
+index) and runtime (:meth:`~pipekernel.stage.runtime.StageRuntime.bind`) resolved of them,
+in the engine's one cache (``engine._programs``), and the checks a new count passes first.
 The functions read the engine's documented attributes and its ``state``."""
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from typing import Any
 
 from pipekernel.comm.agreement import check_consistency
 from pipekernel.errors import ConfigError
-from pipekernel.kernel.program import LoadedProgram
-from pipekernel.schedules.program import compile_program
-from pipekernel.stage.skip_routing import check_schedules
+from pipekernel.schedules.program import Program, compile_program
+from pipekernel.model.skip_routing import check_schedules
 from pipekernel.step.grad_reduce import settled_parameters
 
 __all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batches",
@@ -52,26 +52,29 @@ def agree_micro_batches(engine: Any) -> None:
     engine.state.checked_micro_batches = engine.micro_batches
 
 
-def program_of(engine: Any, cls: Any) -> LoadedProgram:
-    """The loaded program of schedule ``cls`` for the current micro-batch count (compiled
-    and loaded once per schedule and count; :mod:`pipekernel.schedules.program`)."""
+def program_of(engine: Any, cls: Any) -> tuple[Program, Any, Any]:
+    """``(program, handlers, bound)`` of schedule ``cls`` for the current micro-batch count
+    (compiled and loaded once per schedule and count; :func:`load_program`)."""
     key = (cls, engine.micro_batches)
     loaded = engine._programs.get(key)
     if loaded is None:
         loaded = engine._programs[key] = load_program(engine, compile_program(
             cls, stage=engine.stage, num_stages=engine.num_stages,
             micro_batches=engine.micro_batches, chunks=engine.chunks,
-            placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs))
+            placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs,
+            sharded=engine.stage_parallel is not None))
     return loaded
 
 
-def load_program(engine: Any, program: Any) -> LoadedProgram:
-    """``program`` bound to this engine: handlers, channels, settled parameters."""
-    channels, groups = engine.runtime.bind(program)
+def load_program(engine: Any, program: Program) -> tuple[Program, Any, Any]:
+    """``(program, handlers, bound)``: ``program`` with the kernel's handler of each
+    instruction (``None`` when one has none: the loop reports it there) and the runtime's
+    binding (its channels and groups, and the parameters settled before the stage's last
+    weight-gradient instruction, for the reducer to start on)."""
     settled: tuple = ()
     if program.last_weight_chunk is not None:
         module = engine.module
         parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
         settled = tuple(settled_parameters(program.last_weight_chunk, parts))
-    return LoadedProgram(program, engine.kernel.resolve(program.stream), channels, groups,
-                         settled)
+    return (program, engine.kernel.resolve(program.stream),
+            engine.runtime.bind(program, settled))

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError, ConsistencyError
+from pipekernel.errors import ConfigError, ConsistencyError, PipelineError
 from pipekernel.grid.expert_parallel import is_expert
 
 __all__ = ["DEFAULT_CHECK_EVERY", "check_every_option", "Sentinel", "tensor_hash"]
@@ -143,23 +143,33 @@ class Sentinel:
         values = counts.tolist()
         self.width, self.tied_width = values[0], max(values[1:], default=0)
 
+    def _widths(self) -> tuple[int, int]:
+        """``(width, tied_width)``: the parameters per stage slot and per tied slot, which
+        the first check measures (``_measure``) before any slot is laid out."""
+        if self.width is None or self.tied_width is None:
+            raise PipelineError("the sentinel laid out its slots before measuring them",
+                                hint="a bug in pipekernel/engine/sentinel.py: please report it")
+        return self.width, self.tied_width
+
     def _bases(self) -> tuple[int, int, int]:
         """Where the tied section, the normalisation section and the end are."""
-        tied = self.engine.num_stages * self.cells * self.width * 2
-        norm = tied + len(self.tied_keys) * self.cells * self.tied_width
+        width, tied_width = self._widths()
+        tied = self.engine.num_stages * self.cells * width * 2
+        norm = tied + len(self.tied_keys) * self.cells * tied_width
         return tied, norm, norm + 2
 
     def _describe(self, index: int) -> _Slot:
         """What slot ``index`` of the vector compares (the same on every rank)."""
         tied, norm, _ = self._bases()
+        width, tied_width = self._widths()
         if index < tied:
-            stage = index // (self.cells * self.width * 2)
+            stage = index // (self.cells * width * 2)
             check = "replicas (optimizer state)" if index % 2 else "replicas"
-            return _Slot(check, f"parameter #{(index % (self.width * 2)) // 2}", stage)
+            return _Slot(check, f"parameter #{(index % (width * 2)) // 2}", stage)
         if index < norm:
-            key = self.tied_keys[(index - tied) // (self.cells * self.tied_width)]
+            key = self.tied_keys[(index - tied) // (self.cells * tied_width)]
             return _Slot("tied", f"tied layer {key!r} parameter #"
-                                 f"{(index - tied) % self.tied_width}", None,
+                                 f"{(index - tied) % tied_width}", None,
                          f" (its copies on stages {self.tied_stages[key]})")
         return _Slot("normalisation", ("micro-batch count", "gradient scale")[index - norm],
                      None)
@@ -226,19 +236,19 @@ class Sentinel:
         engine.transport.all_reduce(vec, "max")
         values = vec.tolist()
         held = {r: v for r, v in enumerate(values[:world]) if v != _NONE}
-        name = bytes(b for b in values[world:] if b > 0).decode(errors="replace")
-        return held, name
+        return held, bytes(b for b in values[world:] if b > 0).decode(errors="replace")
 
     def _name_of(self, slot: int) -> str:
         """This rank's name for one of its own slots."""
         engine = self.engine
         tied_base, norm, _ = self._bases()
+        width, tied_width = self._widths()
         if slot < tied_base:
-            return self._params()[(slot % (self.width * 2)) // 2][0]
+            return self._params()[(slot % (width * 2)) // 2][0]
         if slot >= norm:
             return ""
-        key = self.tied_keys[(slot - tied_base) // (self.cells * self.tied_width)]
-        j = (slot - tied_base) % self.tied_width
+        key = self.tied_keys[(slot - tied_base) // (self.cells * tied_width)]
+        j = (slot - tied_base) % tied_width
         names = [n for n, _ in engine.module.tied_modules[key].named_parameters()]
         return f"tied layer {key!r}: {names[j]}"
 

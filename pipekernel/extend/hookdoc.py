@@ -37,7 +37,7 @@ def _kind(fn: Callable[..., Any]) -> str:
 
 def _markdown(doc: str) -> str:
     # reST "Use in plugins\n==============" -> a Markdown sub-heading; the rest reads as text
-    lines, out = doc.splitlines(), []
+    lines, out = doc.splitlines(), list[str]()
     for i, line in enumerate(lines):
         if set(line.strip()) == {"="} and i and lines[i - 1].strip():
             out[-1] = f"**{out[-1].strip()}**"

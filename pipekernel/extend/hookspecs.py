@@ -90,7 +90,7 @@ def pipekernel_partition(method: Any, layers: Sequence[Any], num_stages: int,
         ``pk.balance(costs)``), a cost function, or an object a plugin understands.
     :param layers: the layer list (``LayerSpec``, modules or callables).
     :param num_stages: the number of stages.
-    :param context: a :class:`pipekernel.stage.partitioning.PartitionContext`: the
+    :param context: a :class:`pipekernel.model.partitioning.PartitionContext`: the
         module, transport (``None`` outside an engine), device, rank, micro-batches,
         micro-batches in flight per stage and optimizer factory.
     :returns: ``num_stages + 1`` increasing boundaries from ``0`` to
@@ -198,7 +198,7 @@ def pipekernel_parallelize_stage(module: Any, mesh: Any, engine: StageView) -> N
     ``tryfirst``, the built-in FSDP2 ``trylast``, as torchtitan applies TP before
     FSDP).
 
-    :param module: the stage's :class:`~pipekernel.stage.module.StageModule`: its
+    :param module: the stage's :class:`~pipekernel.model.module.StageModule`: its
         layers are children named by global layer index (``module.get_submodule("3")``),
         its tied layers are in ``module.tied_modules``. Change it in place (e.g.
         ``fully_shard``, ``parallelize_module``); do not replace the object.

@@ -21,7 +21,7 @@ import sys
 import warnings
 import types
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -203,7 +203,9 @@ def provided_names(pm: pluggy.PluginManager, kind: str) -> dict[str, str]:
     ``pipekernel_list_names``; a later-registered plugin wins a shared name."""
     found: dict[str, str] = {}
     for impl in pm.hook.pipekernel_list_names.get_hookimpls():  # first registered first
-        names = impl.function(**({"kind": kind} if "kind" in impl.argnames else {}))
+        # the hookspec's return type (pluggy's impl.function is typed to return object)
+        names = cast("Iterable[object] | None",
+                     impl.function(**({"kind": kind} if "kind" in impl.argnames else {})))
         for name in names or ():
             found[str(name)] = impl.plugin_name
     return found

@@ -14,8 +14,23 @@ plugins that annotate ``engine: EngineView`` to the contract.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # the types the views name; at run time nothing is imported
+    import pluggy
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipekernel.comm.transport import Transport
+    from pipekernel.grid.expert_parallel import ExpertParallelGroup
+    from pipekernel.grid.mesh import Grid
+    from pipekernel.grid.parallel import ParallelConfig
+    from pipekernel.grid.topology import Topology
+    from pipekernel.schedules.base import Schedule
+    from pipekernel.schedules.instructions import Instruction
+    from pipekernel.step.precision import Precision
 
 __all__ = ["Placed", "StageView", "EngineView", "RuntimeView"]
 
@@ -24,7 +39,7 @@ class Placed:
     """Where a process sits, read from ``self.topology``
     (a :class:`~pipekernel.grid.topology.Topology`)."""
 
-    topology: Any
+    topology: Topology
 
     @property
     def rank(self) -> int:
@@ -76,30 +91,79 @@ class StageView(Protocol):
     Read only: the engine does not expect a plugin to assign any of these.
     """
 
-    rank: int
-    stage: int
-    num_stages: int
-    data_parallel_rank: int
-    data_parallel_size: int
-    topology: Any
-    schedule: str
-    schedule_cls: Any
-    eval_schedule_cls: Any
-    chunks: int
-    placement: str
-    micro_batches: int
-    bounds: list[int]
-    part_stages: list[int]
-    pipeline_module: Any
-    module: Any
-    precision: Any
-    transport: Any
-    mesh: Any
-    grid: Any
-    parallel: Any
-    tp_group: Any
-    ep_group: Any
-    pm: Any
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def data_parallel_rank(self) -> int: ...
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+    @property
+    def topology(self) -> Topology: ...
+
+    @property
+    def schedule(self) -> str: ...
+
+    @property
+    def schedule_cls(self) -> type[Schedule]: ...
+
+    @property
+    def eval_schedule_cls(self) -> type[Schedule]: ...
+
+    @property
+    def chunks(self) -> int: ...
+
+    @property
+    def placement(self) -> str: ...
+
+    @property
+    def micro_batches(self) -> int: ...
+
+    @property
+    def bounds(self) -> Sequence[int]: ...
+
+    @property
+    def part_stages(self) -> Sequence[int]: ...
+
+    @property
+    def pipeline_module(self) -> Any:  # a pipekernel.PipelineModule (a layer above)
+        ...
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def precision(self) -> Precision: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def mesh(self) -> DeviceMesh | None: ...
+
+    @property
+    def grid(self) -> Grid: ...
+
+    @property
+    def parallel(self) -> ParallelConfig: ...
+
+    @property
+    def tp_group(self) -> Any:  # the home-made TP group, being retired (issue 45)
+        ...
+
+    @property
+    def ep_group(self) -> ExpertParallelGroup | None: ...
+
+    @property
+    def pm(self) -> pluggy.PluginManager: ...
 
     def is_first_stage(self) -> bool: ...
 
@@ -130,20 +194,47 @@ class EngineView(StageView, Protocol):
     reads another attribute still works), but only what is listed here is a contract.
     """
 
-    optimizer: Any
-    lr_scheduler: Any
-    global_steps: int
-    skipped_steps: int
-    trained_micro_batches: int
-    last_grad_norm: float | None
-    last_loss: Any
-    partition_report: Any
-    plan: Any
-    loss_reduction: str
-    failed: BaseException | None
-    runtime: RuntimeView
-    instruction_types: tuple[type, ...]
-    position: Any
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def lr_scheduler(self) -> Any: ...
+
+    @property
+    def global_steps(self) -> int: ...
+
+    @property
+    def skipped_steps(self) -> int: ...
+
+    @property
+    def trained_micro_batches(self) -> int: ...
+
+    @property
+    def last_grad_norm(self) -> float | None: ...
+
+    @property
+    def last_loss(self) -> torch.Tensor | None: ...
+
+    @property
+    def partition_report(self) -> Any: ...
+
+    @property
+    def plan(self) -> Any: ...
+
+    @property
+    def loss_reduction(self) -> str: ...
+
+    @property
+    def failed(self) -> BaseException | None: ...
+
+    @property
+    def runtime(self) -> RuntimeView: ...
+
+    @property
+    def instruction_types(self) -> tuple[type[Instruction], ...]: ...
+
+    @property
+    def position(self) -> tuple[int, Instruction] | None: ...
 
     def restore_counters(self, global_steps: int, skipped_steps: int,
                          trained_micro_batches: int) -> None: ...
@@ -167,16 +258,25 @@ class RuntimeView(Protocol):
     * ``stage``, ``chunks``, ``micro_batches`` (of the running batch), ``transport``.
     """
 
-    stage: int
-    chunks: int
-    micro_batches: int
-    transport: Any
-    outputs: list[Any]
+    @property
+    def stage(self) -> int: ...
 
-    def handlers(self) -> Mapping[type, Callable[[Any], Any]]: ...
+    @property
+    def chunks(self) -> int: ...
 
-    def inputs_of(self, instruction: Any) -> Any: ...
+    @property
+    def micro_batches(self) -> int: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def outputs(self) -> list[Any]: ...
+
+    def handlers(self) -> Mapping[type[Instruction], Callable[[Instruction], Any]]: ...
+
+    def inputs_of(self, instruction: Instruction) -> Any: ...
 
     def flush(self) -> None: ...
 
-    def held_tensors(self) -> list[Any]: ...
+    def held_tensors(self) -> list[torch.Tensor]: ...

@@ -320,7 +320,7 @@ def _process_group(transport: Any, ranks: list[int], member: bool) -> Any:
 
 def mark(param: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Mark ``param`` as holding this rank's experts, stacked along ``dim``."""
-    param.expert_parallel_dim = dim
+    setattr(param, "expert_parallel_dim", dim)  # a tag torch.Tensor does not declare
     return param
 
 

@@ -8,28 +8,33 @@ later) reaches before the weight gradients exist. Under a pipeline the engine th
 drives it, as ``torch.distributed.pipelining``'s stage does
 (``backward_maybe_with_nosync`` / ``perform_reduce_grad``):
 
-* :meth:`StageParallel.begin_batch` (a training batch): on every FSDP2 module of the
-  stage ``set_is_last_backward(False)``, ``set_reshard_after_backward(False)``,
-  ``set_requires_gradient_sync(False)``: each micro-batch's backward (B and W alike)
-  accumulates into the *unsharded* gradients, nothing is communicated, and the parameters
-  stay gathered (with ``reshard_after_forward=False``, the default under a pipeline, they
-  are all-gathered once per batch, by the first forward);
-* :meth:`StageParallel.after_last_backward` — right after the stage's last instruction of
-  the batch that produces weight gradients (the runtime's ``after_last_backward``): the
-  flags back on, FSDP2's post-backward run by hand on every parameter group (one
-  reduce-scatter each; HSDP adds its all-reduce over ``dp_replicate``) and its final
-  callback (waits, resharding);
-* :meth:`StageParallel.end_batch` of an evaluation: reshard (a forward under ``no_grad``
+The timing is the program's: a sharded stage's program holds FSDP2's instructions
+(:mod:`pipekernel.schedules.sharded`), whose handlers are these methods:
+
+* ``Unshard()``, a batch's first instruction (:meth:`StageParallel.begin_batch`): the
+  roots gathered, and on every FSDP2 module of the stage ``set_is_last_backward(False)``,
+  ``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``: each
+  micro-batch's backward (B and W alike) accumulates into the *unsharded* gradients,
+  nothing is communicated, and the parameters stay gathered (with
+  ``reshard_after_forward=False``, the default under a pipeline, they are all-gathered once
+  per batch, by the first forward);
+* ``ReduceShardedGrads()``, right after the stage's last instruction of a training batch
+  that produces weight gradients (:meth:`StageParallel.reduce_grads`): the flags back on,
+  FSDP2's post-backward run by hand on every parameter group (one reduce-scatter each;
+  HSDP adds its all-reduce over ``dp_replicate``) and its final callback (waits,
+  resharding);
+* ``Reshard()``, an evaluation's last instruction: reshard (a forward under ``no_grad``
   with ``reshard_after_forward=False`` leaves the parameters gathered);
 * prefetching by the program (what ``reshard_after_forward=True`` needs, under multi-chunk
   schedules above all): inside each chunk every layer prefetches the next one in forward
   and the previous one in backward (:meth:`StageParallel.plan_chunks`: FSDP2's explicit
   lists, in place of its own backward order, which a pipeline interleaves across
-  micro-batches and chunks), and after each compute instruction the runtime hands
-  :meth:`StageParallel.prefetch` the program's next one, whose chunk's first all-gather
-  (a forward's first layer, a backward's last) starts then, while this rank waits on its
-  transfers. Only a batch's very first all-gather is then started by the compute that
-  needs it (``tests/test_fsdp.py`` counts them under interleaved, zbv and dualpipev).
+  micro-batches and chunks), and after each compute instruction the program's
+  ``Unshard(chunk, forward)`` for its next one (:meth:`StageParallel.prefetch`) starts
+  that chunk's first all-gather (a forward's first layer, a backward's last), while this
+  rank waits on its transfers. Only a batch's very first all-gather is then started by the
+  compute that needs it (``tests/test_fsdp.py`` counts them under interleaved, zbv and
+  dualpipev).
 
 The split backward runs autograd over the parameters the graph holds, the *unsharded*
 ones: :meth:`StageParallel.autograd_params` maps a stage's (sharded) parameters to them.
@@ -98,7 +103,6 @@ class StageParallel:
             raise ConfigError(f"this torch's FSDP2 ({torch.__version__}) lacks what the "
                               f"pipeline drives it by: {err}",
                               hint="use the torch pipekernel pins (.ci/constraints.txt)") from err
-        self._training = False
         self.chunk_layers: list[list[Any]] = []  # per chunk (plan_chunks)
 
     def managed(self, param: torch.Tensor) -> bool:
@@ -110,16 +114,20 @@ class StageParallel:
         """The sharded parameters FSDP2 manages (DTensors)."""
         return [fp.sharded_param for group in self.groups for fp in group.fsdp_params]
 
-    def begin_batch(self, trains: bool) -> None:
+    def unshard(self, instruction: Any) -> None:
+        """``Unshard()``: :meth:`begin_batch`; ``Unshard(chunk, forward)``: :meth:`prefetch`."""
+        if instruction.chunk is None:
+            self.begin_batch()
+        else:
+            self.prefetch(instruction.chunk, instruction.forward)
+
+    def begin_batch(self) -> None:
         """Before a batch's first instruction: the roots' own parameters gathered (their
         forward pre-hook, which would gather them, never runs: the runtime calls the
         layers; a no-op for a root whose parameters all live in layer groups), and no
-        gradient sync until the last backward."""
-        self._training = trains
+        gradient sync until :meth:`reduce_grads` (an evaluation runs no backward)."""
         for root in self.roots:
             root.unshard()
-        if not trains:
-            return
         for root in self.roots:
             root.set_is_last_backward(False)
             root.set_reshard_after_backward(False)
@@ -128,7 +136,7 @@ class StageParallel:
     def autograd_params(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """``params`` with each FSDP2 parameter replaced by the unsharded one autograd
         sees (the module holds it between unshard and reshard; a split backward
-        accumulates into it, and :meth:`after_last_backward` reduce-scatters it)."""
+        accumulates into it, and :meth:`reduce_grads` reduce-scatters it)."""
         out = []
         for p in params:
             fp = self._unsharded.get(id(p))
@@ -136,11 +144,9 @@ class StageParallel:
             out.append(unsharded if unsharded is not None else p)
         return out
 
-    def after_last_backward(self) -> None:
-        """After the stage's last weight-gradient instruction of the batch: reduce-scatter
-        every parameter group once, wait, reshard."""
-        if not self._training:
-            return
+    def reduce_grads(self) -> None:
+        """After the stage's last weight-gradient instruction of a training batch:
+        reduce-scatter every parameter group once, wait, reshard."""
         for root in self.roots:
             root.set_is_last_backward(True)
             root.set_reshard_after_backward(True)
@@ -150,7 +156,6 @@ class StageParallel:
                 for group in inner._fsdp_param_groups:
                     group.post_backward()
             state._root_post_backward_final_callback()
-        self._training = False
 
     def plan_chunks(self, parts: list[Any]) -> None:
         """Prefetch by the program (``parts``: the stage's chunks, each with ``layers``
@@ -174,8 +179,8 @@ class StageParallel:
         """Issue the all-gather that the stage's next compute instruction, a forward
         (``forward``) or a backward of ``chunk``, starts with, now
         (``unshard(async_op=True)``; FSDP2's pre-forward or pre-backward waits on it): a
-        forward's first layer, a backward's last. The runtime calls it after each compute
-        instruction for the next one of its program, so that with
+        forward's first layer, a backward's last. The program runs it after each compute
+        instruction for the next one, so that with
         ``reshard_after_forward=True`` the next chunk's parameters arrive while this rank
         waits on its transfers. A no-op for parameters already gathered. Every shard of
         a stage runs the same program: the all-gathers start in the same order."""
@@ -194,11 +199,10 @@ class StageParallel:
                 for name in ("mesh_info", "post_forward_mesh_info"):
                     _drop_groups(getattr(holder, name, None))
 
-    def end_batch(self, trains: bool) -> None:
-        """After a batch: an evaluation leaves the parameters gathered; reshard them."""
-        if not trains:
-            for root in self.roots:
-                root.reshard()
+    def reshard(self) -> None:
+        """After an evaluation, which leaves the parameters gathered: reshard them."""
+        for root in self.roots:
+            root.reshard()
 
 
 

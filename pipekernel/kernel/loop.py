@@ -9,7 +9,7 @@ an error that names the rank, stage, step and instruction.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -96,42 +96,42 @@ class Kernel:
 
     def resolve(self, stream: Sequence[Instruction]) -> tuple[Handler, ...] | None:
         """The handler of each instruction of ``stream``, in order, or ``None`` when one has
-        none (the loop then reports it at that instruction). The engine keeps the answer in
-        its :class:`~pipekernel.kernel.program.LoadedProgram`; the kernel keeps nothing."""
+        none (the loop then reports it at that instruction). The engine keeps the answer with
+        its program (:mod:`pipekernel.engine.programs`); the kernel keeps nothing."""
         try:
             return tuple(self._handler(ins) for ins in stream)
         except PipelineError:
             return None
 
-    def _program(self, program: Any) -> tuple[Sequence[Instruction], Sequence[int],
-                                              Sequence[Handler] | None]:
-        """``(stream, step of each index, handlers by index or None)`` of ``program``: a
-        program (anything with ``stream`` and ``step_of``, e.g. a
-        :class:`~pipekernel.schedules.program.Program`; its ``handlers`` when it has them,
-        as a :class:`~pipekernel.kernel.program.LoadedProgram` does) or an iterable of
-        steps (flattened here, every run)."""
+    @staticmethod
+    def _program(program: Any) -> tuple[Sequence[Instruction], Sequence[int]]:
+        """``(stream, step of each index)`` of ``program``: a program (anything with
+        ``stream`` and ``step_of``, e.g. a :class:`~pipekernel.schedules.program.Program`)
+        or an iterable of steps (flattened here, every run)."""
         stream = getattr(program, "stream", None)
         if stream is not None:
-            return stream, program.step_of, getattr(program, "handlers", None)
+            return stream, program.step_of
         flat, step_of = [], []
         for step_id, step in enumerate(program):
             flat += step
             step_of += [step_id] * len(step)
-        return flat, step_of, None
+        return flat, step_of
 
-    def run(self, steps: Any, **when: Any) -> None:
+    def run(self, steps: Any, handlers: Sequence[Handler] | None = None, **when: Any) -> None:
         """Execute every instruction of every step, in order.
 
         :param steps: an iterable of steps (sequences of instructions), or a program
             with ``stream`` (the instructions in order) and ``step_of`` (each one's
-            step), walked by index — with its ``handlers`` (one per index) if it has
-            them, else each instruction's handler looked up by type (resolved once per
-            type).
+            step), walked by index.
+        :param handlers: the handler of each instruction by index (:meth:`resolve` of the
+            stream, kept by the caller), else each instruction's handler looked up by type
+            (resolved once per type).
         :param when: which batch this run is, for its errors (the engine passes
             ``train_step=N`` or ``eval_after=N``; see :func:`pipekernel.errors.describe_where`),
             filled in before plugins see the error.
         """
-        stream, step_of, calls = self._program(steps)
+        stream, step_of = self._program(steps)
+        calls = handlers
         self._stream, self._step_of = stream, step_of
         before, after = self._hooks()  # resolved once per run: no pluggy cost when unused
         stage, clock, enter = self.stage, self.clock, self.enter

@@ -89,7 +89,7 @@ class Schedule:
 
     def chunk_forward_step(self, chunk: int, micro_batch: int, buf: int) -> list[Instruction]:
         """``[LoadMicroBatch] [RecvActivation] Forward [SendActivation]`` for one part."""
-        pos, step = self.position_of(chunk), []
+        pos, step = self.position_of(chunk), list[Instruction]()
         if self.loads(chunk):
             step.append(LoadMicroBatch(micro_batch, buf, chunk))
         if pos > 0:

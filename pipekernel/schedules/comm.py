@@ -3,8 +3,9 @@
 The runtime does not post a transfer when it meets the instruction; it follows a
 *plan* computed once per schedule from the stage's instruction stream, and the
 simulator proves that same plan deadlock-free under rendezvous semantics (see
-:mod:`pipekernel.schedules.simulator`). One function, :func:`plan_communication`,
-decides for both, so what is proven is what runs.
+:mod:`pipekernel.schedules.simulator`). One function, :func:`plan_posts`, decides for
+both (it fills the stage's :class:`~pipekernel.schedules.program.Program`), so what is
+proven is what runs.
 
 The policy, schedule-agnostic (it reads instructions, it knows no schedule):
 
@@ -45,7 +46,6 @@ The policy, schedule-agnostic (it reads instructions, it knows no schedule):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import chain, repeat
 from typing import Any
 
@@ -57,7 +57,7 @@ from pipekernel.schedules.lanes import channel_of, lane_map, lanes_needed
 from pipekernel.schedules.placement import locate
 from pipekernel.schedules.placement import peer as placement_peer
 
-__all__ = ["CommPlan", "plan_communication", "peer_of", "lanes_needed", "SENDS", "RECVS", "P2P"]
+__all__ = ["plan_posts", "peer_of", "lanes_needed", "SENDS", "RECVS", "P2P"]
 
 SENDS = (SendActivation, SendGrad, SendSkip, SendSkipGrad)
 RECVS = (RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad)
@@ -80,44 +80,13 @@ def peer_of(instruction: MicroBatchInstruction, stage: int, num_stages: int, chu
                           placement)
 
 
-@dataclass(frozen=True)
-class CommPlan:
-    """One stage's instruction stream with its posting points.
-
-    * ``stream``: the schedule's instructions, flattened in execution order;
-      ``step_of[i]`` is the step ``stream[i]`` came from.
-    * ``posts[i]``: the stream indices of the point-to-point instructions posted
-      together, as one group, right before ``stream[i]`` runs (ascending: stream order;
-      a send appears at its own index, a receive at or before its own index). Local
-      hand-offs never appear. Indices, not instructions: equal instructions may stand at
-      several places of a stream, and every reader needs the place.
-    * ``peers[i]``: ``(stage, chunk)`` of the peer of ``stream[i]`` if it is a
-      point-to-point instruction with one, else ``None``.
-    * ``local[i]``: ``True`` when ``stream[i]`` is a hand-off to or from this stage.
-    * ``lanes[i]``: the lane of a remote point-to-point instruction
-      (:func:`~pipekernel.schedules.lanes.lane_map`), else ``None``: exactly what a
-      transport maps to one communicator (one ordered stream per rank).
-    """
-
-    stage: int
-    stream: tuple[Instruction, ...]
-    step_of: tuple[int, ...]
-    posts: tuple[tuple[int, ...], ...]
-    peers: tuple[tuple[int, int] | None, ...]
-    local: tuple[bool, ...]
-    lanes: tuple[int | None, ...] = ()
-
-    def posted_at(self) -> dict[int, int]:
-        """``{stream index of a remote p2p instruction: stream index where it is posted}``."""
-        return {index: n for n, group in enumerate(self.posts) for index in group}
-
-
 _ROLES = frozenset(P2P)
 
 
 def _route(ins: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
            placement: str, layout: Any) -> tuple[tuple[int, int] | None, bool, int | None]:
-    """``(peer, local, lane)`` of a point-to-point instruction (see :class:`CommPlan`)."""
+    """``(peer, local, lane)`` of a point-to-point instruction (see
+    :class:`~pipekernel.schedules.program.Program`)."""
     if not 0 <= ins.chunk < chunks:
         return None, False, None
     peer = peer_of(ins, stage, num_stages, chunks, placement)
@@ -131,36 +100,16 @@ def _route(ins: MicroBatchInstruction, stage: int, num_stages: int, chunks: int,
     return peer, False, lane
 
 
-def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, num_stages: int,
-                       chunks: int = 1, placement: str = "loop",
-                       trains: bool | None = None,
-                       skips: Sequence[tuple[int, int]] = ()) -> CommPlan:
-    """The :class:`CommPlan` of ``stage`` for ``steps`` (see the module docstring).
-
-    ``trains`` is accepted so that every posting policy (the simulator's
-    ``posting=`` hook) has one signature; this policy does not need it.
-    ``skips``: the sorted skip edges ``(producer, consumer)`` of the model
-    (:func:`pipekernel.schedules.skips.check_skip_edges`); their two channels each
-    get a lane (:mod:`pipekernel.schedules.lanes`), and its instructions (inserted by
-    :func:`~pipekernel.schedules.skips.add_skip_transfers`) are planned like the
-    activations and gradients: a skip receive at once, a skip-gradient receive once
-    the skip it answers was sent.
-
-    Instructions the plan cannot place (a receive from no peer, a micro-batch
-    instruction with an invalid chunk) are left to the simulator and the
-    runtime to report; the plan then posts them at their own index.
-    """
-    stream, step_of, posts, peers, local, lanes = _plan(steps, stage, num_stages, chunks,
-                                                        placement, skips)
-    return CommPlan(stage=stage, stream=tuple(stream), step_of=tuple(step_of),
-                    posts=tuple(map(tuple, posts)),  # ascending already; in C: no frame per group
-                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes))
-
-
-def _plan(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int, chunks: int,
-          placement: str, skips: Sequence[tuple[int, int]]) -> tuple[list, ...]:
-    """:func:`plan_communication`'s fields as lists — ``stream, step_of, posts, peers, local,
-    lanes``, each group of ``posts`` ascending."""
+def plan_posts(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: int,
+               chunks: int, placement: str, skips: Sequence[tuple[int, int]]
+               ) -> tuple[list, ...]:
+    """The posting plan of ``steps`` (see the module docstring) as the lists ``stream,
+    step_of, posts, peers, local, lanes`` of a
+    :class:`~pipekernel.schedules.program.Program`, each group of ``posts`` ascending.
+    ``skips``: the sorted skip edges ``(producer, consumer)`` of the model; their two
+    channels each get a lane, and their instructions are planned like the activations and
+    gradients. Instructions the plan cannot place (a receive from no peer, an invalid
+    chunk) are left to the simulator and the runtime to report, posted at their own index."""
     if not isinstance(steps, (list, tuple)):
         steps = list(steps)
     stream = list(chain.from_iterable(steps))

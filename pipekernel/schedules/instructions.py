@@ -26,7 +26,8 @@ __all__ = [
     "Instruction", "MicroBatchInstruction", "LoadMicroBatch", "Forward", "Backward",
     "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "SkipInstruction",
-    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "parse",
+    "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "Unshard",
+    "Reshard", "ReduceShardedGrads", "parse",
 ]
 
 
@@ -120,7 +121,7 @@ class RecvGrad(MicroBatchInstruction):
 
 @dataclass(frozen=True, slots=True)
 class SkipInstruction(MicroBatchInstruction):
-    """A transfer of a skip connection (:mod:`pipekernel.stage.skips`): the tensors layers of
+    """A transfer of a skip connection (:mod:`pipekernel.model.skips`): the tensors layers of
     one pipeline position stash for a later one, sent straight between the two.
 
     ``peer`` is the pipeline position at the other end (the consumer for
@@ -232,10 +233,40 @@ class OptimizerStep(Instruction):
     short: ClassVar[str] = "STEP"
 
 
-_BY_SHORT = {cls.short: cls for cls in (
+@dataclass(frozen=True, slots=True)
+class Unshard(Instruction):
+    """FSDP2 (:mod:`pipekernel.schedules.sharded`): gather the stage's roots before a batch
+    (``chunk=None``), or start the first all-gather of ``chunk``'s next forward
+    (``forward``) or backward. Torch's ``UNSHARD``."""
+
+    short: ClassVar[str] = "UNSHARD"
+    chunk: int | None = None
+    forward: bool = True
+
+    def __str__(self) -> str:
+        where = "" if self.chunk is None else f"_{'F' if self.forward else 'B'}c{self.chunk}"
+        return self.short + where
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard(Instruction):
+    """FSDP2: free the parameters an evaluation left gathered. Torch's ``RESHARD``."""
+
+    short: ClassVar[str] = "RESHARD"
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceShardedGrads(Instruction):
+    """FSDP2: reduce-scatter the stage's gradients once per batch, then reshard. Torch's
+    ``REDUCE_GRAD``."""
+
+    short: ClassVar[str] = "REDUCE_SHARDED"
+
+
+_BY_SHORT: dict[str, type[Instruction]] = {cls.short: cls for cls in (
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
     RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep,
-    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad)}
+    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad, Reshard, ReduceShardedGrads)}
 _PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?(?:@(\d+))?$")
 
 
@@ -247,10 +278,14 @@ def parse(text: str, buffer: int = 0) -> Instruction:
     """
     if "+" in text:
         first, _, second = text.strip().partition("+")
-        return ForwardBackward(parse(first, buffer), parse(second, buffer))
+        forward, backward = parse(first, buffer), parse(second, buffer)
+        if not isinstance(forward, Forward) or not isinstance(backward, Backward):
+            raise ValueError(f"cannot parse instruction {text!r}: a pair is a forward and a "
+                             f"backward, e.g. F4+B1c1")
+        return ForwardBackward(forward, backward)
     match = _PATTERN.match(text.strip())
     cls = _BY_SHORT.get(match.group(1)) if match else None
-    if cls is None:
+    if match is None or cls is None:
         known = ", ".join(sorted(_BY_SHORT))
         raise ValueError(f"cannot parse instruction {text!r}; known prefixes: {known}")
     if issubclass(cls, MicroBatchInstruction):

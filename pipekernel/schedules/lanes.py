@@ -58,8 +58,8 @@ from functools import lru_cache
 from itertools import combinations
 
 from pipekernel.schedules.instructions import (
-    Instruction, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad, SendActivation, SendGrad,
-    SendSkip, SendSkipGrad,
+    Instruction, MicroBatchInstruction, RecvActivation, RecvGrad, RecvSkip, RecvSkipGrad, SendActivation, SendGrad,
+    SendSkip, SendSkipGrad, SkipInstruction,
 )
 from pipekernel.schedules.placement import locate, position
 
@@ -70,7 +70,7 @@ __all__ = ["Channel", "LaneMap", "lane_map", "lanes_needed", "channel_of"]
 Channel = tuple[str, int, int]
 
 # instruction class -> (kind, it sends, its position's offset to the peer's for act/grad)
-_ROLE = {SendActivation: ("activation", True, 1), RecvActivation: ("activation", False, -1),
+_ROLE: dict[type[Instruction], tuple[str, bool, int]] = {SendActivation: ("activation", True, 1), RecvActivation: ("activation", False, -1),
          SendGrad: ("grad", True, -1), RecvGrad: ("grad", False, 1),
          SendSkip: ("skip", True, 0), RecvSkip: ("skip", False, 0),
          SendSkipGrad: ("skip grad", True, 0), RecvSkipGrad: ("skip grad", False, 0)}
@@ -81,11 +81,12 @@ def channel_of(instruction: Instruction, stage: int, num_stages: int,
     """The channel a point-to-point instruction of ``stage`` sends on or receives from,
     or ``None`` for any other instruction."""
     role = _ROLE.get(type(instruction))
-    if role is None:
+    if role is None or not isinstance(instruction, MicroBatchInstruction):
         return None
     kind, sends, delta = role
     own = position(stage, instruction.chunk, num_stages, placement)
-    other = instruction.peer if delta == 0 else own + delta
+    # a skip's peer is named (delta 0); an activation's or gradient's is the next/previous
+    other = instruction.peer if isinstance(instruction, SkipInstruction) else own + delta
     return (kind, own, other) if sends else (kind, other, own)
 
 

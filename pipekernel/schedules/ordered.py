@@ -110,7 +110,7 @@ class OrderedSchedule(Schedule):
             else:
                 step = []
                 for cls in shape:  # made as _new's comment says, with no call of its own
-                    ins = _new(cls)
+                    ins: Instruction = _new(cls)
                     _set_micro_batch(ins, mb)
                     _set_buffer(ins, buf)
                     _set_chunk(ins, chunk)
@@ -129,8 +129,9 @@ class OrderedSchedule(Schedule):
         if kind == "F":
             if self._own_forward_step:
                 return None
-            around = ((LoadMicroBatch, loads), (RecvActivation, recv_act), (Forward, True),
-                      (SendActivation, send_act))
+            around: tuple[tuple[type[Instruction], bool], ...] = (
+                (LoadMicroBatch, loads), (RecvActivation, recv_act), (Forward, True),
+                (SendActivation, send_act))
         elif kind == "W":
             around = ((BackwardWeight, True),)
         else:
@@ -217,10 +218,10 @@ def _paired(steps: list[list[Instruction]], order: Sequence[Op],
                                 "followed by a full backward",
                                 hint="pair an F with the B right after it in order()")
         f_step, b_step = step, steps[i + 1]
-        f_at = next(k for k, ins in enumerate(f_step) if type(ins) is Forward)
-        b_at = next(k for k, ins in enumerate(b_step) if type(ins) is Backward)
+        f_at, forward = next((k, ins) for k, ins in enumerate(f_step) if type(ins) is Forward)
+        b_at, backward = next((k, ins) for k, ins in enumerate(b_step) if type(ins) is Backward)
         out.append([*f_step[:f_at], *b_step[:b_at],
-                    ForwardBackward(f_step[f_at], b_step[b_at]),
+                    ForwardBackward(forward, backward),
                     *f_step[f_at + 1:], *b_step[b_at + 1:]])
         skip = True
     return out
@@ -256,9 +257,11 @@ def unpair(steps: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
         if at is None:
             out.append(list(step))
             continue
-        f, b = step[at].halves
-        fwd = [ins for ins in step[:at] if not isinstance(ins, RecvGrad)]
-        bwd = [ins for ins in step[:at] if isinstance(ins, RecvGrad)]
+        pair = step[at]
+        assert isinstance(pair, ForwardBackward)  # what _pair_at found
+        f, b = pair.halves
+        fwd: list[Instruction] = [ins for ins in step[:at] if not isinstance(ins, RecvGrad)]
+        bwd: list[Instruction] = [ins for ins in step[:at] if isinstance(ins, RecvGrad)]
         fwd.append(f)
         bwd.append(b)
         for ins in step[at + 1:]:

@@ -15,7 +15,7 @@ communication and data loading that belong to it, in this order::
   ``ReduceGrads``, ``OptimizerStep`` (in that order) on every stage.
 
 Sends rendezvous with their receives (NCCL): the runtime posts each transfer
-as :func:`pipekernel.schedules.comm.plan_communication` plans (receives posted
+as :func:`pipekernel.schedules.comm.plan_posts` plans (receives posted
 ahead, one ordered lane per channel), and
 :func:`pipekernel.schedules.simulator.simulate` proves that these orders never
 deadlock under those rules, for any size.

@@ -235,9 +235,8 @@ class _Fast(_Simulation):
         lane's units are not one transfer's end each)."""
         code: list[tuple] = []
         append = code.append
-        plan = program.plan  # (its fields, not the program's forwarding properties)
-        stream, posts, peers, local, lanes = plan.stream, plan.posts, plan.peers, plan.local, \
-            plan.lanes
+        stream, posts, peers, local, lanes = program.stream, program.posts, program.peers, \
+            program.local, program.lanes
         host, chans = self.host_costs, self.chans
         # a compute's cost depends on its class and chunk only (the check has seen every
         # chunk in range): [class][chunk]

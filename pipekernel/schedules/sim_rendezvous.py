@@ -1,4 +1,4 @@
-"""The full simulation: every stage's :class:`~pipekernel.schedules.comm.CommPlan` run under
+"""The full simulation: every stage's :class:`~pipekernel.schedules.program.Program` run under
 NCCL's rules, every instruction checked as it runs, so that a broken plan is reported with
 where it went wrong (see :mod:`pipekernel.schedules.simulator`). Layer 0: no torch."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
-from pipekernel.schedules.comm import RECVS, SENDS, CommPlan
+from pipekernel.schedules.comm import RECVS, SENDS
+from pipekernel.schedules.program import Program
 from pipekernel.schedules.sim_deadlock import _DeadlockReport
 from pipekernel.schedules.sim_base import (WORLD_COLLECTIVES, _END, _kind, PAIRED, _Progress,
                                            _Simulation, _Where, _World, role)
@@ -20,11 +21,11 @@ _RUN, _SEND, _RECV, _TICK, _SLOW = "run", "send", "recv", "tick", "slow"
 
 
 class _Rendezvous(_DeadlockReport, _Simulation):
-    """Each stage runs its CommPlan; sends rendezvous, a rank's lane completes in order."""
+    """Each stage runs its Program; sends rendezvous, a rank's lane completes in order."""
 
     #: another posting policy to prove instead of the programs' own plans (simulate's
-    #: ``posting=``), called like :func:`~pipekernel.schedules.comm.plan_communication`
-    posting: Callable[..., CommPlan] | None = None
+    #: ``posting=``), called like :func:`~pipekernel.schedules.program.plan_communication`
+    posting: Callable[..., Program] | None = None
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -35,7 +36,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     def _setup(self) -> None:
         n_stages = self.S
-        self.plans: list[CommPlan] = []
+        self.plans: list[Program] = []
         # stage -> stream index -> [(lane, the group's ops on that lane)]
         self.groups: list[list[tuple[_Unit, ...]]] = []  # stage -> index -> units posted
         self.op_at: list[dict[int, _Op]] = []
@@ -69,11 +70,11 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self.send_host = [[self._send_host_cost(s, i) for _, i in st.stream]
                           if self.host_costs else None for s, st in enumerate(self.stages)]
 
-    def _plan(self, stage: int) -> CommPlan:
+    def _plan(self, stage: int) -> Program:
         """The stage's plan: its program's own (what the runtime runs), or the ``posting``
         policy's for the program's steps."""
         if self.posting is None:
-            return self.programs[stage].plan
+            return self.programs[stage]
         extra = {"skips": self.skips} if self.skips else {}
         return self.posting(self.steps[stage], stage=stage, num_stages=self.S, chunks=self.C,
                             placement=self.placement, trains=self.trains, **extra)
@@ -109,7 +110,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                     f"{recv.where()}: nothing is ever sent to it (stage {recv.peer} posts only "
                     f"{len(out)} send(s) to stage {recv.rank})")
 
-    def _place_posts(self, stage: int, plan: CommPlan
+    def _place_posts(self, stage: int, plan: Program
                      ) -> tuple[dict[int, list[_Op]], dict[int, _Op]]:
         """Turn ``plan.posts`` (stream indices) into ops by stream index, checking the plan
         itself."""
@@ -161,7 +162,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         stream = self.stages[stage].stream
         n = len(stream)
         ins = stream[at][1] if isinstance(at, int) and 0 <= at < n else at
-        problem = ("is not a stream index (CommPlan.posts holds the indices of the "
+        problem = ("is not a stream index (Program.posts holds the indices of the "
                    "instructions posted)" if not isinstance(at, int)
                    else "is not a point-to-point instruction to another stage"
                    if at not in is_remote else "is posted twice" if at in op_at

@@ -17,8 +17,8 @@ function (:func:`~pipekernel.schedules.program.lower`) — and proves that a sch
 Communication semantics, ``"rendezvous"`` (the only one: the strictest any transport has,
 NCCL with one communicator per lane, and gloo for large messages — the contract in
 :mod:`pipekernel.comm.transport`). Each stage runs its program's
-:class:`~pipekernel.schedules.comm.CommPlan`, the one its runtime posts (or the plan of the
-``posting=`` hook, to check another policy):
+:class:`~pipekernel.schedules.program.Program`'s posting plan, the one its runtime posts (or
+the program the ``posting=`` hook makes, to check another policy):
 
 * before ``stream[i]`` runs, the group ``posts[i]`` is posted (non-blocking); a
   receive instruction waits for its own transfer to complete; a send never
@@ -79,9 +79,8 @@ from contextlib import contextmanager
 
 from pipekernel.errors import ConfigError, ScheduleError
 from pipekernel.schedules.instructions import ForwardBackward, Instruction
-from pipekernel.schedules.comm import CommPlan
 from pipekernel.schedules.placement import check_placement
-from pipekernel.schedules.program import lower
+from pipekernel.schedules.program import Program, lower
 from pipekernel.schedules.sim_base import (COMPUTE, DEFAULT_COSTS, SEMANTICS, WORLD_COLLECTIVES,
                                            SimulationResult, format_grid)
 from pipekernel.schedules.sim_fast import _Fast
@@ -95,11 +94,11 @@ __all__ = ["simulate", "SimulationResult", "format_grid", "COMPUTE", "DEFAULT_CO
 def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: int,
              chunks: int = 1, costs: Mapping[type, float] | None = None,
              semantics: str = "rendezvous",
-             posting: Callable[..., CommPlan] | None = None,
+             posting: Callable[..., Program] | None = None,
              stage_costs: Mapping[tuple[int, ...], Mapping[type, float]] | None = None,
              skips: Sequence[Sequence[int]] = (),
              host_costs: Mapping[type, float] | None = None,
-             paired: bool | None = None) -> SimulationResult:
+             paired: bool | None = None, sharded: bool = False) -> SimulationResult:
     """Simulate ``schedule`` on every stage of a pipeline and check it.
 
     :param schedule: a :class:`~pipekernel.schedules.base.Schedule` subclass, or
@@ -118,10 +117,10 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         that stage's pairs of those chunks, ahead of ``costs``.
     :param semantics: ``"rendezvous"``, the only one (see the module docstring; the
         lenient ``"buffered"`` model, which passed plans that hang on NCCL, is gone).
-    :param posting: a function that computes each stage's
-        :class:`~pipekernel.schedules.comm.CommPlan` for its program's steps, called like
-        :func:`~pipekernel.schedules.comm.plan_communication` — to check another posting
-        policy. Default: each program's own plan, the one the runtime posts.
+    :param posting: a function that makes each stage's
+        :class:`~pipekernel.schedules.program.Program` from its program's steps, called like
+        :func:`~pipekernel.schedules.program.plan_communication` — to check another posting
+        policy. Default: each program as compiled, the one the runtime posts.
     :param skips: skip edges ``(producer position, consumer position)``
         (:mod:`pipekernel.schedules.skips`): each stage's steps get the skip
         transfers the engine inserts, and the plan their lanes, before simulating.
@@ -136,6 +135,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         default; for ``zbv``, its plan without pairs). ``None`` (default): paired exactly
         when ``costs`` or ``stage_costs`` price ``ForwardBackward`` (the overlap you
         model), so the default answer is the engine's default program.
+    :param sharded: the programs of FSDP2-sharded stages (``data_parallel_shard``), with
+        their ``Unshard``/``ReduceShardedGrads``/``Reshard`` instructions
+        (:mod:`pipekernel.schedules.sharded`; priced by ``costs`` like any other class).
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
         producer (or outside the pipeline); then listing every problem found
@@ -146,11 +148,11 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     _check_semantics(semantics)
     paired = _priced_pairs(costs, stage_costs) if paired is None else paired
     return _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
-                    stage_costs, skips, host_costs, paired)
+                    stage_costs, skips, host_costs, paired, sharded)
 
 
 def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
-             stage_costs, skips, host_costs, paired=False) -> SimulationResult:
+             stage_costs, skips, host_costs, paired=False, sharded=False) -> SimulationResult:
     """:func:`simulate` once its arguments are checked: the programs (:func:`_programs`),
     then the simulation, with the collector off throughout. The schedule objects are made and
     dropped inside it: what they cache (their built steps) is garbage once the programs are
@@ -158,12 +160,13 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
     is back on."""
     with _no_cyclic_gc():
         return _simulate(schedule,
-                         *_programs(schedule, num_stages, micro_batches, chunks, skips, paired),
+                         *_programs(schedule, num_stages, micro_batches, chunks, skips, paired,
+                                    sharded),
                          costs, posting, stage_costs, host_costs,
                          (num_stages, micro_batches, chunks))
 
 
-def _programs(schedule, num_stages, micro_batches, chunks, skips, paired) -> tuple:
+def _programs(schedule, num_stages, micro_batches, chunks, skips, paired, sharded) -> tuple:
     """``(programs, placement, edges)``: each stage's
     :class:`~pipekernel.schedules.program.Program`, lowered as the engine lowers it
     (:func:`~pipekernel.schedules.program.lower`, unpaired and with the skip transfers as
@@ -173,7 +176,8 @@ def _programs(schedule, num_stages, micro_batches, chunks, skips, paired) -> tup
     check_placement(placement, chunks)
     edges = check_skip_edges(skips, num_stages * chunks)
     programs = tuple(lower(obj, stage=s, num_stages=num_stages, micro_batches=micro_batches,
-                           chunks=chunks, placement=placement, skips=edges, paired=paired)
+                           chunks=chunks, placement=placement, skips=edges, paired=paired,
+                           sharded=sharded)
                      for s, obj in enumerate(objects))
     return programs, placement, edges
 

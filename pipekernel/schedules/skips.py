@@ -2,7 +2,7 @@
 
 A *skip edge* ``(producer, consumer)`` says that layers at pipeline position
 ``producer`` stash tensors that layers at the later position ``consumer`` pop
-(:mod:`pipekernel.stage.skips`). The tensors go straight from one to the other, not
+(:mod:`pipekernel.model.skips`). The tensors go straight from one to the other, not
 through the positions in between, and their gradients come straight back.
 
 Schedules know nothing of skips: once the layers are placed, the engine (and the
@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import (
     Backward, BackwardInput, Forward, ForwardBackward, Instruction, RecvSkip, RecvSkipGrad, SendSkip,
-    SendSkipGrad,
+    SendSkipGrad, SkipInstruction,
 )
 from pipekernel.schedules.placement import position
 
@@ -65,7 +65,7 @@ def check_skip_edges(edges: Iterable[Sequence[int]], num_positions: int) -> list
     return sorted(out)
 
 
-def skip_edge_of(instruction: Instruction, stage: int, num_stages: int,
+def skip_edge_of(instruction: SkipInstruction, stage: int, num_stages: int,
                  placement: str = "loop") -> tuple[int, int]:
     """``(producer, consumer)`` positions of a skip instruction of ``stage``."""
     own = position(stage, instruction.chunk, num_stages, placement)
@@ -79,9 +79,9 @@ def add_skip_transfers(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
                        edges: Sequence[tuple[int, int]] = ()) -> list[list[Instruction]]:
     """``steps`` with the skip transfers of ``stage`` inserted (see the module docstring).
     Without edges, the steps come back as they are (as lists)."""
-    steps = [list(step) for step in steps]
+    listed = [list(step) for step in steps]
     if not edges:
-        return steps
+        return listed
     out_of: dict[int, list[int]] = {}  # producer position -> consumers
     into: dict[int, list[int]] = {}    # consumer position -> producers
     for producer, consumer in edges:
@@ -89,7 +89,7 @@ def add_skip_transfers(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
         into.setdefault(consumer, []).append(producer)
     mine = {c: position(stage, c, num_stages, placement) for c in range(chunks)}
     result = []
-    for step in steps:
+    for step in listed:
         new: list[Instruction] = []
         for ins in step:
             if isinstance(ins, ForwardBackward):  # the halves' transfers around the pair

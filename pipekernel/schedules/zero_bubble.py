@@ -113,7 +113,8 @@ class _ListScheduler:
         self.last = S * C - 1
         pos = self.pos = [[position(s, c, S, placement) for c in range(C)] for s in range(S)]
         if chunk_priority is None:
-            self.order = [sorted(range(C), key=lambda c, s=s: -pos[s][c]) for s in range(S)]
+            self.order = [sorted(range(C), key=pos[s].__getitem__, reverse=True)
+                          for s in range(S)]
         else:
             self.order = [list(chunk_priority) for _ in range(S)]
         self.done: dict[tuple[str, int, int], int] = {}   # (kind, position, mb) -> end time
@@ -188,7 +189,7 @@ class _ListScheduler:
         if me == peer:
             return True
         queue = self.wire.get((peer, me))
-        return bool(queue) and queue[0] == (kind, p, mb)
+        return queue is not None and len(queue) > 0 and queue[0] == (kind, p, mb)
 
     def _take(self, s: int, kind: str, c: int, mb: int, t: int) -> None:
         p = self.pos[s][c]

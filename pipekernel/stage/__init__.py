@@ -1,1 +1,1 @@
-"""One stage's runtime: the layers it builds, the instruction handlers, split backward, skips, loss, device moves."""
+"""One stage's runtime: the instruction handlers, split backward, loss, device moves, memory accounting (the layers it builds: ``pipekernel.model``)."""

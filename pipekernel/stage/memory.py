@@ -8,8 +8,8 @@ first category that holds it, in this order:
 * ``optimizer``: every tensor in the optimizer's ``state``;
 * ``saved``: tensors autograd saved for a backward, from the moment it saves them (a
   ``saved_tensors_hooks`` pack) until autograd drops it (a ``weakref.finalize`` on the
-  detached alias the hook hands autograd); a checkpointed segment's input counts here too (it is what
-  the recompute keeps, see :func:`note_saved`);
+  detached alias the hook hands autograd); a checkpointed segment's input counts here too
+  (it is what the recompute keeps, :data:`pipekernel.model.recompute.KEPT_INPUT_OBSERVERS`);
 * ``buffers``: what the pipeline runtime itself holds (received activations and
   gradients, outputs held until sent, skip stashes, the weight-pass state's gradients,
   send buffers until their transfer completes, hand-offs within the stage).
@@ -26,22 +26,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-__all__ = ["CATEGORIES", "MemoryLedger", "note_saved", "tensors_in"]
+from pipekernel.model.recompute import KEPT_INPUT_OBSERVERS
+
+__all__ = ["CATEGORIES", "MemoryLedger", "tensors_in"]
 
 #: Category names in claiming order (a storage belongs to the first that holds it).
 CATEGORIES = ("params", "grads", "optimizer", "saved", "buffers")
-
-_ACTIVE: list["MemoryLedger"] = []  # ledgers recording saved tensors now (one per stage)
-
-
-def note_saved(obj: Any) -> None:
-    """Record the tensors of ``obj`` as saved for backward in every recording ledger
-    (for what autograd's pack hook cannot see: a checkpointed segment's input, kept by
-    the recompute's closure rather than saved by an op)."""
-    for ledger in _ACTIVE:
-        for tensor in tensors_in(obj):
-            ledger.pack(tensor)
-
 
 def tensors_in(obj: Any, _depth: int = 0) -> Iterable[torch.Tensor]:
     """Every tensor reachable in ``obj`` through tuples, lists, dicts, sets and objects
@@ -98,15 +88,21 @@ class MemoryLedger:
         if saved and self._hooks is None:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
             self._hooks.__enter__()
-            _ACTIVE.append(self)
+            KEPT_INPUT_OBSERVERS.append(self.note_saved)
 
     def stop(self) -> None:
         """Stop recording new saved tensors (those recorded stay counted until freed)."""
         if self._hooks is not None:
             hooks, self._hooks = self._hooks, None
             hooks.__exit__(None, None, None)
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+            if self.note_saved in KEPT_INPUT_OBSERVERS:
+                KEPT_INPUT_OBSERVERS.remove(self.note_saved)
+
+    def note_saved(self, obj: Any) -> None:
+        """Count the tensors of ``obj`` as saved for backward (what autograd's pack hook
+        cannot see: a checkpointed segment's input, kept by the recompute's closure)."""
+        for tensor in tensors_in(obj):
+            self.pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         # A detached alias (same storage and version counter, no grad_fn): a pack hook

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from pipekernel.errors import ConfigError, PipelineError
-from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.model.aux_loss import collecting as collect_aux
 
 __all__ = ["PairedExecutor", "sequential", "overlap_all_to_all", "run_backward"]
 
@@ -118,7 +118,8 @@ class _Half:
 
     def __init__(self, runtime: Any, chunk: int) -> None:
         self._runtime, self.chunk = runtime, chunk
-        self.calls, self.aux, self.outputs = 0, [], None
+        self.calls, self.outputs = 0, None
+        self.aux: list[Any] = []
 
     def __call__(self, inputs: Any) -> Any:
         with collect_aux() as aux:

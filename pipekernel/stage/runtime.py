@@ -2,34 +2,32 @@
 
 Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`; knows
 nothing of schedules — it executes whatever instructions the kernel hands it,
-and posts communication by the :class:`~pipekernel.kernel.program.LoadedProgram` the
-engine gives it (read, never changed or cached here; :meth:`StageRuntime.bind` makes
-the runtime's part of it): each posting point's sends and receives go out as one group
+and posts communication by the :class:`~pipekernel.schedules.program.Program` the engine
+gives it (read, never changed or cached here; :meth:`StageRuntime.bind` makes the runtime's
+binding of it once): each posting point's sends and receives go out as one group
 (``batch_isend_irecv``), receives ahead of the compute that needs them, and a
 receive is waited on only at its own instruction. Sends never block compute:
 their handles are kept until the batch ends. Skip connections between parts are
 transfers like the others; what they carry and where it goes is
-:mod:`pipekernel.stage.skip_routing`'s business.
+:mod:`pipekernel.model.skip_routing`'s business.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from pipekernel.schedules import instructions as isa
 from pipekernel.stage.device import to_device
 from pipekernel.errors import ConfigError, DataError, PipelineError
-from pipekernel.stage.aux_loss import attach as attach_aux
-from pipekernel.stage.aux_loss import collecting as collect_aux
+from pipekernel.model.aux_loss import attach as attach_aux
+from pipekernel.model.aux_loss import collecting as collect_aux
 from pipekernel.stage.loss import TokenLoss
 from pipekernel.stage.fingerprint import fingerprint
-from pipekernel.kernel.program import LoadedProgram
-from pipekernel.schedules.comm import SENDS
 from pipekernel.schedules.program import Program
 from pipekernel.schedules.placement import position
-from pipekernel.stage.skip_routing import SkipRouter, SkipState
+from pipekernel.model.skip_routing import SkipRouter, SkipState
 from pipekernel.grid.topology import Topology
 from pipekernel.step.optimizer_step import BatchLosses
 from pipekernel.comm.wire import Channel, flatten
@@ -65,31 +63,17 @@ def _to(obj: Any, device: torch.device) -> Any:
 #: How a send names what it carries in errors (the kernel adds stage and micro-batch).
 _WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
          isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
-#: The receive a local hand-off of each send fills.
-_RECV_OF = {isa.SendActivation: isa.RecvActivation, isa.SendGrad: isa.RecvGrad,
-            isa.SendSkip: isa.RecvSkip, isa.SendSkipGrad: isa.RecvSkipGrad}
 
 
-#: the compute instructions after which the runtime prefetches (``prefetch=``)
-_PREFETCHED = (isa.Forward, isa.Backward, isa.BackwardInput, isa.BackwardWeight,
-               isa.ForwardBackward)
+class Bound(NamedTuple):
+    """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
+    channel of a remote transfer (``channels``) and the group posted there (``groups``, as
+    ``(index, is_send, channel, what)``); the parameters whose gradients are final before
+    the program's last weight-gradient instruction (``settled``)."""
 
-
-def _next_computes(stream: Sequence[Any], first_chunk: int | None) -> list[Any]:
-    """For each index of ``stream``, the first compute instruction after it that gathers
-    parameters, else ``None``: a forward, backward, input pass or pair; a weight pass
-    only at the first position (``first_chunk``), whose input pass has no inputs to
-    differentiate, so that its weight pass runs the whole backward (elsewhere it reuses
-    what the input pass gathered)."""
-    out: list[Any] = [None] * len(stream)
-    upcoming = None
-    for index in range(len(stream) - 1, -1, -1):
-        out[index] = upcoming
-        step = stream[index]
-        if isinstance(step, _PREFETCHED) and (not isinstance(step, isa.BackwardWeight)
-                                              or step.chunk == first_chunk):
-            upcoming = step
-    return out
+    channels: tuple[Channel | None, ...]
+    groups: tuple[tuple[tuple, ...], ...]
+    settled: tuple = ()
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -101,7 +85,7 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
 class StageRuntime:
     """Executes the core instructions for one stage of one pipeline.
 
-    :param module: the stage's layers (a :class:`~pipekernel.stage.module.StageModule`,
+    :param module: the stage's layers (a :class:`~pipekernel.model.module.StageModule`,
         one part per chunk).
     :param topology: this rank's place in the grid.
     :param transport: the communication backend.
@@ -119,15 +103,11 @@ class StageRuntime:
         ``join(obj)`` (what a received object stands for), e.g. the partitioned
         activations of :mod:`pipekernel.grid.partitioned`; ``None``: objects travel as they are.
         Skip connections travel as they are.
-    :param skips: the :class:`~pipekernel.stage.skip_routing.SkipRouter` of a model with skip
+    :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
-    :param prefetch: ``prefetch(chunk, forward)`` is called after each compute
-        instruction for the program's next one on this stage that gathers parameters, if
-        any (both halves of a pair) (FSDP2's all-gathers issued ahead:
-        :meth:`pipekernel.grid.stage_parallel.StageParallel.prefetch`).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -137,8 +117,7 @@ class StageRuntime:
                  after_last_backward: Callable[[], None] | None = None,
                  wire: Any = None, skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
-                 losses: BatchLosses | None = None, tokens: bool = False,
-                 prefetch: Callable[[Any], None] | None = None) -> None:
+                 losses: BatchLosses | None = None, tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.tokens = tokens and loss_fn is not None
         self.loss_fn = TokenLoss(loss_fn) if self.tokens else loss_fn  # type: ignore[arg-type]
@@ -154,10 +133,6 @@ class StageRuntime:
                       for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
-        self._prefetch = prefetch
-        # (program, per index its next compute): the program being run, worked out when
-        # it changes (a micro-batch count change), nothing kept per program object
-        self._next_compute: tuple[Any, list] | None = None
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._split = wire.split if wire is not None else _same
@@ -176,7 +151,8 @@ class StageRuntime:
         self.outputs: list[Any] = []
         self.check_data = False
         self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
-        self._program: LoadedProgram | None = None  # the batch's (the engine's, read only)
+        self._program: Program | None = None  # the batch's (the engine's, read only)
+        self._bound: Bound | None = None  # its binding here (bind())
         self._at = -1             # stream index of the instruction running now (enter())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         self._sends: list[tuple] = []      # (handle, tensor, what) of sends in flight
@@ -184,11 +160,11 @@ class StageRuntime:
         self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
 
     # -- batch lifecycle ---------------------------------------------------
-    def begin(self, data_iter: Iterator | None, micro_batches: int, num_buffers: int,
-              program: LoadedProgram | None = None, *, compute_loss: bool = True,
-              keep_outputs: bool = False, check_data: bool = False) -> None:
-        """Start a batch that runs ``program.stream`` (loaded by the engine once per schedule
-        and count, with :meth:`bind`).
+    def begin(self, data_iter: Iterator | None, micro_batches: int, program: Program,
+              bound: Bound, *, compute_loss: bool = True, keep_outputs: bool = False,
+              check_data: bool = False) -> None:
+        """Start a batch that runs ``program.stream`` (compiled by the engine once per
+        schedule and count; ``bound``: its :meth:`bind` here, made as often).
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
@@ -201,30 +177,29 @@ class StageRuntime:
         self.check_data, self._fingerprints = check_data, {}
         self.data_iter, self.micro_batches = data_iter, micro_batches
         self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.buffers = [_EMPTY] * num_buffers  # _fill replaces an empty slot on first use
+        self.buffers = [_EMPTY] * program.num_buffers  # _fill replaces an empty slot on first use
         self.outputs, self.labels = [], {}
-        self._program, self._at, self._recvs, self._local = program, -1, {}, {}
+        self._program, self._bound, self._at, self._recvs, self._local = program, bound, -1, \
+            {}, {}
         self._counts = {}
 
-    def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
-        """The runtime's part of a :class:`~pipekernel.kernel.program.LoadedProgram` of
-        ``program``: ``(channels, groups)`` — per stream index, the channel of a remote
-        transfer (one per channel key, made on first use and shared by every program of
-        this stage) and the group posted there as ``(index, is_send, channel, what)``."""
-        channels: list[Channel | None] = [None] * len(program.stream)
-        for index, number in enumerate(program.channel_of):
-            if number is not None:
-                channels[index] = self._channel(program.channels[number])
-        groups = tuple(tuple((index, isinstance(program.stream[index], SENDS), channels[index],
-                              _WHAT.get(type(program.stream[index]), "value"))
+    def bind(self, program: Program, settled: tuple = ()) -> Bound:
+        """``program`` bound to this runtime (:class:`Bound`): its channels (one per channel
+        key, made on first use and shared by every program of this stage) by stream index,
+        and its groups with them."""
+        mine = [self._channel(spec) for spec in program.channels]
+        channels = tuple(None if number is None else mine[number]
+                         for number in program.channel_of)
+        groups = tuple(tuple((index, program.channels[program.channel_of[index]].send,
+                              channels[index], _WHAT.get(type(program.stream[index]), "value"))
                              for index in group) for group in program.posts)
-        return tuple(channels), groups
+        return Bound(channels, groups, settled)
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
         (The kernel calls it before each instruction, whoever handles it.)"""
         self._at = index
-        group = self._program.groups[index]
+        group = self._bound.groups[index]
         if group:
             self._post_group(group)
 
@@ -304,34 +279,7 @@ class StageRuntime:
             isa.RecvSkip: self.recv_skip, isa.SendSkipGrad: self.send_skip,
             isa.RecvSkipGrad: self.recv_skip, isa.ForwardBackward: self.forward_backward,
         }
-        if self._prefetch is not None:
-            for kind in _PREFETCHED:
-                table[kind] = self._then_prefetch(table[kind])
         return table
-
-    def _then_prefetch(self, handler: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        def run(instruction: Any) -> Any:
-            result = handler(instruction)
-            self.prefetch_next()
-            return result
-        return run
-
-    def prefetch_next(self) -> None:
-        """Hand the program's next compute instruction after the current one (if any) to
-        the ``prefetch`` callback."""
-        program = self._program
-        if self._prefetch is None or program is None or self._at < 0:
-            return
-        entry = self._next_compute
-        if entry is None or entry[0] is not program:
-            entry = self._next_compute = (program,
-                                          _next_computes(program.stream, self.first_chunk))
-        upcoming = entry[1][self._at]
-        halves = (upcoming.forward, upcoming.backward) \
-            if isinstance(upcoming, isa.ForwardBackward) else (upcoming,)
-        for half in halves:
-            if half is not None:
-                self._prefetch(half.chunk, isinstance(half, isa.Forward))
 
     @property
     def pairs(self) -> bool:
@@ -426,30 +374,24 @@ class StageRuntime:
 
     def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
         index = self._at
-        if self._program.program.local[index]:
-            key = (type(instruction), instruction.chunk, instruction.micro_batch,
-                   getattr(instruction, "peer", None))
-            if key not in self._local:
+        if self._program.local[index]:
+            if index not in self._local:
                 raise PipelineError(f"{instruction} on stage {self.stage} comes before the "
                                     "matching send on this stage",
                                     hint="check the schedule with pipekernel.schedules.simulate")
-            return self._local.pop(key)
+            return self._local.pop(index)
         pending = self._recvs.pop(index)
-        obj = self._join(self._program.channels[index].finish(pending))
+        obj = self._join(self._bound.channels[index].finish(pending))
         if self.check_data and isinstance(instruction, isa.RecvActivation):
             obj, self._fingerprints[instruction.micro_batch] = obj
         return obj
 
     def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
-        index = self._at
-        program = self._program.program
-        if program.local[index]:
-            peer_chunk = program.peers[index][1]
-            # a skip hand-off is found by the position it comes from
-            source = self.positions[instruction.chunk] \
-                if isinstance(instruction, isa.SkipInstruction) else None
-            self._local[(_RECV_OF[type(instruction)], peer_chunk, instruction.micro_batch,
-                         source)] = _detach_like(obj)
+        program = self._program
+        if program.local[self._at]:
+            fills = program.handoffs[self._at]  # the receive it fills
+            if fills is not None:
+                self._local[fills] = _detach_like(obj)
 
     # -- handlers ----------------------------------------------------------
     def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
@@ -531,7 +473,7 @@ class StageRuntime:
 
     def _keep_aux(self, buffer: Buffer, aux: list[torch.Tensor],
                   instruction: isa.Forward, last: bool) -> None:
-        """The aux losses a chunk's forward added (:mod:`pipekernel.stage.aux_loss`):
+        """The aux losses a chunk's forward added (:mod:`pipekernel.model.aux_loss`):
         reported with the batch's losses, and their gradient made part of this stage's
         backward — added to the loss on the chunk computing it, else attached to the
         chunk's output. Nothing of it travels to another stage."""
@@ -624,7 +566,7 @@ class StageRuntime:
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
         if self._before_last_backward is not None and self._at == self._program.last_weight:
-            self._before_last_backward(self._program.settled)
+            self._before_last_backward(self._bound.settled)
 
     def _after_weights(self, instruction: isa.Instruction) -> None:
         if self._after_last_backward is not None and self._at == self._program.last_weight:
@@ -741,7 +683,7 @@ class StageRuntime:
 
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
-        the gradients of what an earlier part sent (:mod:`pipekernel.stage.skip_routing`)."""
+        the gradients of what an earlier part sent (:mod:`pipekernel.model.skip_routing`)."""
         state = self._slot(instruction).skips
         self._send(instruction, self._skips.payload(instruction, state))
         self._skips.sent(instruction, state, torch.is_grad_enabled())

@@ -95,7 +95,7 @@ from pipekernel.errors import PipelineError
 try:  # the engine entry point torch.autograd.backward itself calls
     from torch.autograd.graph import _engine_run_backward
 except ImportError:  # pragma: no cover - other torch versions
-    _engine_run_backward = None
+    _engine_run_backward = None  # type: ignore[assignment]  # the fallback at its use
 
 __all__ = ["WeightGradState", "backward_input", "backward_weight"]
 
@@ -539,7 +539,7 @@ class _DirectSplits:
         for slot, g in zip(s.slots, s.grads):
             args[slot] = g
         s.grads = []
-        outs = s.node(*args)
+        outs = s.node(*args)  # type: ignore[operator]  # autograd nodes are callable (not in torch's stub)
         del args
         for i, child, slot in s.wedges:
             if outs[i] is not None:

@@ -241,11 +241,13 @@ class GradReducer:
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = [m.grad for m in bucket.masters]
-        missing = [k for k, g in enumerate(grads) if g is None]
+        held = [m.grad for m in bucket.masters]
+        missing = [k for k, g in enumerate(held) if g is None]
+        # none is None unless missing, and then the missing ones are filled just below
+        grads: list[torch.Tensor] = held  # type: ignore[assignment]
         if missing:  # zeros in the same layout, so every replica reduces the same buffer
             zero = bucket.data.new_zeros(())
-            grads = [zero.expand(n) if g is None else g for g, n in zip(grads, bucket.sizes)]
+            grads = [zero.expand(n) if g is None else g for g, n in zip(held, bucket.sizes)]
         torch.cat([g.reshape(-1) for g in grads], out=bucket.data)
         bucket.flags.fill_(1)
         for k in missing:  # fills: indexing with a host list would copy it to the device
@@ -258,13 +260,15 @@ class GradReducer:
         if self.scale is not None:
             bucket.data.mul_(self.scale)
         if not bucket.missing:
-            torch._foreach_copy_([m.grad for m in bucket.masters], bucket.views)
+            # no gradient missing here: every master has one (_launch checked)
+            torch._foreach_copy_([m.grad for m in bucket.masters], bucket.views)  # type: ignore[misc]
             return
         present = bucket.flags.tolist()  # a device sync, only where this replica lacked grads
         missing = set(bucket.missing)
-        dst, src = [], []
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for k, m in enumerate(bucket.masters):
-            if k not in missing:
+            if k not in missing and m.grad is not None:  # not missing: it has a gradient
                 dst.append(m.grad)
                 src.append(bucket.views[k])
             elif present[k] > 0:  # another replica had one: take the reduced gradient

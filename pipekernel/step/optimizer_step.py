@@ -34,7 +34,7 @@ class BatchLosses:
     tensors, detached) and ``micro_batches`` (which micro-batch each is), the token count
     of each under ``loss_reduction="tokens"`` (``tokens``, 0-dim float64), and the same
     for the auxiliary losses its chunks added (``aux_values``, ``aux_micro_batches``; one
-    sum per chunk forward, any stage: :mod:`pipekernel.stage.aux_loss`). The stage
+    sum per chunk forward, any stage: :mod:`pipekernel.model.aux_loss`). The stage
     runtime appends; :class:`BatchStep` reads (empty on stages that compute no loss)."""
 
     __slots__ = ("values", "micro_batches", "tokens", "aux_values", "aux_micro_batches")
@@ -73,7 +73,7 @@ class BatchLosses:
 class BatchStep:
     """Reductions, the optimizer step and the batch loss of one stage of one replica.
 
-    :param module: the stage's :class:`~pipekernel.stage.module.StageModule` (its
+    :param module: the stage's :class:`~pipekernel.model.module.StageModule` (its
         ``tied_modules`` and parameters).
     :param precision: the precision policy (unscaling, master copies, the step).
     :param optimizer: the optimizer over the precision's parameters (``None``: no training).
@@ -273,6 +273,8 @@ class BatchStep:
         return self.micro_batches * self._loss_copies() / total_tokens
 
     def _clip_coef(self, norm: float) -> float:
+        if self.max_grad_norm is None:  # no clipping
+            return 1.0
         return min(self.max_grad_norm / (norm + 1e-6), 1.0)  # as clip_grad_norm_
 
     @staticmethod
@@ -300,7 +302,7 @@ class BatchStep:
             self._raise_nonfinite(stats.bad_micro_batches(values), stats.bad_ranks(values))
         copies = self.micro_batches * self._loss_copies()
         #: The batch's auxiliary loss (part of the returned loss), or ``None`` when no
-        #: stage added one (:mod:`pipekernel.stage.aux_loss`).
+        #: stage added one (:mod:`pipekernel.model.aux_loss`).
         self.last_aux_loss = aux_sum / copies if values[stats.AUX_COUNT] > 0 else None
         if not self.tokens:
             # float32 as the losses (the reference's division)

@@ -3,7 +3,7 @@
 A step needs, from every rank: whether fp16 unscaling overflowed, the squared gradient
 norm (clipping), whether a loss was NaN/inf (``nonfinite="skip"``), the token count
 (``loss_reduction="tokens"``), and, for the batch's loss, the loss sum, the sum and
-count of the auxiliary losses (:mod:`pipekernel.stage.aux_loss`, any stage) and which
+count of the auxiliary losses (:mod:`pipekernel.model.aux_loss`, any stage) and which
 micro-batches and ranks had a non-finite loss or aux loss (``nonfinite="error"``). Each is a 0-dim
 tensor on the device. :class:`StepStats` writes them into one float64 vector **on the
 device** (copies between device tensors: no host synchronisation), the caller
@@ -33,7 +33,7 @@ def nonfinite_flag(losses: Sequence[torch.Tensor]) -> torch.Tensor | None:
     when there are none). No host synchronisation."""
     if not losses:
         return None
-    return (~torch.isfinite(torch.stack(losses).float())).any()
+    return (~torch.isfinite(torch.stack(list(losses)).float())).any()
 
 
 class StepStats:
@@ -68,7 +68,7 @@ class StepStats:
         for ``micro_batches``) and which rank (``rank``) had a NaN/inf loss."""
         if not losses:
             return
-        stacked = torch.stack(losses).detach()
+        stacked = torch.stack(list(losses)).detach()
         # the float32 sum is kept as the reference computes it; float64 on the wire
         self.vec[self.LOSS].copy_(stacked.sum())
         self._flag(stacked, micro_batches, rank)
@@ -78,7 +78,7 @@ class StepStats:
         """The auxiliary losses' sum and count, flagged like :meth:`put_losses`."""
         if not values:
             return
-        stacked = torch.stack(values).detach()
+        stacked = torch.stack(list(values)).detach()
         self.vec[self.AUX].copy_(stacked.sum())
         self.vec[self.AUX_COUNT].fill_(len(values))
         self._flag(stacked, micro_batches, rank)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from pipekernel.nested import map_tensors
-from pipekernel.stage import recompute, skips
+from pipekernel.model import skips
+from pipekernel.model import recompute
 from pipekernel.errors import ConfigError, did_you_mean
 
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "StageModule"]
@@ -91,6 +93,9 @@ class StageModule(nn.Module):
     ``forward`` runs the only part of a one-chunk stage.
     """
 
+    #: how a ``ForwardBackward`` runs (set from the PipelineModule's, see there)
+    overlapped_forward_backward: Callable[..., Any] | None
+
     def __init__(self, layers: Sequence[tuple[int, Any, Callable | None]],
                  tied: dict[str, nn.Module], stage: int = 0,
                  activation_checkpoint_interval: int = 0,
@@ -151,8 +156,7 @@ class StageModule(nn.Module):
             if watch is None:
                 watch = self._watches[segment[0][0]] = recompute.SegmentWatch(
                     [(index, layer) for index, layer, _ in segment], self.stage)
-            x = recompute.checkpoint(lambda v, segment=segment: _run_segment(segment, v),
-                                     x, watch)
+            x = recompute.checkpoint(functools.partial(_run_segment, segment), x, watch)
         return x
 
 
@@ -173,7 +177,8 @@ class _Part:
         return list(self._layers)
 
     def parameters(self) -> list[torch.Tensor]:
-        seen, out = set(), []
+        seen: set[int] = set()
+        out: list[torch.Tensor] = []
         for layer in self._layers:
             if isinstance(layer, nn.Module):
                 for p in layer.parameters():
@@ -212,7 +217,7 @@ def _name_layer(err: Exception, index: int, layer: Any) -> Exception:
     ``InstructionError``; the innermost tag wins (a nested pipeline names its own layer)."""
     if getattr(err, "pipekernel_where", None) is None:
         try:
-            err.pipekernel_where = f"layer {index} ({type(layer).__name__})"
+            setattr(err, "pipekernel_where", f"layer {index} ({type(layer).__name__})")
         except AttributeError:  # an exception type with __slots__: keep it untagged
             pass
     return err
@@ -223,7 +228,7 @@ def _run_scoped(calls: Sequence[tuple[int, Any, Callable | None]], x: Any,
     for index, layer, forward_fn in calls:
         try:
             x = scope.run(index, layer if forward_fn is None else
-                          (lambda v, layer=layer, fn=forward_fn: fn(layer, v)), x)
+                          functools.partial(forward_fn, layer), x)
         except Exception as err:
             raise _name_layer(err, index, layer)
     return x
@@ -242,9 +247,9 @@ class PipelineModule:
     :param seed: if set, layer ``i`` is built right after ``torch.manual_seed(seed + i)``
         (a tied layer with the seed of its first occurrence), so weights do not
         depend on the partitioning.
-    Layers may be wrapped in :class:`~pipekernel.stage.skips.Skip` (or have a class decorated
-    with :func:`~pipekernel.stage.skips.skippable`) to pass tensors to a later layer by name
-    (skip connections, :mod:`pipekernel.stage.skips`); the wrapper is removed from ``layers``
+    Layers may be wrapped in :class:`~pipekernel.model.skips.Skip` (or have a class decorated
+    with :func:`~pipekernel.model.skips.skippable`) to pass tensors to a later layer by name
+    (skip connections, :mod:`pipekernel.model.skips`); the wrapper is removed from ``layers``
     and its names kept in ``skip_declarations``.
 
     :param batch_fn: ``batch_fn(item) -> (inputs, labels)``, applied to every item the
@@ -256,7 +261,7 @@ class PipelineModule:
         enabled and recomputes the run in backward (non-reentrant
         ``torch.utils.checkpoint``, RNG state preserved so dropout matches; the
         recompute leaves every buffer as the forward left it, and a Python attribute it
-        changes is a ``ConfigError``: :mod:`pipekernel.stage.recompute`);
+        changes is a ``ConfigError``: :mod:`pipekernel.model.recompute`);
         ``0`` (default) stores every activation.
     :param overlapped_forward_backward: how a stage runs a ``ForwardBackward`` (the pairs
         of ``dualpipev`` and ``zbv``): DualPipe's contract, see :mod:`pipekernel.stage.paired` (e.g.
@@ -307,7 +312,7 @@ class PipelineModule:
                               hint="pass a function item -> (inputs, labels), or None")
         self.batch_fn = batch_fn
         self.partition_method, self.seed = partition, seed
-        self._first_tied = {}
+        self._first_tied: dict[str, int] = {}
         for i, layer in enumerate(self.layers):
             if isinstance(layer, TiedLayerSpec):
                 self._first_tied.setdefault(layer.key, i)
@@ -340,7 +345,7 @@ class PipelineModule:
         """Layer ``index`` built on ``device`` for measuring it (a user's own module is
         copied: the model itself is never moved or stepped) and the call running it on
         an input, its ``forward_fn`` for a tied layer, inside the skip ``scope``
-        (a :class:`~pipekernel.stage.skips.SkipScope`) if any. What the partitioner and the
+        (a :class:`~pipekernel.model.skips.SkipScope`) if any. What the partitioner and the
         planner's measurements run."""
         spec = self.layers[index]
         layer = self.build_layer(index)
@@ -374,7 +379,7 @@ class PipelineModule:
         """Stage boundaries ``[0, ..., len(layers)]`` for ``num_stages`` stages.
 
         :param pm: the plugin manager (default: a fresh one).
-        :param context: a :class:`~pipekernel.stage.partitioning.PartitionContext`
+        :param context: a :class:`~pipekernel.model.partitioning.PartitionContext`
             (default: one for a single CPU process); plugins leave their per-layer
             estimates on it for the partition report.
         """
@@ -383,7 +388,7 @@ class PipelineModule:
             from pipekernel.extend.manager import make_plugin_manager
             pm = make_plugin_manager()
         if context is None:
-            from pipekernel.stage.partitioning import PartitionContext
+            from pipekernel.model.partitioning import PartitionContext
             context = PartitionContext(module=self, num_stages=num_stages)
         bounds = pm.hook.pipekernel_partition(method=self.partition_method, layers=self.layers,
                                               num_stages=num_stages, context=context)

@@ -32,7 +32,7 @@ declaration: stashing or popping an undeclared name, or not stashing/popping a
 declared one, raises :class:`~pipekernel.errors.ConfigError` naming the layer, the
 stage and the micro-batch.
 
-Rules (checked when the :class:`~pipekernel.stage.module.PipelineModule` is built):
+Rules (checked when the :class:`~pipekernel.model.module.PipelineModule` is built):
 each name is stashed by exactly one layer and popped by exactly one later layer.
 What may be stashed: anything that can cross a stage boundary (a tensor, or
 tuples/lists/dicts of tensors; :mod:`pipekernel.comm.wire`). Gradients flow back for its
@@ -90,7 +90,7 @@ class Skip:
     """One entry of a layer list with its skip names: ``pk.Skip(layer, stash=[...],
     pop=[...])`` where ``layer`` is a ``LayerSpec``, a module or a callable. Overrides
     what the layer's class declares with :func:`skippable`; the
-    :class:`~pipekernel.stage.module.PipelineModule` keeps ``layer`` in its list."""
+    :class:`~pipekernel.model.module.PipelineModule` keeps ``layer`` in its list."""
 
     def __init__(self, layer: Any, stash: Iterable[str] | str = (),
                  pop: Iterable[str] | str = ()) -> None:
@@ -223,7 +223,8 @@ class SkipScope:
         return f"{layer}{' on ' + self.where if self.where else ''}"
 
     def _check(self, what: str, name: str) -> None:
-        stash_names, pop_names = self.declarations.get(self.layer, ((), ()))
+        stash_names, pop_names = ((), ()) if self.layer is None else \
+            self.declarations.get(self.layer, ((), ()))
         names = stash_names if what == "stash" else pop_names
         if name not in names:
             raise ConfigError(f"{self._where()} called pk.{what}({name!r}) but declares "

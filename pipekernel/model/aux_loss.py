@@ -123,7 +123,7 @@ def attach(outputs: Any, aux: torch.Tensor, seed: torch.Tensor) -> Any:
     """``outputs`` with ``aux`` attached to its first tensor that requires grad (whose
     backward the runtime always runs: the next stage sends a gradient for it, zeros if
     unused). ``None`` when no tensor of ``outputs`` requires grad."""
-    done = []
+    done: list[Any] = []
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if done or not t.requires_grad:

@@ -28,7 +28,7 @@ from torch import nn
 
 from pipekernel.errors import ConfigError
 from pipekernel.grid import expert_parallel
-from pipekernel.stage.aux_loss import add_aux_loss
+from pipekernel.model.aux_loss import add_aux_loss
 
 __all__ = ["MoE", "load_balancing_loss"]
 
@@ -54,6 +54,12 @@ class MoE(nn.Module):
         ``top_k`` not in ``1 .. num_experts``.
     """
 
+    # this rank's experts, stacked (registered in __init__)
+    w_in: nn.Parameter
+    b_in: nn.Parameter
+    w_out: nn.Parameter
+    b_out: nn.Parameter
+
     def __init__(self, dim: int, hidden: int, num_experts: int, top_k: int = 2,
                  aux_loss_coef: float = 0.01) -> None:
         super().__init__()
@@ -73,12 +79,12 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         # the whole stack is drawn (the single-process weights), then this rank's slice kept
         bound_in, bound_out = 1 / math.sqrt(dim), 1 / math.sqrt(hidden)
-        stacks = {"w_in": (num_experts, dim, hidden, bound_in),
-                  "b_in": (num_experts, hidden, bound_in),
-                  "w_out": (num_experts, hidden, dim, bound_out),
-                  "b_out": (num_experts, dim, bound_out)}
+        stacks = {"w_in": ((num_experts, dim, hidden), bound_in),
+                  "b_in": ((num_experts, hidden), bound_in),
+                  "w_out": ((num_experts, hidden, dim), bound_out),
+                  "b_out": ((num_experts, dim), bound_out)}
         mine = slice(self.ep.rank * self.local_experts, (self.ep.rank + 1) * self.local_experts)
-        for name, (*shape, bound) in stacks.items():
+        for name, (shape, bound) in stacks.items():
             full = torch.empty(shape).uniform_(-bound, bound)
             self.register_parameter(name, nn.Parameter(full[mine].clone()))
             expert_parallel.mark(getattr(self, name), 0)
@@ -122,7 +128,8 @@ class MoE(nn.Module):
         recv = [sum(row) for row in matrix]
         arrived = ep.all_to_all(routed, recv, send)  # grouped by (member, local expert)
         # regroup by local expert: rows of member r for expert e start at starts[r][e]
-        starts, at = [], 0
+        starts: list[list[int]] = []
+        at = 0
         for row in matrix:
             starts.append([])
             for n in row:

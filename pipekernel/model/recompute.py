@@ -47,12 +47,17 @@ from torch import nn
 
 from pipekernel.errors import ConfigError
 from pipekernel.nested import map_tensors
-from pipekernel.stage.memory import note_saved
 
 __all__ = ["checkpoint", "SegmentWatch"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 Slot = tuple[nn.Module, str]
+
+
+#: Told of each checkpointed segment's input, which the recompute's closure keeps alive
+#: where autograd's pack hooks cannot see it: the stage's recording memory ledgers
+#: (``pipekernel.stage.memory``) add themselves while they record.
+KEPT_INPUT_OBSERVERS: list[Callable[[Any], None]] = []
 
 
 class SegmentWatch:
@@ -92,7 +97,7 @@ class _Run:
     def __call__(self, x: Any) -> Any:
         if self.saved is None:
             return self._forward(x)
-        return self._recompute(x)
+        return self._recompute(x, self.saved)
 
     def _forward(self, x: Any) -> Any:
         watch = self.watch
@@ -100,7 +105,8 @@ class _Run:
         keep = before if watch.written is None else \
             {key: before[key] for key in watch.written if key in before}
         copies: dict[int, torch.Tensor] = {}  # one copy per tensor (shared buffers)
-        note_saved(x)  # the recompute keeps the segment's input: count it as saved
+        for observe in KEPT_INPUT_OBSERVERS:  # the recompute keeps the input: it is saved
+            observe(x)
         with torch.no_grad():
             for _, tensor, _ in keep.values():
                 if id(tensor) not in copies:
@@ -119,12 +125,15 @@ class _Run:
                       for key in written if key in before and id(before[key][1]) in copies}
         return out
 
-    def _recompute(self, x: Any) -> Any:
-        live = {slot: slot[0]._buffers[slot[1]] for slot in self.saved}
+    def _recompute(self, x: Any, saved: dict[Slot, torch.Tensor]) -> Any:
+        # a saved slot is a buffer the forward wrote: a tensor (nn.Module's _buffers also
+        # holds None for a registered-but-unset buffer, never one a forward wrote)
+        live: dict[Slot, torch.Tensor] = {
+            slot: slot[0]._buffers[slot[1]] for slot in saved}  # type: ignore[misc]
         versions = [(slot, t, t._version) for slot, t in live.items()]
         fresh: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for (module, name), copy in self.saved.items():
+            for (module, name), copy in saved.items():
                 module._buffers[name] = fresh.setdefault(id(copy), copy.clone())
         attributes = None if self.watch.attributes_checked else _attributes(self.watch)
         try:
@@ -140,7 +149,7 @@ class _Run:
 
 def _attributes(watch: SegmentWatch) -> dict[tuple[int, str], tuple[Any, int | None]]:
     """The plain values of the segment's modules' ``__dict__``: ``(value, version)``."""
-    out = {}
+    out: dict[tuple[int, str], tuple[Any, int | None]] = {}
     for module in watch.modules:
         for key, value in vars(module).items():
             if isinstance(value, torch.Tensor):

@@ -239,10 +239,11 @@ class PartitionReport:
 
 
 def _ratio(values: Sequence[float | None]) -> float | None:
-    if not values or any(v is None for v in values):
+    known = [v for v in values if v is not None]
+    if not values or len(known) < len(values):
         return None
-    mean = sum(values) / len(values)  # type: ignore[arg-type]
-    return max(values) / mean if mean > 0 else 1.0  # type: ignore[type-var]
+    mean = sum(known) / len(known)
+    return max(known) / mean if mean > 0 else 1.0
 
 
 def _fmt(value: float | None) -> str:

@@ -9,7 +9,7 @@ passes). Hangs are found by the engine's own per-wait timeouts
 (``PipelineEngine(timeout=)``), so a long job is never killed for being long.
 
 Inside a world another launcher made (torchrun, SLURM, Ray Train, Kubeflow, an
-initialised process group: :mod:`pipekernel.comm.clusters`) it runs ``fn`` in this
+initialised process group: :mod:`pipekernel.launcher.clusters`) it runs ``fn`` in this
 process as that world's rank instead.
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pipekernel.comm import clusters
-from pipekernel.engine import lifeline as lifeline_mod
-from pipekernel.comm.clusters import World
+from pipekernel.launcher import clusters
+from pipekernel.launcher import lifeline as lifeline_mod
+from pipekernel.launcher.clusters import World
 from pipekernel.errors import ConfigError, PipelineError, shorten
 
 __all__ = ["launch", "RankError", "LaunchInterrupted", "free_port", "start_context"]
@@ -192,7 +192,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *,
            env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes; return their results by rank.
 
-    Inside a world a launcher made (:mod:`pipekernel.comm.clusters`: torchrun, TorchX,
+    Inside a world a launcher made (:mod:`pipekernel.launcher.clusters`: torchrun, TorchX,
     Kubeflow, a SLURM step, Ray Train, a process group of several ranks), ``launch`` runs
     ``fn(*args)`` once, here, as this rank, and returns ``nprocs`` entries: this rank's
     result at its index, ``None`` elsewhere (``nprocs`` must be the world's size).
@@ -316,7 +316,7 @@ def _show_launch_error(kind: type, value: BaseException, tb: Any) -> None:
 
 
 def _launched_world(nprocs: int) -> World | None:
-    """The world another launcher started this process in (:mod:`pipekernel.comm.clusters`:
+    """The world another launcher started this process in (:mod:`pipekernel.launcher.clusters`:
     a process group, torchrun, a SLURM step, Ray Train, Kubeflow), ``None`` when ``launch``
     should start its own processes."""
     world = clusters.detect()

@@ -1,5 +1,5 @@
 """The stage runtime's side of skip connections (layer 2): what one stage keeps,
-sends and receives for the skip edges (:mod:`pipekernel.stage.skips`) that start or end
+sends and receives for the skip edges (:mod:`pipekernel.model.skips`) that start or end
 at its chunks.
 
 The runtime (:mod:`pipekernel.stage.runtime`) posts the transfers like any other
@@ -8,7 +8,7 @@ The runtime (:mod:`pipekernel.stage.runtime`) posts the transfers like any other
 :class:`SkipRouter` for their payloads and where their data goes:
 
 * forward of a chunk: :meth:`SkipRouter.scope` opens the
-  :class:`~pipekernel.stage.skips.SkipScope` the layers stash into and pop from, seeded
+  :class:`~pipekernel.model.skips.SkipScope` the layers stash into and pop from, seeded
   with what ``RecvSkip`` delivered; :meth:`SkipRouter.after_forward` keeps, per
   consumer position, the stashed values that leave the part;
 * backward of a chunk: :meth:`SkipRouter.roots` adds the stashed tensors and the
@@ -24,7 +24,7 @@ import torch
 
 from pipekernel.schedules import instructions as isa
 from pipekernel.errors import ConfigError, PipelineError
-from pipekernel.stage.skips import SkipLayout, SkipScope
+from pipekernel.model.skips import SkipLayout, SkipScope
 from pipekernel.comm.wire import flatten
 
 __all__ = ["SkipRouter", "SkipState"]
@@ -59,7 +59,7 @@ class SkipRouter:
     """Skip bookkeeping for one stage.
 
     :param layout: where the model's skip connections go
-        (:meth:`~pipekernel.stage.module.PipelineModule.skip_layout`).
+        (:meth:`~pipekernel.model.module.PipelineModule.skip_layout`).
     :param declarations: ``{global layer index: (stash, pop)}`` of this stage's layers.
     :param positions: the pipeline position of each chunk of this stage.
     :param stage: this stage (for messages).

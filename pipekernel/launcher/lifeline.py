@@ -1,4 +1,4 @@
-"""A local worker's tie to the process that launched it (:func:`pipekernel.engine.launch`).
+"""A local worker's tie to the process that launched it (:func:`pipekernel.launcher.launch`).
 
 A worker must not outlive its launcher, whatever ended the launcher (``kill -9``, the OOM
 killer, a closed terminal) and whatever started the worker. ``PR_SET_PDEATHSIG`` alone
@@ -131,4 +131,7 @@ def forward_signal(signum: int, procs: Sequence[Any]) -> Callable[[], None]:
               f"{', '.join(map(str, pids))})", file=sys.stderr, flush=True)
 
     old = signal.signal(signum, forward)
-    return lambda: signal.signal(signum, old)
+
+    def restore() -> None:
+        signal.signal(signum, old)
+    return restore

@@ -7,23 +7,28 @@
   with gradient accumulation.
 * :class:`HostSyncs` — counts the calls that synchronise the host with a GPU,
   also where the tensors live on the CPU (so the count is tested without one).
+* :func:`check_transport` — the transport conformance suite on ranks it starts;
+  :func:`run_transport_conformance` — the same suite on ranks you started
+  (:mod:`pipekernel.testing.conformance`).
 """
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from pipekernel.comm.conformance import run_transport_conformance
+from pipekernel.testing.conformance import run_transport_conformance
 from pipekernel.comm.transport import Transport
-from pipekernel.engine.launch import launch
+from pipekernel.launcher.launch import launch
+from pipekernel.errors import ConfigError
 from pipekernel.nested import tensors_to
-from pipekernel.stage.aux_loss import aux_losses
+from pipekernel.model.aux_loss import aux_losses
 from pipekernel.extend.manager import make_plugin_manager, make_transport
-from pipekernel.stage.module import PipelineModule
+from pipekernel.model.module import PipelineModule
 
-__all__ = ["run_ranks", "check_transport", "reference_train", "reference_eval", "assert_parity", "TensorBytes",
+__all__ = ["run_ranks", "check_transport", "run_transport_conformance", "reference_train", "reference_eval", "assert_parity", "TensorBytes",
            "HostSyncs"]
 
 
@@ -71,6 +76,7 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
         built, the CPU); the returned ``state_dict`` stays on that device.
     :returns: per-step mean losses and the final ``state_dict``.
     """
+    loss_fn = _loss_fn_of(module, "reference_train")
     model = module.build_stage(0, [0, len(module.layers)])
     if device is not None:
         model = model.to(device)
@@ -79,7 +85,7 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
     counts = [micro_batches] * len(batches) if isinstance(micro_batches, int) else micro_batches
     for replicas, count in zip(batches, counts):
         if loss_reduction == "tokens":
-            losses.append(_token_step(model, module.loss_fn, replicas, count, device))
+            losses.append(_token_step(model, loss_fn, replicas, count, device))
             if hook is not None:
                 hook(model)
             opt.step()
@@ -89,7 +95,7 @@ def reference_train(module: PipelineModule, optimizer: Callable[[list], torch.op
         scale = 1.0 / (count * len(replicas))
         for items in replicas:
             for item in list(items)[:count]:
-                loss = _forward_loss(model, module.loss_fn, item, device)
+                loss = _forward_loss(model, loss_fn, item, device)
                 (loss * scale).backward()
                 total += loss.item() * scale
         if hook is not None:
@@ -111,15 +117,29 @@ def _token_step(model: torch.nn.Module, loss_fn: Callable, replicas: Sequence[Se
     return sum(loss_sum.item() for loss_sum, _ in results) / tokens
 
 
+def _loss_fn_of(module: PipelineModule, what: str) -> Callable[..., Any]:
+    """``module.loss_fn``, or a ``ConfigError`` saying the oracle needs one."""
+    if module.loss_fn is None:
+        raise ConfigError(f"{what} computes losses: the PipelineModule has no loss_fn",
+                          hint="pass PipelineModule(..., loss_fn=fn), the same the engine uses")
+    return module.loss_fn
+
+
+def _naming(key: str) -> Callable[[str], str]:
+    """``assert_close``'s ``msg``: its message prefixed with the parameter's name."""
+    return lambda message: f"parameter {key}: {message}"
+
+
 def reference_eval(module: PipelineModule, state: dict[str, torch.Tensor],
                    items: Sequence[Sequence[Any]]) -> tuple[float, list[Any]]:
     """Mean loss and outputs of the full model (weights ``state``) over ``items``."""
+    loss_fn = _loss_fn_of(module, "reference_eval")
     model = module.build_stage(0, [0, len(module.layers)])
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():
         outputs = [model(inputs) for inputs, _ in items]
-        losses = [module.loss_fn(out, labels).item() for out, (_, labels) in zip(outputs, items)]
+        losses = [loss_fn(out, labels).item() for out, (_, labels) in zip(outputs, items)]
     return sum(losses) / len(losses), outputs
 
 
@@ -138,7 +158,7 @@ def assert_parity(losses: Sequence[float], reference_losses: Sequence[float],
         if key not in reference_params:
             raise AssertionError(f"parameter {key} is not in the reference model")
         torch.testing.assert_close(value, reference_params[key], rtol=rtol, atol=atol,
-                                   msg=lambda m, key=key: f"parameter {key}: {m}")
+                                   msg=_naming(key))
 
 
 class TensorBytes:
@@ -295,7 +315,7 @@ def _where() -> str:
     import sys
 
     skip = (os.path.dirname(torch.__file__), __file__)
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
     if frame is None:
