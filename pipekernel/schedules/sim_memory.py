@@ -95,7 +95,7 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
             parts: Mapping[tuple[int, int], PartBytes]) -> dict[str, float]:
     from pipekernel.schedules.placement import locate
 
-    plan = program.plan
+    plan = program
     first = {c for c in range(chunks)
              if _position(stage, c, num_stages, placement, locate) == 0}
     last = {c for c in range(chunks)
@@ -242,7 +242,7 @@ def live_graphs(schedule_cls, num_stages: int, micro_batches: int,
                         placement=placement, paired=False)
         live = [0] * chunks
         peak = [0] * chunks
-        for ins in program.plan.stream:
+        for ins in program.stream:
             if isinstance(ins, isa.Forward):
                 live[ins.chunk] += 1
                 peak[ins.chunk] = max(peak[ins.chunk], live[ins.chunk])
