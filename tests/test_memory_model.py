@@ -33,6 +33,7 @@ def _slice(stages: int, count: int, seed: int) -> list[tuple]:
              * stages, rng.choice((0, 1))) for name in names[:count]]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("stages,count,seed", [(2, len(table.SCHEDULES), 46), (4, 3, 46)])
 def test_predicted_peak_within_5_percent_of_measured(stages, count, seed):
     cells = _slice(stages, count, seed)
@@ -135,6 +136,7 @@ def _budget_worker():
     return budget, binds, meter.last["memory_peak_bytes"], text, refusal
 
 
+@pytest.mark.multirank
 def test_auto_under_a_budget_fits_it_measured():
     results = table.run_ranks(_budget_worker, 2)
     budget, binds, _, text, refusal = results[0]
