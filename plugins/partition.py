@@ -258,8 +258,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                         optimizer_states: float | None = None,
                         split: list | None = None,
                         clock: Callable[[], float] | None = None,
-                        outputs: list | None = None,
-                        weight_states: list | None = None
+                        outputs: list | None = None, weight_states: list | None = None
                         ) -> tuple[list[float] | None, list[float] | None, list[float],
                                    list[float]]:
     """:func:`measure_layers`, with the forward timed on its own too.
@@ -268,9 +267,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
         (``(input pass, weight pass)``, :mod:`pipekernel.stage.split_backward`) to; ``None``:
         not timed.
     :param outputs: a list to append, per layer, the bytes of the tensors it returns to.
-    :param weight_states: a list to append, per layer, the bytes a split backward's input
-        pass keeps for its weight pass beyond the graph (the gradients it records at the
-        split nodes, :mod:`pipekernel.stage.split_backward`), for the memory model.
+    :param weight_states: a list to append, per layer, the bytes its split backward's input
+        pass records for the weight pass (:func:`_weight_state_bytes`).
     :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
         median forward + backward time and, of the same repetitions, the median
         forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
@@ -305,8 +303,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
             act.append(float(nbytes))
             if outputs is not None:
                 outputs.append(float(sum(t.numel() * t.element_size() for t in _tensors(out))))
-            if weight_states is not None:
-                weight_states.append(_weight_state_bytes(call, inp, layer))
+            if weight_states is not None:  # the memory model's weight-pass state
+                weight_states += [_weight_state_bytes(call, inp, layer)]
             if time_it:
                 _time_into(seconds, forwards, split, call, inp, layer, device,
                            (warmup, repeats, now))
