@@ -96,6 +96,12 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--keep-last", type=int, default=d.keep_last, metavar="N",
                    help="after each save, delete all but the N newest global_step checkpoints "
                         "(0: keep all)")
+    g.add_argument("--check-every", type=int, default=d.check_every, metavar="N",
+                   help="check the run-time invariants (replicas, tied copies, loss "
+                        "normalisation, transfers) after every N-th step (0: never)")
+    g.add_argument("--verify-every", type=int, default=d.verify_every, metavar="N",
+                   help="before every N-th step, replay its batch plainly on every stage and "
+                        "compare the gradients (engine.verify_batch; 0: never)")
     g.add_argument("--resume", nargs="?", const=True, default=False, metavar="TAG",
                    help="continue from checkpoint TAG (e.g. global_step100) or, with no TAG, "
                         "from the latest one if there is one")
@@ -112,6 +118,10 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
     g.add_argument("--pack", action="store_true",
                    help="pack the corpus's documents (cut at blank lines) into rows, each "
                         "attending within its own documents (docs/sequences.md)")
+    g.add_argument("--seq-chunks", type=int, default=d.seq_chunks, metavar="K",
+                   help="cut every micro-batch along the sequence into K chunks that flow "
+                        "through the stages one after the other (Seq1F1B, --schedule 1f1b; "
+                        "docs/sequences.md)")
     g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
                    help="train a Hugging Face causal LM instead: a save_pretrained directory, "
                         "a config (.json or directory) or a model type such as llama (random, "

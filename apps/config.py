@@ -46,6 +46,9 @@ class TrainConfig:
     top_k: int = 2  # experts per token
     expert_parallel: int = 1  # replicas each stage's experts are spread over
     pack: bool = False  # documents packed into rows, attention within each (docs/sequences.md)
+    check_every: int = 100  # the sentinel's invariants every N steps (0: off; docs/faults.md)
+    verify_every: int = 0  # replay-check every N-th step's batch before training it (0: off)
+    seq_chunks: int = 1  # > 1: each micro-batch cut along the sequence (Seq1F1B)
 
     @property
     def checkpoints(self) -> str:

@@ -4,6 +4,10 @@ Bytes, not a learned character table: the vocabulary (256) is the same on every
 rank and every machine whatever the corpus, so no rank has to agree with another
 on it, and any file (UTF-8 or not) can be trained on.
 
+Long sequences (``seq_chunks``): the embeddings take a chunk's absolute positions and every
+block's attention reads the keys and values of the chunks before it
+(:func:`pipekernel.sequence_chunk`).
+
 Packed rows (``pipekernel train --pack``): the layers also take the dict
 :func:`pipekernel.pack` makes (``{"input_ids", "position_ids"}``); the embeddings read
 the positions restarting per document and hand ``{"hidden", "documents"}`` on, so every
@@ -18,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pipekernel as pk
+from pipekernel.stage.sequence import SequenceChunk
 
 __all__ = ["VOCAB", "Embed", "Block", "MoEBlock", "Head", "gpt_layers", "gpt_module",
            "token_loss", "packed_token_loss", "generate"]
@@ -42,7 +47,9 @@ class Embed(nn.Module):
             pos = ids["position_ids"]
             return {"hidden": self.tokens(ids["input_ids"]) + self.positions(pos),
                     "documents": pk.document_ids(pos)}
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        chunk = pk.sequence_chunk()  # a sequence chunk (seq_chunks): its own positions
+        positions = chunk.positions(ids.shape[1], ids.device) if chunk is not None \
+            else torch.arange(ids.shape[1], device=ids.device)
         return self.tokens(ids) + self.positions(positions)
 
 
@@ -63,16 +70,26 @@ class Block(nn.Module):
         return nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, h: torch.Tensor | dict) -> torch.Tensor | dict:
+        chunk = pk.sequence_chunk()
         if isinstance(h, dict):  # packed: the boundaries came with the activations
+            if chunk is not None:
+                raise pk.ConfigError("packed rows with seq_chunks: the documents of the "
+                                     "earlier chunks do not travel with the prefix",
+                                     hint="train packed rows with seq_chunks=1")
             mask = pk.document_mask(h["documents"])
-            return {**h, "hidden": self._block(h["hidden"], mask)}
-        return self._block(h, None)
+            return {**h, "hidden": self._block(h["hidden"], mask, None)}
+        return self._block(h, None, chunk)
 
-    def _block(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _block(self, h: torch.Tensor, mask: torch.Tensor | None,
+               chunk: SequenceChunk | None) -> torch.Tensor:
         batch, length, dim = h.shape
         q, k, v = self.qkv(self.norm1(h)).split(dim, dim=-1)
         q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
                    for t in (q, k, v))
+        if chunk is not None:  # a sequence chunk: the keys and values of those before too
+            k, v = chunk.extend(self, k, v)
+            if chunk.index:
+                mask = pk.prefix_causal_mask(length, k.shape[-2], h.device)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         h = h + self.proj(attn.transpose(1, 2).reshape(batch, length, dim))
         return h + self.mlp(self.norm2(h))
@@ -100,6 +117,7 @@ class Head(nn.Module):
         self.norm, self.out = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, h: torch.Tensor | dict) -> torch.Tensor:
+        pk.sequence_chunk()  # position-wise: runs on sequence chunks as on whole sequences
         return self.out(self.norm(h["hidden"] if isinstance(h, dict) else h))
 
 

@@ -36,7 +36,7 @@ from pipekernel.plugin import all_gather_objects
 
 __all__ = ["TrainConfig", "load_corpus", "split_corpus", "make_batch", "make_packed_batch",
            "documents", "gather_full_state", "stage_table", "partition_method", "run", "worker",
-           "lr_factor", "lr_change"]
+           "lr_factor", "lr_change", "last_check"]
 
 
 def _positive(cfg: TrainConfig) -> None:
@@ -50,6 +50,11 @@ def _positive(cfg: TrainConfig) -> None:
     if not isinstance(cfg.save_every, int) or cfg.save_every < 0:
         raise pk.ConfigError(f"--save-every must be 0 or a positive integer, got "
                              f"{cfg.save_every!r}", hint="pass --save-every 100, or 0 for none")
+    for name in ("check_every", "verify_every"):
+        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise pk.ConfigError(f"{flag} must be 0 or a positive integer, got {value!r}",
+                                 hint=f"pass {flag} 100, or 0 for never")
     if not isinstance(cfg.keep_last, int) or cfg.keep_last < 0:
         raise pk.ConfigError(f"--keep-last must be 0 or a positive integer, got "
                              f"{cfg.keep_last!r}", hint="pass --keep-last 3, or 0 to keep all")
@@ -75,6 +80,22 @@ def _positive(cfg: TrainConfig) -> None:
                              "Hugging Face's packed rows from their own collator",
                              hint="drop --pack, and see docs/sequences.md for "
                                   "DataCollatorWithFlattening through pipekernel.hf")
+    _check_seq_chunks(cfg)
+
+
+def _check_seq_chunks(cfg: TrainConfig) -> None:
+    """``--seq-chunks``: a positive count dividing ``--context``, for the built-in GPT's
+    unpacked rows (the engine refuses the rest: the schedule, Hugging Face models)."""
+    k = cfg.seq_chunks
+    if k < 1 or cfg.context % k:
+        raise pk.ConfigError(f"--seq-chunks {k} must be >= 1 and divide --context "
+                             f"{cfg.context} (every chunk has the same length)",
+                             hint="pass a --seq-chunks that divides --context, e.g. 2 or 4")
+    if k > 1 and (cfg.pack or cfg.hf or cfg.schedule != "1f1b"):
+        what = "--pack" if cfg.pack else "--hf" if cfg.hf else f"--schedule {cfg.schedule}"
+        raise pk.ConfigError(f"--seq-chunks {k} with {what}: sequence chunks run the "
+                             f"built-in GPT's unpacked rows under 1f1b (docs/sequences.md)",
+                             hint=f"drop {what.split()[0]} (or pass --seq-chunks 1)")
 
 
 def _check_plan(cfg: TrainConfig) -> None:
@@ -349,6 +370,21 @@ def stage_table(summaries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def last_check(summaries: list[dict[str, Any]], every: int) -> list[str]:
+    """The sentinel's last check from the monitor's per-rank summaries: its step, result
+    and cost (the slowest rank's), or that none ran."""
+    checks = [s["last_check"] for s in summaries if s.get("last_check")]
+    if not summaries:  # no monitor summaries: no table, no line
+        return []
+    if not every:
+        return ["consistency checks: off (--check-every 0)"]
+    if not checks:
+        return [f"consistency checks: none ran (every {every} steps)"]
+    return [f"last consistency check (every {every} steps): after step {checks[0]['step']}, "
+            f"{checks[0]['result']} on {len(checks)} rank(s), "
+            f"{max(c['seconds'] for c in checks) * 1e3:.1f} ms on the slowest"]
+
+
 def _print(*lines: str) -> None:
     print("\n".join(lines), flush=True)
 
@@ -388,8 +424,9 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         transport=cfg.transport,
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
-        expert_parallel_size=cfg.expert_parallel,
+        expert_parallel_size=cfg.expert_parallel, seq_chunks=cfg.seq_chunks,
         loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
+        check_every=cfg.check_every or None, verify_every=cfg.verify_every or None,
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))
 
@@ -613,6 +650,7 @@ def _report(cfg: TrainConfig, s: dict[str, Any]) -> None:
         "time per step by stage (ms; wait = blocked on a receive, drain = waiting for the "
         "slowest stage at the end of the step, bubble = (wait + drain) / step):",
         *stage_table(s["stages"] or []),
+        *last_check(s["stages"] or [], cfg.check_every),
     ]
     if cfg.sample_bytes:
         lines += [f"sample (prompt {cfg.prompt!r}, {cfg.sample_bytes} bytes):",

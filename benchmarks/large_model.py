@@ -1,5 +1,4 @@
-"""Large-model interop, measured: ZeRO-1 optimizer-state bytes per rank, and bytes on
-the wire per rank with and without partitioned activations (tensor parallelism).
+"""Large-model interop, measured: ZeRO-1 optimizer-state bytes per rank.
 
     python benchmarks/large_model.py [--width 512] [--layers 8] [--micro-batches 4] [--steps 2]
 
@@ -7,12 +6,8 @@ ZeRO-1: one stage and two stages of ``layers`` x Linear(width, width) + tanh, bf
 masters, AdamW, at D = 1, 2, 4 (D x stages <= 4 processes): bytes of optimizer state
 (AdamW's moments and step), of fp32 masters and of bf16 weights per rank (the largest
 rank), counted from the tensors themselves.
-
-Partitioned activations: two stages of Megatron-style blocks (column-parallel
-``width -> 4 width``, tanh, row-parallel back) at T = 2, activations whole or
-partitioned; bytes every rank sent point to point per step, counted at the
-transport (data and control lanes, headers and metadata included), next to T = 1.
-All on local gloo processes (CPU).
+All on local gloo processes (CPU). (The bytes on the wire with and without partitioned
+activations went with them, issue 45.)
 """
 from __future__ import annotations
 
@@ -22,8 +17,6 @@ import torch
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import tensor_parallel as tp
-from pipekernel.plugins.counting import CountingPlugin
 from pipekernel.grid.zero import optimizer_state_bytes
 
 
@@ -33,15 +26,6 @@ def _mlp(width: int, layers: int, stages: int) -> pk.PipelineModule:
         specs += [pk.LayerSpec(nn.Linear, width, width), torch.tanh]
     return pk.PipelineModule(specs, loss_fn=nn.MSELoss(), num_stages=stages,
                              partition="uniform", seed=0)
-
-
-def _tp_model(width: int, layers: int) -> pk.PipelineModule:
-    specs: list = []
-    for _ in range(layers):
-        specs += [pk.LayerSpec(tp.ColumnParallelLinear, width, 4 * width), torch.tanh,
-                  pk.LayerSpec(tp.RowParallelLinear, 4 * width, width)]
-    return pk.PipelineModule(specs, loss_fn=nn.MSELoss(), num_stages=2, partition="uniform",
-                             seed=0)
 
 
 def _data(width: int, micro_batches: int, batch: int, step: int, replica: int):
@@ -66,25 +50,11 @@ def zero_worker(stages, dp, zero, width, layers, micro_batches, steps):
             "weights": _bytes(engine.module.parameters())}
 
 
-def wire_worker(tp_size, partition, width, layers, micro_batches, steps, batch):
-    engine = pk.PipelineEngine(_tp_model(width, layers), micro_batches=micro_batches,
-                               optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
-                               tensor_parallel_size=tp_size, partition_activations=partition,
-                               transport="counting", plugins=[CountingPlugin()], timeout=120,
-                               check_data_steps=0)
-    engine.train_batch(iter(_data(width, micro_batches, batch, 0, 0)))  # metadata exchange
-    before = engine.transport.sent["bytes"]
-    for step in range(1, steps + 1):
-        engine.train_batch(iter(_data(width, micro_batches, batch, step, 0)))
-    return (engine.transport.sent["bytes"] - before) // steps
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="rows per micro-batch (wire)")
     parser.add_argument("--steps", type=int, default=2)
     a = parser.parse_args()
     print(f"ZeRO-1, bf16 masters, AdamW, {a.layers} x Linear({a.width}, {a.width}); bytes per "
@@ -102,19 +72,6 @@ def main() -> None:
             base = base or state
             print(f"| {stages} | {dp} | {zero} | {state:,} | {state / base:.3f} | "
                   f"{max(r['masters'] for r in rows):,} | {max(r['weights'] for r in rows):,} |")
-    print(f"\nBytes sent point to point per rank and step, 2 stages of {a.layers // 2 or 1} "
-          f"block(s) x (column {a.width}->{4 * a.width}, row back), {a.micro_batches} "
-          f"micro-batches of {a.batch} x {a.width} fp32\n")
-    print("| T | partition_activations | bytes/rank/step (max) | x T=1 |")
-    print("|---|---|---:|---:|")
-    base = None
-    for tp_size, partition in ((1, False), (2, False), (2, True)):
-        sent = pk.launch(wire_worker, 2 * tp_size, (tp_size, partition, a.width, a.layers,
-                                                    a.micro_batches, a.steps, a.batch),
-                         threads=1)
-        most = max(sent)
-        base = base or most
-        print(f"| {tp_size} | {partition} | {most:,} | {most / base:.3f} |")
 
 
 if __name__ == "__main__":

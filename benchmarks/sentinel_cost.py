@@ -2,22 +2,28 @@
 inside the same processes (a loaded machine slows both alike), and a long clean run.
 
 Each rank trains a transformer-like MLP (2 stages x 2 replicas on gloo, AdamW) with the
-checks off, timing ``train_batch`` (median of ``--steps``), then times
-``engine.sentinel.check()`` alone (median of ``--checks``) between steps. The overhead of
-``check_every=K`` is ``check / (K * step)``. With ``--clean N`` it then trains ``N`` more
-steps with ``check_every=1`` under each of 1f1b, zbv and dualpipev and reports that none
-raised.
+checks off, timing ``train_batch`` (median of ``--steps``), then times ``--checks`` checked
+steps: the batch with its transfers hashed (what a checked step's batch does) plus
+``engine.sentinel.check()``; the check's cost is the checked step's median minus the plain
+one's, and the overhead of ``check_every=K`` is ``check / (K * step)``.
+
+With ``--clean N`` it then runs the mutation suite's clean runs (tests/mutations.py: packed
+rows with ``position_ids``, tied layers, token loss) for ``N`` steps each, ``check_every=1``
+and ``engine.verify_batch`` before every ``--verify-every``-th step, under 1f1b, zbv and
+dualpipev, with two replicas and with four stages, and reports that none raised.
 
 Usage::
 
     python benchmarks/sentinel_cost.py [--dim 256] [--blocks 8] [--batch 8] [--seq 64]
-        [--micro-batches 4] [--steps 10] [--checks 10] [--clean 0]
+        [--micro-batches 4] [--steps 10] [--checks 10] [--clean 0] [--verify-every 10]
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +31,8 @@ from torch import nn
 import pipekernel as pk
 from pipekernel.engine.sentinel import DEFAULT_CHECK_EVERY, Sentinel
 from pipekernel.testing import run_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.mutations
 
 
 class Block(nn.Module):
@@ -58,28 +66,28 @@ def _cost(args: argparse.Namespace) -> dict:
     steps, checks = [], []
     sentinel = Sentinel(engine, 1)
     for step in range(args.steps + args.checks):
-        start = time.perf_counter()
-        engine.train_batch(iter(_data(args, step, engine.data_parallel_rank)))
-        steps.append(time.perf_counter() - start)
-        if step >= args.steps:
+        if step < args.steps:
             start = time.perf_counter()
+            engine.train_batch(iter(_data(args, step, engine.data_parallel_rank)))
+            steps.append(time.perf_counter() - start)
+        else:
+            start = time.perf_counter()
+            engine.runtime.transfer_sums = sentinel.transfer_sums()  # as a checked step
+            engine.train_batch(iter(_data(args, step, engine.data_parallel_rank)))
             sentinel.check()
             checks.append(time.perf_counter() - start)
     params = sum(p.numel() for p in engine.module.parameters())
     engine.close()
-    return {"step": statistics.median(steps[1:]), "check": statistics.median(checks[1:]),
-            "params": params}
+    step = statistics.median(steps[1:])
+    return {"step": step, "check": statistics.median(checks[1:]) - step, "params": params}
 
 
 def _clean(args: argparse.Namespace) -> dict:
-    done = {}
-    for schedule in ("1f1b", "zbv", "dualpipev"):
-        engine = _engine(args, schedule, 1)
-        for step in range(args.clean):
-            engine.train_batch(iter(_data(args, step, engine.data_parallel_rank)))
-        done[schedule] = engine.sentinel.last_clean
-        engine.close()
-    return done
+    from tests.mutations import LAYOUTS, SCHEDULES, run_case
+
+    return {f"{schedule}/{layout}": run_case(None, schedule, layout, args.clean,
+                                             args.verify_every)
+            for schedule in SCHEDULES for layout in LAYOUTS}
 
 
 def _worker(args: argparse.Namespace) -> dict:
@@ -93,7 +101,8 @@ def _worker(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     for name, default in (("dim", 256), ("blocks", 8), ("batch", 8), ("seq", 64),
-                          ("micro-batches", 4), ("steps", 10), ("checks", 10), ("clean", 0)):
+                          ("micro-batches", 4), ("steps", 10), ("checks", 10), ("clean", 0),
+                          ("verify-every", 10)):
         parser.add_argument(f"--{name}", type=int, default=default)
     args = parser.parse_args()
     results = run_ranks(_worker, 4, args, timeout=3600)

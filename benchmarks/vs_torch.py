@@ -166,7 +166,7 @@ class SavedBytes:
 
     @staticmethod
     def _storage(t: torch.Tensor):
-        """The storage counted for ``t`` (benchmarks/tp_compare.py counts a DTensor's shard)."""
+        """The storage counted for ``t`` (a DTensor counts its local shard)."""
         return t.untyped_storage()
 
     def _release(self, key: int) -> None:

@@ -1,13 +1,14 @@
-"""Pipeline x tensor parallelism with Megatron-style blocks, and its single-process oracle.
+"""Pipeline x tensor parallelism with Megatron-style blocks (torch's DTensor), and its
+single-process oracle.
 
     python examples/pipe_tensor_parallel.py            # 2 stages x 2 tensor-parallel ranks
 
-Each block reaches its tensor-parallel group while the engine builds it (``tp.group()``
-inside the layers' ``__init__``); the column-parallel layer keeps its slice of the
-output features, the row-parallel one its slice of the input features and sums the
-partial products over the group. Activations cross stages as 1/T slices. The same
-layer list built outside an engine is the whole model: :func:`reference` trains it on
-one process, and the losses agree to fp32 round-off.
+The blocks are plain ``nn.Linear`` layers; the plan (:data:`PLAN`) tells the engine which
+to split: ``up`` by output features (``ColwiseParallel``), ``down`` by input features
+(``RowwiseParallel``, its partial products summed over the group). The engine applies it
+to each stage over ``mesh["tp"]`` after building the layers whole, so the same layer list
+built outside an engine is the whole model: :func:`reference` trains it on one process,
+and the losses agree to fp32 round-off. Activations cross stages whole.
 """
 from __future__ import annotations
 
@@ -16,29 +17,34 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipekernel as pk
-from pipekernel import tensor_parallel as tp
 
 WIDTH, BLOCKS, MICRO_BATCHES, STEPS = 32, 4, 4, 5
 
 
-class ParallelMLP(nn.Module):
-    """``x + W2 gelu(W1 norm(x))`` with ``W1`` split by columns and ``W2`` by rows."""
+class MLP(nn.Module):
+    """``x + W2 gelu(W1 norm(x))``: ``W1`` split by columns and ``W2`` by rows under
+    :data:`PLAN`."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
-        group = tp.group()  # this rank's group: .rank, .size (size 1 in one process)
         self.norm = nn.LayerNorm(width)
-        self.up = tp.ColumnParallelLinear(width, 4 * width)    # 4*width / T outputs here
-        self.down = tp.RowParallelLinear(4 * width, width)     # summed over the group
-        self.shards = group.size
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+def plan() -> dict:
+    """The tensor-parallel plan: module-name patterns relative to the stage (whose children
+    are the global layer indices) to torch ParallelStyles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"*.up": ColwiseParallel(), "*.down": RowwiseParallel()}
+
+
 def model() -> pk.PipelineModule:
     layers = [pk.LayerSpec(nn.Linear, 8, WIDTH),
-              *[pk.LayerSpec(ParallelMLP, WIDTH) for _ in range(BLOCKS)],
+              *[pk.LayerSpec(MLP, WIDTH) for _ in range(BLOCKS)],
               pk.LayerSpec(nn.Linear, WIDTH, 4)]
     return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), partition="uniform", seed=0)
 
@@ -53,13 +59,15 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=3e-3)
 
 
-def train(tensor_parallel_size: int = 2, zero_stage: int = 0) -> dict:
+def train(tensor_parallel_size: int = 2) -> dict:
     """One rank's part of the run (call on every rank, e.g. through ``pk.launch``)."""
     engine = pk.PipelineEngine(model(), optimizer=optimizer, micro_batches=MICRO_BATCHES,
-                               tensor_parallel_size=tensor_parallel_size, zero_stage=zero_stage)
+                               tensor_parallel_size=tensor_parallel_size,
+                               tensor_parallel_plan=plan() if tensor_parallel_size > 1 else None)
     losses = [engine.train_batch(iter(batches(s, engine.data_parallel_rank))).item()
               for s in range(STEPS)]
-    shards = {m.shards for m in engine.module.modules() if isinstance(m, ParallelMLP)}
+    shards = {m.up.out_features // m.up.weight.to_local().shape[0]
+              for m in engine.module.modules() if isinstance(m, MLP)}
     return {"losses": losses, "stage": engine.stage, "tp_rank": engine.topology.model_rank,
             "shards": shards}
 

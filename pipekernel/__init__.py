@@ -5,7 +5,7 @@ partitioning, monitoring and extra schedules are pluggy plugins.
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from pipekernel.grid import expert_parallel, tensor_parallel
+from pipekernel.grid import expert_parallel
 from pipekernel.model.moe import MoE
 from pipekernel.stage.paired import overlap_all_to_all
 from pipekernel.engine.checkpoint import load_sequential
@@ -22,6 +22,7 @@ from pipekernel.engine.planner import Plan, auto
 from pipekernel.model.skips import Skip, pop, skippable, stash
 from pipekernel.model.aux_loss import add_aux_loss, aux_losses
 from pipekernel.stage.packing import document_ids, document_mask, pack
+from pipekernel.stage.sequence import prefix_causal_mask, sequence_chunk
 
 try:
     __version__ = version("pipekernel")
@@ -32,9 +33,9 @@ except PackageNotFoundError:  # running from a source tree
 __all__ = [
     # model
     "PipelineModule", "LayerSpec", "TiedLayerSpec", "skippable", "Skip", "stash", "pop",
-    "balance", "profile", "memory", "PartitionContext", "PartitionReport", "tensor_parallel",
+    "balance", "profile", "memory", "PartitionContext", "PartitionReport",
     "add_aux_loss", "aux_losses", "MoE", "expert_parallel", "overlap_all_to_all",
-    "pack", "document_ids", "document_mask",
+    "pack", "document_ids", "document_mask", "sequence_chunk", "prefix_causal_mask",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
     # errors

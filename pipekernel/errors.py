@@ -163,12 +163,15 @@ class NonFiniteLossError(PipelineError):
 class ConsistencyError(PipelineError):
     """A run-time invariant failed (``PipelineEngine(check_every=K)``, see
     :mod:`pipekernel.engine.sentinel`): replicas or tied copies that should be identical
-    are not, or the stages normalised the loss differently. Raised on every rank.
+    are not, the stages normalised the loss differently, or a transfer arrived different
+    from what was sent; or a replayed batch's gradients differ from the schedule's
+    (``engine.verify_batch``, :mod:`pipekernel.engine.replay`). Raised on every rank.
 
     ``check``: which invariant (``"replicas"``, ``"replicas (optimizer state)"``,
-    ``"tied"``, ``"normalisation"``); ``parameter``: the parameter (its global layer
-    index key, ``"3.weight"``) or quantity; ``ranks``: the ranks holding the odd value;
-    ``train_step``: the step at which the check first saw it."""
+    ``"replicas (experts)"``, ``"tied"``, ``"normalisation"``, ``"transfers"``,
+    ``"replay"``); ``parameter``: the parameter (its global layer index key,
+    ``"3.weight"``), module (``"4"``, replay) or quantity; ``ranks``: the ranks holding the
+    odd value; ``train_step``: the step at which the check first saw it."""
 
     def __init__(self, message: str, *, check: str | None = None,
                  parameter: str | None = None, ranks: list[int] | None = None,

@@ -168,6 +168,8 @@ class Monitor:
         self._count_inputs = False
         self._board = PositionBoard(self)
         self._key = "pipekernel/monitor"
+        #: the sentinel's last passed check: ``{"step", "result", "seconds"}`` or ``None``
+        self.last_check: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ set-up
     @hookimpl
@@ -279,6 +281,9 @@ class Monitor:
                             tokens=self._tokens)
         mine["loss"] = float(loss) if loss is not None else float("nan")
         mine["skipped"] = bool(metrics.get("skipped", False))
+        if "check_seconds" in metrics:  # the sentinel ran after this step and passed
+            self.last_check = {"step": step, "result": "passed",
+                               "seconds": float(metrics["check_seconds"])}
         # other numbers the engine reports for the step (e.g. the precision's loss_scale)
         mine["extra"] = {k: v for k, v in metrics.items()
                          if k not in ("step", "seconds", "skipped")
@@ -358,14 +363,16 @@ class Monitor:
         ``wait_fraction``, ``samples``, ``tokens``, ``samples_per_s`` and
         ``tokens_per_s`` (this rank's inputs: zero except on first stages),
         ``peak_memory_mb``, ``skipped_steps``, ``instructions`` (seconds per
-        instruction class) and ``losses`` (of the last ``keep_steps`` steps).
+        instruction class), ``losses`` (of the last ``keep_steps`` steps) and
+        ``last_check``: the sentinel's last check (``check_every``), ``{"step",
+        "result", "seconds"}`` or ``None`` (a failed check raises instead).
         Totals are running sums: memory does not grow with the number of steps.
         """
         totals = self._measured if self._measured.steps else self._all
         data, stage = (self.topology.data_rank, self.stage) if self.engine else (0, 0)
         summary = derive(self.rank, stage, data, totals.numbers, totals.classes)
         summary.update(steps=totals.steps, skipped_steps=totals.skipped,
-                       losses=[h["loss"] for h in self.history])
+                       losses=[h["loss"] for h in self.history], last_check=self.last_check)
         return summary
 
     def gather(self) -> list[dict[str, Any]] | None:

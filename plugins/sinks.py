@@ -98,7 +98,9 @@ class ConsoleSink(Sink):
                 f"{record['step_s'] * 1e3:8.1f} ms  {record['samples_per_s']:9.1f} samples/s  "
                 f"{record['tokens_per_s']:10.1f} tokens/s  bubble {100 * record['bubble_fraction']:5.1f}%"
                 + (f"  mem {mem:.0f} MB" if mem is not None else "")
-                + ("  SKIPPED" if record.get("skipped") else ""))
+                + ("  SKIPPED" if record.get("skipped") else "")
+                + (f"  check passed {record['check_seconds'] * 1e3:.1f} ms"
+                   if "check_seconds" in record else ""))
         print(line, file=self.stream, flush=True)
 
 

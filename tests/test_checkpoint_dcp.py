@@ -1,10 +1,12 @@
-"""Checkpoints of sharded stages through torch.distributed.checkpoint (issue 28, item 5):
-PP2 x FSDP2 saved at step k and resumed trains on bit-exactly like the run that never
-stopped; the checkpoint loads at another layout (pp x dp_shard x tp) with its optimizer
-state, in one process (load_sequential), and from pipekernel's own layer files; under
-expert parallelism (issue 30, item 2) PP2 x EP2 resumes bit-exactly and the experts reshard
-to E=1, E=4 and FSDP2, under bf16 too (its fp32 masters outside the module saved under
-the parameters' names); a layout DCP cannot map is refused by name. The 4-rank FSDP2 cases
+"""Checkpoints of sharded stages (issue 28, item 5; issue 45: one writer, pipekernel's layer
+files, DTensors gathered whole; the torch.distributed.checkpoint directories written before
+stay readable, tests/dcp_legacy.py writes them): PP2 x FSDP2 saved at step k and resumed
+trains on bit-exactly like the run that never stopped, from either format; the checkpoint
+loads at another layout (pp x dp_shard x tp, ZeRO-1 too) with its optimizer state, in one
+process (load_sequential); under expert parallelism (issue 30, item 2) PP2 x EP2 resumes
+bit-exactly and the experts reshard to E=1, E=4 and FSDP2, under bf16 too (its fp32 masters
+outside the module saved under the parameters' names); what a DCP directory cannot be read
+into is refused by name. The 4-rank FSDP2 cases
 run one after another in one process world (tests/sweep.py), several engines in each case;
 the expert-parallel ones in worlds of their own."""
 from __future__ import annotations
@@ -20,6 +22,7 @@ from sweep import Sweep, refused
 from torch import nn
 
 import pipekernel as pk
+from dcp_legacy import save_dcp
 from pipekernel.testing import run_ranks
 
 pytestmark = pytest.mark.multirank
@@ -81,7 +84,16 @@ def _snapshot(engine):
     return {"weights": weights, "optim": optim}
 
 
-def resume_worker(root, precision, model):
+def _save(engine, root, writer, **kw):
+    """``writer``: ``"layers"`` (what pipekernel writes) or ``"dcp"`` (a DCP directory, as
+    pipekernel wrote sharded stages before issue 45)."""
+    if writer == "dcp":
+        return save_dcp(engine, root, kw.pop("tag", f"global_step{engine.global_steps}"),
+                        **kw)
+    return engine.save_checkpoint(root, **kw)
+
+
+def resume_worker(root, precision, model, writer="layers"):
     torch.set_num_threads(1)
     build, data = {"dropout": (dropout_model, mlp_data), "hsdp": (dropout_model, mlp_data),
                    "tied": (tied_lm, token_data)}[model]
@@ -89,7 +101,7 @@ def resume_worker(root, precision, model):
     stages, kw = (1, {"data_parallel_size": 2}) if model == "hsdp" else (2, {})
     first = _engine(stages, shard=2, build=build, precision=precision, **kw)
     losses = _train(first, range(K), data)
-    first.save_checkpoint(root, client_state={"note": first.rank})
+    _save(first, root, writer, client_state={"note": first.rank})
     losses += _train(first, range(K, N), data)  # the run that never stopped
     uninterrupted = _snapshot(first)
     first.close()
@@ -103,17 +115,20 @@ def resume_worker(root, precision, model):
             "steps": again.global_steps, "files": sorted(os.listdir(info["directory"]))}
 
 
-RESUMES = {(precision, model): SWEEP.case(f"resume-{precision}-{model}", 4, resume_worker,
-                                          f"resume-{precision}-{model}", precision, model)
-           for precision, model in [("fp32", "dropout"), ("bf16", "dropout"),
-                                    ("fp32", "tied"), ("bf16", "tied"), ("fp32", "hsdp")]}
+RESUMES = {(precision, model, writer): SWEEP.case(
+    f"resume-{precision}-{model}-{writer}", 4, resume_worker,
+    f"resume-{precision}-{model}-{writer}", precision, model, writer)
+    for precision, model, writer in [
+        ("fp32", "dropout", "layers"), ("bf16", "dropout", "layers"), ("fp32", "tied", "layers"),
+        ("bf16", "tied", "layers"), ("fp32", "hsdp", "layers"), ("fp32", "dropout", "dcp"),
+        ("bf16", "tied", "dcp")]}
 
 
-@pytest.mark.parametrize("precision, model", list(RESUMES))
-def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(world, roots, precision, model):
+@pytest.mark.parametrize("precision, model, writer", list(RESUMES))
+def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(world, roots, precision, model, writer):
     # tied: the embedding stays whole on both stages (outside FSDP2), one DCP key; under
     # bf16 its fp32 master (outside the module) goes to DCP under the embedding's name
-    case = RESUMES[precision, model]
+    case = RESUMES[precision, model, writer]
     results = world(case)
     for rank, result in enumerate(results):
         assert result["info"] == {"exact": True, "global_steps": K, "client_state":
@@ -131,14 +146,21 @@ def test_pp2_x_fsdp2_and_hsdp_resume_is_bit_exact(world, roots, precision, model
                     for key in ours[name]:
                         assert torch.equal(torch.as_tensor(ours[name][key]),
                                            torch.as_tensor(theirs[name][key])), (name, key)
-    assert results[0]["files"] == ["dcp", "meta.json", *[f"rank-{r:05d}.pt" for r in range(4)]]
+    ranks = [f"rank-{r:05d}.pt" for r in range(4)]
+    if writer == "dcp":
+        assert results[0]["files"] == ["dcp", "meta.json", *ranks]
+    else:  # one file per layer with state, whole tensors
+        files = results[0]["files"]
+        assert "dcp" not in files and "meta.json" in files and set(ranks) <= set(files)
+        assert [f for f in files if f.startswith("layer-")]
     assert (roots / case.args[0] / "latest").read_text().strip() == f"global_step{K}"
 
 
-def reshape_worker(root, build_name):
+def reshape_worker(root, build_name, writer="layers"):
     """Save at 2 stages x 2 shards (with a DTensor plan: 1 stage x 2 shards x 2 tp), load
-    at 4 x 1 (4 stages; with the plan 2 x 1 x 2), save there — pipekernel's layer files
-    without a mesh, DCP again with the plan — and load that back at the first layout."""
+    at 4 x 1 (4 stages; with the plan 2 x 1 x 2), save there and load that back at the
+    first layout; then 2 stages x 2 replicas under ZeRO-1 load the first checkpoint (a DCP
+    directory: refused, its state-dict API cannot map ZeRO-1)."""
     torch.set_num_threads(1)
     tp = build_name == "ff"
     build, data = {"dropout": (dropout_model, mlp_data), "ff": (ff_model, mlp_data),
@@ -146,7 +168,7 @@ def reshape_worker(root, build_name):
     extra = {"tensor_parallel_size": 2, "tensor_parallel_plan": ff_plan()} if tp else {}
     sharded = _engine(1 if tp else 2, shard=2, build=build, **extra)
     _train(sharded, range(K), data)
-    sharded.save_checkpoint(root, tag="sharded")
+    _save(sharded, root, writer, tag="sharded")
     saved = _snapshot(sharded)
     sharded.close()
 
@@ -191,13 +213,16 @@ def _assert_same(ours, theirs):
                                torch.as_tensor(theirs["optim"][name][key])), (name, key)
 
 
-RESHAPES = {name: SWEEP.case(f"reshape-{name}", 4, reshape_worker, f"reshape-{name}", name)
-            for name in ("dropout", "ff", "tied")}
+RESHAPES = {(name, writer): SWEEP.case(f"reshape-{name}-{writer}", 4, reshape_worker,
+                                       f"reshape-{name}-{writer}", name, writer)
+            for name, writer in [("dropout", "layers"), ("ff", "layers"), ("tied", "layers"),
+                                 ("dropout", "dcp"), ("ff", "dcp")]}
 
 
-@pytest.mark.parametrize("build_name", list(RESHAPES))
-def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(world, roots, build_name):
-    case = RESHAPES[build_name]
+@pytest.mark.parametrize("build_name, writer", list(RESHAPES))
+def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(world, roots, build_name,
+                                                              writer):
+    case = RESHAPES[build_name, writer]
     results = world(case)
     saved = _merge(results, "saved")
     _assert_same(_merge(results, "loaded"), saved)
@@ -205,7 +230,10 @@ def test_reshape_2x2_to_4x1_and_back_with_the_optimizer_state(world, roots, buil
     for result in results:
         assert result["exact"] is False
         assert all(torch.isfinite(torch.tensor(result["loss"])))
-        assert result["zero"] and "zero_stage=0" in result["zero"], result["zero"]
+        if writer == "dcp":
+            assert result["zero"] and "zero_stage=0" in result["zero"], result["zero"]
+        else:  # the layer files load into ZeRO-1 too
+            assert result["zero"] is None, result["zero"]
     build = {"dropout": dropout_model, "ff": ff_model, "tied": tied_lm}[build_name]
     sequential = pk.load_sequential(str(roots / case.args[0]), build(), tag="sharded")
     for name, value in sequential.state_dict().items():
@@ -254,12 +282,13 @@ def test_save_pretrained_and_load_sequential_gather_a_sharded_run(world, roots):
 
 
 def failing_worker(root):
-    """Rank 1's DCP write fails (no space) in the second save: every rank raises, and
-    ``latest`` still names the first checkpoint; another model is refused by name."""
+    """Rank 1's write of a sharded stage's files fails (no space) in the second save:
+    every rank raises, and ``latest`` still names the first checkpoint; another model is
+    refused by name."""
     torch.set_num_threads(1)
     import errno
 
-    from torch.distributed.checkpoint import filesystem
+    from pipekernel.engine import checkpoint
 
     engine = _engine(1, shard=2)
     _train(engine, range(1))
@@ -268,14 +297,14 @@ def failing_worker(root):
     if engine.rank == 1:
         def full(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
-        filesystem._FileSystemWriter.write_data = full
+        checkpoint._write_file = full
     error = refused(lambda: engine.save_checkpoint(root))
     other = refused(lambda: _engine(1, shard=2, build=ff_model).load_checkpoint(root))
     return {"error": error, "other": other, "latest": open(os.path.join(root, "latest")).read().strip(),
             "tags": sorted(os.listdir(root))}
 
 
-def test_a_failed_dcp_write_fails_every_rank_and_keeps_latest(tmp_path):
+def test_a_failed_write_of_sharded_stages_fails_every_rank_and_keeps_latest(tmp_path):
     results = run_ranks(failing_worker, 2, str(tmp_path))
     for result in results:
         assert result["error"] and "No space left on device" in result["error"], result
@@ -359,7 +388,7 @@ def ep_worker(root):
     torch.set_num_threads(1)
     first = _ep_engine(2)
     losses = _train(first, range(K), _moe_data)
-    first.save_checkpoint(root, tag="ep2", format="dcp")
+    first.save_checkpoint(root, tag="ep2")
     saved = _whole(first)
     losses += _train(first, range(K, N), _moe_data)
     uninterrupted = _whole(first)
@@ -371,7 +400,7 @@ def ep_worker(root):
         info = engine.resume(root) if tag is None else engine.load_checkpoint(root, tag=tag)
         loaded = _close(_whole(engine), saved, exact=True)
         if save_as:
-            engine.save_checkpoint(root, tag=save_as, format="dcp")
+            engine.save_checkpoint(root, tag=save_as)
         resumed = _train(engine, range(info["global_steps"], N), _moe_data)
         after = _close(_whole(engine), uninterrupted, exact=name == "resume")
         out["runs"][name] = {"exact": info["exact"], "loaded": loaded, "losses": resumed,
@@ -393,7 +422,7 @@ def ep_worker(root):
     return out
 
 
-def test_pp2_x_ep2_dcp_resumes_bit_exact_and_reshards_the_experts(tmp_path):
+def test_pp2_x_ep2_resumes_bit_exact_and_reshards_the_experts(tmp_path):
     results = run_ranks(ep_worker, 4, str(tmp_path), timeout=400)
     for result in results:
         runs, losses = result["runs"], result["losses"]
@@ -437,7 +466,7 @@ def ep_bf16_worker(root):
     torch.set_num_threads(1)
     first = _ep_engine(2, precision="bf16")
     losses = _train(first, range(K), _moe_data)
-    first.save_checkpoint(root, tag="bf16", format="dcp")
+    first.save_checkpoint(root, tag="bf16")
     saved = _whole(first)
     losses += _train(first, range(K, N), _moe_data)
     uninterrupted = _whole(first)
@@ -459,7 +488,7 @@ def ep_bf16_worker(root):
     return out
 
 
-def test_pp2_x_ep2_bf16_dcp_resumes_bit_exact_with_its_fp32_masters(tmp_path):
+def test_pp2_x_ep2_bf16_resumes_bit_exact_with_its_fp32_masters(tmp_path):
     results = run_ranks(ep_bf16_worker, 4, str(tmp_path), timeout=400)
     for result in results:
         runs, losses = result["runs"], result["losses"]
@@ -474,7 +503,7 @@ def test_pp2_x_ep2_bf16_dcp_resumes_bit_exact_with_its_fp32_masters(tmp_path):
             assert runs[name]["losses"] == pytest.approx(losses[K:], rel=1e-3), runs[name]
 
 
-def ep_replicas_worker(root, precision):
+def ep_replicas_worker(root, precision, writer="layers"):
     """One stage x 4 replicas at E=2 (two expert-parallel groups holding the same slices,
     which DCP's save plan deduplicates) loads at E=4 and E=1 exactly (E=4 saving what E=1
     loads); under bf16 the fp32 masters and their momentum too."""
@@ -482,7 +511,7 @@ def ep_replicas_worker(root, precision):
     first = _ep_engine(2, stages=1, precision=precision)
     for s in range(K):
         first.train_batch(iter(_moe_data(s, first.data_parallel_rank, MB)))
-    first.save_checkpoint(root, tag="e2", format="dcp")
+    _save(first, root, writer, tag="e2")
     saved = _whole(first)
     first.close()
     out = {}
@@ -492,14 +521,16 @@ def ep_replicas_worker(root, precision):
         out[ep] = (_close(_whole(engine), saved, exact=True),
                    tuple(engine.module.state_dict()["1.mlp.w_in"].shape))
         if ep == 4:
-            engine.save_checkpoint(root, tag="e4", format="dcp")
+            _save(engine, root, writer, tag="e4")
         engine.close()
     return out
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_two_expert_parallel_groups_save_at_e2_and_load_at_e4_and_e1(tmp_path, precision):
-    results = run_ranks(ep_replicas_worker, 4, str(tmp_path), precision, timeout=300)
+@pytest.mark.parametrize("precision, writer", [("fp32", "layers"), ("bf16", "layers"),
+                                               ("bf16", "dcp")])
+def test_two_expert_parallel_groups_save_at_e2_and_load_at_e4_and_e1(tmp_path, precision,
+                                                                    writer):
+    results = run_ranks(ep_replicas_worker, 4, str(tmp_path), precision, writer, timeout=300)
     for result in results:
         assert result[4][0] is None and result[1][0] is None, result
         assert result[4][1][0] == 1 and result[1][1][0] == 4  # 1 expert each at E=4, all at E=1

@@ -359,8 +359,53 @@ def test_train_flags_resume_and_keep_last_parse():
 
 @pytest.mark.parametrize("flags,text", [
     (["--keep-last", "-1"], "--keep-last must be 0 or a positive integer"),
+    (["--verify-every", "-1"], "--verify-every must be 0 or a positive integer"),
+    (["--check-every", "-2"], "--check-every must be 0 or a positive integer"),
     (["--resume", "ck/global_step2"], "--resume 'ck/global_step2' is not a checkpoint tag")])
 def test_train_refuses_a_bad_keep_last_or_tag_before_starting_processes(capsys, flags, text):
     assert cli.main(["train", *flags]) == 1
     err = capsys.readouterr().err
     assert text in err and "how to fix" in err and "Traceback" not in err
+
+
+@pytest.mark.multirank
+def test_train_verify_every_replays_and_trains(tmp_path):
+    """--verify-every 1: every batch is replayed on every stage, then trained (a clean
+    model passes); --check-every 1 runs the sentinel after every step, and the report
+    says the last check's step, result and cost."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "--steps", "3", "--verify-every", "1", "--check-every", "1",
+                     "--schedule", "zbv", "--no-progress", "--out", str(out),
+                     "--dim", "16", "--layers", "2", "--heads", "2", "--context", "8",
+                     "--micro-batch-size", "2", "--corpus-bytes", "20000",
+                     "--sample-bytes", "0"]) == 0
+    summary = json.loads((out / "train.json").read_text())
+    assert summary["config"]["verify_every"] == 1 and summary["config"]["check_every"] == 1
+    # the monitor's summaries (the report's table): the last check, on every rank
+    checks = [s["last_check"] for s in summary["stages"]]
+    assert len(checks) == 2 and all(c["step"] == 3 and c["result"] == "passed"
+                                    and c["seconds"] > 0 for c in checks), checks
+
+
+@pytest.mark.fast
+def test_the_report_and_the_console_say_the_last_checks_result_and_cost():
+    import io
+
+    from pipekernel.apps.train import last_check
+    from pipekernel.plugins.sinks import ConsoleSink
+
+    ranks = [{"last_check": {"step": 200, "result": "passed", "seconds": s}}
+             for s in (0.002, 0.0035)]
+    assert last_check(ranks, 100) == ["last consistency check (every 100 steps): after step "
+                                      "200, passed on 2 rank(s), 3.5 ms on the slowest"]
+    assert last_check([{"last_check": None}], 100) == \
+        ["consistency checks: none ran (every 100 steps)"]
+    assert last_check(ranks, 0) == ["consistency checks: off (--check-every 0)"]
+    out = io.StringIO()
+    sink = ConsoleSink(every=1, stream=out)
+    record = {"step": 4, "loss": 1.0, "step_s": 0.1, "samples_per_s": 1.0,
+              "tokens_per_s": 1.0, "bubble_fraction": 0.1, "peak_memory_mb": None}
+    sink.write(record)
+    sink.write({**record, "check_seconds": 0.0021})
+    first, second = out.getvalue().splitlines()
+    assert "check" not in first and second.endswith("check passed 2.1 ms")

@@ -64,8 +64,6 @@ UNSUPPORTED = [
      "'zero_optimization.load_from_fp32_weights' (only its default (True)"),
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
      "'zero_optimization.offload_optimizer'"),
-    ({"pipeline": {"pipe_partitioned": False, "grad_partitioned": True}},
-     "'pipeline.grad_partitioned'"),
     ({"pipeline": {"overlap": True}}, "'pipeline.overlap'"),
     ({"optimizer": {"type": "AdamW", "params": {}, "legacy_fusion": False}},
      "'optimizer.legacy_fusion'"),
@@ -78,6 +76,19 @@ def test_an_unimplemented_key_errors_by_name(extra, name):
     with pytest.raises(ConfigError) as err:
         _parse(extra)
     assert name in str(err.value)
+
+
+def test_pipe_partitioned_true_is_refused_with_tensor_parallelism_only():
+    """DeepSpeed partitions activations between stages under tensor parallelism; the
+    DTensor path sends them whole, so an explicit ``true`` is refused there by name."""
+    for flags in ({"pipe_partitioned": True}, {"grad_partitioned": True}):
+        settings = _parse({"pipeline": flags})
+        dsconfig.check_partitioned(settings, 1)  # no tensor parallelism: nothing to do
+        with pytest.raises(ConfigError, match="pipe_partitioned/grad_partitioned is true "
+                                              "with tensor_parallel_size=2"):
+            dsconfig.check_partitioned(settings, 2)
+    for extra in ({}, {"pipeline": {"pipe_partitioned": False, "grad_partitioned": False}}):
+        dsconfig.check_partitioned(_parse(extra), 2)  # absent (DeepSpeed's default) or false
 
 
 def test_unimplemented_keys_are_named_together_or_warned_with_the_option():

@@ -17,13 +17,7 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parent.parent
 
 #: circles tolerated for now, each with its reason; the entry goes when the reason does
-ALLOWED: dict[frozenset[str], str] = {
-    # pipekernel's checkpoint format and the DCP path call each other (the format choice
-    # in checkpoint.py, the shared write/read protocol used by checkpoint_dcp.py); being
-    # cut in issue 45 item 4 — drop this entry with that change
-    frozenset({"pipekernel.engine.checkpoint",
-               "pipekernel.engine.checkpoint_dcp"}): "issue 45 item 4",
-}
+ALLOWED: dict[frozenset[str], str] = {}
 
 
 def _package_dirs() -> dict[str, Path]:
@@ -152,15 +146,16 @@ def test_no_import_circles():
         "  " + " <-> ".join(c) for c in bad)
 
 
-def test_the_plugin_face_reaches_nothing_in_engine():
-    """``pipekernel.plugin`` is what plugin authors import: it and every module it reaches
-    (imports anywhere in a file) stay out of ``pipekernel.engine`` (the package inits a
-    dotted import also runs are not counted)."""
+@pytest.mark.parametrize("face", ["pipekernel.plugin", "pipekernel.comm"])
+def test_the_plugin_face_reaches_nothing_in_engine(face):
+    """``pipekernel.plugin`` is what plugin authors import, ``pipekernel.comm`` what transport
+    authors do: each and every module it reaches (imports anywhere in a file) stay out of
+    ``pipekernel.engine`` (the package inits a dotted import also runs are not counted)."""
     graph = _without_packages(_graph())
-    seen, todo = set(), ["pipekernel.plugin"]
+    seen, todo = set(), [face]
     while todo:
         for w in graph[todo.pop()] - seen:
             seen.add(w)
             todo.append(w)
     reached = sorted(m for m in seen if m.startswith("pipekernel.engine"))
-    assert not reached, f"pipekernel.plugin reaches {reached}"
+    assert not reached, f"{face} reaches {reached}"

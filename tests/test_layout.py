@@ -55,7 +55,7 @@ LAYERS = {
     "nested": set(),                               # the one nested-container walker
     "schedules": _BASE,                            # layer 0: ISA, schedules, simulator
     "comm": _BASE,                                 # transport protocol, wire, collectives
-    "grid": _BASE | {"comm"},                      # topology, TP, ZeRO, partitioned activations
+    "grid": _BASE | {"comm"},                      # topology, mesh, FSDP2, experts, ZeRO
     "kernel": _BASE | {"schedules"},               # layer 1: the instruction loop
     "step": _BASE | {"schedules", "grid"},         # reductions, precision, the step's handlers
     "extend": _BASE | {"schedules", "comm", "grid", "step"},  # hookspecs, plugin manager, views

@@ -126,6 +126,24 @@ def test_two_stages_by_two_replicas_match_one_process(tmp_path):
     _check_against_oracle(results, replicas=2, epochs=1)
 
 
+def _checked_worker() -> dict:
+    model = lm.PipeModel(replicas=1)
+    trainer = _trainer(2, 1, None, verify_every=1, check_every=1)
+    trainer.fit(model)
+    engine = trainer.strategy.engine
+    return {**model.record(), "stage": engine.stage, "dp_rank": engine.data_parallel_rank,
+            "own_parameters": sorted(engine.module.state_dict()),
+            "checked": engine.sentinel.last_clean}
+
+
+def test_verify_every_and_check_every_reach_the_engine_and_change_nothing():
+    """PipelineStrategy(verify_every=1, check_every=1): every batch is replayed before it
+    trains and checked after; the run still matches one process."""
+    results = run_ranks(_checked_worker, 2)
+    _check_against_oracle(results, 1, 1)
+    assert all(r["checked"] == r["global_step"] for r in results)
+
+
 def test_resume_in_processes_the_trainer_starts_equals_the_straight_run(two_stages, tmp_path):
     """fit(ckpt_path=epoch 0's checkpoint) in new processes (Trainer(devices=2) spawns
     them) ends with the straight run's weights, bit for bit, and its losses."""

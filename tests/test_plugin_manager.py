@@ -208,3 +208,29 @@ def test_the_core_never_imports_plugins_or_transports_by_name():
             offenders += [f"{path.name}: {n}" for n in names
                           if n.startswith(("pipekernel.plugins", "pipekernel.transports"))]
     assert offenders == []
+
+
+class _Extra:  # an instruction class only this test knows
+    pass
+
+
+class _ClaimsExtra:
+    def __init__(self, name):
+        self.name = name
+
+    @pk.hookimpl
+    def pipekernel_register_instructions(self):
+        return {_Extra: lambda instruction: None}
+
+
+def test_two_plugins_claiming_one_instruction_is_an_error_naming_both():
+    from pipekernel.engine.assembly_step import plugin_handlers
+
+    one, other = _ClaimsExtra("one"), _ClaimsExtra("other")
+    assert set(plugin_handlers(make_plugin_manager([one], autoload=False), None)) == {_Extra}
+    pm = make_plugin_manager([one, other], autoload=False)
+    with pytest.raises(ConfigError, match="both register a handler for instruction _Extra") \
+            as err:
+        plugin_handlers(pm, None)
+    names = [pm.get_name(one), pm.get_name(other)]
+    assert all(repr(n) in str(err.value) for n in names), (names, str(err.value))

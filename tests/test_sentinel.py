@@ -62,6 +62,43 @@ def test_the_hash_is_the_same_on_the_gpu():
 
 
 @pytest.mark.fast
+def test_object_hash_sees_a_lost_key_a_flipped_byte_and_a_changed_container():
+    from pipekernel.engine.sentinel import object_hash
+
+    x = {"hidden": torch.randn(2, 3), "position_ids": torch.arange(6).view(2, 3)}
+    h = int(object_hash(x))
+    assert int(object_hash({k: v.clone() for k, v in x.items()})) == h
+    assert int(object_hash({"hidden": x["hidden"]})) != h
+    assert int(object_hash((x["hidden"], x["position_ids"]))) != h
+    flipped = x["hidden"].clone()
+    flipped.reshape(-1).view(torch.uint8)[5] ^= 1
+    assert int(object_hash({**x, "hidden": flipped})) != h
+
+
+@pytest.mark.fast
+def test_both_ends_of_a_transfer_add_into_the_same_slot():
+    """A send at position p and its receive at p + 1 (activations), or a gradient sent at
+    p + 1 and received at p, land in one slot; the micro-batch weighs in."""
+    from pipekernel.engine.sentinel import TransferSums
+    from pipekernel.schedules import instructions as isa
+
+    t = torch.randn(4)
+    for send, recv, at in ((isa.SendActivation, isa.RecvActivation, (2, 3)),
+                           (isa.SendGrad, isa.RecvGrad, (3, 2))):
+        a, b = TransferSums(1, 6, "cpu"), TransferSums(1, 6, "cpu")
+        a.add(send(micro_batch=1, buffer=0, chunk=0), at[0], t)
+        b.add(recv(micro_batch=1, buffer=0, chunk=0), at[1], t.clone())
+        assert a.sums.keys() == b.sums.keys() and len(a.sums) == 1
+        assert [int(v) for v in a.sums.values()] == [int(v) for v in b.sums.values()]
+        c = TransferSums(1, 6, "cpu")
+        c.add(recv(micro_batch=2, buffer=0, chunk=0), at[1], t)
+        assert [int(v) for v in c.sums.values()] != [int(v) for v in b.sums.values()]
+    skip = TransferSums(0, 6, "cpu")
+    skip.add(isa.SendSkip(micro_batch=0, buffer=0, chunk=0), 1, t)
+    assert skip.sums == {}
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "10"])
 def test_check_every_refuses_what_is_not_a_positive_int(bad):
     with pytest.raises(pk.ConfigError, match=r"check_every must be a positive int or None"):
@@ -252,6 +289,14 @@ LAYOUTS = [{"data_parallel_shard": 2}, {"data_parallel_size": 2, "zero_stage": 1
            {"data_parallel_size": 2, "precision": "bf16"}, {"tensor_parallel_size": 2}]
 
 
+def _tp_plan():
+    """Two of :func:`tests.models.mlp`'s Linear layers split (one per stage)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"1": ColwiseParallel(output_layouts=Replicate()),
+            "11": RowwiseParallel(input_layouts=Replicate())}
+
+
 def _layouts(layouts, steps):
     from tests.models import mlp, mlp_data
     torch.set_num_threads(1)
@@ -261,6 +306,8 @@ def _layouts(layouts, steps):
     except pk.ConfigError as err:
         done.append(str(err).splitlines()[0])
     for kw in layouts:
+        if kw.get("tensor_parallel_size", 1) > 1:
+            kw = {**kw, "tensor_parallel_plan": _tp_plan()}
         engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=adam, micro_batches=2,
                                    timeout=60, check_every=1, **kw)
         try:
@@ -279,3 +326,80 @@ def test_fsdp_zero_low_precision_and_tensor_parallel_layouts_pass_clean():
     refused = "check_every must be a positive int or None, got 0"
     assert all(refused in r[0] for r in results), results
     assert [r[1:] for r in results] == [[3] * len(LAYOUTS)] * 4, results
+
+
+def _expert_slices(steps):
+    """1 stage x 4 replicas, experts spread over 2 (each slice held by 2 replicas): clean
+    steps pass; then rank 2's copy of one expert moves by one ulp after step ``steps``."""
+    from pipekernel.apps.gpt import VOCAB, gpt_module
+    from pipekernel.grid.expert_parallel import is_expert
+
+    torch.set_num_threads(1)
+    module = gpt_module(16, 2, 2, 8, num_stages=1, seed=5, experts=4, top_k=2)
+    engine = pk.PipelineEngine(module, optimizer=adam, micro_batches=2, check_every=1,
+                               expert_parallel_size=2, timeout=60)
+    g = torch.Generator().manual_seed(engine.data_parallel_rank)
+
+    def batch():
+        ids = torch.randint(0, VOCAB, (2, 2, 9), generator=g)
+        return iter([(ids[m, :, :-1], ids[m, :, 1:]) for m in range(2)])
+    name = None
+    try:
+        for step in range(steps):
+            engine.train_batch(batch())
+        clean = engine.sentinel.last_clean
+        if engine.rank == 2:
+            name, p = next((n, p) for n, p in engine.module.named_parameters() if is_expert(p))
+            with torch.no_grad():
+                p.view(-1)[0] = torch.nextafter(p.view(-1)[0], torch.tensor(1e9))
+        engine.train_batch(batch())
+    except pk.ConsistencyError as err:
+        return clean, err.check, err.parameter, err.ranks, name
+    finally:
+        engine.close()
+    return clean, None, None, None, name
+
+
+def test_an_expert_slice_that_diverged_from_its_replica_is_named():
+    results = run_ranks(_expert_slices, 4, 2, timeout=300)
+    name = results[2][4]
+    assert name is not None
+    # rank 2 holds the same slice as rank 0 (expert-data-parallel group {0, 2})
+    assert all(r[:4] == (2, "replicas (experts)", name, [0]) or
+               r[:4] == (2, "replicas (experts)", name, [2]) for r in results), results
+
+
+def _hsdp_shards(steps):
+    """1 stage x 2 replicas x 2 FSDP2 shards (HSDP): clean steps pass; then rank 3's
+    shard of one parameter moves by one ulp after step ``steps``."""
+    from tests.models import mlp, mlp_data
+
+    torch.set_num_threads(1)
+    engine = pk.PipelineEngine(mlp(num_stages=1), optimizer=adam, micro_batches=2,
+                               data_parallel_size=2, data_parallel_shard=2, check_every=1,
+                               timeout=60)
+    name = None
+    try:
+        for step in range(steps + 1):
+            if step == steps and engine.rank == 3:
+                name, p = next(iter(engine.module.named_parameters()))
+                local = p.to_local() if hasattr(p, "to_local") else p
+                with torch.no_grad():
+                    local.view(-1)[0] = torch.nextafter(local.view(-1)[0],
+                                                        torch.tensor(1e9))
+            engine.train_batch(iter(mlp_data(step, engine.data_parallel_rank, 2)))
+            clean = engine.sentinel.last_clean
+    except pk.ConsistencyError as err:
+        return clean, err.check, err.parameter, sorted(err.ranks), name
+    finally:
+        engine.close()
+    return clean, None, None, None, name
+
+
+def test_an_fsdp2_shard_that_diverged_from_its_replica_is_named():
+    results = run_ranks(_hsdp_shards, 4, 2, timeout=300)
+    name = results[3][4]
+    assert name is not None
+    # rank 3 (replica 1, shard 1) is compared with rank 1 (replica 0, shard 1) only
+    assert all(r[0] == 2 and r[1].startswith("replicas") and r[2] == name
+               and r[3] in ([1], [3]) for r in results), results

@@ -25,7 +25,7 @@ from pipekernel.errors import ConfigError
 
 from . import config_keys
 
-__all__ = ["Settings", "parse", "load_config", "batch_sizes", "SUPPORTED_KEYS"]
+__all__ = ["Settings", "parse", "load_config", "batch_sizes", "check_partitioned", "SUPPORTED_KEYS"]
 
 #: DeepSpeed's default when ``gradient_clipping`` is absent (runtime/constants.py).
 GRADIENT_CLIPPING_DEFAULT = 1.0
@@ -69,7 +69,8 @@ class Settings:
     wall_clock_breakdown: bool = False
     zero_stage: int = 0
     activation_checkpoint_interval: int | None = None
-    partition_activations: bool = True
+    #: ``pipeline.pipe_partitioned`` as written (``None``: absent; see :func:`check_partitioned`)
+    pipe_partitioned: bool | None = None
     drop_last: bool = False
     trust_checkpoints: bool = False
     raw: dict = field(default_factory=dict)
@@ -315,10 +316,26 @@ def _zero(raw: dict, settings: Settings, refusals: _Refusals) -> None:
     settings.zero_stage = stage
 
 
+def check_partitioned(settings: Settings, tensor_parallel_size: int) -> None:
+    """``ConfigError`` for ``pipeline.pipe_partitioned``/``grad_partitioned`` written ``true``
+    with tensor parallelism: DeepSpeed sends ``1/T`` of each activation between stages
+    then; pipekernel's tensor parallelism (torch's DTensor) sends whole tensors, and its
+    own partitioned activations are retired. (Without tensor parallelism DeepSpeed's
+    switches change nothing, and neither do they here.)"""
+    if settings.pipe_partitioned and tensor_parallel_size > 1:
+        raise ConfigError(f"pipeline.pipe_partitioned/grad_partitioned is true with "
+                          f"tensor_parallel_size={tensor_parallel_size}: pipekernel sends "
+                          f"whole activations between stages under tensor parallelism "
+                          f"(torch's DTensor; partitioned activations are retired)",
+                          hint='write "pipe_partitioned": false and "grad_partitioned": '
+                               'false (docs/parallelism.md, "Migrating from the retired '
+                               'tensor-parallel layers")')
+
+
 def _pipeline(raw: dict, settings: Settings, refusals: _Refusals, num_stages: int) -> None:
     """``pipeline``: ``activation_checkpoint_interval`` (overrides the module's),
-    ``pipe_partitioned``/``grad_partitioned`` (tensor parallelism: pipekernel's
-    ``partition_activations``, one switch for both), ``use_reentrant`` (either way:
+    ``pipe_partitioned``/``grad_partitioned`` (booleans; nothing is partitioned between
+    stages, see :func:`check_partitioned`), ``use_reentrant`` (either way:
     pipekernel recomputes non-reentrantly, the same values); ``stages``/``partition``/
     ``seed_layers`` (unused by DeepSpeed's engine) only at their defaults or consistent."""
     section = raw.get("pipeline", {})
@@ -337,10 +354,9 @@ def _pipeline(raw: dict, settings: Settings, refusals: _Refusals, num_stages: in
                                    "layers per checkpoint")
         settings.activation_checkpoint_interval = interval or None
     pipe = _flag(section, "pipe_partitioned", True, "pipeline.")
-    if _flag(section, "grad_partitioned", True, "pipeline.") != pipe:
-        refusals.add("pipeline.grad_partitioned", "pipekernel partitions activations and "
-                     "their gradients together: give it the value of pipe_partitioned")
-    settings.partition_activations = pipe
+    grad = _flag(section, "grad_partitioned", True, "pipeline.")
+    if "pipe_partitioned" in section or "grad_partitioned" in section:
+        settings.pipe_partitioned = pipe or grad
     _flag(section, "use_reentrant", True, "pipeline.")
     _flag(section, "seed_layers", False, "pipeline.")
     stages = section.get("stages", "auto")

@@ -19,7 +19,7 @@ import torch
 import pipekernel as pk
 from pipekernel.errors import ConfigError
 
-from .config import Settings
+from .config import Settings, check_partitioned
 from .data import make_loader
 from .layout import check_client_state, write_deepspeed_files
 from .pipe import PipelineModule
@@ -53,6 +53,7 @@ class PipelineEngine(EngineSurface):
                    *([module.seeding_plugin()] if module.seed_layers else []),
                    *([times] if times is not None else [])]
         options = dict(engine_options or {})
+        check_partitioned(settings, options.get("tensor_parallel_size", 1))
         plugins += list(options.pop("plugins", ()))
         backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else "gloo"
         self.engine = pk.PipelineEngine(
@@ -61,7 +62,7 @@ class PipelineEngine(EngineSurface):
             precision=settings.precision, precision_options=settings.precision_options,
             max_grad_norm=settings.max_grad_norm, lr_scheduler=lr_scheduler,
             zero_stage=settings.zero_stage, data_parallel_size=module.dp_size,
-            partition_activations=settings.partition_activations, plugins=plugins, **options)
+            plugins=plugins, **options)
         self.optimizer, self.lr_scheduler = self.engine.optimizer, self.engine.lr_scheduler
         self.training_dataloader = None
         self.data_iterator: Iterator | None = None

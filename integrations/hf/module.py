@@ -44,6 +44,10 @@ class HFPipelineModule(PipelineModule):
         (:mod:`pipekernel.hf.router`), ``None`` when the model's forward adds none.
     :ivar packing_refused: why packed rows are refused (the build-time probe found that
         the pipeline does not reproduce the model's forward on one), ``None`` when they train.
+    :ivar sequence_chunks_refused: why the engine's ``seq_chunks > 1`` is refused: the
+        decoder layers run with ``use_cache=False`` and no layer reads the key/value prefix
+        of the earlier chunks (:func:`pipekernel.sequence_chunk`), so every family is
+        refused by its class name.
     """
 
     config: Any
@@ -108,6 +112,10 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     module = HFPipelineModule(specs, num_stages=num_stages, partition=partition, **options)
     module.config, module.structure, module.source = source.config, structure, source
     module.router_aux, module.packing_refused = router, refused
+    module.sequence_chunks_refused = (
+        f"{type(source.model).__name__}: pipekernel.hf's decoder layers cannot take the "
+        f"key/value prefix of earlier sequence chunks (each chunk would attend to itself "
+        f"alone); sequence chunking runs pipekernel's own attention (docs/sequences.md)")
     return module
 
 

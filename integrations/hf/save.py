@@ -54,7 +54,7 @@ def save_pretrained(engine: Any, path: str | os.PathLike) -> str:
     stages = engine.num_stages
     # DTensors (FSDP2, a DTensor plan): every rank of the stage gathers them (collective)
     sharded = any(hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
-    writes = engine.data_parallel_rank == 0 and engine.tp_group.rank == 0
+    writes = engine.data_parallel_rank == 0 and engine.topology.model_rank == 0
     if writes or sharded or _ep(engine).size > 1:
         state = stage_state(engine)
         if state and writes:

@@ -64,7 +64,7 @@ from pipekernel.comm.transport import P2POp
 from pipekernel.nested import map_tensors  # re-exported: the wire's users walk with it
 
 __all__ = ["flatten", "unflatten", "map_tensors", "encode", "decode", "Channel", "PendingRecv",
-           "HEADER_BYTES", "Partitioned", "PartitionSpec"]
+           "HEADER_BYTES"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
@@ -72,33 +72,11 @@ _CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _NAMES = {dtype: str(dtype).replace("torch.", "") for dtype in _DTYPES}
 # structure codes in the metadata (a tensor leaf is 0)
 _TUPLE, _DICT, _LIST, _NONE, _BOOL, _INT, _FLOAT = -1, -2, -3, -4, -5, -6, -7
-_PARTITIONED = -8
 _CONTAINERS = {_TUPLE: "tuple", _LIST: "list"}
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 #: Size of the header of every transfer (two int64: changed flag, metadata length).
 HEADER_BYTES = 16
 _ALIGN = 16
-
-
-class PartitionSpec(tuple):
-    """Structure node of a :class:`Partitioned` tensor: ``(parts, full shape)``."""
-
-    __slots__ = ()
-
-    def __new__(cls, parts: int, shape: Sequence[int]) -> PartitionSpec:
-        return super().__new__(cls, (parts, tuple(shape)))
-
-
-class Partitioned:
-    """One rank's slice of a tensor that ``parts`` ranks hold whole (a tensor-parallel
-    group's replicated activation): ``part`` is 1-D, ``ceil(numel / parts)`` elements
-    (zero-padded at the end). The metadata carries ``parts`` and the full ``shape``, so
-    the receiver knows what to rebuild (:mod:`pipekernel.grid.partitioned`)."""
-
-    __slots__ = ("part", "shape", "parts")
-
-    def __init__(self, part: torch.Tensor, shape: tuple[int, ...], parts: int) -> None:
-        self.part, self.shape, self.parts = part, tuple(shape), parts
 
 
 def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
@@ -115,8 +93,6 @@ def flatten(obj: Any, where: str = "value") -> tuple[list[torch.Tensor], Any]:
     """
     if isinstance(obj, torch.Tensor):
         return [obj], None
-    if isinstance(obj, Partitioned):
-        return [obj.part], PartitionSpec(obj.parts, obj.shape)
     if isinstance(obj, (tuple, list)):
         tensors, parts = [], []
         for i, item in enumerate(obj):
@@ -157,8 +133,6 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
     """Inverse of :func:`flatten`."""
     if structure is None:
         return tensors[0]
-    if isinstance(structure, PartitionSpec):
-        return Partitioned(tensors[0], structure[1], structure[0])
     kind = structure[0]
     if kind == "value":
         return structure[1]
@@ -174,9 +148,6 @@ def unflatten(tensors: list[torch.Tensor], structure: Any) -> Any:
 def _encode_structure(structure: Any, out: list[int]) -> None:
     if structure is None:
         out.append(0)
-        return
-    if isinstance(structure, PartitionSpec):
-        out += [_PARTITIONED, structure[0], len(structure[1]), *structure[1]]
         return
     kind = structure[0]
     if kind == "value":
@@ -208,9 +179,6 @@ def _decode_structure(data: list[int], pos: int) -> tuple[Any, int]:
     code = data[pos]
     if code == 0:
         return None, pos + 1
-    if code == _PARTITIONED:
-        ndim = data[pos + 2]
-        return PartitionSpec(data[pos + 1], data[pos + 3:pos + 3 + ndim]), pos + 3 + ndim
     if code == _NONE:
         return _value(None), pos + 1
     if code in (_BOOL, _INT, _FLOAT):

@@ -29,11 +29,11 @@ from pipekernel.extend.manager import resolve_schedule
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.mesh import build_grid
 from pipekernel.grid.parallel import ParallelConfig
-from pipekernel.grid.tensor_parallel import context as tp_context
 from pipekernel.grid.topology import Topology
-from pipekernel.engine.parallelize import tp_group_of
 from pipekernel.schedules.comm import lanes_needed
+from pipekernel.schedules.pipeline import OneFOneB
 from pipekernel.schedules.placement import check_placement, locate, parts_of
+from pipekernel.schedules.sequence import Seq1F1B
 from pipekernel.stage.loss import check_loss_reduction
 from pipekernel.model.module import PipelineModule
 from pipekernel.schedules.sim_memory import live_graphs
@@ -61,11 +61,13 @@ class Options:
     nonfinite: str
     check_data_steps: int
     check_every: int | None
+    verify_every: int | None
     loss_reduction: str
     grad_bucket_mb: float
     max_grad_norm: float | None
     lr_scheduler: Any
     parallel: ParallelConfig
+    seq_chunks: int = 1
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,6 @@ class Stage:
 
     grid: Any
     mesh: Any
-    tp_group: Any
     ep_group: Any
     module: Any
     skip_router: Any
@@ -137,7 +138,8 @@ class Assembly:
 
 
 def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
-                  max_grad_norm: float | None, check_every: Any = None, **rest: Any
+                  max_grad_norm: float | None, check_every: Any = None,
+                  verify_every: Any = None, **rest: Any
                   ) -> Options:
     """The options, refused by name when wrong."""
     if nonfinite not in ("error", "skip"):
@@ -150,6 +152,7 @@ def check_options(*, nonfinite: str, check_data_steps: int, loss_reduction: str,
                                "labels are checked (0: off)")
     return Options(nonfinite=nonfinite, check_data_steps=check_data_steps,
                    check_every=check_every_option(check_every),
+                   verify_every=check_every_option(verify_every, "verify_every"),
                    loss_reduction=check_loss_reduction(loss_reduction),
                    max_grad_norm=max_grad_norm, **rest)
 
@@ -176,6 +179,10 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
                                  rank=rank)
     plan = None
     if is_auto(schedule):
+        if options.seq_chunks != 1:
+            raise ConfigError(f"seq_chunks={options.seq_chunks!r} with schedule='auto': "
+                              "the planner does not plan sequence chunks", rank=rank,
+                              hint="pass schedule='1f1b' with seq_chunks")
         if chunks is not None:
             raise ConfigError(f"chunks={chunks!r} with schedule='auto': the planner "
                               "chooses the chunks", hint="give the chunks to try as "
@@ -183,7 +190,8 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
         plan = _auto_plan(module, schedule, num_stages, micro_batches, optimizer, pm, transport,
                           parallel.expert_parallel_size, topology)
         schedule, chunks = plan.schedule, plan.chunks  # the batch stays the user's
-    schedule_cls = resolve_schedule(pm, schedule)
+    schedule_cls = sequence_schedule(resolve_schedule(pm, schedule), options.seq_chunks,
+                                     module, rank)
     chosen = schedule_cls.default_chunks if chunks is None else chunks
     if not isinstance(chosen, int) or isinstance(chosen, bool) or chosen < 1:
         raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
@@ -196,6 +204,31 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
         require_layout_lanes(transport, options.transport, num_stages, chosen, placement, [])
     eval_cls = eval_schedule_for(resolve_schedule(pm, options.eval_schedule), placement, chosen)
     return Layout(topology, schedule_cls, eval_cls, chosen, placement, micro_batches, plan)
+
+
+def sequence_schedule(schedule_cls: Any, seq_chunks: Any, module: Any, rank: int) -> Any:
+    """``schedule_cls``, or :class:`~pipekernel.schedules.sequence.Seq1F1B` for
+    ``seq_chunks`` chunks when ``seq_chunks > 1`` (1F1B only; a model whose attention
+    cannot take a key/value prefix says why in ``module.sequence_chunks_refused``)."""
+    if seq_chunks == 1:
+        return schedule_cls
+    if not isinstance(seq_chunks, int) or isinstance(seq_chunks, bool) or seq_chunks < 1:
+        raise ConfigError(f"seq_chunks must be a positive int, got {seq_chunks!r}",
+                          hint="e.g. seq_chunks=4 (1: whole sequences)", rank=rank)
+    if schedule_cls.name != OneFOneB.name:
+        raise ConfigError(f"seq_chunks={seq_chunks} with schedule {schedule_cls.name!r}: "
+                          f"sequence chunks run under 1F1B only (Seq1F1B)", rank=rank,
+                          hint="pass schedule='1f1b' with seq_chunks, or seq_chunks=1")
+    if module.sequence_chunks_refused:
+        raise ConfigError(f"seq_chunks={seq_chunks}: {module.sequence_chunks_refused}",
+                          rank=rank, hint="train this model with seq_chunks=1 (whole sequences)")
+    if getattr(module, "activation_checkpoint_interval", 0):
+        raise ConfigError(f"seq_chunks={seq_chunks} with activation_checkpoint_interval="
+                          f"{module.activation_checkpoint_interval}: the recompute runs "
+                          f"outside its chunk, without the key/value prefix", rank=rank,
+                          hint="pass activation_checkpoint_interval=0 with seq_chunks (the "
+                               "chunks cut the activations instead), or seq_chunks=1")
+    return Seq1F1B.with_chunks(seq_chunks)
 
 
 def _auto_plan(module: PipelineModule, request: Any, num_stages: int, micro_batches: int,
@@ -257,7 +290,7 @@ def agree(module: PipelineModule, layout: Layout, options: Options, transport: A
               "partition": partition if isinstance(partition, (str, list, tuple))
               else type(partition).__name__,
               "nonfinite": options.nonfinite, "check_data_steps": options.check_data_steps,
-              "check_every": options.check_every,
+              "check_every": options.check_every, "verify_every": options.verify_every,
               "loss_reduction": options.loss_reduction, **options.parallel.fields(),
               "skip connections": sorted(module.skip_names.items())}
     check_consistency(transport, fields)
@@ -278,8 +311,11 @@ def partition(module: PipelineModule, optimizer: Any, layout: Layout, pm: Any,
     micro_batches = layout.micro_batches
     # every rank partitions here, before any group exists: plugins may broadcast
     # per part, the micro-batches whose graph its chunk holds at once (a deferred weight
-    # pass included), not its stage's whole in-flight count, which counts every chunk's
-    live = live_graphs(layout.schedule_cls, num_stages, micro_batches, chunks)
+    # pass included), not its stage's whole in-flight count, which counts every chunk's;
+    # Seq1F1B's buffers hold sequence chunks, 1/seq_chunks of a micro-batch each
+    per = getattr(layout.schedule_cls, "seq_chunks", 1)
+    live = {k: -(-n // per) for k, n in
+            live_graphs(layout.schedule_cls, num_stages, micro_batches, chunks).items()}
     num_parts = num_stages * chunks
     part_stages = [locate(p, num_stages, layout.placement)[0] for p in range(num_parts)]
     context = PartitionContext(
@@ -314,16 +350,15 @@ def mesh_unwanted(parallel: ParallelConfig, pm: Any) -> str:
 
 def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: Options,
                 pm: Any, transport: Any) -> Stage:
-    """Build this stage's layers (in its tensor-parallel group) and its skip routing."""
+    """Build this stage's layers (in its expert-parallel group) and its skip routing."""
     topology, chunks = layout.topology, layout.chunks
     num_stages, stage = topology.pipe_size, topology.stage
     grid = build_grid(topology, transport, mesh_unwanted(options.parallel, pm))
-    tp_group = tp_group_of(grid, topology, transport)
     ep_group = expert_parallel.make_group(topology, transport,
                                           options.parallel.expert_parallel_size,
                                           lanes=min(chunks, 2))
     positions = parts_of(stage, num_stages, chunks, layout.placement)
-    with tp_context(tp_group), expert_parallel.context(ep_group):
+    with expert_parallel.context(ep_group):
         built = module.build_stage(stage, parts.bounds, positions).to(transport.device)
     router = router_for(module, parts.bounds, built, positions, stage)
     edges = router.edges if router is not None else []
@@ -333,4 +368,4 @@ def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: O
     if edges:
         check_schedules([layout.schedule_cls, layout.eval_schedule_cls], num_stages,
                         layout.micro_batches, chunks, edges)
-    return Stage(grid, grid.mesh, tp_group, ep_group, built, router, edges)
+    return Stage(grid, grid.mesh, ep_group, built, router, edges)

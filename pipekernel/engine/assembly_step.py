@@ -22,8 +22,6 @@ from pipekernel.extend.views import Placed
 from pipekernel.errors import ConfigError
 from pipekernel.extend.manager import make_precision
 from pipekernel.grid import expert_parallel
-from pipekernel.grid.partitioned import ActivationPartitioner
-from pipekernel.grid.tensor_parallel import sharded_dim
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import instructions as isa
 from pipekernel.model.module import PipelineModule
@@ -50,7 +48,6 @@ class StageBuild(Placed):
     mesh: Any
     module: Any
     precision: Any
-    tp_group: Any
     ep_group: Any
     schedule_cls: Any
     eval_schedule_cls: Any
@@ -87,7 +84,7 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     tied_groups = make_tied_groups(module, parts, topology, transport)
     sync_parameters(stage, tied_groups, topology, transport, data_group, data_ranks)
     build = StageBuild(module, pm, transport, topology, options.parallel, stage.grid,
-                       stage.mesh, stage.module, precision, stage.tp_group, stage.ep_group,
+                       stage.mesh, stage.module, precision, stage.ep_group,
                        layout.schedule_cls, layout.eval_schedule_cls, layout.chunks,
                        layout.placement, layout.micro_batches, parts.bounds, parts.part_stages)
     # before the precision and the optimizer see the parameters (FSDP2, DTensor)
@@ -131,8 +128,9 @@ def make_tied_groups(module: PipelineModule, parts: Parts, topology: Any,
 
 def sync_parameters(stage: Stage, tied_groups: dict, topology: Any, transport: Any,
                     data_group: Any, data_ranks: list[int]) -> None:
-    """Make tied copies and replicas start identical (matters when no seed is given)."""
-    module, ep, tp = stage.module, stage.ep_group, stage.tp_group
+    """Make tied copies, replicas and tensor-parallel ranks start identical (matters when
+    no seed is given; before the DTensor plan shards the stage, so every parameter is whole)."""
+    module, ep = stage.module, stage.ep_group
     with torch.no_grad():
         for key, (group, ranks) in tied_groups.items():
             for p in module.tied_modules[key].parameters():
@@ -144,10 +142,10 @@ def sync_parameters(stage: Stage, tied_groups: dict, topology: Any, transport: A
         if ep.size > 1:  # experts differ over the data-parallel group
             expert_parallel.broadcast_experts(
                 transport, [p for p in module.parameters() if expert_parallel.is_expert(p)], ep)
-        if tp.size > 1:  # replicated parameters are equal on every tensor-parallel rank
+        if topology.model_size > 1:
+            handle, ranks = stage.grid.groups["tp"]
             for p in module.parameters():
-                if sharded_dim(p) is None:
-                    transport.broadcast(p.data, tp.ranks[0], tp.handle)
+                transport.broadcast(p.data, ranks[0], handle)
 
 
 def make_reducers(stage: Stage, precision: Any, tied_groups: dict, topology: Any,
@@ -197,20 +195,19 @@ def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
 def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage: Stage,
                  precision: Any, transport: Any, pm: Any, callbacks: dict[str, Any],
                  sharded: Any, step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
-    """The stage runtime, the batch step (the one owner of the batch's losses and token
-    counts) and the kernel over both's handlers (and FSDP2's, ``sharded``)."""
+    """The stage runtime (which records the batch's losses and token counts), the batch
+    step (which reads them) and the kernel over both's handlers (and FSDP2's,
+    ``sharded``)."""
     topology = layout.topology
-    batch_step = BatchStep(
-        module=stage.module, precision=precision, transport=transport, topology=topology,
-        max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite,
-        tokens=options.loss_reduction == "tokens" and module.loss_fn is not None,
-        expert_parallel=stage.ep_group if stage.ep_group.size > 1 else None, **step)
+    tokens = options.loss_reduction == "tokens" and module.loss_fn is not None
     runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
                            chunks=layout.chunks, placement=layout.placement,
-                           wire=ActivationPartitioner(stage.tp_group)
-                           if options.parallel.partitions else None,
-                           skips=stage.skip_router, losses=batch_step.losses,
-                           tokens=batch_step.tokens, **callbacks)
+                           skips=stage.skip_router, tokens=tokens, **callbacks)
+    batch_step = BatchStep(
+        module=stage.module, precision=precision, transport=transport, topology=topology,
+        max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite, tokens=tokens,
+        expert_parallel=stage.ep_group if stage.ep_group.size > 1 else None,
+        losses=runtime.loss_keeper.recorded, **step)
     handlers = {**runtime.handlers(), **batch_step.handlers(),
                 **(sharded_handlers(sharded) if sharded is not None else {}),
                 **plugin_handlers(pm, runtime)}

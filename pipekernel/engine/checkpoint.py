@@ -16,26 +16,24 @@ checkpoint root, plus a ``latest`` pointer::
                              precision policy's own state (loss scale, ...), the LR
                              scheduler, the data-parallel rank and data position
 
-Tensor parallelism and ZeRO-1 shard tensors in memory, never in the files: on save
-the shards are put together (tensor-parallel shards all-gathered over the
-tensor-parallel group, ZeRO-1 optimizer state by its collective ``state_dict``) and
-data-parallel and tensor-parallel rank 0 writes the whole tensors; on load each rank
-cuts its own shards (:func:`pipekernel.grid.tensor_parallel.shard_layer_state`,
-:meth:`pipekernel.grid.zero.ZeroOptimizer.load_state_dict`). So a checkpoint loads at any
-tensor-parallel size and any D, with or without ZeRO, and as one plain model.
+Shards live in memory, never in these files: on save ZeRO-1's optimizer state is put
+together by its collective ``state_dict``, expert slices are gathered, and DTensors
+(FSDP2's shards, a tensor-parallel plan's) are gathered whole over their mesh; data-parallel
+and tensor-parallel rank 0 writes. On load each rank cuts its own shards (DTensor stages
+through torch's ``set_state_dict``, :func:`pipekernel.engine.checkpoint_dcp.load_layer_files`).
+So a checkpoint loads at any layout, with or without ZeRO, FSDP2 or a plan, and as one
+plain model.
 
-Stages with torch parallelism (FSDP2, DTensor plans: an engine with a DeviceMesh) hold
-DTensors, and their checkpoints go through ``torch.distributed.checkpoint`` (DCP) into one
-DCP directory inside the same tag directory, with the same ``meta.json``, rank files,
-``latest`` and guarantees (:mod:`pipekernel.engine.checkpoint_dcp`; :func:`save`,
-:func:`load` and :func:`load_sequential` dispatch on ``meta["format"]``).
-
-Why pipekernel's own files where no tensor is sharded: DCP reshards *tensors* through a
-global plan, but in these files pipekernel never shards a tensor — a layer is whole — so
-resharding is just "each rank reads the layers it holds", which one file per layer gives
-for free, with no planner, no collective at load beyond one agreement, and files a user
-can open with ``torch.load``. The trade-off: no parallel writes *within* a layer (a layer
-is written by one rank), which only matters for single layers of many gigabytes.
+**One writer** (issue 45). These files are the one format pipekernel writes. Directories of
+``torch.distributed.checkpoint`` (DCP), which sharded stages wrote before, are still read
+(``meta["format"] == "dcp"``: :mod:`pipekernel.engine.checkpoint_dcp`). Why these files
+and not DCP: they are written and read over any transport (DCP needs
+``torch.distributed``'s default group under the engine: not ``cupy-nccl``, not a
+``transport_options`` group), they load into every layout (DCP's state-dict API cannot
+map ZeRO-1's optimizer), and each is one ``torch.load`` under ``weights_only`` (DCP's
+metadata is a pickle that may name other files). The trade-off: a layer is written by one
+rank, gathered whole in its memory first (no parallel writes within a layer), which
+matters for single layers of many gigabytes.
 
 What a caller may rely on:
 
@@ -50,7 +48,8 @@ What a caller may rely on:
 * **Partitioning-independent.** Weights are keyed by global layer index and optimizer
   state by parameter name (``"{layer}.{name}"``, a tied weight under its first
   layer), so a checkpoint saved at P stages x D replicas x T tensor-parallel ranks
-  (any schedule, any chunks, ZeRO-1 or not) loads at P' x D' x T', and :func:`load_sequential` loads it as one plain model.
+  (any schedule, any chunks, ZeRO-1, FSDP2 or not) loads at P' x D' x T', and
+  :func:`load_sequential` loads it as one plain model.
 * **Bit-exact resume at the same shape.** Loading into the same stages, replicas,
   schedule placement, chunks and bounds restores every rank's RNG states too, so
   training continues exactly as if never stopped (fp32 with dropout, fp16 with its
@@ -63,54 +62,35 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import random
 import shutil
 import uuid
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipekernel.engine import checkpoint_dcp
+from pipekernel.engine.checkpoint_layout import (MASTERS, _log, agree, apply_rank_state,
+                                                 attempt, check_model, has_state, layout,
+                                                 local_layers, same_layout)
 from pipekernel.grid import expert_parallel
-from pipekernel.grid import tensor_parallel as tp
 from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
                                                 _fsync_dir, _read_layer, _read_rank,
                                                 _write_file, latest_tag, layer_file,
                                                 rank_file, read_meta)
-from pipekernel.comm.agreement import check_consistency, raise_on_every_rank
+from pipekernel.comm.agreement import check_consistency
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.extend.views import EngineView
 from pipekernel.nested import map_tensors
 
-from pipekernel.engine import checkpoint_dcp  # noqa: E402 - it imports this module's helpers
-
 __all__ = ["FORMAT_VERSION", "save", "load", "resume", "load_sequential", "read_meta",
            "latest_tag"]
 
-_log = logging.getLogger("pipekernel.engine.checkpoint")
-_MASTERS = "master_weights"
 
 
 # -- names: global layer and parameter names on one stage -----------------------------------
-
-def _local_layers(stage: nn.Module, module: Any) -> list[tuple[str, int, nn.Module]]:
-    """``(registered name, canonical global layer, layer)`` for each module of ``stage``;
-    a tied module's canonical layer is the first global occurrence of its key."""
-    tied = {id(m): key for key, m in getattr(stage, "tied_modules", {}).items()}
-    first = getattr(module, "_first_tied", {})
-    out = []
-    for name, layer in stage._modules.items():
-        key = tied.get(id(layer))
-        out.append((name, first[key] if key is not None else int(name), layer))
-    return out
-
-
-def _has_state(layer: nn.Module) -> bool:
-    return len(layer.state_dict()) > 0
-
 
 def _layer_meta(module: Any) -> list[dict[str, Any]]:
     """Per global layer: type, tie, the file holding it and its tensors' shapes (from a
@@ -119,7 +99,7 @@ def _layer_meta(module: Any) -> list[dict[str, Any]]:
     num = len(module.layers)
     with torch.device("meta"):
         full = module.build_stage(0, [0, num])
-    canonical = {int(name): (index, layer) for name, index, layer in _local_layers(full, module)}
+    canonical = {int(name): (index, layer) for name, index, layer in local_layers(full, module)}
     out = []
     for i, spec in enumerate(module.layers):
         typename = getattr(spec, "typename", type(spec))
@@ -128,28 +108,11 @@ def _layer_meta(module: Any) -> list[dict[str, Any]]:
             entry["tied"], entry["canonical"] = spec.key, module._first_tied[spec.key]
         else:
             entry["canonical"] = i
-        if i in canonical and canonical[i][0] == i and _has_state(canonical[i][1]):
+        if i in canonical and canonical[i][0] == i and has_state(canonical[i][1]):
             entry["file"] = layer_file(i)
             entry["shapes"] = {k: list(v.shape) for k, v in canonical[i][1].state_dict().items()}
         out.append(entry)
     return out
-
-
-# -- agreement ---------------------------------------------------------------------------
-
-def _agree(transport: Any, error: BaseException | None, rank: int) -> None:
-    """Raise on every rank if any rank has ``error`` (the lowest failing rank's error,
-    with its rank); return normally when all succeeded
-    (:func:`pipekernel.comm.agreement.raise_on_every_rank`)."""
-    raise_on_every_rank(transport, error, hint="look at this rank's traceback above: its "
-                        "checkpoint step failed there; every rank stopped with it")
-
-
-def _attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
-    try:
-        return fn(*args), None
-    except Exception as err:  # noqa: BLE001 - every error travels to every rank
-        return None, err
 
 
 # -- save --------------------------------------------------------------------------------
@@ -171,22 +134,38 @@ def _cpu(obj: Any) -> Any:
     return map_tensors(lambda t: t.detach().to("cpu", copy=True), obj)
 
 
+def _whole(obj: Any) -> Any:
+    """``obj`` with every DTensor (FSDP2 shards, a tensor-parallel plan's) gathered whole:
+    collective over each DTensor's mesh, in the order of ``obj`` (the same on every rank
+    of the stage)."""
+    from torch.distributed.tensor import DTensor
+
+    return map_tensors(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, obj)
+
+
+def _ep(engine: EngineView) -> expert_parallel.ExpertParallelGroup:
+    """The engine's expert-parallel group (the trivial one of size 1 where it has none)."""
+    group = engine.ep_group
+    return group if group is not None else expert_parallel.ExpertParallelGroup()
+
+
 def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
     """The layer files this rank writes (data-parallel and tensor-parallel rank 0,
     canonical layers only), with whole tensors: ZeRO-1 shards (a collective
-    ``state_dict``) and tensor-parallel shards (gathered) put together."""
+    ``state_dict``), DTensors (gathered over their mesh) and expert slices (gathered) put
+    together."""
     precision, optimizer = engine.precision, engine.optimizer
     opt_state = optimizer.state_dict()["state"] if optimizer is not None else {}
-    ep = engine.ep_group
-    if engine.data_parallel_rank >= ep.size:  # the first expert-parallel group gathers
-        return {}
-    tp_group = engine.tp_group
+    ep = _ep(engine)
+    sharded = any(hasattr(t, "full_tensor") for t in engine.module.state_dict().values())
+    if engine.data_parallel_rank >= ep.size and not sharded:
+        return {}  # the first expert-parallel group gathers; DTensors gather on every rank
     index_of = ({id(p): i for i, p in enumerate(_optimizer_params(optimizer))}
                 if optimizer is not None else {})
     groups = _group_of(optimizer) if optimizer is not None else {}
     payloads = {}
-    for name, index, layer in _local_layers(engine.module, engine.pipeline_module):
-        if int(name) != index or not _has_state(layer):
+    for name, index, layer in local_layers(engine.module, engine.pipeline_module):
+        if int(name) != index or not has_state(layer):
             continue
         state = layer.state_dict()
         optim, hyper = {}, {}
@@ -199,11 +178,12 @@ def _layer_payloads(engine: EngineView) -> dict[int, dict[str, Any]]:
                 hyper[sub] = groups[id(master)]
                 if i in opt_state:
                     optim[sub] = opt_state[i]
-        state, optim = tp.gather_layer_state(layer, state, optim, tp_group)
+        state, optim = _whole(state), _whole(optim)
         state, optim = expert_parallel.gather_layer_state(layer, state, optim, ep)
         payloads[index] = _cpu({"layer": index, "state": state, "optimizer": optim,
                                 "param_groups": hyper})
-    return payloads if tp_group.rank == 0 and engine.data_parallel_rank == 0 else {}
+    writes = engine.data_parallel_rank == 0 and engine.topology.model_rank == 0
+    return payloads if writes else {}
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -215,7 +195,7 @@ def _rng_state(device: torch.device) -> dict[str, Any]:
 
 def _rank_payload(engine: EngineView, client_state: Any) -> dict[str, Any]:
     precision_state = dict(engine.precision.state_dict())
-    precision_state.pop(_MASTERS, None)  # kept per parameter in the layer files
+    precision_state.pop(MASTERS, None)  # kept per parameter in the layer files
     scheduler = engine.lr_scheduler
     return _cpu({
         "rank": engine.rank, "stage": engine.stage,
@@ -229,24 +209,6 @@ def _rank_payload(engine: EngineView, client_state: Any) -> dict[str, Any]:
     })
 
 
-def _layout(engine: EngineView) -> dict[str, Any]:
-    topo = engine.topology
-    return {"num_stages": engine.num_stages, "data_parallel_size": engine.data_parallel_size,
-            "world_size": engine.transport.world_size, "chunks": engine.chunks,
-            "placement": engine.placement, "bounds": list(engine.bounds),
-            "tensor_parallel_size": topo.model_size, "rank_order": topo.order}
-
-
-def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
-    """Same shape and the same rank for every position (then RNG states are restored).
-    Checkpoints from before the rank order existed used ``"tp-pp-dp"``; with one
-    replica and one tensor-parallel rank every order is the same."""
-    saved = {"tensor_parallel_size": 1, "rank_order": "tp-pp-dp", **saved}
-    if ours["data_parallel_size"] == 1 and ours["tensor_parallel_size"] == 1:
-        saved, ours = ({k: v for k, v in d.items() if k != "rank_order"} for d in (saved, ours))
-    return saved == ours
-
-
 def _meta(engine: EngineView) -> dict[str, Any]:
     import pipekernel
     module = engine.pipeline_module
@@ -254,7 +216,7 @@ def _meta(engine: EngineView) -> dict[str, Any]:
     return {
         "format_version": LAYER_FORMAT_VERSION, "pipekernel_version": pipekernel.__version__,
         "torch_version": torch.__version__,
-        "topology": _layout(engine), "schedule": engine.schedule_cls.name,
+        "topology": layout(engine), "schedule": engine.schedule_cls.name,
         "part_stages": list(engine.part_stages), "micro_batches": engine.micro_batches,
         "precision": engine.precision.name,
         "optimizer": type(engine.optimizer).__name__ if engine.optimizer is not None else None,
@@ -299,10 +261,10 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
     Collective: every rank of the engine calls it with the same ``root`` and ``tag``
     (default ``f"global_step{engine.global_steps}"``). ``client_state`` (tensors,
     numbers, strings, lists, dicts) is stored per rank and returned by :func:`load`.
-    Saving an existing tag replaces it. ``format``: ``None`` writes through
-    ``torch.distributed.checkpoint`` where a stage holds DTensors and pipekernel's layer
-    files elsewhere; ``"dcp"`` through DCP always (e.g. under expert parallelism: every
-    rank writes its own experts' slice, :mod:`pipekernel.engine.checkpoint_dcp`).
+    Saving an existing tag replaces it. Every engine writes pipekernel's layer files,
+    sharded stages (FSDP2, DTensor plans, expert slices) gathered whole; ``format``:
+    ``None`` (checkpoints of ``torch.distributed.checkpoint`` are read, not written:
+    docs/checkpoints.md, "One writer").
 
     :returns: the checkpoint directory, on every rank.
     :raises ConfigError: on every rank when any rank could not write (the reason and
@@ -310,13 +272,13 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
     """
     root = os.fspath(root)
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    if format not in (None, checkpoint_dcp.FORMAT):
-        raise ConfigError(f"save_checkpoint: format={format!r} is not a checkpoint format",
-                          hint="format=None (DCP where a stage holds DTensors, else "
-                               "pipekernel's layer files) or format='dcp' "
-                               "(torch.distributed.checkpoint always)", rank=engine.rank)
-    if format == checkpoint_dcp.FORMAT or checkpoint_dcp.wanted(engine):
-        return checkpoint_dcp.save(engine, root, tag, client_state)
+    if format is not None:
+        raise ConfigError(f"save_checkpoint: format={format!r}: pipekernel writes one "
+                          f"checkpoint format, its layer files (sharded stages gathered "
+                          f"whole); checkpoints of torch.distributed.checkpoint (format='dcp' "
+                          f"before) are read, not written",
+                          hint="drop format=; every checkpoint loads at any layout "
+                               "(docs/checkpoints.md, 'One writer')", rank=engine.rank)
     rank, transport = engine.rank, engine.transport
     final = os.path.join(root, tag)
     tmp = os.path.join(root, f".tmp-{tag}")
@@ -334,8 +296,8 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
             os.mkdir(tmp)
         return layers, mine, meta
 
-    prepared, error = _attempt(prepare)
-    _agree(transport, _wrap(error, root, "prepare"), rank)
+    prepared, error = attempt(prepare)
+    agree(transport, _wrap(error, root, "prepare"), rank)
     layers, mine, meta = prepared
 
     def write() -> None:
@@ -345,11 +307,11 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
             _write_file(os.path.join(tmp, layer_file(index)), payload)
         _write_file(os.path.join(tmp, rank_file(rank)), mine)
 
-    _, error = _attempt(write)
-    _agree(transport, _wrap(error, root, "write"), rank)
+    _, error = attempt(write)
+    agree(transport, _wrap(error, root, "write"), rank)
 
-    _, error = _attempt(lambda: _publish(root, tag, tmp, final) if rank == 0 else None)
-    _agree(transport, _wrap(error, root, "publish"), rank)
+    _, error = attempt(lambda: _publish(root, tag, tmp, final) if rank == 0 else None)
+    agree(transport, _wrap(error, root, "publish"), rank)
     return final
 
 
@@ -373,29 +335,6 @@ def _wrap(error: BaseException | None, root: str, phase: str) -> BaseException |
 
 # -- load --------------------------------------------------------------------------------
 
-def _check_model(meta: dict, module: Any, directory: str,
-                 layers: Iterable[tuple[int, nn.Module]], shapes_of: Any = None) -> None:
-    """``ConfigError`` naming the first layer whose tensors differ from the checkpoint's
-    (``shapes_of(layer)``: the whole shapes of its ``state_dict``; default: as they are)."""
-    if meta["num_layers"] != len(module.layers):
-        raise ConfigError(f"checkpoint {directory} holds a model of {meta['num_layers']} "
-                          f"layers and this PipelineModule has {len(module.layers)}",
-                          hint="load it with the layer list it was saved from")
-    for index, layer in layers:
-        saved = meta["layers"][index]
-        ours = (shapes_of(layer) if shapes_of is not None
-                else {k: list(v.shape) for k, v in layer.state_dict().items()})
-        theirs = saved.get("shapes", {})
-        for key in [*ours, *(k for k in theirs if k not in ours)]:
-            if ours.get(key) != theirs.get(key):
-                raise ConfigError(
-                    f"checkpoint {directory} is of another model: layer {index} "
-                    f"({saved['type']} in the checkpoint, {type(layer).__name__} here) "
-                    f"has {key!r} of shape {theirs.get(key, 'missing')} in the checkpoint "
-                    f"and {ours.get(key, 'missing')} here",
-                    hint="load it with the layer list it was saved from")
-
-
 def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
          trust_checkpoint: bool = False) -> dict[str, Any]:
     """Load checkpoint ``tag`` (default: the one ``root/latest`` names) into ``engine``.
@@ -417,36 +356,36 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
     """
     root = os.fspath(root)
     rank, transport, trust = engine.rank, engine.transport, bool(trust_checkpoint)
-    found, error = _attempt(read_meta, root, tag)
-    _agree(transport, error, rank)
-    if checkpoint_dcp.is_dcp(found[1]):  # saved by sharded stages
+    found, error = attempt(read_meta, root, tag)
+    agree(transport, error, rank)
+    if checkpoint_dcp.is_dcp(found[1]):  # a DCP directory (written before issue 45)
         return checkpoint_dcp.load(engine, root, tag, *found, trust=trust)
-    if checkpoint_dcp.wanted(engine):
+    if checkpoint_dcp.sharded(engine):  # DTensor stages: shards cut from whole tensors
         return checkpoint_dcp.load_layer_files(engine, *found, trust=trust)
-    local = _local_layers(engine.module, engine.pipeline_module)
-    tp_group, ep = engine.tp_group, engine.ep_group
+    local = local_layers(engine.module, engine.pipeline_module)
+    ep = _ep(engine)
 
     def read() -> tuple:
         directory, meta = read_meta(root, tag)
-        needed = sorted({index for _, index, layer in local if _has_state(layer)})
-        canonical_layers = {}
+        needed = sorted({index for _, index, layer in local if has_state(layer)})
+        canonical_layers: dict[int, nn.Module] = {}
         for name, index, layer in local:
             canonical_layers.setdefault(index, layer)
-        _check_model(meta, engine.pipeline_module, directory,
+        check_model(meta, engine.pipeline_module, directory,
                      [(i, canonical_layers[i]) for i in needed],
                      lambda layer: expert_parallel.full_shapes(
-                         layer, ep, tp.full_shapes(layer, tp_group)))
+                         layer, ep, {k: list(v.shape) for k, v in layer.state_dict().items()}))
         payloads = {i: _read_layer(directory, meta, i, trust) for i in needed}
-        exact = _same_layout(meta["topology"], _layout(engine))
+        exact = same_layout(meta["topology"], layout(engine))
         mine = _read_rank(directory, rank if exact else 0, trust)
         return directory, meta, payloads, mine, exact
 
-    result, error = _attempt(read)
-    _agree(transport, error, rank)
+    result, error = attempt(read)
+    agree(transport, error, rank)
     directory, meta, payloads, mine, exact = result
 
-    _, error = _attempt(_apply, engine, local, payloads, mine, exact, meta)
-    _agree(transport, error, rank)
+    _, error = attempt(_apply, engine, local, payloads, mine, exact, meta)
+    agree(transport, error, rank)
     tag_name = os.path.basename(directory)
     _log.info("rank %d loaded checkpoint %s (step %d%s)", rank, directory, meta["global_steps"],
               "" if exact else f", reshaped from {meta['topology']['num_stages']} stages x "
@@ -474,9 +413,9 @@ def resume(engine: EngineView, root: str | os.PathLike, *,
     :raises DataError: ``latest`` names a missing or truncated checkpoint.
     """
     root = os.fspath(root)
-    tag, error = _attempt(lambda: latest_tag(root)
+    tag, error = attempt(lambda: latest_tag(root)
                           if os.path.exists(os.path.join(root, "latest")) else None)
-    _agree(engine.transport, error, engine.rank)
+    agree(engine.transport, error, engine.rank)
     try:
         check_consistency(engine.transport, {"latest": tag},
                           f"view of the checkpoints under {root}")
@@ -498,10 +437,8 @@ def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: b
             payload = payloads.get(index)
             if payload is None:
                 continue
-            state, optim = tp.shard_layer_state(layer, payload["state"], payload["optimizer"],
-                                                engine.tp_group)
             state, optim = expert_parallel.shard_layer_state(
-                layer, state, optim, engine.ep_group)
+                layer, payload["state"], payload["optimizer"], _ep(engine))
             payload = {**payload, "state": state, "optimizer": optim}
             try:
                 layer.load_state_dict(payload["state"], strict=True)
@@ -518,30 +455,10 @@ def _apply(engine: EngineView, local: list, payloads: dict, mine: dict, exact: b
                     named_state[f"{index}.{sub}"] = payload["optimizer"][sub]
                 if sub in payload["param_groups"]:
                     groups[f"{index}.{sub}"] = payload["param_groups"][sub]
-    precision.load_state_dict({**mine.get("precision", {}), _MASTERS: masters})
+    precision.load_state_dict({**mine.get("precision", {}), MASTERS: masters})
     if optimizer is not None:
         _load_optimizer(optimizer, local_param_names, named_state, groups)
-    scheduler_state = mine.get("lr_scheduler")
-    if engine.lr_scheduler is not None and scheduler_state is not None:
-        engine.lr_scheduler.load_state_dict(scheduler_state)
-    engine.restore_counters(int(meta["global_steps"]), int(meta["skipped_steps"]),
-                            int(mine.get("data_position",
-                                         meta["global_steps"] * engine.micro_batches)))
-    if exact:
-        _restore_rng(engine, mine["rng"])
-
-
-def _restore_rng(engine: Any, rng: dict[str, Any]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    random.setstate(_python_state(rng["python"]))
-    device = torch.device(engine.transport.device)
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-def _python_state(state: Any) -> tuple:
-    version, internal, gauss = state
-    return version, tuple(internal), gauss
+    apply_rank_state(engine, mine, exact, meta)
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str],
@@ -592,14 +509,14 @@ def load_sequential(root: str | os.PathLike, module: Any, tag: str | None = None
         return (full.to(device) if device is not None else full).eval()
     num = len(module.layers)
     if meta["num_layers"] != num:
-        _check_model(meta, module, directory, [])
+        check_model(meta, module, directory, [])
     full = module.build_stage(0, [0, num])
-    local = _local_layers(full, module)
-    _check_model(meta, module, directory,
+    local = local_layers(full, module)
+    check_model(meta, module, directory,
                  [(index, layer) for name, index, layer in local
-                  if int(name) == index and _has_state(layer)])
+                  if int(name) == index and has_state(layer)])
     states = {index: _read_layer(directory, meta, index, trust_checkpoint)["state"]
-              for name, index, layer in local if int(name) == index and _has_state(layer)}
+              for name, index, layer in local if int(name) == index and has_state(layer)}
     with torch.no_grad():  # every file read (and checked) before the first is applied
         for name, index, layer in local:
             if index in states and int(name) == index:

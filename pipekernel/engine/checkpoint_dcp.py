@@ -1,14 +1,17 @@
-"""Checkpoints of sharded stages through ``torch.distributed.checkpoint`` (DCP).
+"""Sharded stages and checkpoints: reading ``torch.distributed.checkpoint`` (DCP)
+directories, and putting whole tensors into DTensor stages.
 
 An engine whose stages hold torch parallelism — FSDP2 (``data_parallel_shard=N``), a
 DTensor plan (``tensor_parallel_plan=``), a user's ``pipekernel_parallelize_stage`` — has
-DTensor parameters and optimizer state: :func:`pipekernel.engine.checkpoint.save` sends
-it here (:func:`wanted`, or ``format="dcp"``), and
+DTensor parameters and optimizer state. It *writes* pipekernel's layer files like every
+engine (:func:`pipekernel.engine.checkpoint.save` gathers each DTensor whole), and
+*loads* through torch's ``set_state_dict``: :func:`load_layer_files` cuts each rank's
+shards from the whole tensors read (:func:`sharded` says which engines, collectively).
+
+**DCP directories** — what pipekernel wrote for sharded stages before issue 45 (and for
+``save_checkpoint(format="dcp")``) — stay readable, into any engine:
 :func:`pipekernel.engine.checkpoint.load` sends every checkpoint whose ``meta.json`` says
-``"format": "dcp"``. The checkpoint keeps pipekernel's conventions (a tag directory under a root,
-``meta.json``, one ``rank-NNNNN.pt`` per rank, written under ``.tmp-<tag>`` and renamed
-into place when every rank succeeded, then ``latest``; ``resume``, ``keep_last``) and
-puts the tensors in **one DCP directory for the whole job**::
+``"format": "dcp"`` to :func:`load`, and ``load_sequential`` to :func:`load_sequential`::
 
     root/global_step12/
       meta.json          "format": "dcp", the layout (stages x replicas x shards x tp)
@@ -17,70 +20,45 @@ puts the tensors in **one DCP directory for the whole job**::
                          keys "model.{layer}.{name}", "optim.state.{layer}.{name}.{key}",
                          "optim.param_groups.{layer}.{name}.{hyperparameter}"
 
-Why one directory and not one per stage: the keys are pipeline-independent already (a
-global layer index, a tied weight under its first layer), so DCP's global plan does the
-whole mapping — each writer saves its local shards once (replicas and the copies of tied
-weights on several stages deduplicated by DCP), and a loading rank at *any* stages x
-shards x tp layout reads the pieces of the keys it holds, from whichever files hold
-them. Per-stage directories would tie the files to the partitioning, and loading at
-another number of stages would have to open several directories and map keys itself.
+The keys are pipeline-independent (a global layer index, a tied weight under its first
+layer), so DCP's read plan maps them to any stages x shards x tp layout. The model and
+optimizer go through ``get_state_dict`` / ``set_state_dict`` with
+``flatten_optimizer_state_dict=True`` (state and param-group hyperparameters keyed per
+parameter name, as the layer files key them). At the layout saved every tensor is
+restored bit for bit and every rank its RNG; at another, weights and optimizer state are
+exact and later steps agree to round-off. Data only unless trusted
+(:func:`pipekernel.engine.checkpoint_data.dcp_load`).
 
-The model and optimizer go through
-``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` with
-``flatten_optimizer_state_dict=True``: optimizer state *and* param-group hyperparameters
-keyed per parameter name, as pipekernel's own format keys them — a param group is a
-per-stage list, which a job-wide DCP key could not hold.
+Expert slices (``expert_parallel_size=E``) were written as DTensor ``Shard(dim)`` views over
+the rank's expert-parallel group, of the whole stack's shape (:func:`_expert_views`), so a
+load at any ``E`` reads its own slice. Precision policies that keep fp32 masters outside
+the module have each such parameter replaced in its module by its master while the state
+dicts are taken and set (:func:`_masters_shown`): the checkpoint's ``model.`` key is the
+master, as in the layer files; after a load each low-precision parameter is set from it.
 
-Same layout (stages, replicas, shards, tp, schedule placement, chunks, bounds): every
-tensor is restored bit for bit and every rank its RNG, so training continues exactly.
-Another layout: weights and optimizer state are exact (DCP reshards every DTensor);
-later steps agree to round-off. A DCP checkpoint also loads into an engine without any
-torch parallelism (the tensors read whole), :func:`pipekernel.load_sequential` reads
-it in one process, and :func:`pipekernel.hf.save_pretrained` gathers full tensors.
-
-Expert parallelism (``expert_parallel_size=E``) keeps each rank's slice of an expert stack
-as a plain tensor; here it is shown to DCP as a DTensor ``Shard(dim)`` over a 1-D mesh of
-the rank's expert-parallel group, of the whole stack's shape (the parameter and its
-optimizer state of the parameter's shape; :func:`_expert_views`), so the checkpoint holds
-whole stacks, each rank writes its own slice, and a load at any ``E`` — into FSDP2 at
-``E = 1`` too — reads its own. An EP engine without DTensors saves here when asked
-(``save_checkpoint(format="dcp")``), pipekernel's layer files otherwise.
-
-Precision policies that keep fp32 masters outside the module (``bf16``/``fp16`` on every
-parameter FSDP2 does not manage: all of them under expert parallelism, tied layers under
-FSDP2) have the optimizer step the masters, which ``get_state_dict`` cannot name. While
-the state dicts are taken and set, each such parameter is replaced in its module by its
-master (:func:`_masters_shown`): the checkpoint's ``model.`` key holds the fp32 master
-and ``optim.`` its optimizer state under the parameter's own name — what pipekernel's
-layer files hold, and FSDP2 under ``bf16`` (its fp32 shards are the masters) — so an
-expert slice's master is shown to DCP as the same ``Shard(dim)`` view, and the
-checkpoint loads at any layout, into ``fp32`` too; after a load each low-precision
-parameter is set from its master (it is the master's cast, not saved).
-
-What DCP cannot map is refused by name (:func:`check_engine`): pipekernel's own
-tensor-parallel layers and ZeRO-1 shard tensors outside DTensor, and a precision policy
-whose master is not of its parameter's shape cannot be keyed by the parameter's name.
+What ``get_state_dict`` cannot map is refused by name (:func:`check_engine`): ZeRO-1
+(torch's ZeroRedundancyOptimizer) and masters not of their parameter's shape.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import shutil
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from pipekernel.engine import checkpoint as _ckpt
 from pipekernel.engine import checkpoint_data
-from pipekernel.engine.checkpoint_files import FORMAT_VERSION, rank_file
+from pipekernel.engine.checkpoint_files import _read_layer, _read_rank
+from pipekernel.engine.checkpoint_layout import (MASTERS, _log, agree, apply_rank_state,
+                                                 attempt, check_model, has_state, layout,
+                                                 local_layers, same_layout)
 from pipekernel.errors import ConfigError, DataError, PipelineError
 from pipekernel.grid import expert_parallel
 
-__all__ = ["DCP_DIR", "FORMAT", "check_engine", "is_dcp", "load", "load_sequential", "save",
-           "wanted"]
+__all__ = ["DCP_DIR", "FORMAT", "check_engine", "is_dcp", "load", "load_layer_files",
+           "load_sequential", "sharded"]
 
 #: The ``"format"`` of a DCP checkpoint's ``meta.json`` (absent: pipekernel's layer files).
 FORMAT = "dcp"
@@ -88,10 +66,11 @@ FORMAT = "dcp"
 DCP_DIR = "dcp"
 
 
-def wanted(engine: Any) -> bool:
-    """Whether ``engine`` saves through DCP: some stage holds DTensors or FSDP2 modules.
-    Collective when the engine has a DeviceMesh (one all-reduce of one flag); without one
-    nothing can be sharded by torch and pipekernel's layer files are written."""
+def sharded(engine: Any) -> bool:
+    """Whether some stage of ``engine`` holds DTensors or FSDP2 modules (then a load goes
+    through torch's ``set_state_dict``, :func:`load_layer_files`). Collective when the
+    engine has a DeviceMesh (one all-reduce of one flag: every rank takes the same path);
+    without one nothing can be sharded by torch."""
     if getattr(getattr(engine, "grid", None), "mesh", None) is None:
         return False
     mine = getattr(engine, "stage_parallel", None) is not None or any(
@@ -106,38 +85,10 @@ def is_dcp(meta: dict[str, Any]) -> bool:
     return meta.get("format") == FORMAT
 
 
-def layout(engine: Any) -> dict[str, Any]:
-    """The layout a DCP checkpoint records: pipekernel's, with the shard count and the
-    expert-parallel size."""
-    return {**_ckpt._layout(engine), "data_parallel_shard": engine.parallel.data_parallel_shard,
-            "expert_parallel_size": engine.parallel.expert_parallel_size}
-
-
-def check_forced(engine: Any) -> None:
-    """``ConfigError`` when ``save_checkpoint(format="dcp")`` asks for DCP where it cannot
-    run: DCP's collectives need torch.distributed's default group under the transport."""
-    from pipekernel.grid.mesh import mesh_unavailable
-
-    why = mesh_unavailable(engine.transport)
-    if why:
-        raise ConfigError(f"save_checkpoint(format='dcp'): {why}, and "
-                          f"torch.distributed.checkpoint writes through that group",
-                          hint="use transport='gloo' or 'nccl' over the whole job, or "
-                               "format=None (pipekernel's layer files)",
-                          rank=engine.rank, stage=engine.stage)
-
-
 def check_engine(engine: Any, what: str) -> None:
     """``ConfigError`` naming the fix when ``engine`` shards or keeps state in a way DCP's
     state-dict API cannot map (see the module docstring)."""
     parallel, where = engine.parallel, {"rank": engine.rank, "stage": engine.stage}
-    if parallel.tensor_parallel_size > 1 and parallel.tensor_parallel_plan is None:
-        raise ConfigError(f"{what}: pipekernel's own tensor-parallel layers "
-                          f"(tensor_parallel_size={parallel.tensor_parallel_size} without a "
-                          f"plan) hold plain shards DCP cannot map to a DTensor checkpoint",
-                          hint="give tensor parallelism as a DTensor plan "
-                               "(tensor_parallel_plan=...), or load with "
-                               "tensor_parallel_size=1", **where)
     if parallel.zero_stage:
         raise ConfigError(f"{what}: ZeRO-1 (zero_stage={parallel.zero_stage}) shards the "
                           f"optimizer state outside DTensor, which a DCP checkpoint cannot "
@@ -192,7 +143,7 @@ def _masters_shown(engine: Any, loaded: bool = False) -> Iterator[None]:
 def _canonical_layer(engine: Any) -> dict[str, str]:
     """The stage's registered layer name -> the canonical global layer it is saved under."""
     return {name: str(index)
-            for name, index, _ in _ckpt._local_layers(engine.module, engine.pipeline_module)}
+            for name, index, _ in local_layers(engine.module, engine.pipeline_module)}
 
 
 def _rename(key: str, layers: dict[str, str], at: int) -> str:
@@ -301,16 +252,6 @@ def _plain_experts(engine: Any, state: dict[str, Any], keys: dict[str, str]) -> 
     return state
 
 
-def _meta(engine: Any) -> dict[str, Any]:
-    meta = _ckpt._meta(engine)
-    for entry in meta["layers"]:
-        entry.pop("file", None)  # the tensors are in dcp/, not in layer files
-    meta.update(format=FORMAT, format_version=FORMAT_VERSION, topology=layout(engine),
-                files=sorted([f"{DCP_DIR}/.metadata"]
-                             + [rank_file(r) for r in range(engine.transport.world_size)]))
-    return meta
-
-
 def _dcp(call: Any, *args: Any, **kwargs: Any) -> Any:
     """``call(*args, **kwargs)`` (``dcp.save``/``dcp.load``), with DCP's
     ``CheckpointException`` — a ``BaseException``, raised on every rank — turned into the
@@ -330,73 +271,22 @@ def _dcp(call: Any, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"on rank {rank}: {type(cause).__name__}: {cause}") from err
 
 
-# -- save ----------------------------------------------------------------------------------
-
-def save(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
-    """:func:`pipekernel.engine.checkpoint.save` of an engine that :func:`wanted` DCP:
-    the same contract (collective, atomic, ``latest``, an error on every rank)."""
-    import torch.distributed.checkpoint as dcp
-
-    rank, transport = engine.rank, engine.transport
-    final, tmp = os.path.join(root, tag), os.path.join(root, f".tmp-{tag}")
-
-    def prepare() -> tuple[dict, dict, bytes | None]:
-        _ckpt._check_tag(tag)
-        check_forced(engine)
-        check_engine(engine, "save_checkpoint")
-        engine.runtime.flush()
-        state, _ = _state(engine)
-        mine = _ckpt._rank_payload(engine, client_state)
-        meta = json.dumps(_meta(engine), indent=1).encode() if rank == 0 else None
-        if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            if os.path.lexists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(os.path.join(tmp, DCP_DIR))
-        return state, mine, meta
-
-    prepared, error = _ckpt._attempt(prepare)
-    _ckpt._agree(transport, _ckpt._wrap(error, root, "prepare"), rank)
-    state, mine, meta = prepared
-
-    def write() -> None:
-        if meta is not None:
-            _ckpt._write_file(os.path.join(tmp, "meta.json"), meta)
-        _ckpt._write_file(os.path.join(tmp, rank_file(rank)), mine)
-
-    _, error = _ckpt._attempt(write)
-    _ckpt._agree(transport, _ckpt._wrap(error, root, "write"), rank)
-    # collective, and DCP raises a failure on every rank itself; then one agreement more
-    _, error = _ckpt._attempt(lambda: _dcp(dcp.save, state,
-                                           checkpoint_id=os.path.join(tmp, DCP_DIR)))
-    _ckpt._agree(transport, _ckpt._wrap(error, root, "write (torch.distributed.checkpoint)"),
-                 rank)
-    _, error = _ckpt._attempt(lambda: _ckpt._publish(root, tag, tmp, final) if rank == 0
-                              else None)
-    _ckpt._agree(transport, _ckpt._wrap(error, root, "publish"), rank)
-    return final
-
-
 # -- load ----------------------------------------------------------------------------------
-
-def _same_layout(saved: dict[str, Any], ours: dict[str, Any]) -> bool:
-    return {"data_parallel_shard": 1, "expert_parallel_size": 1, **saved} == ours
-
 
 def _read(engine: Any, directory: str, meta: dict, trust: bool = False) -> tuple[dict, bool]:
     """This rank's file (its own at the same layout, rank 0's otherwise), after checking
     that the model is the checkpoint's (shapes are the whole tensors')."""
-    local = _ckpt._local_layers(engine.module, engine.pipeline_module)
+    local = local_layers(engine.module, engine.pipeline_module)
     canonical: dict[int, Any] = {}
     for _, index, layer in local:
-        if _ckpt._has_state(layer):
+        if has_state(layer):
             canonical.setdefault(index, layer)
-    _ckpt._check_model(meta, engine.pipeline_module, directory, sorted(canonical.items()),
+    check_model(meta, engine.pipeline_module, directory, sorted(canonical.items()),
                        lambda layer: expert_parallel.full_shapes(
                            layer, engine.ep_group,
                            {k: list(v.shape) for k, v in layer.state_dict().items()}))
-    exact = _same_layout(meta["topology"], layout(engine))
-    return _ckpt._read_rank(directory, engine.rank if exact else 0, trust), exact
+    exact = same_layout(meta["topology"], layout(engine))
+    return _read_rank(directory, engine.rank if exact else 0, trust), exact
 
 
 def _load_tensors(engine: Any, directory: str, trust: bool = False) -> None:
@@ -439,15 +329,15 @@ def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict, *,
         check_engine(engine, "load_checkpoint")
         return _read(engine, directory, meta, trust)
 
-    result, error = _ckpt._attempt(read)
-    _ckpt._agree(transport, error, rank)
+    result, error = attempt(read)
+    agree(transport, error, rank)
     mine, exact = result
     # collective (DCP agrees on its read plan and raises on every rank itself)
-    _, error = _ckpt._attempt(_load_tensors, engine, directory, trust)
-    _ckpt._agree(transport, _read_error(error, directory), rank)
-    _, error = _ckpt._attempt(_apply_counters, engine, mine, exact, meta)
-    _ckpt._agree(transport, error, rank)
-    _ckpt._log.info("rank %d loaded DCP checkpoint %s (step %d%s)", rank, directory,
+    _, error = attempt(_load_tensors, engine, directory, trust)
+    agree(transport, _read_error(error, directory), rank)
+    _, error = attempt(_apply_counters, engine, mine, exact, meta)
+    agree(transport, error, rank)
+    _log.info("rank %d loaded DCP checkpoint %s (step %d%s)", rank, directory,
                     meta["global_steps"], "" if exact else ", another layout")
     return {"directory": directory, "tag": os.path.basename(directory),
             "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
@@ -465,21 +355,12 @@ def _read_error(error: BaseException | None, directory: str) -> BaseException | 
 
 
 def _apply_counters(engine: Any, mine: dict, exact: bool, meta: dict) -> None:
-    """What the rank file holds: precision state (not its masters), LR scheduler,
-    counters, and the RNG states when the layout is the one saved."""
-    precision_state = {k: v for k, v in mine.get("precision", {}).items()
-                       if k != _ckpt._MASTERS}
+    """What the rank file holds: precision state (not its masters: they came with the
+    tensors), then :func:`~pipekernel.engine.checkpoint_layout.apply_rank_state`."""
+    precision_state = {k: v for k, v in mine.get("precision", {}).items() if k != MASTERS}
     if precision_state:
         engine.precision.load_state_dict(precision_state)
-    scheduler_state = mine.get("lr_scheduler")
-    if engine.lr_scheduler is not None and scheduler_state is not None:
-        engine.lr_scheduler.load_state_dict(scheduler_state)
-    engine.global_steps = int(meta["global_steps"])
-    engine.skipped_steps = int(meta["skipped_steps"])
-    engine.trained_micro_batches = int(mine.get("data_position",
-                                                meta["global_steps"] * engine.micro_batches))
-    if exact:
-        _ckpt._restore_rng(engine, mine["rng"])
+    apply_rank_state(engine, mine, exact, meta)
 
 
 # -- pipekernel's layer files into sharded stages ----------------------------------------------
@@ -498,30 +379,31 @@ def _from_layer_files(key: str, payloads: dict[int, dict]) -> Any:
 
 def load_layer_files(engine: Any, directory: str, meta: dict, *,
                      trust: bool = False) -> dict[str, Any]:
-    """Load a checkpoint of pipekernel's layer files (saved without sharding) into an
-    engine with sharded stages: each rank reads the whole tensors of its layers and
-    ``set_state_dict(full_state_dict=True)`` cuts its shards. The layout differs from the
-    saved one by construction, so RNG states are not restored."""
+    """Load a checkpoint of pipekernel's layer files into an engine with sharded stages:
+    each rank reads the whole tensors of its layers and cuts its shards
+    (:func:`_set_full`); at the layout saved (the same stages, replicas, shards, tp, chunks
+    and bounds) every rank reads its own rank file and RNG states, so the resume is
+    bit-exact, as for unsharded stages."""
     rank, transport = engine.rank, engine.transport
 
-    def read() -> tuple[dict, dict]:
+    def read() -> tuple[dict, bool, dict]:
         check_engine(engine, "load_checkpoint")
-        mine, _ = _read(engine, directory, meta, trust)
-        local = _ckpt._local_layers(engine.module, engine.pipeline_module)
-        needed = sorted({index for _, index, layer in local if _ckpt._has_state(layer)})
-        return mine, {i: _ckpt._read_layer(directory, meta, i, trust) for i in needed}
+        mine, exact = _read(engine, directory, meta, trust)
+        local = local_layers(engine.module, engine.pipeline_module)
+        needed = sorted({index for _, index, layer in local if has_state(layer)})
+        return mine, exact, {i: _read_layer(directory, meta, i, trust) for i in needed}
 
-    result, error = _ckpt._attempt(read)
-    _ckpt._agree(transport, error, rank)
-    mine, payloads = result
-    _, error = _ckpt._attempt(_set_full, engine, payloads)
-    _ckpt._agree(transport, error, rank)
-    _, error = _ckpt._attempt(_apply_counters, engine, mine, False, meta)
-    _ckpt._agree(transport, error, rank)
+    result, error = attempt(read)
+    agree(transport, error, rank)
+    mine, exact, payloads = result
+    _, error = attempt(_set_full, engine, payloads)
+    agree(transport, error, rank)
+    _, error = attempt(_apply_counters, engine, mine, exact, meta)
+    agree(transport, error, rank)
     return {"directory": directory, "tag": os.path.basename(directory),
             "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
             "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"), "exact": False, "meta": meta}
+            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}
 
 
 def _set_full(engine: Any, payloads: dict[int, dict]) -> None:
@@ -552,9 +434,9 @@ def load_sequential(directory: str, meta: dict, module: Any, *,
     :func:`pipekernel.engine.checkpoint.load_sequential`), read in this process alone."""
     num = len(module.layers)
     full = module.build_stage(0, [0, num])
-    layers = [(index, layer) for name, index, layer in _ckpt._local_layers(full, module)
-              if int(name) == index and _ckpt._has_state(layer)]
-    _ckpt._check_model(meta, module, directory, layers)
+    layers = [(index, layer) for name, index, layer in local_layers(full, module)
+              if int(name) == index and has_state(layer)]
+    check_model(meta, module, directory, layers)
     state = {f"model.{index}.{key}": value for index, layer in layers
              for key, value in layer.state_dict().items()}
     try:
@@ -563,7 +445,7 @@ def load_sequential(directory: str, meta: dict, module: Any, *,
             _dcp(checkpoint_data.dcp_load, state, os.path.join(directory, DCP_DIR), trust,
                  no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP raises many types for a bad directory
-        raise _read_error(err, directory) from err
+        raise (_read_error(err, directory) or err) from err
     with torch.no_grad():
         for index, layer in layers:
             prefix = f"model.{index}."

@@ -17,12 +17,12 @@ import torch
 from pipekernel.engine.checkpoint_data import load_file
 from pipekernel.errors import ConfigError, DataError, PipelineError
 
-#: The newest format this code reads (it reads this version and older) and writes:
-#: 2 is a checkpoint of sharded stages through torch.distributed.checkpoint
-#: (``meta["format"] == "dcp"``, :mod:`pipekernel.engine.checkpoint_dcp`).
+#: The newest format this code reads (it reads this version and older): 2 is a checkpoint
+#: of sharded stages through torch.distributed.checkpoint (``meta["format"] == "dcp"``,
+#: :mod:`pipekernel.engine.checkpoint_dcp`), written before issue 45 and read since.
 FORMAT_VERSION = 2
-#: The version of checkpoints of layer files (unchanged since 1, so a pipekernel that
-#: predates DCP checkpoints still reads them, and refuses a DCP one as newer).
+#: The version of checkpoints of layer files, the one format written (unchanged since 1,
+#: so a pipekernel that predates DCP checkpoints still reads them).
 LAYER_FORMAT_VERSION = 1
 
 

@@ -8,6 +8,7 @@ hooks and checkpoints get: hooks receive the engine itself, so a plugin reading
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -29,6 +30,7 @@ from pipekernel.extend.manager import make_plugin_manager, make_transport
 from pipekernel.grid.parallel import ParallelConfig
 from pipekernel.schedules.program import Program
 from pipekernel.model.module import PipelineModule
+from pipekernel.stage.sequence import split_sequences
 
 __all__ = ["PipelineEngine"]
 
@@ -87,11 +89,15 @@ class PipelineEngine(EngineFields):
         differently raise a ``DataError`` naming the micro-batch. ``0`` turns it off.
     :param check_every: every this many train steps, after the optimizer step, check the
         invariants that a silently wrong pipeline breaks (:mod:`pipekernel.engine.sentinel`):
-        data-parallel replicas hold bit-identical parameters and optimizer state, tied
-        copies are identical over their stages, every rank normalised the loss alike. One
-        all-reduce per check; a violation raises ``ConsistencyError`` on every rank naming
-        the check, stage, rank, parameter and step. Default ``100`` (measured well under 1%
-        of step time, docs/faults.md); ``None`` turns the checks off.
+        data-parallel replicas (and the replicas of each expert slice) hold bit-identical
+        parameters and optimizer state, tied copies are identical over their stages, every
+        rank normalised the loss alike, and (during the checked step's batch) every
+        activation and gradient arrived as it was sent. One all-reduce per check; a
+        violation raises ``ConsistencyError`` on every rank naming the check, stage, rank,
+        parameter and step. Default ``100`` (docs/faults.md); ``None`` turns them off.
+    :param verify_every: every this many train steps, ``train_batch`` first replays its
+        batch (:meth:`verify_batch`: the micro-batches are read once and used twice), then
+        trains on it; ``None`` (default): never.
     :param chunks: model chunks (virtual stages) per rank, for schedules that hold
         several (``"interleaved"``: any, default 2; ``"zbv"``: 2). The layers are
         split into ``num_stages * chunks`` parts, placed by the schedule's
@@ -107,15 +113,13 @@ class PipelineEngine(EngineFields):
         its gradients are final (see :mod:`pipekernel.step.grad_reduce`). ``0``: no
         overlap, one flat all-reduce at ``ReduceGrads``.
     :param tensor_parallel_size: tensor-parallel ranks per stage ``T`` (default 1): the
-        world is ``stages x replicas x T``; layers reach their group through
-        :mod:`pipekernel.grid.tensor_parallel` while they are built (see ``docs/parallelism.md``).
+        world is ``stages x replicas x T``; ``T > 1`` needs a ``tensor_parallel_plan`` (see
+        ``docs/parallelism.md``).
     :param rank_order: which rank is which, innermost axis first (default
         ``"tp-dp-pp"``: tensor-parallel ranks adjacent, pipeline outermost; any
         permutation of ``tp``, ``dp``, ``pp``; see :mod:`pipekernel.grid.topology`).
-    :param partition_activations: with ``T > 1``, each tensor-parallel rank sends only
-        its ``1/T`` slice of the (replicated) floating-point activations and gradients
-        between stages and the receiver all-gathers them over its tensor-parallel group
-        (default ``True``; ``False`` sends the whole tensors from every rank).
+    :param partition_activations: retired with pipekernel's own tensor-parallel layers;
+        anything but ``None`` is a ``ConfigError`` saying what to do instead.
     :param zero_stage: ``1`` shards the optimizer state over the data-parallel replicas
         (ZeRO-1: torch's ``ZeroRedundancyOptimizer``, :mod:`pipekernel.grid.zero`);
         ``0`` (default) replicates it.
@@ -137,6 +141,13 @@ class PipelineEngine(EngineFields):
         each stage over ``mesh["tp"]`` (``tensor_parallel_size`` ranks) by the built-in plugin
         :mod:`pipekernel.plugins.tensor_parallel_dtensor`; what crosses stages stays plain
         tensors.
+    :param seq_chunks: ``k > 1`` cuts every training micro-batch along the sequence (dim 1)
+        into ``k`` equal chunks run as units of 1F1B (Seq1F1B,
+        :mod:`pipekernel.schedules.sequence`; ``schedule="1f1b"`` only), each chunk's
+        attention reading the keys and values of the chunks before it
+        (:func:`pipekernel.sequence_chunk`): less activation memory and a smaller bubble
+        for long sequences. The model's attention must read the prefix
+        (``docs/sequences.md``); ``eval_batch`` runs whole sequences. Default 1.
 
     ``engine.mesh`` is the :class:`~torch.distributed.device_mesh.DeviceMesh` with the dims
     ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
@@ -157,12 +168,13 @@ class PipelineEngine(EngineFields):
                  max_grad_norm: float | None = None, lr_scheduler: Any = None,
                  chunks: int | None = None, grad_bucket_mb: float = 25.0,
                  nonfinite: str = "error", check_data_steps: int = 3,
-                 check_every: int | None = DEFAULT_CHECK_EVERY,
+                 check_every: int | None = DEFAULT_CHECK_EVERY, verify_every: int | None = None,
                  loss_reduction: str = "mean",
                  tensor_parallel_size: int = 1, rank_order: str | None = None,
-                 partition_activations: bool = True, zero_stage: int = 0,
+                 partition_activations: Any = None, zero_stage: int = 0,
                  data_parallel_shard: int = 1, reshard_after_forward: bool = False,
-                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None) -> None:
+                 expert_parallel_size: int = 1, tensor_parallel_plan: Any = None,
+                 seq_chunks: int = 1) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -188,9 +200,10 @@ class PipelineEngine(EngineFields):
                 data_parallel_size=data_parallel_size, transport=transport,
                 precision=precision, precision_options=dict(precision_options or {}),
                 nonfinite=nonfinite, check_data_steps=check_data_steps,
-                check_every=check_every,
+                check_every=check_every, verify_every=verify_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
+                seq_chunks=seq_chunks,
                 parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                              partition_activations, zero_stage,
                                              data_parallel_shard, reshard_after_forward,
@@ -243,24 +256,32 @@ class PipelineEngine(EngineFields):
         return program_of(self, cls)[0]
 
     def _run(self, cls: Any, data_iter: Iterator | None, compute_loss: bool,
-             keep_outputs: bool) -> torch.Tensor | None:
+             keep_outputs: bool, wrap: Any = None) -> torch.Tensor | None:
+        """One batch of schedule ``cls``; ``wrap(program, handlers)`` gives the handlers
+        run instead (the replay check's recording: :mod:`pipekernel.engine.replay`)."""
         if isinstance(data_iter, Iterable) and not isinstance(data_iter, Iterator):
             data_iter = iter(data_iter)
         batch_fn = getattr(self.pipeline_module, "batch_fn", None)
         if batch_fn is not None and isinstance(data_iter, Iterator):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
+        seq_chunks = getattr(cls, "seq_chunks", 1)  # Seq1F1B: a unit per sequence chunk
+        if seq_chunks > 1 and isinstance(data_iter, Iterator):
+            data_iter = split_sequences(data_iter, seq_chunks)
+        units = self.micro_batches * seq_chunks
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1
         try:
             agree_micro_batches(self)
             program, handlers, bound = program_of(self, cls)
-            self.batch_step.begin(self.micro_batches, self.global_steps)  # clears the losses
-            self.runtime.begin(data_iter, self.micro_batches, program, bound,
-                               compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check)
+            if wrap is not None:
+                handlers = wrap(program, handlers)
+            self.batch_step.begin(units, self.global_steps)
+            self.runtime.begin(data_iter, program, bound, compute_loss=compute_loss,
+                               keep_outputs=keep_outputs, check_data=check,
+                               seq_chunks=seq_chunks)
             self.kernel.run(program, handlers, **self._when(cls))
-            self.runtime.end()
-            return self.batch_step.mean_loss(cls.trains) if compute_loss else None
+            losses = self.runtime.end()
+            return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
             cause = root_cause(err, self.transport, self.abort_board, self.rank)
             if isinstance(cause, PipelineError):  # errors from outside the kernel too
@@ -298,7 +319,20 @@ class PipelineEngine(EngineFields):
             raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
                               hint="use schedule='1f1b' or 'gpipe'")
         with self._micro_batches_for(micro_batches):
+            every = self._assembly.options.verify_every
+            if every is not None and (self.global_steps + 1) % every == 0:
+                data_iter = self._verified(data_iter)
             return self._train_batch(data_iter)
+
+    def _verified(self, data_iter: Any) -> Any:
+        """``verify_every``: the batch's micro-batches read once, replayed
+        (:meth:`verify_batch`), then handed to the train step."""
+        if data_iter is not None:
+            items = list(itertools.islice(iter(data_iter), self.micro_batches))
+            self.verify_batch(iter(items))
+            return iter(items)
+        self.verify_batch(None)
+        return None
 
     @contextlib.contextmanager
     def _micro_batches_for(self, micro_batches: int | None) -> Iterator[None]:
@@ -317,12 +351,15 @@ class PipelineEngine(EngineFields):
         start, state, step = time.perf_counter(), self.state, self.batch_step
         self.pm.hook.pipekernel_before_train_batch(engine=self)
         self.module.train()
+        sentinel = self.sentinel
+        if sentinel is not None and sentinel.due(state.global_steps + 1):
+            self.runtime.transfer_sums = sentinel.transfer_sums()  # read by its check
         loss = self._run(self.schedule_cls, data_iter, True, False)
         state.global_steps += 1
         state.trained_micro_batches += self.micro_batches
         state.skipped_steps += not step.last_step_taken
         state.last_loss, state.last_grad_norm = loss, step.last_grad_norm
-        sentinel, checked = self.sentinel, None
+        checked = None
         if sentinel is not None and sentinel.due(state.global_steps):
             checked = self._check_invariants(sentinel)
         metrics = {"step": state.global_steps, "seconds": time.perf_counter() - start,
@@ -335,6 +372,30 @@ class PipelineEngine(EngineFields):
             metrics["check_seconds"] = checked
         self.pm.hook.pipekernel_after_train_batch(engine=self, loss=loss, metrics=metrics)
         return loss  # type: ignore[return-value]
+
+    def verify_batch(self, data_iter: Iterator | None = None,
+                     micro_batches: int | None = None) -> torch.Tensor:
+        """Check one batch by replaying it (:mod:`pipekernel.engine.replay`): run it through
+        the schedule, recording what each stage's compute saw, then re-run its micro-batches
+        on every stage in the plainest order (full backward, no recomputation, no split, no
+        pairs, no overlap) and compare the gradients. Nothing is reduced or stepped: the
+        weights, optimizer and step counters stay as they were, and the batch's gradients
+        are dropped. Every rank calls it, like :meth:`train_batch`; it costs about three
+        times a batch.
+
+        :returns: the batch's mean loss, as :meth:`train_batch` would.
+        :raises ConsistencyError: on every rank (``check="replay"``) when a stage's
+            gradients differ, naming the stage, rank and module.
+        :raises ConfigError: when a stage cannot replay (why and what to change).
+        """
+        from pipekernel.engine.replay import verify
+
+        self._check_loss_fn("verify_batch")
+        if not self.schedule_cls.trains:
+            raise ConfigError(f"schedule {self.schedule_cls.name!r} does not train",
+                              hint="verify_batch checks a training schedule's batch")
+        with self._micro_batches_for(micro_batches):
+            return verify(self, data_iter)
 
     def _check_invariants(self, sentinel: Sentinel) -> float:
         """Run the sentinel's checks (every rank together); their seconds. A failure ends
@@ -381,8 +442,9 @@ class PipelineEngine(EngineFields):
                         client_state: Any = None, format: str | None = None) -> str:  # noqa: A002
         """Save weights, optimizer, precision, LR scheduler, RNG and counters under
         ``path/tag`` atomically, then point ``path/latest`` at it. Every rank calls it.
-        ``format="dcp"`` writes through ``torch.distributed.checkpoint`` even where no
-        stage holds DTensors. See :func:`pipekernel.engine.checkpoint.save`."""
+        One format for every engine (pipekernel's layer files); ``format`` other than
+        ``None`` is a ``ConfigError`` (DCP directories are read, not written). See
+        :func:`pipekernel.engine.checkpoint.save`."""
         from pipekernel.engine.checkpoint import save
         return save(self, path, tag, client_state, format)
 
@@ -440,7 +502,7 @@ class PipelineEngine(EngineFields):
         self.grid.close()
         if self.stage_parallel is not None:
             self.stage_parallel.close()
-        drop_destroyed(self.tp_group, self.grad_reducer, self.optimizer,
+        drop_destroyed(self.grad_reducer, self.optimizer,
                        *self._tied_reducers.values())
         if self.data_group is not None and not is_registered(self.data_group):
             self._assembly = self._assembly.replace(data_group=None)

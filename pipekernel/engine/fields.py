@@ -62,7 +62,7 @@ class EngineFields(Placed):
                     doc="The DeviceMesh (dims ('pp', 'dp_replicate', 'dp_shard', 'tp')), or "
                         "None (a transport without one, or nothing that needs it); after "
                         "close() a ConfigError (its groups are destroyed).")
-    tp_group, ep_group = _read("stage.tp_group"), _read("stage.ep_group")
+    ep_group = _read("stage.ep_group")
     module = _read("stage.module", "This stage's layers (a StageModule).")
     skip_router, skip_edges = _read("stage.skip_router"), _read("stage.skip_edges")
     parallel = _read("options.parallel")

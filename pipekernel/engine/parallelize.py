@@ -1,6 +1,5 @@
 """What the engine checks and keeps of the torch parallelism applied to its stage by the
-hook ``pipekernel_parallelize_stage`` (FSDP2, DTensor), and its tensor-parallel group
-taken from the mesh. The engine calls these; the logic lives in
+hook ``pipekernel_parallelize_stage`` (FSDP2, DTensor). The engine calls it; the logic lives in
 :mod:`pipekernel.grid.mesh` and :mod:`pipekernel.grid.stage_parallel`."""
 from __future__ import annotations
 
@@ -9,24 +8,14 @@ from typing import Any
 from pipekernel.errors import ConfigError
 from pipekernel.extend.views import StageView
 from pipekernel.grid import stage_parallel
-from pipekernel.grid.tensor_parallel import TensorParallelGroup, _TRIVIAL
 
-__all__ = ["check_stage_parallel", "tp_group_of"]
-
-
-def tp_group_of(grid: Any, topology: Any, transport: Any) -> TensorParallelGroup:
-    """This rank's tensor-parallel group: the mesh's ``tp`` dim (its ranks in order)."""
-    if topology.model_size == 1:
-        return _TRIVIAL
-    handle, ranks = grid.groups["tp"]
-    return TensorParallelGroup(ranks.index(topology.rank), len(ranks), transport, handle,
-                               ranks)
+__all__ = ["check_stage_parallel"]
 
 
 def check_stage_parallel(engine: StageView) -> stage_parallel.StageParallel | None:
     """The driver of the stage's FSDP2 modules (``None``: none), after refusing by name
     what it does not run with: ``data_parallel_shard`` that no plugin applied, precision
-    policies other than ``fp32``, ZeRO-1, pipekernel's own tensor parallelism."""
+    policies other than ``fp32`` and ``bf16``, ZeRO-1."""
     driver = stage_parallel.find(engine.module)
     where = {"rank": engine.transport.rank, "stage": engine.stage}
     shard = engine.parallel.data_parallel_shard
@@ -45,13 +34,9 @@ def check_stage_parallel(engine: StageView) -> stage_parallel.StageParallel | No
                           f"precision='fp32' or 'bf16' only so far, not {name!r}",
                           hint="use precision='fp32' or 'bf16' (mapped to FSDP2's "
                                "MixedPrecisionPolicy)", **where)
-    own_tp = engine.parallel.tensor_parallel_size > 1 and \
-        engine.parallel.tensor_parallel_plan is None
-    if engine.parallel.zero_stage or own_tp:
+    if engine.parallel.zero_stage:
         raise ConfigError(f"stage {engine.stage} is sharded with FSDP2, which does not combine "
-                          f"with zero_stage=1 or pipekernel's own tensor-parallel layers",
-                          hint="drop zero_stage; give tensor parallelism as a DTensor plan "
-                               "(tensor_parallel_plan=...)", **where)
+                          f"with zero_stage=1", hint="drop zero_stage", **where)
     return driver
 
 

@@ -85,83 +85,56 @@ class StageView(Protocol):
       ``mesh`` (the :class:`~torch.distributed.device_mesh.DeviceMesh` or ``None``),
       ``grid`` (its groups: ``grid.require_mesh(what)``), ``parallel`` (the
       :class:`~pipekernel.grid.parallel.ParallelConfig` of the tensor-parallel, sharding and
-      expert options), ``tp_group`` / ``ep_group`` (this rank's tensor-parallel and
-      expert-parallel groups), ``pm`` (the engine's plugin manager).
+      expert options), ``ep_group`` (this rank's expert-parallel group; the
+      tensor-parallel group is ``mesh["tp"]``), ``pm`` (the engine's plugin manager).
 
     Read only: the engine does not expect a plugin to assign any of these.
     """
 
     @property
     def rank(self) -> int: ...
-
     @property
     def stage(self) -> int: ...
-
     @property
     def num_stages(self) -> int: ...
-
     @property
     def data_parallel_rank(self) -> int: ...
-
     @property
     def data_parallel_size(self) -> int: ...
-
     @property
     def topology(self) -> Topology: ...
-
     @property
     def schedule(self) -> str: ...
-
     @property
     def schedule_cls(self) -> type[Schedule]: ...
-
     @property
     def eval_schedule_cls(self) -> type[Schedule]: ...
-
     @property
     def chunks(self) -> int: ...
-
     @property
     def placement(self) -> str: ...
-
     @property
     def micro_batches(self) -> int: ...
-
     @property
     def bounds(self) -> Sequence[int]: ...
-
     @property
     def part_stages(self) -> Sequence[int]: ...
-
     @property
-    def pipeline_module(self) -> Any:  # a pipekernel.PipelineModule (a layer above)
-        ...
-
+    def pipeline_module(self) -> Any: ...  # a pipekernel.PipelineModule (a layer above)
     @property
     def module(self) -> nn.Module: ...
-
     @property
     def precision(self) -> Precision: ...
-
     @property
     def transport(self) -> Transport: ...
-
     @property
     def mesh(self) -> DeviceMesh | None: ...
-
     @property
     def grid(self) -> Grid: ...
-
     @property
     def parallel(self) -> ParallelConfig: ...
-
-    @property
-    def tp_group(self) -> Any:  # the home-made TP group, being retired (issue 45)
-        ...
-
     @property
     def ep_group(self) -> ExpertParallelGroup | None: ...
-
     @property
     def pm(self) -> pluggy.PluginManager: ...
 
@@ -196,43 +169,30 @@ class EngineView(StageView, Protocol):
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None: ...
-
     @property
     def lr_scheduler(self) -> Any: ...
-
     @property
     def global_steps(self) -> int: ...
-
     @property
     def skipped_steps(self) -> int: ...
-
     @property
     def trained_micro_batches(self) -> int: ...
-
     @property
     def last_grad_norm(self) -> float | None: ...
-
     @property
     def last_loss(self) -> torch.Tensor | None: ...
-
     @property
     def partition_report(self) -> Any: ...
-
     @property
     def plan(self) -> Any: ...
-
     @property
     def loss_reduction(self) -> str: ...
-
     @property
     def failed(self) -> BaseException | None: ...
-
     @property
     def runtime(self) -> RuntimeView: ...
-
     @property
     def instruction_types(self) -> tuple[type[Instruction], ...]: ...
-
     @property
     def position(self) -> tuple[int, Instruction] | None: ...
 
@@ -260,16 +220,12 @@ class RuntimeView(Protocol):
 
     @property
     def stage(self) -> int: ...
-
     @property
     def chunks(self) -> int: ...
-
     @property
     def micro_batches(self) -> int: ...
-
     @property
     def transport(self) -> Transport: ...
-
     @property
     def outputs(self) -> list[Any]: ...
 

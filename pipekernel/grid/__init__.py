@@ -1,3 +1,3 @@
 """The process grid: topology and rank order, the DeviceMesh (``mesh.py``), FSDP2 timed by
-the schedule (``stage_parallel.py``), data/tensor/expert parallel groups, ZeRO-1,
-partitioned activations."""
+the schedule (``stage_parallel.py``), the parallel options, expert parallel groups,
+ZeRO-1."""

@@ -1,5 +1,5 @@
 """The large-model options of :class:`~pipekernel.PipelineEngine`, validated once:
-tensor-parallel size, rank order, partitioned activations, ZeRO stage, FSDP2 sharding,
+tensor-parallel size and DTensor plan, rank order, ZeRO stage, FSDP2 sharding,
 expert-parallel size (checked against the data-parallel size by
 :mod:`pipekernel.grid.expert_parallel`)."""
 from __future__ import annotations
@@ -19,7 +19,6 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     rank_order: str = DEFAULT_RANK_ORDER
-    partition_activations: bool = True
     zero_stage: int = 0
     data_parallel_shard: int = 1
     reshard_after_forward: bool = False
@@ -29,7 +28,7 @@ class ParallelConfig:
 
     @classmethod
     def make(cls, tensor_parallel_size: Any = 1, rank_order: Any = None,
-             partition_activations: Any = True, zero_stage: Any = 0,
+             partition_activations: Any = None, zero_stage: Any = 0,
              data_parallel_shard: Any = 1, reshard_after_forward: Any = False,
              expert_parallel_size: Any = 1, tensor_parallel_plan: Any = None
              ) -> ParallelConfig:
@@ -40,11 +39,16 @@ class ParallelConfig:
                               f"{tensor_parallel_size!r}", hint="e.g. tensor_parallel_size=2")
         order = "-".join(parse_rank_order(rank_order if rank_order is not None
                                           else DEFAULT_RANK_ORDER))
-        if not isinstance(partition_activations, bool):
-            raise ConfigError(f"partition_activations must be True or False, got "
-                              f"{partition_activations!r}",
-                              hint="pass partition_activations=True (send 1/T of each activation) "
-                                   "or False")
+        if partition_activations is not None:
+            raise ConfigError(f"partition_activations={partition_activations!r}: partitioned "
+                              f"activations went with pipekernel's own tensor-parallel layers; "
+                              f"under a DTensor plan what crosses stages is what the plan's "
+                              f"styles output",
+                              hint="remove partition_activations; to send 1/T of each "
+                                   "activation per rank, shard the sequence at stage "
+                                   "boundaries with torch's sequence parallelism in "
+                                   "tensor_parallel_plan (docs/parallelism.md, 'Migrating "
+                                   "from the retired tensor-parallel layers')")
         if zero_stage not in (0, 1) or isinstance(zero_stage, bool):
             raise ConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}",
                               hint="zero_stage=1 shards the optimizer state over the "
@@ -65,11 +69,6 @@ class ParallelConfig:
                               "the optimizer state (and parameters and gradients)",
                               hint="drop zero_stage, or use data_parallel_shard=1")
         _check_plan(tensor_parallel_plan, tensor_parallel_size)
-        if data_parallel_shard > 1 and tensor_parallel_size > 1 and tensor_parallel_plan is None:
-            raise ConfigError("data_parallel_shard > 1 with tensor_parallel_size > 1: FSDP2 "
-                              "over pipekernel's own tensor-parallel layers is not supported",
-                              hint="give the tensor parallelism as a DTensor plan "
-                                   "(tensor_parallel_plan=...), which FSDP2 composes with")
         if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
                 or expert_parallel_size < 1:
             raise ConfigError(f"expert_parallel_size must be a positive int, got "
@@ -79,20 +78,14 @@ class ParallelConfig:
                               "spread over FSDP2-sharded ranks are not supported yet",
                               hint="use data_parallel_size (replicas) for the expert-parallel "
                                    "ranks, or data_parallel_shard without experts")
-        return cls(tensor_parallel_size, order, partition_activations, zero_stage,
+        return cls(tensor_parallel_size, order, zero_stage,
                    data_parallel_shard, reshard_after_forward, expert_parallel_size,
                    tensor_parallel_plan)
-
-    @property
-    def partitions(self) -> bool:
-        """Whether activations between stages travel partitioned."""
-        return self.tensor_parallel_size > 1 and self.partition_activations
 
     def fields(self) -> dict[str, Any]:
         """What every rank must agree on (for the engine's consistency check)."""
         return {"tensor parallel size": self.tensor_parallel_size,
                 "rank order": self.rank_order,
-                "partition activations": self.partition_activations,
                 "zero stage": self.zero_stage,
                 "data parallel shard": self.data_parallel_shard,
                 "reshard after forward": self.reshard_after_forward,
@@ -103,8 +96,19 @@ class ParallelConfig:
 
 
 def _check_plan(plan: Any, tensor_parallel_size: int) -> None:
-    """A DTensor plan: ``{str pattern: ParallelStyle}``, with ``tensor_parallel_size > 1``."""
+    """A DTensor plan: ``{str pattern: ParallelStyle}``, with ``tensor_parallel_size > 1``;
+    ``tensor_parallel_size > 1`` needs one (the only tensor parallelism there is)."""
     if plan is None:
+        if tensor_parallel_size > 1:
+            raise ConfigError(
+                f"tensor_parallel_size={tensor_parallel_size} needs a tensor_parallel_plan: "
+                f"tensor parallelism is torch's DTensor (pipekernel's own ColumnParallelLinear "
+                f"/ RowParallelLinear layers are retired)",
+                hint="build plain nn.Linear layers and pass tensor_parallel_plan={'*.up': "
+                     "ColwiseParallel(), '*.down': RowwiseParallel()} "
+                     "(torch.distributed.tensor.parallel; names relative to the stage), or "
+                     "tensor_parallel_plan='hf' for a Hugging Face model (docs/parallelism.md, "
+                     "'Migrating from the retired tensor-parallel layers')")
         return
     from torch.distributed.tensor.parallel import ParallelStyle
 

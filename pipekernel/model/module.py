@@ -272,6 +272,9 @@ class PipelineModule:
 
     #: DualPipe's hook (see ``overlapped_forward_backward`` above); ``None``: none.
     overlapped_forward_backward: Callable[..., Any] | None = None
+    #: Why the engine's ``seq_chunks > 1`` is refused for this model (its attention cannot
+    #: read the key/value prefix of earlier sequence chunks); ``None``: not known to be.
+    sequence_chunks_refused: str | None = None
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
                  num_stages: int | None = None, partition: Any = "parameters",

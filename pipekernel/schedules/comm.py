@@ -125,15 +125,15 @@ def plan_posts(steps: Iterable[Sequence[Instruction]], stage: int, num_stages: i
     sent_at: dict[tuple, int] = {}
     posts: list = [()] * n  # a point where nothing is posted: the one empty tuple
     recvs: list[int] = []  # the stream indices of the remote receives
-    # by class, isinstance once: False (not point-to-point), else (a send, reads a skip
+    # by class, isinstance once: () (not point-to-point), else (a send, reads a skip
     # peer: getattr(ins, "peer", None) for every class but ours without one)
-    kinds: dict[type, tuple[bool, bool] | bool] = {
+    kinds: dict[type, tuple[bool, ...]] = {
         cls: (cls in SENDS, issubclass(cls, SkipInstruction)) for cls in _ROLES}
     for i, ins in enumerate(stream):
         cls = type(ins)
         kind = kinds.get(cls)
         if kind is None:
-            kind = kinds[cls] = isinstance(ins, P2P) and (isinstance(ins, SENDS), True)
+            kind = kinds[cls] = (isinstance(ins, SENDS), True) if isinstance(ins, P2P) else ()
         if not kind:
             continue
         send, skip_peer = kind

@@ -12,6 +12,7 @@ of one stream). A sharded stage's program also holds FSDP2's gathers and reducti
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +23,8 @@ from pipekernel.errors import ScheduleError
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.comm import RECVS, SENDS, plan_posts
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight,
-                                               ForwardBackward, Instruction)
+                                               ForwardBackward, Instruction,
+                                               MicroBatchInstruction)
 from pipekernel.schedules.ordered import unpaired_steps
 from pipekernel.schedules.placement import position
 from pipekernel.schedules.sharded import WEIGHTS, add_shard_instructions
@@ -90,12 +92,10 @@ class Program:
 
     @cached_property
     def steps(self) -> tuple[tuple[Instruction, ...], ...]:
-        """The stream cut back into its steps."""
-        steps: list[list[Instruction]] = [[] for _ in range(self.step_of[-1] + 1)] \
-            if self.step_of else []
-        for step, ins in zip(self.step_of, self.stream):
-            steps[step].append(ins)
-        return tuple(map(tuple, steps))
+        """The stream cut back into its steps (``step_of`` ascends: a bisection per step)."""
+        step_of, stream = self.step_of, self.stream
+        cuts = [bisect_left(step_of, s) for s in range(step_of[-1] + 2)] if step_of else [0]
+        return tuple(stream[a:b] for a, b in zip(cuts, cuts[1:]))
 
     @property
     def channels(self) -> tuple[ChannelSpec, ...]:
@@ -119,13 +119,15 @@ class Program:
         stream, peers, local = self.stream, self.peers, self.local
         waiting: dict[tuple, list[int]] = {}
         for j, ins in enumerate(stream):
-            if local[j] and isinstance(ins, RECVS):
-                waiting.setdefault((type(ins), ins.chunk, ins.micro_batch, peers[j][1]),
+            peer = peers[j]  # a local transfer has its peer
+            if local[j] and peer is not None and isinstance(ins, RECVS):
+                waiting.setdefault((type(ins), ins.chunk, ins.micro_batch, peer[1]),
                                    []).append(j)
         out: list[int | None] = [None] * len(stream)
         for i, ins in enumerate(stream):
-            if local[i] and isinstance(ins, SENDS):
-                queue = waiting.get((_RECV_OF[type(ins)], peers[i][1], ins.micro_batch,
+            peer = peers[i]
+            if local[i] and peer is not None and isinstance(ins, SENDS):
+                queue = waiting.get((_RECV_OF[type(ins)], peer[1], ins.micro_batch,
                                      ins.chunk))
                 out[i] = queue.pop(0) if queue else None
         return tuple(out)
@@ -145,7 +147,8 @@ class Program:
         if self.last_weight < 0:
             return None
         last = self.stream[self.last_weight]
-        return (last.backward if isinstance(last, ForwardBackward) else last).chunk
+        half = last.backward if isinstance(last, ForwardBackward) else last
+        return half.chunk if isinstance(half, MicroBatchInstruction) else None  # it is one
 
 
 def compile_program(schedule_cls: Any, *, stage: int, num_stages: int, micro_batches: int,
@@ -214,7 +217,7 @@ def plan_communication(steps: Iterable[Sequence[Instruction]], *, stage: int, nu
                    posts=tuple(map(tuple, posts)),  # ascending already; no frame per group
                    peers=tuple(peers), local=tuple(local), lanes=tuple(lanes),
                    schedule=schedule, trains=trains, micro_batches=micro_batches,
-                   skips=tuple(map(tuple, skips)), num_buffers=num_buffers)
+                   skips=tuple((a, b) for a, b in skips), num_buffers=num_buffers)
 
 
 def _channels(program: Program) -> tuple[tuple[ChannelSpec, ...], tuple[int | None, ...]]:
@@ -225,13 +228,15 @@ def _channels(program: Program) -> tuple[tuple[ChannelSpec, ...], tuple[int | No
     channel_of: list[int | None] = [None] * len(stream)
     plain = _PLAIN  # classes without a skip peer: no getattr (and its exception) per transfer
     for at in chain.from_iterable(program.posts):
-        ins = stream[at]
+        # a posted index is a remote transfer: a micro-batch's, with a peer
+        ins: MicroBatchInstruction = stream[at]  # type: ignore[assignment]
+        peer: tuple[int, int] = peers[at]  # type: ignore[assignment]
         cls = type(ins)
         key = (cls, ins.chunk, None if cls in plain else getattr(ins, "peer", None))
         k = number.get(key)
         if k is None:
             k = number[key] = len(channels)
-            channels.append(ChannelSpec(key, peers[at][0], lanes[at] if lanes else None,
+            channels.append(ChannelSpec(key, peer[0], lanes[at] if lanes else None,
                                         cls in _SEND_SET))
         channel_of[at] = k
     return tuple(channels), tuple(channel_of)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pipekernel.schedules.comm import SENDS
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight,
                                                Forward, ForwardBackward, Instruction,
+                                               MicroBatchInstruction,
                                                ReduceShardedGrads, Reshard, Unshard)
 
 __all__ = ["add_shard_instructions", "WEIGHTS"]
@@ -36,7 +37,7 @@ def add_shard_instructions(steps: Sequence[Sequence[Instruction]], *, trains: bo
     pipeline position 0, else ``None``."""
     flat = [ins for step in steps for ins in step]
     ahead: list[tuple[Instruction, ...]] = [()] * len(flat)
-    upcoming: tuple[Instruction, ...] = ()
+    upcoming: tuple[MicroBatchInstruction, ...] = ()  # the next compute's part(s)
     for i in range(len(flat) - 1, -1, -1):
         ins = flat[i]
         if isinstance(ins, _COMPUTES):

@@ -158,12 +158,14 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
     dropped inside it: what they cache (their built steps) is garbage once the programs are
     made, freed as the simulation returns rather than scanned by the collector the moment it
     is back on."""
+    # a sequence-chunked schedule (Seq1F1B) numbers its units, m * k of them, as micro-batches
+    units = micro_batches * getattr(schedule, "seq_chunks", 1)
     with _no_cyclic_gc():
         return _simulate(schedule,
                          *_programs(schedule, num_stages, micro_batches, chunks, skips, paired,
                                     sharded),
                          costs, posting, stage_costs, host_costs,
-                         (num_stages, micro_batches, chunks))
+                         (num_stages, units, chunks))
 
 
 def _programs(schedule, num_stages, micro_batches, chunks, skips, paired, sharded) -> tuple:

@@ -27,7 +27,7 @@ times exactly:
   ("post-validation"); back to back without it, stage ``s`` would start the next
   batch ``s F`` late and the parallelogram would tile.
 
-``zbv`` is planned by :func:`plan`, a list scheduler that plays the whole
+``zbv`` is planned by :func:`list_schedule`, a list scheduler that plays the whole
 pipeline forward in unit time (F = I = W = 1) and lets every idle stage pick, in
 this order of preference:
 
@@ -86,13 +86,13 @@ from pipekernel.schedules.instructions import Instruction
 from pipekernel.schedules.ordered import Op, OrderedSchedule
 from pipekernel.schedules.placement import locate, position
 
-__all__ = ["ZBH1", "ZBH2", "ZBV", "plan", "handcrafted", "pair_forwards"]
+__all__ = ["ZBH1", "ZBH2", "ZBV", "list_schedule", "handcrafted", "pair_forwards"]
 
 
 @lru_cache(maxsize=256)
-def plan(num_stages: int, micro_batches: int, chunks: int, placement: str,
-         caps: tuple[int, ...], admit: int,
-         chunk_priority: tuple[int, ...] | None = None) -> tuple[tuple[Op, ...], ...]:
+def list_schedule(num_stages: int, micro_batches: int, chunks: int, placement: str,
+                  caps: tuple[int, ...], admit: int,
+                  chunk_priority: tuple[int, ...] | None = None) -> tuple[tuple[Op, ...], ...]:
     """Every stage's order of ``F``/``I``/``W`` operations (see the module docstring).
 
     :param caps: per stage, the most live parts (forwarded, ``W`` not yet run).
@@ -104,7 +104,7 @@ def plan(num_stages: int, micro_batches: int, chunks: int, placement: str,
 
 
 class _ListScheduler:
-    """:func:`plan`'s play of the whole pipeline in unit time, one tick at a time."""
+    """:func:`list_schedule`'s play of the whole pipeline in unit time, one tick at a time."""
 
     def __init__(self, S: int, M: int, C: int, placement: str, caps: tuple[int, ...],
                  admit: int, chunk_priority: tuple[int, ...] | None) -> None:
@@ -288,8 +288,8 @@ class _ZeroBubble(OrderedSchedule):
         raise NotImplementedError
 
     def order(self) -> Sequence[Op]:
-        return plan(self.num_stages, self.micro_batches, self.chunks, self.placement,
-                    self.caps(), self.num_stages)[self.stage]
+        return list_schedule(self.num_stages, self.micro_batches, self.chunks, self.placement,
+                             self.caps(), self.num_stages)[self.stage]
 
 
 class ZBH1(OrderedSchedule):
@@ -356,7 +356,7 @@ class ZBV(_ZeroBubble):
         return tuple(min(2 * S, 2 * M) for s in range(S))
 
     def plan_order(self) -> Sequence[Op]:
-        """The zero-bubble plan of this stage (:func:`plan`), without pairs."""
+        """The zero-bubble plan of this stage (:func:`list_schedule`), without pairs."""
         return super().order()
 
     @cached_property
