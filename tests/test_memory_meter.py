@@ -102,7 +102,7 @@ def _worker(schedule, micro_batches, interval):
     engine.close()
     del batch  # the user's inputs and labels, which autograd saved too
     runtime = engine.runtime  # the last batch's buffers and data stay until the next one
-    runtime.buffers, runtime.data_iter, runtime.labels = [], None, {}
+    runtime.buffers, runtime.data_iter, runtime.loss_keeper.labels = [], None, {}
     gc.collect()
     after = meter.ledger.now()
     tensors = len(list(engine.module.parameters()))

@@ -12,6 +12,7 @@ of one stream). A sharded stage's program also holds FSDP2's gathers and reducti
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -91,12 +92,10 @@ class Program:
 
     @cached_property
     def steps(self) -> tuple[tuple[Instruction, ...], ...]:
-        """The stream cut back into its steps."""
-        steps: list[list[Instruction]] = [[] for _ in range(self.step_of[-1] + 1)] \
-            if self.step_of else []
-        for step, ins in zip(self.step_of, self.stream):
-            steps[step].append(ins)
-        return tuple(map(tuple, steps))
+        """The stream cut back into its steps (``step_of`` ascends: a bisection per step)."""
+        step_of, stream = self.step_of, self.stream
+        cuts = [bisect_left(step_of, s) for s in range(step_of[-1] + 2)] if step_of else [0]
+        return tuple(stream[a:b] for a, b in zip(cuts, cuts[1:]))
 
     @property
     def channels(self) -> tuple[ChannelSpec, ...]:
