@@ -170,7 +170,7 @@ def normalised_after_backward(engine, step):
 
         def undivided(*args, **kwargs):
             begin(*args, **kwargs)
-            runtime.micro_batches = 1
+            runtime._units = 1  # what the losses divide by
         runtime.begin = undivided
 
 

@@ -86,6 +86,11 @@ def surface_worker():
     loss = engine.train_batch(iter(data))
     losses = engine.runtime.end()
     got = (len(losses.values), losses.micro_batches, float(loss))
+    # end() hands the batch's losses over: the next batch records into a new one
+    engine.train_batch(iter(data))
+    after = engine.runtime.end()
+    got += (after is not losses, (len(losses.values), losses.micro_batches) == got[:2],
+            after.micro_batches == losses.micro_batches)
     return engine.stage, engine.num_stages, engine.data_parallel_rank, errors, owners, \
         step_in_runtime, got
 
@@ -98,6 +103,7 @@ def test_engine_surface_and_forward_points_to_train_batch():
         assert all(owners.values()) and step_in_runtime == [], (owners, step_in_runtime)
     first, last = results[0][-1], results[1][-1]
     assert first[:2] == (0, []) and last[:2] == (2, [0, 1])  # only the last stage has losses
+    assert first[3:] == last[3:] == (True, True, True), (first, last)
     assert first[2] == last[2]  # the batch loss, the same on every rank
 
 

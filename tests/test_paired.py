@@ -8,6 +8,8 @@ default (the forward, then the backward: today's program), on the own GPT (PP2) 
 own MoE GPT with experts spread over 2 ranks (PP2 x EP2); bad input is a ConfigError."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -153,25 +155,49 @@ def test_an_executor_returning_something_else_is_a_config_error(tmp_path):
     assert "returned str, expected (outputs0, loss0)" in text, text
 
 
-def _runtime(model_size=1, shard_size=1, skips=None, params_of=None):
-    from types import SimpleNamespace
-    return SimpleNamespace(stage=1, _skips=skips, _params_of=params_of,
-                           topology=SimpleNamespace(model_size=model_size,
-                                                    shard_size=shard_size))
+def _executor(fn, model_size=1, shard_size=1, skips=False):
+    return PairedExecutor(object(), fn, where="stage 1", skips=skips,
+                          sharded=model_size > 1 or shard_size > 1)
 
 
 def test_the_executor_refuses_what_it_cannot_run_by_name():
-    PairedExecutor(_runtime(model_size=2), sequential)  # one after the other: any stage
+    _executor(sequential, model_size=2)  # one after the other: any stage
     with pytest.raises(pk.ConfigError, match="stage 1: 'overlap_all_to_all' runs a pair's "
                                              "halves at the same time"):
-        PairedExecutor(_runtime(model_size=2), pk.overlap_all_to_all)
+        _executor(pk.overlap_all_to_all, model_size=2)
     with pytest.raises(pk.ConfigError, match="tensor-parallel or sharding collectives"):
-        PairedExecutor(_runtime(shard_size=2), pk.overlap_all_to_all)
+        _executor(pk.overlap_all_to_all, shard_size=2)
     with pytest.raises(pk.ConfigError, match="overlapped_forward_backward with skip "
                                              "connections"):
-        PairedExecutor(_runtime(skips=object()), sequential)
+        _executor(sequential, skips=True)
     with pytest.raises(pk.ConfigError, match="is a int, not a callable"):
-        PairedExecutor(_runtime(), 3)
+        _executor(3)
+
+
+def test_the_executor_uses_its_protocol_only_and_the_runtime_provides_it():
+    from types import SimpleNamespace
+
+    from pipekernel.stage.paired import PairedStage
+    from pipekernel.stage.runtime import StageRuntime
+    members = {n for n, v in vars(PairedStage).items()
+               if inspect.isfunction(v) and not n.startswith("_")}
+    assert members <= set(dir(StageRuntime)), members - set(dir(StageRuntime))
+    returns = {"forward_inputs": SimpleNamespace(inputs=torch.ones(1)),
+               "backward_roots": (None, [], []), "criterion": (None, None)}
+    calls = []
+
+    class Strict:  # any attribute outside PairedStage fails the run
+        def __getattribute__(self, name):
+            assert name in members, f"the executor read {name!r}, not in PairedStage"
+            return lambda *args, **kw: calls.append(name) or returns.get(name)
+
+    pair = ForwardBackward(Forward(0, 0, 0), Backward(1, 1, 1))
+    PairedExecutor(Strict(), None, where="stage 0").run(pair)
+    assert calls == ["forward", "backward"]
+    calls.clear()
+    PairedExecutor(Strict(), sequential, where="stage 0").run(pair)
+    assert calls == ["forward_inputs", "backward_begin", "backward_roots", "criterion",
+                     "run_part", "forward_done", "backward_done"]
 
 
 # -- layer 0: the instruction, the schedule, the program ------------------------------------

@@ -39,7 +39,8 @@ def worker(stages, micro_batches, schedule, chunks, dp=1):
     engine = pk.PipelineEngine(build(num_stages=stages), optimizer=sgd,
                                micro_batches=micro_batches, schedule=schedule, chunks=chunks,
                                timeout=60, check_data_steps=0, data_parallel_size=dp)
-    recording = engine.runtime.transport = Recording(engine.runtime.transport)
+    transfers = engine.runtime.transfers  # what the runtime posts goes through it
+    recording = transfers.transport = Recording(transfers.transport)
     losses = [engine.train_batch(iter(data(step, engine.data_parallel_rank, micro_batches)))
               .item() for step in range(STEPS)]
     state = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}

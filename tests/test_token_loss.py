@@ -98,12 +98,11 @@ def test_token_loss_wrapper_returns_the_sum_and_the_count_kept_with_the_loss():
     total, count = token_sum(logits, labels)
     got, tokens = wrapped(logits, labels)
     assert torch.equal(got, total) and tokens.dtype == torch.float64
-    ledger = BatchLosses()  # the batch's one owner of losses and token counts
+    ledger = BatchLosses()  # one batch's losses and token counts
+    assert float(ledger.local_tokens("cpu")) == 0 and ledger.values == []
     ledger.add(got, 0, tokens)
     ledger.add(*wrapped(logits, labels)[:1], 1, wrapped(logits, labels)[1])
     assert float(ledger.local_tokens("cpu")) == 2 * int(count)
-    ledger.clear()
-    assert float(ledger.local_tokens("cpu")) == 0 and ledger.values == []
 
 
 @pytest.mark.parametrize("returned", [torch.tensor(1.0), (torch.ones(2), 3),

@@ -195,18 +195,19 @@ def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
 def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage: Stage,
                  precision: Any, transport: Any, pm: Any, callbacks: dict[str, Any],
                  sharded: Any, step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
-    """The stage runtime, the batch step (the one owner of the batch's losses and token
-    counts) and the kernel over both's handlers (and FSDP2's, ``sharded``)."""
+    """The stage runtime (which records the batch's losses and token counts), the batch
+    step (which reads them) and the kernel over both's handlers (and FSDP2's,
+    ``sharded``)."""
     topology = layout.topology
-    batch_step = BatchStep(
-        module=stage.module, precision=precision, transport=transport, topology=topology,
-        max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite,
-        tokens=options.loss_reduction == "tokens" and module.loss_fn is not None,
-        expert_parallel=stage.ep_group if stage.ep_group.size > 1 else None, **step)
+    tokens = options.loss_reduction == "tokens" and module.loss_fn is not None
     runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
                            chunks=layout.chunks, placement=layout.placement,
-                           skips=stage.skip_router, losses=batch_step.losses,
-                           tokens=batch_step.tokens, **callbacks)
+                           skips=stage.skip_router, tokens=tokens, **callbacks)
+    batch_step = BatchStep(
+        module=stage.module, precision=precision, transport=transport, topology=topology,
+        max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite, tokens=tokens,
+        expert_parallel=stage.ep_group if stage.ep_group.size > 1 else None,
+        losses=runtime.loss_keeper.recorded, **step)
     handlers = {**runtime.handlers(), **batch_step.handlers(),
                 **(sharded_handlers(sharded) if sharded is not None else {}),
                 **plugin_handlers(pm, runtime)}

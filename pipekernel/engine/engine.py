@@ -266,7 +266,8 @@ class PipelineEngine(EngineFields):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
         seq_chunks = getattr(cls, "seq_chunks", 1)  # Seq1F1B: a unit per sequence chunk
         if seq_chunks > 1 and isinstance(data_iter, Iterator):
-            data_iter = split_sequences(data_iter, seq_chunks)
+            data_iter = split_sequences(data_iter, seq_chunks,
+                                        mean_loss=self.loss_reduction == "mean")
         units = self.micro_batches * seq_chunks
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1
@@ -275,13 +276,13 @@ class PipelineEngine(EngineFields):
             program, handlers, bound = program_of(self, cls)
             if wrap is not None:
                 handlers = wrap(program, handlers)
-            self.batch_step.begin(units, self.global_steps)  # clears the losses
-            self.runtime.begin(data_iter, units, program, bound,
-                               compute_loss=compute_loss, keep_outputs=keep_outputs,
-                               check_data=check, seq_chunks=seq_chunks)
+            self.batch_step.begin(units, self.global_steps)
+            self.runtime.begin(data_iter, program, bound, compute_loss=compute_loss,
+                               keep_outputs=keep_outputs, check_data=check,
+                               seq_chunks=seq_chunks)
             self.kernel.run(program, handlers, **self._when(cls))
-            self.runtime.end()
-            return self.batch_step.mean_loss(cls.trains) if compute_loss else None
+            losses = self.runtime.end()
+            return self.batch_step.mean_loss(losses, cls.trains) if compute_loss else None
         except BaseException as err:
             cause = root_cause(err, self.transport, self.abort_board, self.rank)
             if isinstance(cause, PipelineError):  # errors from outside the kernel too

@@ -179,7 +179,7 @@ class Recorder:
             seen = self.seen.setdefault((ins.chunk, ins.micro_batch), _Seen())
             seen.inputs = _copy(runtime.forward_inputs(ins).inputs)
             if ins.chunk == runtime.last_chunk:
-                seen.labels = runtime.labels.get(ins.micro_batch)
+                seen.labels = runtime.loss_keeper.labels.get(ins.micro_batch)
             seen.rng = self.rng_state()
             self.at = seen, "forward"
             try:
@@ -287,8 +287,8 @@ def _plain_backward(engine: Any, chunk: int, micro_batch: int, seen: _Seen, outp
     runtime, precision = engine.runtime, engine.precision
     total = torch.stack([a.float() for a in aux]).sum() if aux else None
     if chunk == runtime.last_chunk:
-        loss = runtime.loss_of(outputs, seen.labels, micro_batch)
-        runtime._counts.pop(micro_batch, None)  # a token count: the schedule's is used
+        # a token count is not kept: the schedule's is used
+        loss = runtime.loss_keeper.loss_of(outputs, seen.labels, micro_batch, keep_count=False)
         if total is not None:
             loss = loss + total.to(loss.dtype)
         precision.scale_loss(loss / engine.micro_batches).backward()

@@ -48,14 +48,14 @@ from __future__ import annotations
 import contextvars
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.model.aux_loss import collecting as collect_aux
 
-__all__ = ["PairedExecutor", "sequential", "overlap_all_to_all", "run_backward"]
+__all__ = ["PairedExecutor", "PairedStage", "sequential", "overlap_all_to_all", "run_backward"]
 
 
 def run_backward(loss1: torch.Tensor | None, outputs1: list, output_grads1: list) -> None:
@@ -113,55 +113,90 @@ def overlap_all_to_all(module0: Callable, inputs0: Any, criterion0: Callable | N
 overlap_all_to_all.needs_private_collectives = True  # type: ignore[attr-defined]
 
 
+class PairedStage(Protocol):
+    """What the paired executor uses of a stage (the
+    :class:`~pipekernel.stage.runtime.StageRuntime` provides it), and nothing else."""
+
+    def forward(self, instruction: Any) -> None:
+        """The forward instruction's handler (a pair run without ``fn``)."""
+
+    def backward(self, instruction: Any) -> None:
+        """The backward instruction's handler (a pair run without ``fn``)."""
+
+    def forward_inputs(self, instruction: Any) -> Any:
+        """The forward half's buffer, its inputs there (``.inputs``)."""
+
+    def criterion(self, instruction: Any) -> tuple[Callable | None, Any]:
+        """``(criterion0, labels0)`` of the forward half, ``(None, None)`` without a loss."""
+
+    def run_part(self, chunk: int, inputs: Any) -> Any:
+        """``chunk``'s layers on ``inputs`` (``module0`` / ``module1`` of the contract)."""
+
+    def part_parameters(self, chunk: int) -> list[torch.Tensor]:
+        """``chunk``'s parameters."""
+
+    def forward_done(self, instruction: Any, buffer: Any, outputs: Any,
+                     aux: list[torch.Tensor], loss: Any = None) -> None:
+        """What follows the forward half (its outputs, aux losses and ``loss0`` kept)."""
+
+    def backward_begin(self, instruction: Any) -> Any:
+        """The backward half's buffer (and the reducers told when it is the last)."""
+
+    def backward_roots(self, instruction: Any, buffer: Any) -> tuple[Any, list, list]:
+        """``(loss1, outputs1, output_grads1)`` of the backward half."""
+
+    def backward_done(self, instruction: Any, buffer: Any) -> None:
+        """What follows the backward half (its inputs' gradients kept)."""
+
+
 class _Half:
     """``module0`` / ``module1`` of the contract: one chunk's part of the stage."""
 
-    def __init__(self, runtime: Any, chunk: int) -> None:
-        self._runtime, self.chunk = runtime, chunk
+    def __init__(self, stage: PairedStage, chunk: int) -> None:
+        self._stage, self.chunk = stage, chunk
         self.calls, self.outputs = 0, None
         self.aux: list[Any] = []
 
     def __call__(self, inputs: Any) -> Any:
         with collect_aux() as aux:
-            self.outputs = self._runtime.run_part(self.chunk, inputs)
+            self.outputs = self._stage.run_part(self.chunk, inputs)
         self.calls, self.aux = self.calls + 1, self.aux + list(aux)
         return self.outputs
 
     def parameters(self) -> list[torch.Tensor]:
-        return list(self._runtime.parts[self.chunk].parameters())
+        return self._stage.part_parameters(self.chunk)
 
 
 class PairedExecutor:
     """Runs a stage's ``ForwardBackward`` instructions (see the module docstring).
 
-    :param runtime: the :class:`~pipekernel.stage.runtime.StageRuntime`.
+    :param stage: the stage's part the executor uses (:class:`PairedStage`).
     :param fn: the model's ``overlapped_forward_backward``, or ``None`` (the forward's
         handler, then the backward's).
+    :param where: the stage, for errors; :param skips: whether the model has skip
+        connections; :param sharded: whether the stage's layers issue collectives of their
+        own (tensor parallelism, sharded parameters).
     :raises ConfigError: ``fn`` is not callable, the model has skip connections, or
         ``fn`` needs the halves' collectives to itself (:func:`overlap_all_to_all`) on a
         stage with tensor parallelism or sharded parameters.
     """
 
-    def __init__(self, runtime: Any, fn: Callable[..., Any] | None) -> None:
-        self.runtime, self.fn = runtime, fn
+    def __init__(self, stage: PairedStage, fn: Callable[..., Any] | None, *, where: str,
+                 skips: bool = False, sharded: bool = False) -> None:
+        self.stage, self.fn = stage, fn
         if fn is None:
             return
-        where = f"stage {runtime.stage}"
         if not callable(fn):
             raise ConfigError(f"{where}: overlapped_forward_backward is a "
                               f"{type(fn).__name__}, not a callable",
                               hint="pass a function with DualPipe's signature (module0, "
                                    "inputs0, criterion0, labels0, module1, loss1, outputs1, "
                                    "output_grads1), e.g. pk.overlap_all_to_all, or None")
-        if runtime._skips is not None:
+        if skips:
             raise ConfigError(f"{where}: overlapped_forward_backward with skip connections",
                               hint="drop overlapped_forward_backward (the pairs then run "
                                    "one after the other) or the skip connections")
-        private = getattr(fn, "needs_private_collectives", False)
-        topology = runtime.topology
-        sharded = (runtime._params_of is not None or topology.model_size > 1
-                   or topology.shard_size > 1)
-        if private and sharded:
+        if getattr(fn, "needs_private_collectives", False) and sharded:
             raise ConfigError(
                 f"{where}: {getattr(fn, '__name__', fn)!r} runs a pair's halves at the same "
                 f"time, and this stage's layers issue tensor-parallel or sharding collectives "
@@ -171,7 +206,7 @@ class PairedExecutor:
 
     def run(self, pair: Any) -> None:
         """Run ``pair`` (a :class:`~pipekernel.schedules.instructions.ForwardBackward`)."""
-        rt, f, b = self.runtime, pair.forward, pair.backward
+        rt, f, b = self.stage, pair.forward, pair.backward
         if self.fn is None:
             rt.forward(f)
             rt.backward(b)
@@ -179,15 +214,13 @@ class PairedExecutor:
         f_buf = rt.forward_inputs(f)
         b_buf = rt.backward_begin(b)
         loss1, outputs1, grads1 = rt.backward_roots(b, b_buf)
-        last = f.chunk == rt.last_chunk and rt.compute_loss
-        criterion0 = (lambda out, labels: rt.loss_of(out, labels, f.micro_batch)) \
-            if last else None
-        labels0 = rt.labels.get(f.micro_batch) if last else None
+        criterion0, labels0 = rt.criterion(f)
         module0, module1 = _Half(rt, f.chunk), _Half(rt, b.chunk)
         result = self.fn(module0, f_buf.inputs, criterion0, labels0, module1, loss1,
                          outputs1, grads1)
         outputs0, loss0 = self._check(result, module0, module1)
-        rt.forward_done(f, f_buf, outputs0, module0.aux, loss0 if last else None)
+        rt.forward_done(f, f_buf, outputs0, module0.aux,
+                        loss0 if criterion0 is not None else None)
         rt.backward_done(b, b_buf)
 
     def _check(self, result: Any, module0: _Half, module1: _Half) -> tuple[Any, Any]:

@@ -1,42 +1,40 @@
-"""The stage runtime (layer 2): buffers and the handlers of the core instructions.
+"""The stage runtime (layer 2): buffers, batch lifecycle and the handlers of the core
+instructions.
 
-Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`; knows
-nothing of schedules — it executes whatever instructions the kernel hands it,
-and posts communication by the :class:`~pipekernel.schedules.program.Program` the engine
-gives it (read, never changed or cached here; :meth:`StageRuntime.bind` makes the runtime's
-binding of it once): each posting point's sends and receives go out as one group
-(``batch_isend_irecv``), receives ahead of the compute that needs them, and a
-receive is waited on only at its own instruction. Sends never block compute:
-their handles are kept until the batch ends. Skip connections between parts are
-transfers like the others; what they carry and where it goes is
-:mod:`pipekernel.model.skip_routing`'s business.
+Knows nothing of schedules — it executes whatever instructions the kernel hands it, by the
+:class:`~pipekernel.schedules.program.Program` the engine gives it per batch (read, never
+changed; the micro-batch and buffer counts are the program's). Its other jobs are parts
+with small interfaces: :class:`~pipekernel.stage.transfers.Transfers` posts, waits on and
+hands off what travels between stages; :class:`~pipekernel.stage.loss.LossKeeper` keeps
+labels, losses, token counts, aux losses and the labels' fingerprints;
+:class:`~pipekernel.stage.paired.PairedExecutor` runs ``ForwardBackward`` pairs through the
+:class:`~pipekernel.stage.paired.PairedStage` this runtime provides. What skip connections
+carry and where it goes is :mod:`pipekernel.model.skip_routing`'s business.
 """
 from __future__ import annotations
 
 import contextlib
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from pipekernel.schedules import instructions as isa
-from pipekernel.stage.device import to_device
-from pipekernel.errors import ConfigError, DataError, PipelineError
-from pipekernel.model.aux_loss import attach as attach_aux
-from pipekernel.model.aux_loss import COLLECTOR as AUX_COLLECTOR
-from pipekernel.stage.loss import TokenLoss
-from pipekernel.stage.fingerprint import fingerprint
-from pipekernel.schedules.program import Program
-from pipekernel.schedules.placement import position
-from pipekernel.model.skip_routing import SkipRouter, SkipState
-from pipekernel.grid.topology import Topology
-from pipekernel.step.optimizer_step import BatchLosses
-from pipekernel.comm.wire import Channel, flatten
-from pipekernel.nested import describe, map_tensors
+from pipekernel.comm.wire import flatten
+from pipekernel.errors import DataError, PipelineError
 from pipekernel.grid import expert_parallel
+from pipekernel.grid.topology import Topology
+from pipekernel.model.aux_loss import COLLECTOR as AUX_COLLECTOR
+from pipekernel.model.skip_routing import SkipRouter, SkipState
+from pipekernel.nested import map_tensors
+from pipekernel.schedules import instructions as isa
+from pipekernel.schedules.placement import position
+from pipekernel.schedules.program import Program
+from pipekernel.stage.device import to_device
+from pipekernel.stage.loss import LossKeeper
 from pipekernel.stage.paired import PairedExecutor
 from pipekernel.stage.sequence import KVPrefix, SequenceChunk, chunk_scope
+from pipekernel.stage.transfers import Transfers
+from pipekernel.step.optimizer_step import BatchLosses
 
 __all__ = ["StageRuntime", "Buffer"]
 
@@ -63,18 +61,14 @@ def _to(obj: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: to_device(t, device), obj)  # pinned, non-blocking to a GPU
 
 
-#: How a send names what it carries in errors (the kernel adds stage and micro-batch).
-_WHAT = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
-         isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
-
-
 class Bound(NamedTuple):
     """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
     channel of a remote transfer (``channels``) and the group posted there (``groups``, as
-    ``(index, is_send, channel, what, instruction)``); the parameters whose gradients are final before
-    the program's last weight-gradient instruction (``settled``)."""
+    ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`);
+    the parameters whose gradients are final before the program's last weight-gradient
+    instruction (``settled``)."""
 
-    channels: tuple[Channel | None, ...]
+    channels: tuple[Any, ...]
     groups: tuple[tuple[tuple, ...], ...]
     settled: tuple = ()
 
@@ -107,6 +101,7 @@ class StageRuntime:
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
+    :param tokens: ``loss_reduction="tokens"`` (see :mod:`pipekernel.stage.loss`).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -116,10 +111,8 @@ class StageRuntime:
                  after_last_backward: Callable[[], None] | None = None,
                  skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
-                 losses: BatchLosses | None = None, tokens: bool = False) -> None:
+                 tokens: bool = False) -> None:
         self.module, self.topology, self.transport = module, topology, transport
-        self.tokens = tokens and loss_fn is not None
-        self.loss_fn = TokenLoss(loss_fn) if self.tokens else loss_fn  # type: ignore[arg-type]
         self.precision = precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
         num_stages = topology.pipe_size
@@ -135,78 +128,74 @@ class StageRuntime:
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._skips = skips
-        self._channels: dict[tuple[type, int, int | None], Channel] = {}
+        #: labels, losses, token counts, aux losses and fingerprints of the batch
+        self.loss_keeper = LossKeeper(loss_fn, precision, tokens=tokens, stage=self.stage)
+        #: what travels between stages
+        self.transfers = Transfers(transport, topology.stage_rank, self._payload)
         self.buffers: list[Buffer] = []
-        self.labels: dict[int, Any] = {}
         self.data_iter: Iterator | None = None
-        self.micro_batches = 1
-        self.compute_loss = True
-        self.keep_outputs = False
-        #: the batch's losses: the batch step's (it clears them), filled here
-        self.losses = losses if losses is not None else BatchLosses()
-        self._counts: dict[int, torch.Tensor] = {}  # micro-batch -> its tokens, till recorded
-        self.outputs: list[Any] = []
-        self.check_data = False
-        self._fingerprints: dict[int, torch.Tensor] = {}  # micro-batch -> labels' fingerprint
-        self._program: Program | None = None  # the batch's (the engine's, read only)
-        self._bound: Bound | None = None  # its binding here (bind())
+        # the batch's program (the engine's, read only) and its binding here: begin() sets
+        # both before any handler runs
+        self._program: Program = None  # type: ignore[assignment]
+        self._bound: Bound = None  # type: ignore[assignment]
         self._at = -1             # stream index of the instruction running now (enter())
-        self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: deque[tuple] = deque()  # (handle, P2POp) of sends in flight, oldest first
-        self._is_local: Sequence[bool] = ()  # the batch program's local flags, read per transfer
-        self._local: dict[tuple, Any] = {}  # hand-offs to this stage
+        self._units = 1  # what the losses divide by: the program's micro-batches x seq_chunks
         self.seq_chunks = 1  # sequence chunks per micro-batch (Seq1F1B): units are chunks
         self._prefixes: dict[int, KVPrefix] = {}  # micro-batch -> its KV prefix here
-        self._paired = PairedExecutor(self, getattr(module, "overlapped_forward_backward", None))
         #: the sentinel's hashes of this batch's transfers (``add(instruction, position,
         #: obj)``; :class:`pipekernel.engine.sentinel.TransferSums`), or ``None``: set by
         #: the engine for a checked step's batch only
         self.transfer_sums: Any = None
+        self._paired = PairedExecutor(
+            self, getattr(module, "overlapped_forward_backward", None),
+            where=f"stage {self.stage}", skips=skips is not None,
+            sharded=(params_of is not None or topology.model_size > 1
+                     or topology.shard_size > 1))
 
     # -- batch lifecycle ---------------------------------------------------
-    def begin(self, data_iter: Iterator | None, micro_batches: int, program: Program,
-              bound: Bound, *, compute_loss: bool = True, keep_outputs: bool = False,
+    def begin(self, data_iter: Iterator | None, program: Program, bound: Bound, *,
+              compute_loss: bool = True, keep_outputs: bool = False,
               check_data: bool = False, seq_chunks: int = 1) -> None:
         """Start a batch that runs ``program.stream`` (compiled by the engine once per
-        schedule and count; ``bound``: its :meth:`bind` here, made as often).
+        schedule and count; ``bound``: its :meth:`bind` here, made as often), its
+        micro-batches read from ``data_iter``.
 
         With ``check_data``, each activation carries the fingerprint of the labels the
         first stage read with its inputs, and the last stage compares it with its own
         (see :func:`pipekernel.stage.fingerprint.fingerprint`); every rank of a pipeline must pass
-        the same value. The losses computed go into :attr:`losses` (the
-        :class:`~pipekernel.step.optimizer_step.BatchLosses` given at construction, which
-        the batch step clears at the start of each batch), which :meth:`end` returns.
+        the same value. :meth:`end` returns the losses computed.
 
-        With ``seq_chunks > 1`` (:mod:`pipekernel.stage.sequence`) ``micro_batches`` counts
-        units, sequence chunks of the micro-batches, and every forward runs in its chunk's
-        scope, the micro-batch's KV prefix kept on this stage until its chunk 0's backward.
+        With ``seq_chunks > 1`` (:mod:`pipekernel.stage.sequence`) the program's units are
+        sequence chunks of its micro-batches, and every forward runs in its chunk's scope,
+        the micro-batch's KV prefix kept on this stage until its chunk 0's backward.
         """
-        self.flush()
-        self.check_data, self._fingerprints = check_data, {}
-        self.data_iter, self.micro_batches = data_iter, micro_batches
-        self.compute_loss, self.keep_outputs = compute_loss, keep_outputs
-        self.buffers = [_EMPTY] * program.num_buffers  # _fill replaces an empty slot on first use
-        self.outputs, self.labels = [], {}
-        self._program, self._bound, self._at, self._recvs, self._local = program, bound, -1, \
-            {}, {}
-        self._is_local = program.local  # read per transfer: no property chain
-        self._counts = {}
+        # a received object is itself unless it carries a fingerprint or is hashed
+        self.transfers.begin(program, bound.channels, self._arrived
+                             if check_data or self.transfer_sums is not None else None)
+        self.loss_keeper.begin(compute_loss=compute_loss, keep_outputs=keep_outputs,
+                               check_data=check_data)
+        self.data_iter = data_iter
+        # _fill replaces an empty slot on first use
+        self.buffers = [_EMPTY] * (program.num_buffers or 0)
+        self._program, self._bound, self._at = program, bound, -1
+        self._units = program.micro_batches * seq_chunks
         self.seq_chunks, self._prefixes = seq_chunks, {}
 
+    @property
+    def micro_batches(self) -> int:
+        """The running (or last) batch's unit count: its program's micro-batches (times
+        ``seq_chunks``)."""
+        return self._units
+
+    @property
+    def outputs(self) -> list[Any]:
+        """The last position's outputs of the last batch run with ``keep_outputs``."""
+        return self.loss_keeper.outputs
+
     def bind(self, program: Program, settled: tuple = ()) -> Bound:
-        """``program`` bound to this runtime (:class:`Bound`): its channels (one per channel
-        key, made on first use and shared by every program of this stage) by stream index,
-        and its groups with them, each entry ``(index, is_send, channel, what,
-        instruction)``."""
-        mine = [self._channel(spec) for spec in program.channels]
-        channels = tuple(None if number is None else mine[number]
-                         for number in program.channel_of)
-        stream = program.stream
-        groups = tuple(tuple((index, program.channels[program.channel_of[index]].send,
-                              channels[index], _WHAT.get(type(stream[index]), "value"),
-                              stream[index])
-                             for index in group) for group in program.posts)
-        return Bound(channels, groups, settled)
+        """``program`` bound to this runtime (:class:`Bound`): its transfers' channels and
+        groups, and the ``settled`` parameters."""
+        return Bound(*self.transfers.bind(program), settled)
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
@@ -214,12 +203,12 @@ class StageRuntime:
         self._at = index
         group = self._bound.groups[index]
         if group:
-            self._post_group(group)
+            self.transfers.post(group)
 
     def end(self) -> BatchLosses:
         """Finish the batch (wait for the sends still in flight); its losses."""
-        self.flush()
-        return self.losses
+        self.transfers.flush()
+        return self.loss_keeper.record
 
     def inputs_of(self, instruction: isa.MicroBatchInstruction) -> Any:
         """The inputs the buffer of ``instruction``'s micro-batch holds now (``None``: none
@@ -231,51 +220,26 @@ class StageRuntime:
 
     def payload_bytes(self) -> dict[str, int]:
         """Tensor bytes this stage sent to its peers so far, by dtype name."""
-        total: dict[str, int] = {}
-        for channel in self._channels.values():
-            for name, count in channel.payload.items():
-                total[name] = total.get(name, 0) + count
-        return total
+        return self.transfers.payload_bytes()
 
     def flush(self) -> None:
         """Wait for every send still in flight."""
-        sends, self._sends = self._sends, deque()
-        for handle, _ in sends:
-            handle.wait()
-
-    def _prune_sends(self, every: bool = False) -> None:
-        """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
-        buffer lives as long as its transfer: a query, no device sync. At each post only
-        the oldest ones (sends finish about in posting order: one query per post when
-        none did); ``every``: all of them (exact memory accounting)."""
-        sends = self._sends
-        while sends and sends[0][0].is_completed():
-            sends.popleft()[0].wait()
-        if every and sends:
-            for handle, _ in sends:
-                if handle.is_completed():
-                    handle.wait()
-            self._sends = deque(s for s in sends if not s[0].is_completed())
+        self.transfers.flush()
 
     def held_tensors(self) -> list[Any]:
         """What the runtime holds now, for memory accounting (stage/memory.py): every
         buffer's fields (inputs, outputs held until sent, gradients, skip stashes, the
-        weight-pass state), posted receives, send buffers whose transfer has not
-        completed, and hand-offs within the stage."""
-        self._prune_sends(every=True)
+        weight-pass state), send buffers whose transfer has not completed, posted
+        receives, hand-offs within the stage, and labels waiting for their loss."""
         held: list[Any] = [b for b in self.buffers if b is not _EMPTY]
-        held += [op.tensor for _, op in self._sends]
-        held += list(self._recvs.values())
-        held += list(self._local.values())
-        held += list(self.labels.values())
         for prefix in self._prefixes.values():
             held += prefix.tensors()
-        return held
+        return held + self.transfers.held() + self.loss_keeper.held()
 
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
         more; the process group is destroyed by the transport's ``close()``)."""
-        self._sends, self._recvs, self._local = deque(), {}, {}
+        self.transfers.abandon()
         self._prefixes = {}
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
@@ -301,67 +265,31 @@ class StageRuntime:
         """A paired forward and backward, run by the stage's paired executor."""
         self._paired.run(instruction)
 
-    # -- posting by the plan -------------------------------------------------
-    def _channel(self, spec: Any) -> Channel:
-        """The channel of ``spec`` (a :class:`~pipekernel.schedules.program.ChannelSpec`),
-        made on first use."""
-        channel = self._channels.get(spec.key)
-        if channel is None:
-            channel = Channel(self.transport, self.topology.stage_rank(spec.peer_stage),
-                              tag=spec.lane)
-            self._channels[spec.key] = channel
-        return channel
-
-    def _post_group(self, group: Sequence[tuple]) -> None:
-        """Post one group: every op of ``group`` on the data lane in one call (and the
-        headers on the control lane, when the transport has one, just before)."""
-        data: list[Any] = []
-        control: list[Any] = []
-        spans = []
-        for index, is_send, channel, what, instruction in group:
-            if is_send:
-                pending = None
-                ops, ctrl = channel.send_ops(self._payload(instruction), what)
-            else:
-                pending = channel.recv_ops()
-                self._recvs[index] = pending
-                ops, ctrl = pending.ops, pending.control_ops
-            spans.append((pending, ops, ctrl))
-            data += ops
-            control += ctrl
-        control_handles = self.transport.control.batch_isend_irecv(control) if control else []
-        handles = self.transport.batch_isend_irecv(data) if data else []
-        self._prune_sends()
-        sends, d, c = self._sends, 0, 0
-        for pending, ops, ctrl in spans:
-            dn, cn = d + len(ops), c + len(ctrl)
-            if pending is None:  # kept with their ops (so their tensors) until completed
-                sends.extend(zip(handles[d:dn], ops))
-                if ctrl:
-                    sends.extend(zip(control_handles[c:cn], ctrl))
-            else:
-                pending.handles = handles[d:dn]
-                pending.control_handles = control_handles[c:cn]
-            d, c = dn, cn
-
-    def _payload(self, instruction: isa.Instruction) -> Any:
+    # -- what travels (Transfers' callbacks) --------------------------------------------
+    def _payload(self, instruction: isa.MicroBatchInstruction) -> Any:
+        """What the posted send ``instruction`` carries."""
         buffer = self._slot(instruction)
         if isinstance(instruction, isa.SkipInstruction):
-            return self._skips.payload(instruction, buffer.skips)
+            return self._skips.payload(instruction, buffer.skips)  # type: ignore[union-attr]
         activation = isinstance(instruction, isa.SendActivation)
         obj = buffer.outputs if activation else buffer.input_grads
         if self.transfer_sums is not None:  # a checked step: hashed as the model made it
             self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
-        if activation and self.check_data:
+        if activation and self.loss_keeper.check_data:
             flatten(obj, "outputs")  # names the path without the wrapper
-            return obj, self._fingerprint(instruction.micro_batch)
+            return obj, self.loss_keeper.fingerprint(instruction.micro_batch,
+                                                     self.transport.device)
         return obj
 
-    def _fingerprint(self, micro_batch: int) -> torch.Tensor:
-        fp = self._fingerprints.get(micro_batch)
-        if fp is None:
-            fp = torch.zeros(2, dtype=torch.int64, device=self.transport.device)
-        return fp
+    def _arrived(self, instruction: isa.MicroBatchInstruction, obj: Any) -> Any:
+        """What a received ``obj`` stands for: under ``check_data`` an activation's
+        fingerprint taken off; hashed on a checked step."""
+        if self.loss_keeper.check_data and isinstance(instruction, isa.RecvActivation):
+            obj, fp = obj
+            self.loss_keeper.received(instruction.micro_batch, fp)
+        if self.transfer_sums is not None:
+            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
+        return obj
 
     def _slot(self, instruction: isa.MicroBatchInstruction) -> Buffer:
         buffer = self.buffers[instruction.buffer]
@@ -381,34 +309,12 @@ class StageRuntime:
                                                                instruction.chunk)
         return buffer
 
-    def _receive(self, instruction: isa.MicroBatchInstruction) -> Any:
-        index = self._at
-        if self._is_local[index]:
-            if index not in self._local:
-                raise PipelineError(f"{instruction} on stage {self.stage} comes before the "
-                                    "matching send on this stage",
-                                    hint="check the schedule with pipekernel.schedules.simulate")
-            return self._local.pop(index)
-        pending = self._recvs.pop(index)
-        obj = self._bound.channels[index].finish(pending)
-        if self.check_data and isinstance(instruction, isa.RecvActivation):
-            obj, self._fingerprints[instruction.micro_batch] = obj
-        if self.transfer_sums is not None:
-            self.transfer_sums.add(instruction, self.positions[instruction.chunk], obj)
-        return obj
-
-    def _send(self, instruction: isa.MicroBatchInstruction, obj: Any) -> None:
-        if self._is_local[self._at]:
-            fills = self._program.handoffs[self._at]  # the receive it fills
-            if fills is not None:
-                self._local[fills] = _detach_like(obj)
-
     # -- handlers ----------------------------------------------------------
     def load_micro_batch(self, instruction: isa.LoadMicroBatch) -> None:
         try:
             item = next(self.data_iter)  # type: ignore[arg-type]
         except StopIteration:
-            count = self.micro_batches // self.seq_chunks  # units are chunks (seq_chunks)
+            count = self._units // self.seq_chunks  # units are chunks (seq_chunks)
             raise DataError(
                 f"the data iterator ran out at micro-batch "
                 f"{instruction.micro_batch // self.seq_chunks} of {count}",
@@ -426,15 +332,13 @@ class StageRuntime:
         inputs, labels = item
         device = self.transport.device
         buffer = self._fill(instruction)
-        if self.is_first and instruction.chunk == self.first_chunk:
+        first = self.is_first and instruction.chunk == self.first_chunk
+        if first:
             flatten(inputs, "inputs")
             buffer.inputs = _to(inputs, device)
-            if self.check_data:
-                self._fingerprints[instruction.micro_batch] = \
-                    fingerprint(labels).to(device, non_blocking=True)
-        if self.is_last and labels is not None:
-            flatten(labels, "labels")
-            self.labels[instruction.micro_batch] = _to(labels, device)
+        if labels is not None and (self.is_last or first and self.loss_keeper.check_data):
+            self.loss_keeper.read(instruction.micro_batch, labels, device, first,
+                                  self.is_last)
 
     def forward(self, instruction: isa.Forward) -> None:
         buffer = self.forward_inputs(instruction)
@@ -455,6 +359,52 @@ class StageRuntime:
         if self._skips is None:
             return self.run_part(chunk, buffer.inputs)
         return self._forward_with_skips(buffer, chunk, micro_batch)
+
+    def forward_inputs(self, instruction: isa.Forward) -> Buffer:
+        """The buffer of ``instruction``, its inputs there (the paired executor's part)."""
+        buffer = self._slot(instruction)
+        if buffer.inputs is None:
+            raise PipelineError("forward before the inputs arrived",
+                                hint="the schedule must load or receive before Forward")
+        return buffer
+
+    def run_part(self, chunk: int, inputs: Any) -> Any:
+        """``chunk``'s layers on ``inputs`` through the precision policy, its expert
+        all-to-alls on the chunk's lane (:func:`pipekernel.grid.expert_parallel.lane`)."""
+        # the chunk's lane, as expert_parallel.lane(chunk) without a context manager's
+        # calls; one chunk: lane 0, the default, nothing to set
+        token = expert_parallel.LANE.set(chunk) if self.chunks > 1 else None
+        try:
+            return self.precision.forward(self.parts[chunk], inputs,
+                                          first=chunk == self.first_chunk,
+                                          last=chunk == self.last_chunk)
+        finally:
+            if token is not None:
+                expert_parallel.LANE.reset(token)
+
+    def part_parameters(self, chunk: int) -> list[torch.Tensor]:
+        """``chunk``'s parameters (the paired executor's ``module1.parameters()``)."""
+        return list(self._part_params[chunk])
+
+    def criterion(self, instruction: isa.Forward) -> tuple[Callable | None, Any]:
+        """``(criterion0, labels0)`` of a paired forward half (see
+        :meth:`~pipekernel.stage.loss.LossKeeper.criterion`); ``(None, None)`` off the
+        last position."""
+        if instruction.chunk != self.last_chunk:
+            return None, None
+        return self.loss_keeper.criterion(instruction.micro_batch)
+
+    def forward_done(self, instruction: isa.Forward, buffer: Buffer, outputs: Any,
+                     aux: list[torch.Tensor], loss: Any = None) -> None:
+        """What follows a forward: its aux losses kept, on the last position its loss
+        computed (or ``loss``, when a paired executor computed it) and reported."""
+        buffer.outputs = outputs
+        last = instruction.chunk == self.last_chunk
+        if aux:
+            self.loss_keeper.aux(buffer, aux, instruction.micro_batch, instruction.chunk,
+                                 last, self._units)
+        if last:
+            self.loss_keeper.finish(instruction.micro_batch, buffer, loss)
 
     def _sequence_scope(self, instruction: isa.MicroBatchInstruction) -> Any:
         """The scope of the forward's sequence chunk (nothing without ``seq_chunks``)."""
@@ -486,77 +436,6 @@ class StageRuntime:
             if index == 0:
                 del self._prefixes[micro_batch]
 
-    def forward_inputs(self, instruction: isa.Forward) -> Buffer:
-        """The buffer of ``instruction``, its inputs there (the paired executor's part)."""
-        buffer = self._slot(instruction)
-        if buffer.inputs is None:
-            raise PipelineError("forward before the inputs arrived",
-                                hint="the schedule must load or receive before Forward")
-        return buffer
-
-    def run_part(self, chunk: int, inputs: Any) -> Any:
-        """``chunk``'s layers on ``inputs`` through the precision policy, its expert
-        all-to-alls on the chunk's lane (:func:`pipekernel.grid.expert_parallel.lane`)."""
-        # the chunk's lane, as expert_parallel.lane(chunk) without a context manager's
-        # calls; one chunk: lane 0, the default, nothing to set
-        token = expert_parallel.LANE.set(chunk) if self.chunks > 1 else None
-        try:
-            return self.precision.forward(self.parts[chunk], inputs,
-                                          first=chunk == self.first_chunk,
-                                          last=chunk == self.last_chunk)
-        finally:
-            if token is not None:
-                expert_parallel.LANE.reset(token)
-
-    def forward_done(self, instruction: isa.Forward, buffer: Buffer, outputs: Any,
-                     aux: list[torch.Tensor], loss: Any = None) -> None:
-        """What follows a forward: its aux losses kept, on the last position its loss
-        computed (or ``loss``, when a paired executor computed it) and reported."""
-        buffer.outputs = outputs
-        last = instruction.chunk == self.last_chunk
-        if aux:
-            self._keep_aux(buffer, aux, instruction, last)
-        if last:
-            if self.keep_outputs:
-                self.outputs.append(buffer.outputs)
-            labels = self.labels.get(instruction.micro_batch)
-            if self.compute_loss:  # first: labels of the wrong structure fail in loss_fn
-                buffer.loss, tokens = self._loss(buffer, instruction.micro_batch, loss)
-                self.losses.add(buffer.loss.detach(), instruction.micro_batch, tokens)
-                if buffer.aux is not None:  # the objective backwarded here
-                    buffer.loss = buffer.loss + buffer.aux.to(buffer.loss.dtype)
-            if self.check_data:
-                self._check_labels(instruction.micro_batch, labels)
-
-    def _keep_aux(self, buffer: Buffer, aux: list[torch.Tensor],
-                  instruction: isa.Forward, last: bool) -> None:
-        """The aux losses a chunk's forward added (:mod:`pipekernel.model.aux_loss`):
-        reported with the batch's losses, and their gradient made part of this stage's
-        backward — added to the loss on the chunk computing it, else attached to the
-        chunk's output. Nothing of it travels to another stage."""
-        if self.tokens:
-            raise ConfigError(
-                f"an auxiliary loss (pk.add_aux_loss) with loss_reduction='tokens' on stage "
-                f"{self.stage}, micro-batch {instruction.micro_batch}: the token mean "
-                f"rescales every gradient after the backward, aux losses included",
-                hint="use loss_reduction='mean' with auxiliary losses")
-        total = torch.stack([a.float() for a in aux]).sum()  # float32, as the losses
-        self.losses.add_aux(total.detach(), instruction.micro_batch)
-        if not (torch.is_grad_enabled() and total.requires_grad):
-            return  # evaluation, or a constant: reported only
-        if last:
-            buffer.aux = total
-            return
-        seed = self.precision.scale_loss(
-            torch.ones((), dtype=torch.float32, device=total.device) / self.micro_batches)
-        attached = attach_aux(buffer.outputs, total, seed.detach())
-        if attached is None:
-            raise PipelineError(
-                f"stage {self.stage} chunk {instruction.chunk} added an auxiliary loss but "
-                f"none of its outputs requires grad, so its backward never runs",
-                hint="pk.add_aux_loss needs the chunk's output to depend on trained tensors")
-        buffer.outputs = attached
-
     def _forward_with_skips(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
         """The forward inside the skip scope: pops find what ``RecvSkip`` brought, and
         what the layers stash for later parts is kept for ``SendSkip``."""
@@ -564,62 +443,9 @@ class StageRuntime:
             buffer.skips = SkipState()
         with self._skips.scope(buffer.skips, micro_batch) as scope:
             outputs = self.run_part(chunk, buffer.inputs)
-        self._skips.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
+        self._skips.after_forward(scope, buffer.skips, chunk,
+                                  torch.is_grad_enabled())
         return outputs
-
-    def _check_labels(self, micro_batch: int, labels: Any) -> None:
-        """Last stage, check steps: the labels read here are those the first stage read
-        with this micro-batch's inputs (one host synchronisation per micro-batch)."""
-        theirs = self._fingerprints.pop(micro_batch, None)
-        if theirs is None or labels is None:
-            return
-        theirs = theirs.cpu()
-        if not int(theirs[0]):
-            return  # the first stage read no labels (None): nothing to compare
-        if not torch.equal(theirs, fingerprint(labels).cpu()):
-            raise DataError(
-                f"micro-batch {micro_batch}: the labels the last stage read are not the ones "
-                f"the first stage read with that micro-batch's inputs (their fingerprints "
-                f"differ): the data iterators of the first and the last stage do not yield "
-                f"the same micro-batches in the same order",
-                hint="give both stages the same data in the same order (e.g. the same "
-                     "sampler seed, or shuffle=False); pass check_data_steps=0 to the engine "
-                     "to turn this check off")
-
-    def _loss(self, buffer: Buffer, micro_batch: int, given: Any = None
-              ) -> tuple[torch.Tensor, Any]:
-        """The micro-batch's loss (``given``: the paired executor's ``loss0``) and, under
-        ``loss_reduction="tokens"``, its token count (0-dim float64; else ``None``)."""
-        labels = self.labels.pop(micro_batch, None)
-        if given is not None:
-            given = self._scalar(given, "overlapped_forward_backward's loss0")
-        else:
-            given = self.loss_of(buffer.outputs, labels, micro_batch)
-        return given, self._counts.pop(micro_batch, None)
-
-    def loss_of(self, outputs: Any, labels: Any, micro_batch: int) -> torch.Tensor:
-        """``loss_fn(outputs, labels)``, checked: a 0-dim tensor, failures named. Under
-        ``loss_reduction="tokens"`` the loss sum; its count waits for the micro-batch's
-        record in :attr:`losses`."""
-        try:
-            loss = self.loss_fn(outputs, labels)  # type: ignore[misc]
-        except Exception as err:
-            raise DataError(
-                f"loss_fn(outputs, labels) failed for micro-batch {micro_batch}: "
-                f"{type(err).__name__}: {err} (outputs: {describe(outputs)}, "
-                f"labels: {describe(labels)})",
-                hint="make the labels from the data iterator match what loss_fn expects"
-            ) from err
-        if self.tokens:
-            loss, self._counts[micro_batch] = loss
-        return self._scalar(loss, "loss_fn")
-
-    @staticmethod
-    def _scalar(loss: Any, what: str) -> torch.Tensor:
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise DataError(f"{what} returned {describe(loss)}, expected a scalar tensor",
-                            hint="reduce the loss to a 0-dim tensor (e.g. .mean())")
-        return loss.reshape(())
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
         if self._before_last_backward is not None and self._at == self._program.last_weight:
@@ -657,7 +483,7 @@ class StageRuntime:
         """What the backward starts from: ``(scaled loss, [], [])`` at the last position,
         else ``(None, outputs, their gradients)``."""
         if instruction.chunk == self.last_chunk:
-            return self.precision.scale_loss(buffer.loss / self.micro_batches), [], []
+            return self.precision.scale_loss(buffer.loss / self._units), [], []
         outputs, grads = self._roots(buffer)
         return None, outputs, grads
 
@@ -694,7 +520,8 @@ class StageRuntime:
         for _, tensors in leaves:
             inputs += tensors
         if chunk == self.last_chunk:
-            loss = self.precision.scale_loss(buffer.loss / self.micro_batches)
+            loss = self.precision.scale_loss(
+                buffer.loss / self._units)
             grads, buffer.split = backward_input([], [], inputs, self._weights(chunk),
                                                  loss=loss)
         else:
@@ -727,33 +554,34 @@ class StageRuntime:
 
     def send_activation(self, instruction: isa.SendActivation) -> None:
         buffer = self._slot(instruction)
-        self._send(instruction, buffer.outputs)
+        self.transfers.send(self._at, buffer.outputs)
         if not torch.is_grad_enabled():
             buffer.outputs = None  # inference: nothing else needs it
 
     def recv_activation(self, instruction: isa.RecvActivation) -> None:
-        obj = self._receive(instruction)
+        obj = self.transfers.receive(self._at, instruction)
         self._fill(instruction).inputs = obj
 
     def send_grad(self, instruction: isa.SendGrad) -> None:
         buffer = self._slot(instruction)
-        self._send(instruction, buffer.input_grads)
+        self.transfers.send(self._at, buffer.input_grads)
         buffer.inputs = buffer.input_grads = None
 
     def recv_grad(self, instruction: isa.RecvGrad) -> None:
-        obj = self._receive(instruction)
+        obj = self.transfers.receive(self._at, instruction)
         self._slot(instruction).output_grads = obj
+        self.transfers.settle((instruction.micro_batch, instruction.chunk))
 
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
         the gradients of what an earlier part sent (:mod:`pipekernel.model.skip_routing`)."""
         state = self._slot(instruction).skips
-        self._send(instruction, self._skips.payload(instruction, state))
+        self.transfers.send(self._at, self._skips.payload(instruction, state))
         self._skips.sent(instruction, state, torch.is_grad_enabled())
 
     def recv_skip(self, instruction: isa.SkipInstruction) -> None:
         """``RecvSkip`` / ``RecvSkipGrad``: keep what arrived for the forward or backward."""
-        obj = self._receive(instruction)
+        obj = self.transfers.receive(self._at, instruction)
         buffer = self._fill(instruction)
         if buffer.skips is None:
             buffer.skips = SkipState()
@@ -761,10 +589,3 @@ class StageRuntime:
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
-
-
-def _detach_like(obj: Any) -> Any:
-    """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
-    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
-
-

@@ -5,10 +5,10 @@ on every rank.
 
 :class:`BatchStep` serves the step's instructions (``ReduceTiedGrads``, ``ReduceGrads``,
 ``OptimizerStep``) in the kernel's dispatch table like the runtime's handlers serve the
-others. It owns the batch's :class:`BatchLosses` (losses, auxiliary losses and token
-counts): one object made with the step, cleared by :meth:`BatchStep.begin`, filled by the
-stage runtime (which holds the same object from construction) and read here, for the step
-and the batch's loss. Nothing here reads the engine or the runtime.
+others. It reads the batch's losses (:class:`BatchLosses`: losses, auxiliary losses and
+token counts, which the stage runtime records): those recorded so far through
+``losses()`` at ``OptimizerStep``, and those the runtime's ``end()`` returned for the
+batch's loss (:meth:`BatchStep.mean_loss`). Nothing here reads the engine or the runtime.
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ class BatchLosses:
     tensors, detached) and ``micro_batches`` (which micro-batch each is), the token count
     of each under ``loss_reduction="tokens"`` (``tokens``, 0-dim float64), and the same
     for the auxiliary losses its chunks added (``aux_values``, ``aux_micro_batches``; one
-    sum per chunk forward, any stage: :mod:`pipekernel.model.aux_loss`). The stage
-    runtime appends; :class:`BatchStep` reads (empty on stages that compute no loss)."""
+    sum per chunk forward, any stage: :mod:`pipekernel.model.aux_loss`). A new one per
+    batch: the stage runtime's :class:`~pipekernel.stage.loss.LossKeeper` appends, the
+    runtime's ``end()`` hands it over (empty on stages that compute no loss)."""
 
     __slots__ = ("values", "micro_batches", "tokens", "aux_values", "aux_micro_batches")
 
@@ -44,12 +45,6 @@ class BatchLosses:
         self.tokens: list[torch.Tensor] = []
         self.aux_values: list[torch.Tensor] = []
         self.aux_micro_batches: list[int] = []
-
-    def clear(self) -> None:
-        """Forget the last batch's (in place: the runtime holds this object)."""
-        for values in (self.values, self.micro_batches, self.tokens, self.aux_values,
-                       self.aux_micro_batches):
-            values.clear()
 
     def add(self, loss: torch.Tensor, micro_batch: int,
             tokens: torch.Tensor | None = None) -> None:
@@ -69,10 +64,11 @@ class BatchLosses:
         self.aux_micro_batches.append(micro_batch)
 
 
+
 class BatchStep:
     """Reductions, the optimizer step and the batch loss of one stage of one replica.
 
-    :param module: the stage's :class:`~pipekernel.model.module.StageModule` (its
+    :param module: the stage's :class:`~pipekernel.stage.module.StageModule` (its
         ``tied_modules`` and parameters).
     :param precision: the precision policy (unscaling, master copies, the step).
     :param optimizer: the optimizer over the precision's parameters (``None``: no training).
@@ -88,12 +84,15 @@ class BatchStep:
         gradients and the loss are divided by the batch's tokens.
     :param expert_parallel: the :class:`~pipekernel.grid.expert_parallel.ExpertParallelGroup`
         when experts are spread over replicas (``None``: every replica holds every parameter).
+    :param losses: ``losses()``: the running batch's losses recorded so far (the stage
+        runtime's, read at ``OptimizerStep``; ``None``: none).
     """
 
     def __init__(self, *, module: Any, precision: Any, optimizer: Any, lr_scheduler: Any,
                  transport: Any, topology: Any, tied_groups: dict, tied_reducers: dict,
                  grad_reducer: Any, max_grad_norm: float | None, nonfinite: str,
-                 tokens: bool = False, expert_parallel: Any = None) -> None:
+                 tokens: bool = False, expert_parallel: Any = None,
+                 losses: Callable[[], BatchLosses] | None = None) -> None:
         self.module, self.precision, self.optimizer = module, precision, optimizer
         self.lr_scheduler, self.transport, self.topology = lr_scheduler, transport, topology
         self.tied_groups, self._tied_reducers = tied_groups, tied_reducers
@@ -106,17 +105,14 @@ class BatchStep:
         self.last_grad_scale = 1.0  # the token scale of the last step (1.0: none)
         self.last_aux_loss: float | None = None
         self._last_step_taken = True
-        #: the batch's losses and token counts, owned here (see :class:`BatchLosses`)
-        self.losses = BatchLosses()
+        self._losses = losses if losses is not None else BatchLosses
         self.micro_batches, self.global_steps = 1, 0
         #: the step's read statistics, for the batch's loss (pipekernel/step/stats.py)
         self._read_stats: tuple[StepStats, list[float]] | None = None
 
     def begin(self, micro_batches: int, global_steps: int) -> None:
-        """Start a batch of ``micro_batches`` after ``global_steps`` steps: clear
-        :attr:`losses` (the runtime fills them)."""
+        """Start a batch of ``micro_batches`` after ``global_steps`` steps."""
         self.micro_batches, self.global_steps = micro_batches, global_steps
-        self.losses.clear()
         self._read_stats = None
 
     @property
@@ -139,9 +135,9 @@ class BatchStep:
     def on_optimizer_step(self, instruction: isa.OptimizerStep) -> None:
         self._optimizer_step()
 
-    def mean_loss(self, training: bool = False) -> torch.Tensor:
-        """The batch's loss from :attr:`losses` (see :meth:`_mean_loss`)."""
-        return self._mean_loss(training)
+    def mean_loss(self, losses: BatchLosses, training: bool = False) -> torch.Tensor:
+        """The batch's loss from its ``losses`` (see :meth:`_mean_loss`)."""
+        return self._mean_loss(losses, training)
 
     # -- reductions and the step ------------------------------------------------
     def _master_grads(self, params: Iterable[torch.Tensor]
@@ -182,13 +178,13 @@ class BatchStep:
             # device once, and the batch's loss needs no second read. (With nothing to
             # decide the step does not wait for the other stages; the loss is read once,
             # after the batch.)
-            stats = self._step_stats(training=True)
+            losses = self._losses()
+            stats = self._step_stats(losses, training=True)
             stats.put(stats.OVERFLOW, found_inf)
             if clip:
                 stats.put(stats.NORM_SQ, self.local_grad_norm_sq())
             if skip_bad:
-                stats.put(stats.BAD, nonfinite_flag(self._batch_losses()[0]
-                                                    + self.losses.aux_values))
+                stats.put(stats.BAD, nonfinite_flag(losses.values + losses.aux_values))
             self.transport.all_reduce(stats.vec)
             values = stats.read()
             self._read_stats = (stats, values)
@@ -211,19 +207,14 @@ class BatchStep:
         self.last_grad_scale = scale  # what the sentinel compares over the stages
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _batch_losses(self) -> tuple[list[torch.Tensor], list[int]]:
-        """This rank's losses of the batch and the micro-batch of each."""
-        return self.losses.values, self.losses.micro_batches
-
-    def _step_stats(self, training: bool) -> StepStats:
-        """The batch's statistics vector with this rank's losses and tokens in it."""
-        losses, micro_batches = self._batch_losses()
+    def _step_stats(self, losses: BatchLosses, training: bool) -> StepStats:
+        """The batch's statistics vector with this rank's ``losses`` and tokens in it."""
         stats = StepStats(self.transport.device, self.micro_batches, self.transport.world_size,
                           flags=training and self.nonfinite == "error")
-        stats.put_losses(losses, micro_batches, self.rank)
-        stats.put_aux(self.losses.aux_values, self.losses.aux_micro_batches, self.rank)
+        stats.put_losses(losses.values, losses.micro_batches, self.rank)
+        stats.put_aux(losses.aux_values, losses.aux_micro_batches, self.rank)
         if self.tokens:
-            stats.put(stats.TOKENS, self.losses.local_tokens(stats.vec.device))
+            stats.put(stats.TOKENS, losses.local_tokens(stats.vec.device))
         return stats
 
     def local_grad_norm_sq(self) -> torch.Tensor | None:
@@ -283,7 +274,7 @@ class BatchStep:
                 p.grad.mul_(factor)
 
 
-    def _mean_loss(self, training: bool = False) -> torch.Tensor:
+    def _mean_loss(self, losses: BatchLosses, training: bool = False) -> torch.Tensor:
         """The batch's loss, the same on every rank: one all-reduce of the last stages'
         loss sum (and token count), and, when training with ``nonfinite="error"``, of
         which micro-batches and ranks had a NaN/inf loss. A train step already carried
@@ -293,7 +284,7 @@ class BatchStep:
         if training and read is not None:
             stats, values = read
         else:
-            stats = self._step_stats(training)
+            stats = self._step_stats(losses, training)
             self.transport.all_reduce(stats.vec)  # only last stages contribute
             values = stats.read()
         loss_sum, aux_sum = values[stats.LOSS], values[stats.AUX]

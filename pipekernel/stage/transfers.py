@@ -1,0 +1,189 @@
+"""A stage's transfers: what the runtime posts by the program, waits on and hands off.
+
+Talks to peers only through a :class:`~pipekernel.comm.transport.Transport`, and posts
+communication by the :class:`~pipekernel.schedules.program.Program` the engine gives it
+(read, never changed or cached here; :meth:`Transfers.bind` makes its channels and groups
+once per program): each
+posting point's sends and receives go out as one group (``batch_isend_irecv``), receives
+ahead of the compute that needs them, and a receive is waited on only at its own
+instruction. Sends never block compute: their handles are kept until the batch ends.
+Transfers between two chunks of this stage are hand-offs (no transport). Skip connections
+are transfers like the others.
+
+It knows no buffers: what a posted send carries and what a received object stands for are
+the runtime's (``payload``, given at construction, and ``arrived``, per batch).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipekernel.comm.wire import Channel
+from pipekernel.errors import PipelineError
+from pipekernel.nested import map_tensors
+from pipekernel.schedules import instructions as isa
+from pipekernel.schedules.program import Program
+
+__all__ = ["Transfers"]
+
+#: How a send names what it carries in errors (the kernel adds stage and micro-batch).
+_WHAT: dict[type, str] = {isa.SendActivation: "outputs", isa.SendGrad: "input gradients",
+         isa.SendSkip: "stashed skip values", isa.SendSkipGrad: "skip gradients"}
+
+
+class Transfers:
+    """The point-to-point traffic of one stage.
+
+    :param transport: the communication backend (``batch_isend_irecv``, ``control``).
+    :param stage_rank: ``stage -> global rank`` of this pipeline's ranks.
+    :param payload: ``payload(instruction)``: what the posted send ``instruction`` carries.
+    """
+
+    def __init__(self, transport: Any, stage_rank: Callable[[int], int],
+                 payload: Callable[[Any], Any]) -> None:
+        self.transport = transport
+        self._stage_rank, self._payload = stage_rank, payload
+        self._arrived: Callable[[Any, Any], Any] | None = None  # the batch's (begin())
+        self._channels: dict[tuple[type, int, int | None], Channel] = {}
+        # the batch's (the engine's, read only): begin() sets it before any other call
+        self._program: Program = None  # type: ignore[assignment]
+        self._by_index: Sequence[Any] = ()  # its channel of each stream index (bind())
+        self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
+        self._sends: list[tuple] = []      # (handle, tensor, what) of sends in flight
+        self._local: dict[int, Any] = {}   # receive's stream index -> hand-off to it
+
+    def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
+        """``(channels, groups)`` of ``program`` here: per stream index, the channel of a
+        remote transfer (one per channel key, made on first use and shared by every program
+        of this stage) and the group posted there as ``(index, is_send, channel, what)``."""
+        mine = [self._channel(spec) for spec in program.channels]
+        channels = tuple(None if number is None else mine[number]
+                         for number in program.channel_of)
+        stream, spec = program.stream, program.channels
+        groups = tuple(tuple((index, spec[program.channel_of[index]].send,  # type: ignore[index]
+                              channels[index], _WHAT.get(type(stream[index]), "value"))
+                             for index in group) for group in program.posts)
+        return channels, groups
+
+    def begin(self, program: Program, channels: Sequence[Channel | None],
+              arrived: Callable[[Any, Any], Any] | None = None) -> None:
+        """Start a batch running ``program`` with its ``channels`` (:meth:`bind`'s); the
+        sends of the last batch waited for. ``arrived(instruction, obj)``: what a received
+        ``obj`` stands for (``None``: itself)."""
+        self.flush()
+        self._program, self._by_index, self._recvs, self._local = program, channels, {}, {}
+        self._arrived = arrived
+
+    def _channel(self, spec: Any) -> Channel:
+        """The channel of ``spec`` (a :class:`~pipekernel.schedules.program.ChannelSpec`),
+        made on first use."""
+        channel = self._channels.get(spec.key)
+        if channel is None:
+            channel = Channel(self.transport, self._stage_rank(spec.peer_stage), tag=spec.lane)
+            self._channels[spec.key] = channel
+        return channel
+
+    def post(self, group: Sequence[tuple]) -> None:
+        """Post one group: every op of ``group`` on the data lane in one call (and the
+        headers on the control lane, when the transport has one, just before)."""
+        data: list[Any] = []
+        control: list[Any] = []
+        spans = []
+        stream = self._program.stream
+        for index, is_send, channel, what in group:
+            if is_send:
+                pending = None
+                ops, ctrl = channel.send_ops(self._payload(stream[index]), what)
+            else:
+                pending = channel.recv_ops()
+                self._recvs[index] = pending
+                ops, ctrl = pending.ops, pending.control_ops
+            spans.append((pending, index, len(data), len(ops), len(control), len(ctrl)))
+            data += ops
+            control += ctrl
+        control_handles = self.transport.control.batch_isend_irecv(control) if control else []
+        handles = self.transport.batch_isend_irecv(data) if data else []
+        self.prune()
+        for pending, index, d0, dn, c0, cn in spans:
+            if pending is None:
+                ins = stream[index]
+                carried = (ins.micro_batch, ins.chunk) \
+                    if isinstance(ins, isa.SendActivation) else None
+                self._sends += [(h, op.tensor, carried) for h, op in
+                                zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
+                self._sends += [(h, op.tensor, carried) for h, op in
+                                zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
+            else:
+                pending.handles = handles[d0:d0 + dn]
+                pending.control_handles = control_handles[c0:c0 + cn]
+
+    def receive(self, index: int, instruction: isa.MicroBatchInstruction) -> Any:
+        """What the receive ``instruction`` at stream ``index`` brought (waited for here)."""
+        if self._program.local[index]:
+            if index not in self._local:
+                raise PipelineError(f"{instruction} comes before the matching send on this "
+                                    "stage",
+                                    hint="check the schedule with pipekernel.schedules.simulate")
+            return self._local.pop(index)
+        obj = self._by_index[index].finish(self._recvs.pop(index))
+        return obj if self._arrived is None else self._arrived(instruction, obj)
+
+    def send(self, index: int, obj: Any) -> None:
+        """The send at stream ``index`` of ``obj``: a hand-off to a chunk of this stage is
+        kept for the receive it fills; a remote one was posted with its group."""
+        program = self._program
+        if program.local[index]:
+            fills = program.handoffs[index]
+            if fills is not None:
+                self._local[fills] = _detach_like(obj)
+
+    def flush(self) -> None:
+        """Wait for every send still in flight."""
+        sends, self._sends = self._sends, []
+        for handle, _, _ in sends:
+            handle.wait()
+
+    def prune(self) -> None:
+        """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
+        buffer lives exactly as long as its transfer: a query, no device sync."""
+        if any(handle.is_completed() for handle, _, _ in self._sends):
+            for handle, _, _ in self._sends:
+                if handle.is_completed():
+                    handle.wait()
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def settle(self, what: tuple) -> None:
+        """Wait for the sends of ``what`` (``(micro-batch, chunk)`` of an activation whose
+        gradient just arrived): the peer computed that gradient from them, so they were
+        received and ``wait`` returns at once. A gloo send reports ``is_completed()`` only
+        after ``wait()``, so without this every activation sent stayed in memory until the
+        step's end (under 1F1B, a stage's memory grew with the micro-batch count)."""
+        if any(s[2] == what for s in self._sends):
+            for handle, _, key in self._sends:
+                if key == what:
+                    handle.wait()
+            self._sends = [s for s in self._sends if s[2] != what]
+
+    def held(self) -> list[Any]:
+        """Send buffers whose transfer has not completed, posted receives and hand-offs."""
+        self.prune()
+        return [t for _, t, _ in self._sends] + list(self._recvs.values()) \
+            + list(self._local.values())
+
+    def abandon(self) -> None:
+        """Forget every transfer in flight after a failure (nothing waits on them any
+        more; the process group is destroyed by the transport's ``close()``)."""
+        self._sends, self._recvs, self._local = [], {}, {}
+
+    def payload_bytes(self) -> dict[str, int]:
+        """Tensor bytes sent to peers so far, by dtype name."""
+        total: dict[str, int] = {}
+        for channel in self._channels.values():
+            for name, count in channel.payload.items():
+                total[name] = total.get(name, 0) + count
+        return total
+
+
+def _detach_like(obj: Any) -> Any:
+    """A hand-off to another chunk of this stage: new autograd leaves sharing storage."""
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), obj)
