@@ -142,7 +142,7 @@ def count_worker(lengths: list[int], steps: int, model: str = "plain"
     engine = pk.PipelineEngine(MODELS[model](2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                                micro_batches=len(lengths), timeout=60, check_data_steps=0)
     counts = Counts(engine.transport)
-    channels = engine.runtime._channels
+    channels = engine.runtime.transfers._channels
     out, losses = [], []
     for step in range(steps):
         counts.n.clear()
