@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.program import lower
@@ -149,7 +150,8 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
           posted) -> None:
     """Apply one instruction to the slots (what the runtime's handler keeps and drops)."""
     key = (getattr(ins, "micro_batch", None), getattr(ins, "chunk", None))
-    part = parts.get((stage, key[1])) if key[1] is not None else None
+    # every instruction that reads it names a chunk (a part of this stage)
+    part: Any = parts.get((stage, key[1])) if key[1] is not None else None
     if isinstance(ins, isa.LoadMicroBatch):
         slot = fill(ins)
         if ins.chunk in first:
