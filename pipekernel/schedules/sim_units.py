@@ -13,6 +13,10 @@ class _Op:
     __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done",
                  "cost_send", "cost_recv")
 
+    mate: _Op | None
+    unit: _Unit | None
+    done: float | None
+
     def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
                  ins: Instruction, send: bool) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
@@ -39,6 +43,9 @@ class _Unit:
 
     __slots__ = ("ops", "post", "start", "end", "left", "active", "lane", "next", "heads",
                  "ends")
+
+    post: float | None
+    next: _Unit | None
 
     def __init__(self, ops: list[_Op], lane: int, heads: list, ends: list) -> None:
         self.ops, self.lane, self.heads, self.ends = ops, lane, heads, ends
