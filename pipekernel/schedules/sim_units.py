@@ -4,7 +4,7 @@ point-to-point operation (:class:`_Op`) and the units a rank's lane orders them 
 Layer 0: no torch."""
 from __future__ import annotations
 
-from pipekernel.schedules.instructions import Instruction
+from pipekernel.schedules.instructions import MicroBatchInstruction
 
 
 class _Op:
@@ -18,7 +18,7 @@ class _Op:
     done: float | None
 
     def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
-                 ins: Instruction, send: bool) -> None:
+                 ins: MicroBatchInstruction, send: bool) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
         self.lane, self.send = lane, send
         self.mate = self.unit = self.done = None  # unit: set when posted
