@@ -12,17 +12,15 @@ and a sample walks the stage's parameters and buffers twice per instruction, whi
 step with many small instructions notices; ``benchmarks/memory_table.py`` shows the
 numbers. Byte counts are exact and device independent (storages, not an allocator's
 rounding); on CUDA the monitor's ``peak_memory_mb`` is the allocator's figure beside them.
-Under a schedule that splits the backward (``BackwardInput``/``BackwardWeight``: the
-zero-bubble and V schedules) saved tensors are not recorded and ``memory_saved_bytes`` is
-absent: with any ``saved_tensors_hooks`` active, the split backward never frees the
-packed tensors of the input path (measured: +9 MB per step of 2 MB activations, RSS), so
-recording them would leak.
+Every schedule is measured, the split backward's (zero-bubble, V) included: the ledger's
+pack hook hands autograd a detached alias, so the input pass's retained graph holds no
+reference cycle (see :meth:`~pipekernel.stage.memory.MemoryLedger.start`).
 """
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from pipekernel.plugin import BackwardInput, EngineView, MemoryLedger, hookimpl
+from pipekernel.plugin import EngineView, MemoryLedger, hookimpl
 
 __all__ = ["MemoryMeter"]
 
@@ -39,15 +37,6 @@ class MemoryMeter:
         self.ledger: MemoryLedger | None = None
         self.last: dict[str, int] = {}
         self._on = False
-        self._splits: dict[int, bool] = {}  # micro-batch count -> the schedule splits B
-
-    def _split(self, engine: EngineView) -> bool:
-        m = engine.micro_batches
-        if m not in self._splits:
-            schedule = engine.schedule_cls(engine.num_stages, engine.stage, m, engine.chunks)
-            self._splits[m] = any(isinstance(i, BackwardInput)
-                                  for step in schedule.steps() for i in step)
-        return self._splits[m]
 
     @hookimpl
     def pipekernel_configure(self, engine: EngineView) -> None:
@@ -58,7 +47,7 @@ class MemoryMeter:
     @hookimpl
     def pipekernel_before_train_batch(self, engine: EngineView) -> None:
         if self.ledger is not None:
-            self.ledger.start(saved=not self._split(engine))
+            self.ledger.start()
             self.ledger.sample()
             self._on = True
 

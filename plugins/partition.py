@@ -258,7 +258,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
                         optimizer_states: float | None = None,
                         split: list | None = None,
                         clock: Callable[[], float] | None = None,
-                        outputs: list | None = None
+                        outputs: list | None = None, weight_states: list | None = None
                         ) -> tuple[list[float] | None, list[float] | None, list[float],
                                    list[float]]:
     """:func:`measure_layers`, with the forward timed on its own too.
@@ -267,6 +267,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
         (``(input pass, weight pass)``, :mod:`pipekernel.stage.split_backward`) to; ``None``:
         not timed.
     :param outputs: a list to append, per layer, the bytes of the tensors it returns to.
+    :param weight_states: a list to append, per layer, the bytes its split backward's input
+        pass records for the weight pass (:func:`_weight_state_bytes`).
     :returns: ``(seconds, forward_seconds, static_bytes, activation_bytes)``: the
         median forward + backward time and, of the same repetitions, the median
         forward time (both ``None`` unless ``time_it``), then as :func:`measure_layers`.
@@ -301,6 +303,8 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
             act.append(float(nbytes))
             if outputs is not None:
                 outputs.append(float(sum(t.numel() * t.element_size() for t in _tensors(out))))
+            if weight_states is not None:  # the memory model's weight-pass state
+                weight_states += [_weight_state_bytes(call, inp, layer)]
             if time_it:
                 _time_into(seconds, forwards, split, call, inp, layer, device,
                            (warmup, repeats, now))
@@ -322,6 +326,27 @@ def _time_into(seconds: list, forwards: list, split: list | None, call: Callable
         split.append(_time_split(call, inp, layer, device, warmup, repeats, now))
     if isinstance(layer, nn.Module):
         layer.zero_grad(set_to_none=True)
+
+
+def _weight_state_bytes(call: Callable, inp: Any, layer: Any) -> float:
+    """Bytes of the gradients one layer's input pass records for its weight pass (each
+    storage once); the layer's gradients are dropped after."""
+    params = list(layer.parameters()) if isinstance(layer, nn.Module) else []
+    inputs = _grad_outputs(inp)
+    outputs = _grad_outputs(call(inp))
+    if not outputs or not params:
+        return 0.0
+    _, state = backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, params)
+    held = [g for s in state._splits for g in s.grads if g is not None]
+    held += [g for _, g in state._roots]
+    nbytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for t in held}.values())
+    backward_weight(state)
+    if isinstance(layer, nn.Module):
+        layer.zero_grad(set_to_none=True)
+    for t in inputs:
+        t.grad = None
+    return float(nbytes)
 
 
 def _check_measuring(sample: Any, repeats: int, warmup: int) -> None:
@@ -548,17 +573,20 @@ def _by_profile(method: Profile, context: PartitionContext, num_stages: int) -> 
     def compute() -> tuple:
         split: list | None = [] if method.split_backward else None
         outputs: list = []
+        states: list | None = [] if method.split_backward else None
         seconds, forward, static, act = measure_layer_times(
             module, method.sample, context.device, repeats=method.repeats,
             warmup=method.warmup, optimizer=context.optimizer, split=split,
-            clock=method.clock, outputs=outputs)
+            clock=method.clock, outputs=outputs, weight_states=states)
         assert seconds is not None  # time_it (the default) measures them
         first, second = ([p[0] for p in split], [p[1] for p in split]) if split \
             else (None, None)
         return (balance(seconds, num_stages), seconds, static, act, forward, first, second,
-                outputs)
-    bounds, costs, static, act, forward, first, second, outputs = _agree(context, compute)
+                outputs, states)
+    bounds, costs, static, act, forward, first, second, outputs, states = \
+        _agree(context, compute)
     context.layer_output_bytes = outputs
+    context.layer_weight_state_bytes = states
     context.layer_costs, context.cost_unit = costs, "seconds"
     context.layer_forward_seconds = forward
     context.layer_split_backward_seconds = (list(zip(first, second))

@@ -262,7 +262,8 @@ def test_a_budget_only_another_count_fits_says_so_and_is_refused():
     costs = fixed_batch_costs(act=1e6)  # 1F1B holds <= 2 in flight: more, smaller is less
     only = {"1f1b": TRAINING["1f1b"]}
     free = search(costs, 2, only, balance=balance, runs=1)
-    budget = min(c.peak_bytes for c in free.candidates if c.micro_batches == 8) * 1.01
+    # above the 8-count's prediction plus the model's 5% margin
+    budget = min(c.peak_bytes for c in free.candidates if c.micro_batches == 8) * 1.06
     with pytest.raises(ConfigError, match=r"no candidate at 1 micro-batches .*8 micro-batches "
                                           r"would fit"):
         search(costs, 2, only, balance=balance, runs=1, memory_budget=budget)

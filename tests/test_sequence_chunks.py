@@ -89,6 +89,43 @@ def test_split_sequences_cuts_dim_one_and_refuses_a_remainder():
         list(split_sequences(iter([(ids, labels[:, :5])]), 2))
 
 
+def test_a_mean_loss_refuses_chunks_that_count_different_labels():
+    """Under loss_reduction='mean' the micro-batch's loss would be the mean of its chunks'
+    means: chunks counting different numbers of -100 labels are refused, equal ones pass."""
+    ids = torch.arange(12).view(2, 6)
+    uneven = torch.arange(12).view(2, 6)
+    uneven[0, :2] = -100  # the first chunk counts 2 labels, the others 4
+    with pytest.raises(pk.DataError, match=r"count \[2, 4, 4\] labels that are not -100") \
+            as info:
+        list(split_sequences(iter([(ids, uneven)]), 3, mean_loss=True))
+    assert "loss_reduction='tokens'" in info.value.hint
+    assert len(list(split_sequences(iter([(ids, uneven)]), 3))) == 3  # tokens: exact
+    even = torch.arange(12).view(2, 6)
+    even[0, ::2] = -100  # one ignored label in every chunk
+    assert len(list(split_sequences(iter([(ids, even)]), 3, mean_loss=True))) == 3
+
+
+def _train_masked_mean():
+    torch.set_num_threads(1)
+    engine = pk.PipelineEngine(_module(2), optimizer=_sgd, micro_batches=2, seq_chunks=2,
+                               timeout=60)
+    try:
+        engine.train_batch(iter(_batches(1, 2, mask=True)[0][0]))
+    except pk.PipelineError as err:
+        return type(err).__name__, str(err)
+    finally:
+        engine.close()
+    return None
+
+
+def test_masked_labels_under_a_mean_loss_stop_every_rank_by_name():
+    """The silent case (a mean of chunk means) ends the step on both ranks, named."""
+    results = run_ranks(_train_masked_mean, 2, timeout=300)
+    assert all(result is not None for result in results), results
+    assert any(name == "DataError" and "mean of its chunks' means" in text
+               for name, text in results), results
+
+
 def test_kv_prefix_gradients_reach_the_earlier_chunks_exactly():
     """Attention over two chunks, chunk 1 backwarded first, then chunk 0 from its output
     and its keys/values: the gradients of the unsplit attention."""
@@ -150,7 +187,8 @@ def _train(stages, m, k, steps=2, reduction="mean", replicas=1, partition="unifo
     engine = pk.PipelineEngine(_module(stages, tokens=tokens, partition=partition),
                                optimizer=_sgd, micro_batches=m,
                                seq_chunks=k, timeout=60, loss_reduction=reduction,
-                               data_parallel_size=replicas)
+                               data_parallel_size=replicas,
+                               check_every=1)  # the sentinel (transfers too): no false alarm
     try:
         data = _batches(steps, m, mask=tokens, replicas=replicas)
         losses = [engine.train_batch(iter(b[engine.data_parallel_rank])).item() for b in data]

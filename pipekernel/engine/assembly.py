@@ -36,6 +36,7 @@ from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.schedules.sequence import Seq1F1B
 from pipekernel.stage.loss import check_loss_reduction
 from pipekernel.model.module import PipelineModule
+from pipekernel.schedules.sim_memory import live_graphs
 from pipekernel.model.partitioning import PartitionContext, PartitionReport
 from pipekernel.model.skip_routing import check_schedules, router_for
 
@@ -309,16 +310,19 @@ def partition(module: PipelineModule, optimizer: Any, layout: Layout, pm: Any,
     num_stages, chunks = layout.topology.pipe_size, layout.chunks
     micro_batches = layout.micro_batches
     # every rank partitions here, before any group exists: plugins may broadcast
+    # per part, the micro-batches whose graph its chunk holds at once (a deferred weight
+    # pass included), not its stage's whole in-flight count, which counts every chunk's;
     # Seq1F1B's buffers hold sequence chunks, 1/seq_chunks of a micro-batch each
     per = getattr(layout.schedule_cls, "seq_chunks", 1)
-    in_flight = [-(-layout.schedule_cls(num_stages, s, micro_batches, chunks).num_buffers()
-                   // per) for s in range(num_stages)]
+    live = {k: -(-n // per) for k, n in
+            live_graphs(layout.schedule_cls, num_stages, micro_batches, chunks).items()}
     num_parts = num_stages * chunks
     part_stages = [locate(p, num_stages, layout.placement)[0] for p in range(num_parts)]
     context = PartitionContext(
         module=module, num_stages=num_parts, transport=transport, device=transport.device,
         rank=transport.rank, micro_batches=micro_batches,
-        in_flight=[in_flight[s] for s in part_stages], optimizer=_factory(optimizer))
+        in_flight=[live[locate(p, num_stages, layout.placement)] for p in range(num_parts)],
+        optimizer=_factory(optimizer))
     bounds = list(layout.plan.bounds) if layout.plan is not None else \
         module.partition(num_parts, pm, context)
     check_consistency(transport, {"partition bounds": list(bounds)},

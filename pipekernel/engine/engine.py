@@ -266,7 +266,8 @@ class PipelineEngine(EngineFields):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
         seq_chunks = getattr(cls, "seq_chunks", 1)  # Seq1F1B: a unit per sequence chunk
         if seq_chunks > 1 and isinstance(data_iter, Iterator):
-            data_iter = split_sequences(data_iter, seq_chunks)
+            data_iter = split_sequences(data_iter, seq_chunks,
+                                        mean_loss=self.loss_reduction == "mean")
         units = self.micro_batches * seq_chunks
         check = self.state.batches_run < self.check_data_steps and self.num_stages > 1
         self.state.batches_run += 1

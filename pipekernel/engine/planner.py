@@ -58,6 +58,7 @@ from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
                                      RecvGrad, SendActivation, SendGrad)
 from pipekernel.schedules.placement import locate
+from pipekernel.schedules.sim_memory import live_graphs, part_bytes, stage_memory
 from pipekernel.schedules.simulator import simulate
 from pipekernel.model.partitioning import format_bytes
 
@@ -137,6 +138,19 @@ class LayerCosts:
     #: combine), measured apart from ``forward_s`` / ``backward_s`` (the compute), which
     #: they add to; ``None``: no expert parallelism
     all_to_all_s: Sequence[tuple[float, float]] | None = None
+    #: bytes a split backward's input pass keeps per layer for its weight pass (the split
+    #: nodes' recorded gradients); ``None``: not measured (counted as nothing)
+    weight_state_bytes: Sequence[float] | None = None
+    #: bytes of one micro-batch of the first layer's inputs, and of its labels (which the
+    #: loss saves): the first and last stage's share of the memory model
+    input_bytes: float = 0.0
+    label_bytes: float = 0.0
+    #: the module's ``activation_checkpoint_interval`` (each part keeps only the input of
+    #: every run of that many layers)
+    checkpoint_interval: int = 0
+    #: per layer, its parameters' gradient bytes (part of ``static_bytes``, but absent
+    #: until a stage's first backward writes them); ``None``: counted as always there
+    grad_bytes: Sequence[float] | None = None
 
     def all_to_all_share(self) -> tuple[float, float]:
         """``(all-to-all seconds, all seconds)`` of one micro-batch's forward + backward."""
@@ -181,6 +195,10 @@ class Candidate:
     #: priced at a micro-batch count the engine does not run (it trains the user's
     #: count): listed for comparison, never chosen
     what_if: bool = False
+    #: per stage, the predicted bytes at its peak by category: ``static`` (parameters,
+    #: gradients, optimizer state), ``saved`` and ``buffers`` (see
+    #: :mod:`pipekernel.schedules.sim_memory`)
+    stage_memory: tuple[Mapping[str, float], ...] = ()
 
     @property
     def peak_bytes(self) -> float | None:
@@ -256,6 +274,7 @@ class Plan:
                     f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
                    if self.link is not None else []),
                  *self._all_to_all_line(),
+                 *self._memory_lines(),
                  f"  {'#':>3} {'schedule':<12} {'chunks':>6} {'micro':>5} {'partition':<9} "
                  f"{'pred ms':>9} {'peak mem':>10}  note"]
         shown = self.candidates if top is None else self.candidates[:top]
@@ -269,6 +288,21 @@ class Plan:
             lines.append(f"{mark} {i:>3} {c.schedule:<12} {c.chunks:>6} {c.micro_batches:>5} "
                          f"{c.partition:<9} {pred} {peak:>10}  {note}".rstrip())
         return "\n".join(lines)
+
+    def _memory_lines(self) -> list[str]:
+        """The chosen plan's predicted bytes per stage by category (at the stage's peak)."""
+        chosen = next((c for c in self.candidates if (c.schedule, c.chunks, c.micro_batches,
+                       c.bounds) == (self.schedule, self.chunks, self.micro_batches,
+                                     self.bounds)), None)
+        if chosen is None or not chosen.stage_memory:
+            return []
+        lines = ["  predicted memory per stage at its peak (static = parameters + optimizer "
+                 "state; saved = activations saved for backward; buffers = the runtime's):"]
+        for s, row in enumerate(chosen.stage_memory):
+            lines.append(f"    stage {s}: " + ", ".join(
+                f"{k} {format_bytes(v)}" for k, v in row.items())
+                + f", peak {format_bytes(sum(row.values()))}")
+        return lines
 
     def _all_to_all_line(self) -> list[str]:
         costs = self.costs.get(self.micro_batches)
@@ -357,7 +391,9 @@ def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
                       and c.predicted_step_s is not None), None)
         raise ConfigError(
             f"schedule='auto': no candidate{at} fits memory_budget={format_bytes(budget)} per "
-            f"stage; the smallest needs {format_bytes(min(sizes))}"
+            f"stage; the smallest budget that would fit is "
+            f"{format_bytes(min(sizes) * (1 + MEMORY_MARGIN))} (its largest stage is predicted "
+            f"at {format_bytes(min(sizes))}, plus the model's {MEMORY_MARGIN:.0%} margin)"
             + (f" ({other.micro_batches} micro-batches would fit: {other.schedule}, "
                f"{format_bytes(other.peak_bytes)})" if other is not None else ""),
             hint="raise memory_budget, use more stages, activation checkpointing, or give "
@@ -384,13 +420,12 @@ def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num
         return [Candidate(name, chunks, m, "-", note=f"{parts} parts > "
                           f"{len(costs.forward_s)} layers")]
     try:
-        objects = [cls(num_stages, s, m, chunks) for s in range(num_stages)]
-        in_flight = [o.num_buffers() for o in objects]
+        live = live_graphs(cls, num_stages, m, chunks)  # per part: its chunk's graphs at once
     except PipelineError as err:
         return [Candidate(name, chunks, m, "-", note=err.message.split("\n")[0])]
     a2a = costs.all_to_all_s or [(0.0, 0.0)] * len(costs.forward_s)
     time_w = [f + b + af + ab for f, b, (af, ab) in zip(costs.forward_s, costs.backward_s, a2a)]
-    mean_in_flight = sum(in_flight) / (len(in_flight) * chunks)
+    mean_in_flight = sum(live.values()) / len(live)
     memory_w = [s + mean_in_flight * a for s, a in zip(costs.static_bytes,
                                                          costs.activation_bytes)]
     out, seen = [], set()
@@ -412,7 +447,6 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
     table: dict[tuple[int, ...], dict[type, float]] = {}
     parts: dict[tuple[int, int], tuple[float, float, float, float]] = {}
     static = [0.0] * num_stages
-    act = [0.0] * num_stages
     for p in range(num_stages * chunks):
         stage, chunk = locate(p, num_stages, placement)
         lo, hi = bounds[p], bounds[p + 1]
@@ -427,7 +461,6 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
         table[(stage, chunk)] = {Forward: f + fa, Backward: b + ba, BackwardInput: i + ba,
                                  BackwardWeight: w}
         static[stage] += sum(costs.static_bytes[lo:hi])
-        act[stage] += sum(costs.activation_bytes[lo:hi]) / chunks
     transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
                  RecvGrad: 0.0}
     host: dict[type, float] = {}
@@ -448,9 +481,34 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
                           host_costs=host, paired=executor is not None)
     except PipelineError as err:
         return Candidate(name, chunks, m, label, bounds, note=err.message.split("\n")[0])
-    stage_bytes = tuple(static[s] + result.buffers[s] * act[s] for s in range(num_stages))
-    fits = budget is None or max(stage_bytes) <= budget
-    return Candidate(name, chunks, m, label, bounds, result.makespan, stage_bytes, fits)
+    memory = _stage_memory(cls, num_stages, m, chunks, bounds, costs, static)
+    stage_bytes = tuple(sum(row.values()) for row in memory)
+    fits = budget is None or max(stage_bytes) * (1 + MEMORY_MARGIN) <= budget
+    return Candidate(name, chunks, m, label, bounds, result.makespan, stage_bytes, fits,
+                     stage_memory=memory)
+
+
+#: a plan fits a budget when its largest stage's prediction, plus this share, does: the
+#: memory model is within 5% of the measured peak on every stage the tests measure
+#: (``tests/test_memory_model.py``), so the measured peak of a fitting plan fits too
+MEMORY_MARGIN = 0.05
+
+
+def _stage_memory(cls: Any, num_stages: int, m: int, chunks: int, bounds: tuple[int, ...],
+                  costs: LayerCosts, static: list[float]) -> tuple[dict[str, float], ...]:
+    """Per stage ``{"static", "grads", "saved", "buffers"}`` bytes at its predicted peak: the
+    parameters and optimizer state plus the replay of its program (:func:`~pipekernel.schedules.sim_memory.stage_memory`)."""
+    outputs = costs.output_bytes or [0.0] * len(costs.activation_bytes)
+    parts = part_bytes(bounds, num_stages, chunks, getattr(cls, "placement", "loop"),
+                       saved=costs.activation_bytes, outputs=outputs,
+                       weight_states=costs.weight_state_bytes, input_bytes=costs.input_bytes,
+                       label_bytes=costs.label_bytes,
+                       checkpoint_interval=costs.checkpoint_interval, grads=costs.grad_bytes)
+    peaks = stage_memory(cls, num_stages, m, chunks, parts)
+    fixed = list(static)  # less the gradients, which the replay places in time
+    for (stage, _), part in parts.items():
+        fixed[stage] -= part.grads
+    return tuple({"static": fixed[s], **peaks[s]} for s in range(num_stages))
 
 
 # -- the engine's (and the CLI's) way in: profile through the plugins, then search --------
@@ -569,8 +627,28 @@ def _profile(module: Any, request: Auto, sample: Any, n: int, pm: Any, where: tu
     pm.hook.pipekernel_partition(
         method=Profile(sample, request.repeats, request.warmup, split_backward=True),
         layers=module.layers, num_stages=1, context=context)
-    return _with_all_to_all(_layer_costs(context), module, sample, ep_group, transport, device,
-                            request)
+    costs = dataclasses.replace(
+        _layer_costs(context), input_bytes=_nbytes(sample),
+        checkpoint_interval=getattr(module, "activation_checkpoint_interval", 0) or 0,
+        grad_bytes=_grad_bytes(module))
+    return _with_all_to_all(costs, module, sample, ep_group, transport, device, request)
+
+
+def _grad_bytes(module: Any) -> list[float] | None:
+    """Per layer, its gradients' bytes (fp32: what the optimizer steps on)."""
+    counts = getattr(module, "parameter_counts", None)
+    return [4.0 * c for c in counts()] if callable(counts) else None
+
+
+def _nbytes(sample: Any) -> float:
+    """Bytes of the tensors in ``sample`` (one micro-batch of inputs)."""
+    import torch
+
+    if isinstance(sample, torch.Tensor):
+        return float(sample.numel() * sample.element_size())
+    items = sample.values() if isinstance(sample, dict) else \
+        sample if isinstance(sample, (tuple, list)) else ()
+    return float(sum(_nbytes(item) for item in items))
 
 
 def _with_all_to_all(costs: LayerCosts, module: Any, sample: Any, ep_group: Any, transport: Any,
@@ -639,11 +717,13 @@ def _layer_costs(context: Any) -> LayerCosts:
     act = context.layer_activation_bytes or [0.0] * len(total)
     split = getattr(context, "layer_split_backward_seconds", None)
     outputs = getattr(context, "layer_output_bytes", None)
+    states = getattr(context, "layer_weight_state_bytes", None)
     return LayerCosts([float(f) for f in forward],
                       [max(float(t) - float(f), 0.0) for t, f in zip(total, forward)],
                       [float(s) for s in context.layer_static_bytes], [float(a) for a in act],
                       [(float(i), float(w)) for i, w in split] if split else None,
-                      [float(b) for b in outputs] if outputs else None)
+                      [float(b) for b in outputs] if outputs else None,
+                      weight_state_bytes=[float(b) for b in states] if states else None)
 
 
 def _rows(sample: Any) -> int:

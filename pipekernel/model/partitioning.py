@@ -103,9 +103,11 @@ class PartitionContext:
     :param device: the device this rank runs on (``torch.device``).
     :param rank: this process's global rank (0 outside an engine).
     :param micro_batches: micro-batches per training batch.
-    :param in_flight: per stage, the most micro-batches the training schedule keeps
-        alive there (its ``num_buffers()``); outside an engine, 1F1B with at least
-        ``num_stages`` micro-batches: ``num_stages - stage``.
+    :param in_flight: per part (stage), the most micro-batches whose graph it holds at once
+        under the training schedule (:func:`~pipekernel.schedules.sim_memory.live_graphs`:
+        from its forward to its backward or deferred weight pass, per chunk, not the
+        stage's whole count); outside an engine, 1F1B with at least ``num_stages``
+        micro-batches: ``num_stages - stage``.
     :param optimizer: the engine's optimizer factory ``params -> Optimizer``, or ``None``.
 
     Outputs (optional; a plugin sets them for the partition report, one entry per layer):
@@ -119,6 +121,8 @@ class PartitionContext:
         split backward (``Profile(split_backward=True)``).
     :param layer_output_bytes: bytes of the tensors a layer returns for one micro-batch
         (``pk.profile``): what crosses a stage boundary after it, for the planner.
+    :param layer_weight_state_bytes: bytes a split backward's input pass keeps per layer
+        for its weight pass (``Profile(split_backward=True)``), for the memory model.
     """
 
     module: Any
@@ -136,6 +140,7 @@ class PartitionContext:
     layer_forward_seconds: list[float] | None = None
     layer_split_backward_seconds: list[tuple[float, float]] | None = None
     layer_output_bytes: list[float] | None = None
+    layer_weight_state_bytes: list[float] | None = None
     notes: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -46,6 +46,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pipekernel.errors import ConfigError
+from pipekernel.nested import map_tensors
 
 __all__ = ["checkpoint", "SegmentWatch"]
 
@@ -216,6 +217,14 @@ def _show(entry: tuple[Any, int | None] | None) -> str:
 def checkpoint(fn: Callable[[Any], Any], x: Any, watch: SegmentWatch) -> Any:
     """``fn(x)`` under non-reentrant activation checkpointing (RNG state preserved), its
     recompute leaving buffers as they are and refusing a changed Python attribute (see
-    the module's docstring). ``watch`` is the segment's, kept across micro-batches."""
-    return torch.utils.checkpoint.checkpoint(_Run(fn, watch), x, use_reentrant=False,
-                                             preserve_rng_state=True)
+    the module's docstring). ``watch`` is the segment's, kept across micro-batches.
+
+    The checkpoint keeps a view of ``x`` (same storage, a tensor object of its own), so the
+    memory meter counts the input from the forward until the checkpoint drops it, not for
+    as long as the caller holds ``x`` (a data iterator's whole batch on the first stage)."""
+    return torch.utils.checkpoint.checkpoint(_Run(fn, watch), map_tensors(_view, x),
+                                             use_reentrant=False, preserve_rng_state=True)
+
+
+def _view(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t)

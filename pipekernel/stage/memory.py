@@ -7,9 +7,9 @@ first category that holds it, in this order:
 * ``grads``: their ``.grad`` tensors;
 * ``optimizer``: every tensor in the optimizer's ``state``;
 * ``saved``: tensors autograd saved for a backward, from the moment it saves them (a
-  ``saved_tensors_hooks`` pack) until the last tensor object holding that storage dies
-  (a ``weakref.finalize``); a checkpointed segment's input counts here too (it is what
-  the recompute keeps, :data:`pipekernel.model.recompute.KEPT_INPUT_OBSERVERS`);
+  ``saved_tensors_hooks`` pack) until autograd drops it (a ``weakref.finalize`` on the
+  detached alias the hook hands autograd); a checkpointed segment's input counts here too
+  (it is what the recompute keeps, :data:`pipekernel.model.recompute.KEPT_INPUT_OBSERVERS`);
 * ``buffers``: what the pipeline runtime itself holds (received activations and
   gradients, outputs held until sent, skip stashes, the weight-pass state's gradients,
   send buffers until their transfer completes, hand-offs within the stage).
@@ -76,7 +76,12 @@ class MemoryLedger:
     # ------------------------------------------------------------ recording
     def start(self, saved: bool = True) -> None:
         """Reset the peak and, with ``saved``, record saved tensors from now (the calling
-        thread); without, ``metrics()`` leaves ``memory_saved_bytes`` out."""
+        thread); without, ``metrics()`` leaves ``memory_saved_bytes`` out.
+
+        The pack hook gives autograd a detached alias of each tensor (same storage), never
+        the tensor itself: an op's saved output would otherwise hold its own ``grad_fn``, a
+        cycle only a backward without ``retain_graph`` breaks — the split backward's input
+        pass retains the graph, so every input-path activation would leak."""
         self.peak, self.peak_total, self.samples = dict.fromkeys(CATEGORIES, 0), 0, 0
         self._skip = {p.untyped_storage().data_ptr() for p in self._params()}
         self.recording = saved
@@ -100,8 +105,15 @@ class MemoryLedger:
             self.pack(tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.pack(tensor)
-        return tensor
+        # A detached alias (same storage and version counter, no grad_fn): a pack hook
+        # that returns an op's own output keeps that output's grad_fn alive from the node
+        # that saved it, a cycle of C++ references no collector sees. A backward without
+        # retain_graph breaks it (the node releases what it saved); the split backward's
+        # input pass retains the graph and the weight pass never runs those nodes again,
+        # so without the alias every input-path activation of a split schedule leaked.
+        alias = tensor.detach()
+        self.pack(alias)
+        return alias
 
     def pack(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage as saved until every tensor so recorded is freed."""

@@ -549,6 +549,7 @@ class StageRuntime:
     def recv_grad(self, instruction: isa.RecvGrad) -> None:
         obj = self.transfers.receive(self._at, instruction)
         self._slot(instruction).output_grads = obj
+        self.transfers.settle((instruction.micro_batch, instruction.chunk))
 
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or

@@ -167,22 +167,44 @@ def chunk_scope(chunk: SequenceChunk, stage: int, unit: int) -> Iterator[None]:
                  "pk.sequence_chunk() in one of them")
 
 
-def split_sequences(data_iter: Iterator, seq_chunks: int) -> Iterator[tuple[Any, Any]]:
+def split_sequences(data_iter: Iterator, seq_chunks: int,
+                    mean_loss: bool = False) -> Iterator[tuple[Any, Any]]:
     """Each ``(inputs, labels)`` of ``data_iter`` as ``seq_chunks`` pairs, every tensor of
     two or more dimensions cut into equal chunks along dim 1 (the sequence); other values
     (1-D tensors, non-tensors) go with every chunk.
 
+    :param mean_loss: the loss is ``loss_reduction="mean"``: a micro-batch's loss is then
+        the mean of its chunks' means, the sequence's mean only when every chunk counts as
+        many labels, so chunks that count different numbers of ``-100`` are refused.
     :raises DataError: sequence lengths that differ within a micro-batch, or one that
-        ``seq_chunks`` does not divide."""
+        ``seq_chunks`` does not divide; with ``mean_loss``, ignored labels (``-100``)
+        spread unevenly over the chunks."""
     for index, item in enumerate(data_iter):
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             yield item  # the runtime names what is wrong with it
             continue
         length = _length(item, index, seq_chunks)
         size = length // seq_chunks if length else 0
-        for j in range(seq_chunks):
-            yield tuple(map_tensors(lambda t: t.narrow(1, j * size, size)
+        chunks = [tuple(map_tensors(lambda t: t.narrow(1, j * size, size)
                                     if t.dim() >= 2 else t, part) for part in item)
+                  for j in range(seq_chunks)]
+        if mean_loss:
+            _check_even_labels(chunks, index, seq_chunks)
+        yield from chunks
+
+
+def _check_even_labels(chunks: list[tuple[Any, ...]], index: int, seq_chunks: int) -> None:
+    """Under a mean loss, every chunk of micro-batch ``index`` counts as many labels that
+    are not ``-100`` (the ignore index of torch's and Hugging Face's losses)."""
+    counts = [sum(int((t != -100).sum()) for t in tensors_of(chunk[1])
+                  if t.dim() >= 2 and not t.is_floating_point()) for chunk in chunks]
+    if len(set(counts)) > 1:
+        raise DataError(f"micro-batch {index}: its {seq_chunks} sequence chunks count "
+                        f"{counts} labels that are not -100; under loss_reduction='mean' a "
+                        f"micro-batch's loss would be the mean of its chunks' means, not "
+                        f"the sequence's mean, and train another model",
+                        hint="pass loss_reduction='tokens' (the loss_fn returns the sum "
+                             "and the label count, docs/sequences.md), or seq_chunks=1")
 
 
 def _length(item: Any, index: int, seq_chunks: int) -> int:

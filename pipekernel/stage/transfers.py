@@ -49,7 +49,7 @@ class Transfers:
         self._program: Program = None  # type: ignore[assignment]
         self._by_index: Sequence[Any] = ()  # its channel of each stream index (bind())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: list[tuple] = []      # (handle, tensor) of sends in flight
+        self._sends: list[tuple] = []      # (handle, tensor, what) of sends in flight
         self._local: dict[int, Any] = {}   # receive's stream index -> hand-off to it
 
     def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
@@ -98,17 +98,20 @@ class Transfers:
                 pending = channel.recv_ops()
                 self._recvs[index] = pending
                 ops, ctrl = pending.ops, pending.control_ops
-            spans.append((pending, len(data), len(ops), len(control), len(ctrl)))
+            spans.append((pending, index, len(data), len(ops), len(control), len(ctrl)))
             data += ops
             control += ctrl
         control_handles = self.transport.control.batch_isend_irecv(control) if control else []
         handles = self.transport.batch_isend_irecv(data) if data else []
         self.prune()
-        for pending, d0, dn, c0, cn in spans:
+        for pending, index, d0, dn, c0, cn in spans:
             if pending is None:
-                self._sends += [(h, op.tensor) for h, op in
+                ins = stream[index]
+                carried = (ins.micro_batch, ins.chunk) \
+                    if isinstance(ins, isa.SendActivation) else None
+                self._sends += [(h, op.tensor, carried) for h, op in
                                 zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
-                self._sends += [(h, op.tensor) for h, op in
+                self._sends += [(h, op.tensor, carried) for h, op in
                                 zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
             else:
                 pending.handles = handles[d0:d0 + dn]
@@ -137,22 +140,34 @@ class Transfers:
     def flush(self) -> None:
         """Wait for every send still in flight."""
         sends, self._sends = self._sends, []
-        for handle, _ in sends:
+        for handle, _, _ in sends:
             handle.wait()
 
     def prune(self) -> None:
         """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
         buffer lives exactly as long as its transfer: a query, no device sync."""
-        if any(handle.is_completed() for handle, _ in self._sends):
-            for handle, _ in self._sends:
+        if any(handle.is_completed() for handle, _, _ in self._sends):
+            for handle, _, _ in self._sends:
                 if handle.is_completed():
                     handle.wait()
             self._sends = [s for s in self._sends if not s[0].is_completed()]
 
+    def settle(self, what: tuple) -> None:
+        """Wait for the sends of ``what`` (``(micro-batch, chunk)`` of an activation whose
+        gradient just arrived): the peer computed that gradient from them, so they were
+        received and ``wait`` returns at once. A gloo send reports ``is_completed()`` only
+        after ``wait()``, so without this every activation sent stayed in memory until the
+        step's end (under 1F1B, a stage's memory grew with the micro-batch count)."""
+        if any(s[2] == what for s in self._sends):
+            for handle, _, key in self._sends:
+                if key == what:
+                    handle.wait()
+            self._sends = [s for s in self._sends if s[2] != what]
+
     def held(self) -> list[Any]:
         """Send buffers whose transfer has not completed, posted receives and hand-offs."""
         self.prune()
-        return [t for _, t in self._sends] + list(self._recvs.values()) \
+        return [t for _, t, _ in self._sends] + list(self._recvs.values()) \
             + list(self._local.values())
 
     def abandon(self) -> None:

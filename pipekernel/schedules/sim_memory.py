@@ -1,0 +1,254 @@
+"""What each stage holds, instruction by instruction: the memory model behind the planner,
+the partition report and ``pk.memory`` (layer 0: no torch).
+
+:func:`stage_memory` replays each stage's program — the one the engine runs, lowered by
+:func:`~pipekernel.schedules.program.lower`, posting points included — and tracks, per
+buffer slot, what the stage runtime (:mod:`pipekernel.stage.runtime`) keeps there after
+every instruction, in the two categories the :class:`~pipekernel.stage.memory.MemoryLedger`
+measures beside the static state (parameters, gradients, optimizer):
+
+* ``saved``: a part's activations saved for backward, from its ``Forward`` until its
+  ``Backward`` — or, with a split backward, until its ``BackwardWeight`` (the input pass
+  keeps the whole graph: the weight pass re-runs its split nodes); on the last position
+  the loss's own saved tensors (its labels) too;
+* ``buffers``: what the runtime holds: an input from its receive (or load) until its
+  gradient is sent (on the first position, until the slot is filled again), outputs from
+  the forward until the backward, a received gradient until the backward, the inputs'
+  gradients until sent, the gradients a ``BackwardInput`` records for its
+  ``BackwardWeight``, receives from their posting, gradient sends until the step's end
+  (a gloo send completes only when waited) and activation sends until their gradient
+  arrives (the runtime waits them then), labels from the load until the loss. A send is a
+  copy (a host transport packs what it sends into one message); a receive's message
+  becomes the tensors received.
+
+While a part's graph is alive its input is counted as saved (a part's first layer saves
+what it receives), so the input counts in ``buffers`` only once the graph is gone; a local
+hand-off (two chunks of one stage) shares the sender's storage. What the model ignores:
+skip connections' stashes and a tensor a layer saves that the next part also receives.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipekernel.schedules import instructions as isa
+from pipekernel.schedules.program import lower
+
+__all__ = ["PartBytes", "stage_memory", "part_bytes", "live_graphs"]
+
+
+@dataclass(frozen=True)
+class PartBytes:
+    """Bytes of one micro-batch on one part (a stage's chunk).
+
+    :param saved: saved for backward by the part's layers (and, on the last position,
+        by the loss).
+    :param inputs: what the part receives (on the first position: what it loads).
+    :param outputs: what the part returns (on the last position: the logits).
+    :param weight_state: what a ``BackwardInput`` keeps for its ``BackwardWeight``
+        beyond the graph (the split nodes' recorded gradients).
+    :param labels: the labels a last position loads.
+    :param grads: the part's parameter gradients: absent until its first backward writes
+        them (``Backward`` or ``BackwardWeight``; they are dropped before each step), then
+        held to the step's end.
+    """
+
+    saved: float = 0.0
+    inputs: float = 0.0
+    outputs: float = 0.0
+    weight_state: float = 0.0
+    labels: float = 0.0
+    grads: float = 0.0
+
+
+class _Slot:
+    __slots__ = ("key", "inputs", "outputs", "shared", "grads", "input_grads", "graph", "split")
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
+        self.inputs = self.outputs = self.grads = self.input_grads = 0.0
+        self.graph = self.split = 0.0
+        self.shared = False  # outputs handed to a chunk of this stage: counted there
+
+    def buffers(self) -> float:
+        held = self.grads + self.input_grads + self.split
+        held += 0.0 if self.shared else self.outputs
+        return held + (0.0 if self.graph else self.inputs)
+
+
+def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
+                 parts: Mapping[tuple[int, int], PartBytes]) -> list[dict[str, float]]:
+    """Per stage, ``{"grads": bytes, "saved": bytes, "buffers": bytes}`` at the peak of
+    their sum over the step (sampled between instructions, as the meter samples).
+    ``parts``: ``{(stage, chunk): PartBytes}`` for every part."""
+    placement = getattr(schedule_cls, "placement", "loop")
+    out = []
+    for stage in range(num_stages):
+        program = lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
+                        num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
+                        placement=placement, paired=False)
+        out.append(_replay(program, stage, num_stages, chunks, placement, parts))
+    return out
+
+
+def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
+            parts: Mapping[tuple[int, int], PartBytes]) -> dict[str, float]:
+    from pipekernel.schedules.placement import locate
+
+    plan = program
+    first = {c for c in range(chunks)
+             if _position(stage, c, num_stages, placement, locate) == 0}
+    last = {c for c in range(chunks)
+            if _position(stage, c, num_stages, placement, locate) == num_stages * chunks - 1}
+    slots: dict[int, _Slot] = {}
+    where: dict[tuple[int, int], _Slot] = {}
+    state = {"posted": 0.0, "sends": 0.0, "labels": 0.0}
+    written: set[int] = set()  # chunks whose gradients exist
+    pending_acts: dict[tuple[int, int], float] = {}
+    posted: dict[int, float] = {}
+    best = {"grads": 0.0, "saved": 0.0, "buffers": 0.0}
+
+    def fill(ins) -> _Slot:
+        slot = slots.get(ins.buffer)
+        if slot is None or slot.key != (ins.micro_batch, ins.chunk):
+            slot = slots[ins.buffer] = _Slot((ins.micro_batch, ins.chunk))
+            where[slot.key] = slot
+        return slot
+
+    def sample() -> None:
+        saved = sum(s.graph for s in slots.values())
+        buffers = sum(s.buffers() for s in slots.values()) + sum(state.values())
+        buffers += sum(pending_acts.values())
+        grads = sum(parts[(stage, c)].grads for c in written)
+        if grads + saved + buffers > sum(best.values()):
+            best.update(grads=grads, saved=saved, buffers=buffers)
+
+    for i, ins in enumerate(plan.stream):
+        for j in plan.posts[i]:
+            recv = plan.stream[j]
+            if isinstance(recv, (isa.RecvActivation, isa.RecvGrad)):
+                part = parts[(stage, recv.chunk)]
+                posted[j] = part.inputs if isinstance(recv, isa.RecvActivation) else part.outputs
+                state["posted"] += posted[j]
+        sample()
+        _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts, posted)
+        if isinstance(ins, (isa.Backward, isa.BackwardWeight)):
+            written.add(ins.chunk)
+        sample()
+    return best
+
+
+def _position(stage, chunk, num_stages, placement, locate) -> int:
+    for p in range(num_stages * (chunk + 1) * 2):
+        if locate(p, num_stages, placement) == (stage, chunk):
+            return p
+    return -1
+
+
+def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts,
+          posted) -> None:
+    """Apply one instruction to the slots (what the runtime's handler keeps and drops)."""
+    key = (getattr(ins, "micro_batch", None), getattr(ins, "chunk", None))
+    # every instruction that reads it names a chunk (a part of this stage)
+    part: Any = parts.get((stage, key[1])) if key[1] is not None else None
+    if isinstance(ins, isa.LoadMicroBatch):
+        slot = fill(ins)
+        if ins.chunk in first:
+            slot.inputs = part.inputs
+        for c in last:  # the stage holding the last position keeps the labels from any load
+            state["labels"] += parts[(stage, c)].labels
+    elif isinstance(ins, isa.RecvActivation):
+        state["posted"] -= posted.pop(i, 0.0)
+        fill(ins).inputs = part.inputs
+        if plan.local[i]:  # the sender's outputs: the same storage
+            sender = where.get((ins.micro_batch, plan.peers[i][1]))
+            if sender is not None:
+                sender.shared = True
+    elif isinstance(ins, isa.Forward):
+        slot = where[key]
+        slot.graph = part.saved + (part.labels if ins.chunk in last else 0.0)
+        slot.outputs = part.outputs
+        if ins.chunk in last:
+            state["labels"] -= part.labels
+    elif isinstance(ins, isa.RecvGrad):
+        state["posted"] -= posted.pop(i, 0.0)
+        where[key].grads = part.outputs
+        pending_acts.pop(key, None)
+    elif isinstance(ins, (isa.Backward, isa.BackwardInput)):
+        slot = where[key]
+        if isinstance(ins, isa.Backward):
+            slot.graph = 0.0
+        else:
+            slot.split = part.weight_state
+        slot.outputs = slot.grads = 0.0
+        slot.shared = False
+        if ins.chunk not in first:
+            slot.input_grads = part.inputs
+    elif isinstance(ins, isa.BackwardWeight):
+        slot = where[key]
+        slot.graph = slot.split = 0.0
+    elif isinstance(ins, isa.SendActivation):
+        if not plan.local[i]:
+            # a host transport packs the outputs into a send buffer of their size, which
+            # the runtime waits (frees) when the outputs' gradient comes back
+            pending_acts[key] = part.outputs
+    elif isinstance(ins, isa.SendGrad):
+        slot = where[key]
+        if not plan.local[i]:
+            state["sends"] += slot.input_grads
+        slot.inputs = slot.input_grads = 0.0
+
+
+def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, outputs,
+             weight_states=None, input_bytes: float = 0.0, label_bytes: float = 0.0,
+             checkpoint_interval: int = 0, grads=None) -> dict[tuple[int, int], PartBytes]:
+    """``{(stage, chunk): PartBytes}`` of a partition (``bounds``, one more than the parts)
+    from per-layer bytes: ``saved`` (saved for backward), ``outputs`` (what each layer
+    returns), ``weight_states`` (what its input pass keeps for the weight pass; ``None``:
+    nothing). ``input_bytes``: one micro-batch of the first layer's inputs;
+    ``label_bytes``: of its labels (the loss saves them). The first position's input pass
+    runs no node (nothing requires grad below it), so its weight pass keeps the outputs'
+    gradient instead. ``checkpoint_interval`` ``k > 0``: a part keeps only the input of
+    each run of ``k`` of its layers (what activation checkpointing saves; the recompute's
+    own tensors live inside the backward, where the meter does not see them). ``grads``:
+    per layer, its parameters' gradient bytes (``None``: counted as nothing)."""
+    from pipekernel.schedules.placement import locate
+
+    count = num_stages * chunks
+    out = {}
+    for q in range(count):
+        lo, hi = bounds[q], bounds[q + 1]
+        state = outputs[hi - 1] if q == 0 else sum((weight_states or [0.0] * hi)[lo:hi])
+        inputs = outputs[lo - 1] if lo else input_bytes
+        kept = sum(saved[lo:hi]) if not checkpoint_interval else sum(
+            outputs[k - 1] if k else input_bytes for k in range(lo, hi, checkpoint_interval))
+        out[locate(q, num_stages, placement)] = PartBytes(
+            saved=kept, inputs=inputs,
+            outputs=outputs[hi - 1], weight_state=state,
+            labels=label_bytes if q == count - 1 else 0.0,
+            grads=sum((grads or [0.0] * hi)[lo:hi]))
+    return out
+
+
+def live_graphs(schedule_cls, num_stages: int, micro_batches: int,
+                chunks: int) -> dict[tuple[int, int], int]:
+    """``{(stage, chunk): the most micro-batches whose graph that chunk holds at once}``
+    (from its ``Forward`` to its ``Backward``, or to its ``BackwardWeight``): the multiplier
+    of a part's saved activations, per part — not the stage's whole in-flight count."""
+    placement = getattr(schedule_cls, "placement", "loop")
+    out = {}
+    for stage in range(num_stages):
+        program = lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
+                        num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
+                        placement=placement, paired=False)
+        live = [0] * chunks
+        peak = [0] * chunks
+        for ins in program.stream:
+            if isinstance(ins, isa.Forward):
+                live[ins.chunk] += 1
+                peak[ins.chunk] = max(peak[ins.chunk], live[ins.chunk])
+            elif isinstance(ins, isa.Backward) or isinstance(ins, isa.BackwardWeight):
+                live[ins.chunk] -= 1
+        out.update({(stage, c): peak[c] for c in range(chunks)})
+    return out
