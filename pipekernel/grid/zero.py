@@ -55,6 +55,10 @@ class ZeroOptimizer(ZeroRedundancyOptimizer):
     :param group: the data-parallel ``torch.distributed`` group (``None``: the whole job).
     """
 
+    # torch's own annotation (set in a helper its __init__ calls), restated: mypy cannot
+    # infer it through torch's deferred definition
+    _all_state_dicts: list[dict[str, Any]]
+
     def __init__(self, params: Sequence[torch.Tensor], factory: Callable[[list], Any],
                  group: Any) -> None:
         params = list(params)
@@ -73,7 +77,7 @@ class ZeroOptimizer(ZeroRedundancyOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The full state on every rank (collective over the data group: each rank in
         turn receives every shard — checkpoint time only, never on the step)."""
-        mine: list = []
+        mine: list[dict[str, Any]] = []
         for rank in range(self.world_size):  # each call resets the others' collections
             self.consolidate_state_dict(to=rank)
             if rank == self.rank:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import chain
@@ -135,7 +135,9 @@ def _row(events, step: Fraction, columns: int) -> list[str]:
 def _kind(instruction: Instruction) -> str:
     """What a point-to-point instruction carries: ``"activation"``, ``"grad"``, ``"skip"`` or
     ``"skip grad"``."""
-    return role(type(instruction)).kind
+    kind = role(type(instruction)).kind
+    assert kind is not None, f"{instruction} is not a point-to-point instruction"  # callers' duty
+    return kind
 
 
 # What a built-in micro-batch instruction class does, by exact class (:attr:`Role.code`): the
@@ -144,7 +146,7 @@ def _kind(instruction: Instruction) -> str:
 # its buffer.
 LOAD, RECV_ACT, FORWARD, SEND_ACT, RECV_GRAD, BACKWARD, B_INPUT, B_WEIGHT, SEND_GRAD, \
     SKIP_SEND, SKIP_RECV = range(11)
-_CODES = {LoadMicroBatch: LOAD, RecvActivation: RECV_ACT, Forward: FORWARD,
+_CODES: dict[type, int] = {LoadMicroBatch: LOAD, RecvActivation: RECV_ACT, Forward: FORWARD,
           SendActivation: SEND_ACT, RecvGrad: RECV_GRAD, Backward: BACKWARD,
           BackwardInput: B_INPUT, BackwardWeight: B_WEIGHT, SendGrad: SEND_GRAD,
           SendSkip: SKIP_SEND, SendSkipGrad: SKIP_SEND, RecvSkip: SKIP_RECV,
@@ -167,8 +169,7 @@ class Role(NamedTuple):
     code: int | None = None
 
 
-@lru_cache(maxsize=None)
-def role(cls: type) -> Role:
+def _role(cls: type) -> Role:
     """The :class:`Role` of instruction class ``cls`` (by ``issubclass``, as the
     simulator's ``isinstance`` tests read it; ``handler`` and ``code`` by exact class),
     worked out once per class: the one table both paths read."""
@@ -179,6 +180,12 @@ def role(cls: type) -> Role:
                 world=issubclass(cls, WORLD_COLLECTIVES), writes=issubclass(cls, _WRITES),
                 kind=_kind_of_class(cls) if p2p else None, handler=_HANDLERS.get(cls),
                 paired=issubclass(cls, ForwardBackward), code=_CODES.get(cls))
+
+
+#: :func:`_role`, worked out once per class. Bound with its type spelled out: mypy reads a frozen
+#: dataclass's class object as unhashable (the generated ``__hash__`` seen unbound), so calls
+#: through the bare ``lru_cache`` wrapper with an instruction class would not check.
+role: Callable[[type], Role] = lru_cache(maxsize=None)(_role)
 
 
 def _kind_of_class(cls: type) -> str:
@@ -312,7 +319,8 @@ class _Simulation:
     def __init__(self, num_stages, micro_batches, chunks, costs, programs, placement) -> None:
         self.S, self.M, self.C = num_stages, micro_batches, chunks
         self.placement, self.programs = placement, programs
-        self.costs, self.problems = costs, []
+        self.costs = costs
+        self.problems: list[str] = []
         self.steps = tuple(program.steps for program in programs)
         self.stages = [_StageState(self._flatten(s), program.num_buffers)
                        for s, program in enumerate(programs)]
@@ -354,7 +362,7 @@ class _Simulation:
             return (_kind(i), skip_edge_of(i, stage, self.S, self.placement))
         return _kind(i)
 
-    def _no_peer(self, where: str, i: MicroBatchInstruction) -> None:
+    def _no_peer(self, where: _Where, i: MicroBatchInstruction) -> None:
         kind = _kind(i)
         if isinstance(i, SkipInstruction):
             producer, consumer = skip_edge_of(i, where.stage, self.S,
@@ -411,7 +419,7 @@ class _Simulation:
         st.clock = end
         return end
 
-    def _in_range(self, stage: int, where: str, instruction: MicroBatchInstruction) -> bool:
+    def _in_range(self, stage: int, where: _Where, instruction: MicroBatchInstruction) -> bool:
         i, ok = instruction, True
         if not 0 <= i.micro_batch < self.M:
             self.problems.append(f"{where}: micro-batch {i.micro_batch} is outside 0..{self.M - 1}")
@@ -427,7 +435,7 @@ class _Simulation:
 
     # -- instruction semantics -----------------------------------------------------------
 
-    def _run(self, stage: int, where: str, i: Instruction) -> None:
+    def _run(self, stage: int, where: _Where, i: Instruction) -> None:
         if isinstance(i, ForwardBackward):  # its halves, in order, at the pair's place
             for half in i.halves:
                 if self._in_range(stage, where, half):
@@ -492,7 +500,7 @@ class _Simulation:
 
     # -- buffers -------------------------------------------------------------------------
 
-    def _write_buffer(self, stage: int, where: str, i: MicroBatchInstruction) -> None:
+    def _write_buffer(self, stage: int, where: _Where, i: MicroBatchInstruction) -> None:
         st, owner = self.stages[stage], (i.chunk, i.micro_batch)
         held = st.slots.get(i.buffer)
         if held is not None and held != owner:
@@ -503,7 +511,7 @@ class _Simulation:
         st.slots[i.buffer] = owner
         st.peak = max(st.peak, len(st.slots))
 
-    def _read_buffer(self, stage: int, where: str, i: MicroBatchInstruction) -> None:
+    def _read_buffer(self, stage: int, where: _Where, i: MicroBatchInstruction) -> None:
         held = self.stages[stage].slots.get(i.buffer)
         if held != (i.chunk, i.micro_batch):
             what = "is empty" if held is None else f"holds micro-batch {held[1]} chunk {held[0]}"
@@ -566,7 +574,7 @@ class _Simulation:
             steps=self.steps, waits=tuple(waits), semantics=self.semantics)
 
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[..., None]] = {
     RecvActivation: _Simulation._on_recv_act,
     Forward: _Simulation._on_forward,
     SendActivation: _Simulation._on_send_act,

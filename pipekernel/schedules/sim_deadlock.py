@@ -4,12 +4,19 @@ collectives. Layer 0: no torch."""
 from __future__ import annotations
 
 from pipekernel.schedules.comm import RECVS
-from pipekernel.schedules.sim_base import _END
-from pipekernel.schedules.sim_units import _Op
+from pipekernel.schedules.sim_base import _END, _Simulation, _World
+from pipekernel.schedules.sim_units import _Op, _Unit
 
 
-class _DeadlockReport:
+class _DeadlockReport(_Simulation):
     """Mixed into :class:`~pipekernel.schedules.sim_rendezvous._Rendezvous`; reads its state."""
+
+    # the rendezvous simulation's state this report reads (set by its ``__init__``/``_setup``)
+    world: _World
+    op_at: list[dict[int, _Op]]
+    heads: list[list[_Unit | None]]
+    flushed: list[bool]
+    finished: list[bool]
 
     def _report_deadlock(self) -> None:
         self.deadlocked = True
@@ -59,7 +66,7 @@ class _DeadlockReport:
         else:
             head = f"stage {stage}: blocked in {_END}"
         text, following, joiner = self._edge(node)
-        if joiner is not None:
+        if joiner is not None and following is not None:  # _edge gives both or neither
             text += joiner + self._verb(following)
         if text[:3] in ("<- ", "-> "):
             text = text[3:]
@@ -110,14 +117,15 @@ class _DeadlockReport:
         """The wait-for chain from the first stuck stage that reaches a cycle, rendered as
         ``stage 0 waits RECV_B0 <- stage 1's SEND_B0, queued behind ... (the cycle closes)``."""
         for start in stuck:
-            node = self._blocked_on(start)
-            out = f"stage {start} {self._verb(node)}"
+            first = self._blocked_on(start)
+            out = f"stage {start} {self._verb(first)}"
+            node: tuple | None = first
             seen: set[tuple] = set()
             while node is not None and self._key(node) not in seen:
                 seen.add(self._key(node))
                 text, following, joiner = self._edge(node)
                 out += (", " if text.startswith("queued") else " ") + text
-                if joiner is not None:
+                if joiner is not None and following is not None:  # _edge gives both or neither
                     out += joiner + self._verb(following)
                 node = following
             if node is not None:

@@ -23,7 +23,7 @@ stream only, never on when the other stages run. So this path
    collective, a tick with a cost (a zero cost is left out: adding ``0.0`` changes no clock);
 4. runs the entries under the full simulation's rules and arithmetic (the same expressions in
    the same order per stage, so every time is the same float), each stage until it blocks and
-   again only once what it waits for has happened (:meth:`_Fast._run`).
+   again only once what it waits for has happened (:meth:`_Fast._loop`).
 
 Whenever anything would be reported — a check fails, a transfer does not match, a collective
 or a hand-off disagrees, the stages deadlock — or the plan holds what this path does not model
@@ -33,6 +33,7 @@ and the full simulation runs instead, which then reports exactly what it always 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from operator import add
 
 from pipekernel.schedules.sim_base import (
@@ -60,7 +61,7 @@ def _mismatch(k: int, members: dict) -> None:
     raise _Bail
 
 
-def _check_stage(stream: list, limit: int, sizes: tuple, ends: tuple, trains: bool) -> int:
+def _check_stage(stream: Sequence, limit: int, sizes: tuple, ends: tuple, trains: bool) -> int:
     """Check one stage's stream as the full simulation's handlers do (raise :class:`_Bail`
     where one would report a problem); return its peak number of live buffers.
 
@@ -160,7 +161,7 @@ class _Fast(_Simulation):
                 raise _Bail  # NaN: max() would depend on the order things happen in
             self.trains = trains_of(self.programs)
             peaks = self._setup()
-            self._run()
+            self._loop()
         except _Bail:
             return None
         return self._result_of(max(self.clock), self.timeline, peaks, self.wait)
@@ -243,7 +244,7 @@ class _Fast(_Simulation):
         cost_of = {cls: [self._compute_cost(stage, cls(0, 0, chunk)) for chunk in range(self.C)]
                    for cls in _TIMELINE_CLASSES}
         own: dict = {}  # lane -> (sends, peer, channel)
-        waits = [None] * len(stream)  # stream index of a remote receive -> its transfer
+        waits: list[list | None] = [None] * len(stream)  # stream index of a remote receive -> its transfer
         for pc, ins in enumerate(stream):
             cls = type(ins)
             kind = _CODES.get(cls)
@@ -264,7 +265,7 @@ class _Fast(_Simulation):
                         line = own[lane] = (send, peer, chan)
                     elif line[0] is not send or line[1] != peer:
                         raise _Bail
-                    transfer = self._end(line[2], send, i, chunk, stage, peer)
+                    transfer: list | None = self._end(line[2], send, i, chunk, stage, peer)
                     if not send:
                         waits[at] = transfer
                     append((_SPOST if send else _RPOST, transfer))
@@ -307,7 +308,7 @@ class _Fast(_Simulation):
 
     # -- the event loop ----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         """Advance every stage until all finish; bail if none can progress (a deadlock).
 
         A stage runs until it blocks, and runs again only when what it waits for happens
@@ -316,7 +317,7 @@ class _Fast(_Simulation):
         what it waits for, plus costs), so they are the full simulation's."""
         S = self.S
         self.pc, self.clock, self.wait = [0] * S, [0.0] * S, [0.0] * S
-        self.timeline = [[] for _ in range(S)]
+        self.timeline: list[list] = [[] for _ in range(S)]
         self.pending = [0] * S
         self.flushed, self.finished = [False] * S, [False] * S
         self.flushing = [False] * S  # at the end of its stream, waiting for its sends

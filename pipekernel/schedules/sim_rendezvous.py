@@ -407,7 +407,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self._tick(stage, st.clock, i)  # ReduceGrads and the rest: a local blocking point
         return True
 
-    def _send(self, stage: int, pc: int, where: str, i: MicroBatchInstruction) -> None:
+    def _send(self, stage: int, pc: int, where: _Where, i: MicroBatchInstruction) -> None:
         peer = self._peer_of(stage, i)
         if peer is None:
             self._no_peer(where, i)
@@ -417,7 +417,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
             queue = self.local.setdefault((stage, self._channel(stage, i)), deque())
             queue.append((i.micro_batch, peer[1], self.stages[stage].clock, where))
 
-    def _receive(self, stage: int, pc: int, where: str, i: MicroBatchInstruction) -> bool:
+    def _receive(self, stage: int, pc: int, where: _Where, i: MicroBatchInstruction) -> bool:
         peer = self._peer_of(stage, i)
         if peer is None:
             self._no_peer(where, i)
@@ -442,7 +442,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self._run(stage, where, i)
         return True
 
-    def _collective(self, stage: int, where: str, i: object) -> bool:
+    def _collective(self, stage: int, where: _Where, i: object) -> bool:
         """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
         st = self.stages[stage]
         when = self.world.enter(stage, st.clock, i, where)

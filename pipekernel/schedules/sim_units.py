@@ -4,7 +4,7 @@ point-to-point operation (:class:`_Op`) and the units a rank's lane orders them 
 Layer 0: no torch."""
 from __future__ import annotations
 
-from pipekernel.schedules.instructions import Instruction
+from pipekernel.schedules.instructions import MicroBatchInstruction
 
 
 class _Op:
@@ -13,8 +13,12 @@ class _Op:
     __slots__ = ("rank", "peer", "lane", "index", "step", "ins", "send", "mate", "unit", "done",
                  "cost_send", "cost_recv")
 
+    mate: _Op | None
+    unit: _Unit | None
+    done: float | None
+
     def __init__(self, rank: int, peer: int, lane: int | None, index: int, step: int,
-                 ins: Instruction, send: bool) -> None:
+                 ins: MicroBatchInstruction, send: bool) -> None:
         self.rank, self.peer, self.index, self.step, self.ins = rank, peer, index, step, ins
         self.lane, self.send = lane, send
         self.mate = self.unit = self.done = None  # unit: set when posted
@@ -39,6 +43,9 @@ class _Unit:
 
     __slots__ = ("ops", "post", "start", "end", "left", "active", "lane", "next", "heads",
                  "ends")
+
+    post: float | None
+    next: _Unit | None
 
     def __init__(self, ops: list[_Op], lane: int, heads: list, ends: list) -> None:
         self.ops, self.lane, self.heads, self.ends = ops, lane, heads, ends

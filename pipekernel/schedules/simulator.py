@@ -168,13 +168,14 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
                          (num_stages, units, chunks))
 
 
-def _programs(schedule, num_stages, micro_batches, chunks, skips, paired, sharded) -> tuple:
+def _programs(schedule, num_stages, micro_batches, chunks, skips, paired,
+              sharded) -> tuple[tuple[Program, ...], str, list[tuple[int, int]]]:
     """``(programs, placement, edges)``: each stage's
     :class:`~pipekernel.schedules.program.Program`, lowered as the engine lowers it
     (:func:`~pipekernel.schedules.program.lower`, unpaired and with the skip transfers as
     asked), the placement and the checked skip edges."""
     objects = [schedule(num_stages, s, micro_batches, chunks) for s in range(num_stages)]
-    placement = getattr(schedule, "placement", None) or getattr(objects[0], "placement", "loop")
+    placement = getattr(schedule, "placement", "") or getattr(objects[0], "placement", "loop")
     check_placement(placement, chunks)
     edges = check_skip_edges(skips, num_stages * chunks)
     programs = tuple(lower(obj, stage=s, num_stages=num_stages, micro_batches=micro_batches,
@@ -212,7 +213,7 @@ def _simulate(schedule, programs, placement, edges, costs, posting, stage_costs,
     full simulation when it has something to report (or for another posting policy)."""
     num_stages, micro_batches, chunks = sizes
     table = _cost_table(costs)
-    tables = {}
+    tables: dict[str, dict] = {}  # simulate's keyword -> its cost table(s)
     if stage_costs:
         tables["stage_costs"] = {key: _cost_table(t, base={}) for key, t in stage_costs.items()}
     if host_costs:
