@@ -15,6 +15,7 @@ the runtime's (``payload``, given at construction, and ``arrived``, per batch).
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,20 +50,25 @@ class Transfers:
         self._program: Program = None  # type: ignore[assignment]
         self._by_index: Sequence[Any] = ()  # its channel of each stream index (bind())
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
-        self._sends: list[tuple] = []      # (handle, tensor, what) of sends in flight
+        # sends in flight as (op, handle): an activation's by its (micro-batch, chunk),
+        # waited when its gradient arrives (settle()); the others oldest first
+        self._acts: dict[tuple, list[tuple]] = {}
+        self._sends: deque[tuple] = deque()
         self._local: dict[int, Any] = {}   # receive's stream index -> hand-off to it
 
     def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
         """``(channels, groups)`` of ``program`` here: per stream index, the channel of a
         remote transfer (one per channel key, made on first use and shared by every program
-        of this stage) and the group posted there as ``(index, is_send, channel, what)``."""
+        of this stage) and the group posted there as ``(index, is_send, channel, what,
+        key)``, ``key`` the ``(micro-batch, chunk)`` of an activation send (else ``None``)."""
         mine = [self._channel(spec) for spec in program.channels]
         channels = tuple(None if number is None else mine[number]
                          for number in program.channel_of)
         stream, spec = program.stream, program.channels
         groups = tuple(tuple((index, spec[program.channel_of[index]].send,  # type: ignore[index]
-                              channels[index], _WHAT.get(type(stream[index]), "value"))
-                             for index in group) for group in program.posts)
+                              channels[index], _WHAT.get(type(stream[index]), "value"),
+                              _key(stream[index])) for index in group)
+                       for group in program.posts)
         return channels, groups
 
     def begin(self, program: Program, channels: Sequence[Channel | None],
@@ -90,32 +96,36 @@ class Transfers:
         control: list[Any] = []
         spans = []
         stream = self._program.stream
-        for index, is_send, channel, what in group:
+        for index, is_send, channel, what, key in group:
             if is_send:
-                pending = None
                 ops, ctrl = channel.send_ops(self._payload(stream[index]), what)
+                spans.append((None, key, ops, ctrl))
             else:
                 pending = channel.recv_ops()
                 self._recvs[index] = pending
                 ops, ctrl = pending.ops, pending.control_ops
-            spans.append((pending, index, len(data), len(ops), len(control), len(ctrl)))
+                spans.append((pending, None, ops, ctrl))
             data += ops
             control += ctrl
-        control_handles = self.transport.control.batch_isend_irecv(control) if control else []
-        handles = self.transport.batch_isend_irecv(data) if data else []
-        self.prune()
-        for pending, index, d0, dn, c0, cn in spans:
+        # zip(ops, handles) takes exactly one handle per op from the shared iterator
+        control_handles = iter(self.transport.control.batch_isend_irecv(control)) \
+            if control else ()
+        handles = iter(self.transport.batch_isend_irecv(data)) if data else ()
+        # drop the oldest sends that completed (wait() re-raises a failed one), so a send
+        # buffer lives about as long as its transfer: a query, no device sync
+        sends = self._sends
+        while sends and sends[0][1].is_completed():
+            sends.popleft()[1].wait()
+        for pending, key, ops, ctrl in spans:
             if pending is None:
-                ins = stream[index]
-                carried = (ins.micro_batch, ins.chunk) \
-                    if isinstance(ins, isa.SendActivation) else None
-                self._sends += [(h, op.tensor, carried) for h, op in
-                                zip(handles[d0:d0 + dn], data[d0:d0 + dn])]
-                self._sends += [(h, op.tensor, carried) for h, op in
-                                zip(control_handles[c0:c0 + cn], control[c0:c0 + cn])]
+                sink = self._sends if key is None else self._acts.setdefault(key, [])
+                sink.extend(zip(ops, handles))
+                if ctrl:
+                    sink.extend(zip(ctrl, control_handles))
             else:
-                pending.handles = handles[d0:d0 + dn]
-                pending.control_handles = control_handles[c0:c0 + cn]
+                pending.handles = [h for _, h in zip(ops, handles)]
+                pending.control_handles = [h for _, h in zip(ctrl, control_handles)] \
+                    if ctrl else []
 
     def receive(self, index: int, instruction: isa.MicroBatchInstruction) -> Any:
         """What the receive ``instruction`` at stream ``index`` brought (waited for here)."""
@@ -139,18 +149,13 @@ class Transfers:
 
     def flush(self) -> None:
         """Wait for every send still in flight."""
-        sends, self._sends = self._sends, []
-        for handle, _, _ in sends:
+        sends, acts = self._sends, self._acts
+        self._sends, self._acts = deque(), {}
+        for _, handle in sends:
             handle.wait()
-
-    def prune(self) -> None:
-        """Drop the sends that completed (``wait()`` re-raises a failed one), so a send
-        buffer lives exactly as long as its transfer: a query, no device sync."""
-        if any(handle.is_completed() for handle, _, _ in self._sends):
-            for handle, _, _ in self._sends:
-                if handle.is_completed():
-                    handle.wait()
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
+        for entries in acts.values() if acts else ():
+            for _, handle in entries:
+                handle.wait()
 
     def settle(self, what: tuple) -> None:
         """Wait for the sends of ``what`` (``(micro-batch, chunk)`` of an activation whose
@@ -158,22 +163,30 @@ class Transfers:
         received and ``wait`` returns at once. A gloo send reports ``is_completed()`` only
         after ``wait()``, so without this every activation sent stayed in memory until the
         step's end (under 1F1B, a stage's memory grew with the micro-batch count)."""
-        if any(s[2] == what for s in self._sends):
-            for handle, _, key in self._sends:
-                if key == what:
-                    handle.wait()
-            self._sends = [s for s in self._sends if s[2] != what]
+        entries = self._acts.pop(what, None)
+        if entries:
+            for _, handle in entries:
+                handle.wait()
 
     def held(self) -> list[Any]:
         """Send buffers whose transfer has not completed, posted receives and hand-offs."""
-        self.prune()
-        return [t for _, t, _ in self._sends] + list(self._recvs.values()) \
+        for handle in [h for _, h in self._sends if h.is_completed()]:
+            handle.wait()
+        self._sends = deque(s for s in self._sends if not s[1].is_completed())
+        for key, entries in list(self._acts.items()):
+            left = [s for s in entries if not s[1].is_completed()]
+            if left:
+                self._acts[key] = left
+            else:
+                del self._acts[key]
+        sends = list(self._sends) + [s for entries in self._acts.values() for s in entries]
+        return [op.tensor for op, _ in sends] + list(self._recvs.values()) \
             + list(self._local.values())
 
     def abandon(self) -> None:
         """Forget every transfer in flight after a failure (nothing waits on them any
         more; the process group is destroyed by the transport's ``close()``)."""
-        self._sends, self._recvs, self._local = [], {}, {}
+        self._sends, self._acts, self._recvs, self._local = deque(), {}, {}, {}
 
     def payload_bytes(self) -> dict[str, int]:
         """Tensor bytes sent to peers so far, by dtype name."""
@@ -182,6 +195,14 @@ class Transfers:
             for name, count in channel.payload.items():
                 total[name] = total.get(name, 0) + count
         return total
+
+
+def _key(instruction: Any) -> tuple | None:
+    """What :meth:`Transfers.settle` knows a send by: an activation's
+    ``(micro-batch, chunk)``; ``None`` for the other sends (and receives)."""
+    if isinstance(instruction, isa.SendActivation):
+        return instruction.micro_batch, instruction.chunk
+    return None
 
 
 def _detach_like(obj: Any) -> Any:
