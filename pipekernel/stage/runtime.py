@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -121,8 +121,8 @@ class StageRuntime:
         self.first_chunk = self.positions.index(0) if 0 in self.positions else None
         self.last_chunk = self.positions.index(last) if last in self.positions else None
         self.is_first, self.is_last = self.first_chunk is not None, self.last_chunk is not None
-        self.parts = [module.part(c) if hasattr(module, "part") else module
-                      for c in range(chunks)]
+        part = getattr(module, "part", None)  # a chunked module's parts; else itself
+        self.parts = [part(c) if part is not None else module for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
         self._before_last_backward = before_last_backward
@@ -358,7 +358,7 @@ class StageRuntime:
     def _forward_part(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
         if self._skips is None:
             return self.run_part(chunk, buffer.inputs)
-        return self._forward_with_skips(buffer, chunk, micro_batch)
+        return self._forward_with_skips(self._skips, buffer, chunk, micro_batch)
 
     def forward_inputs(self, instruction: isa.Forward) -> Buffer:
         """The buffer of ``instruction``, its inputs there (the paired executor's part)."""
@@ -436,15 +436,15 @@ class StageRuntime:
             if index == 0:
                 del self._prefixes[micro_batch]
 
-    def _forward_with_skips(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
+    def _forward_with_skips(self, router: SkipRouter, buffer: Buffer, chunk: int,
+                            micro_batch: int) -> Any:
         """The forward inside the skip scope: pops find what ``RecvSkip`` brought, and
         what the layers stash for later parts is kept for ``SendSkip``."""
         if buffer.skips is None:
             buffer.skips = SkipState()
-        with self._skips.scope(buffer.skips, micro_batch) as scope:
+        with router.scope(buffer.skips, micro_batch) as scope:
             outputs = self.run_part(chunk, buffer.inputs)
-        self._skips.after_forward(scope, buffer.skips, chunk,
-                                  torch.is_grad_enabled())
+        router.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
         return outputs
 
     def _before_weights(self, instruction: isa.Instruction) -> None:
@@ -483,7 +483,8 @@ class StageRuntime:
         """What the backward starts from: ``(scaled loss, [], [])`` at the last position,
         else ``(None, outputs, their gradients)``."""
         if instruction.chunk == self.last_chunk:
-            return self.precision.scale_loss(buffer.loss / self._units), [], []
+            loss = buffer.loss if buffer.loss is not None else self._no_loss(buffer)
+            return self.precision.scale_loss(loss / self._units), [], []
         outputs, grads = self._roots(buffer)
         return None, outputs, grads
 
@@ -521,14 +522,14 @@ class StageRuntime:
             inputs += tensors
         if chunk == self.last_chunk:
             loss = self.precision.scale_loss(
-                buffer.loss / self._units)
+                (buffer.loss if buffer.loss is not None else self._no_loss(buffer)) / self._units)
             grads, buffer.split = backward_input([], [], inputs, self._weights(chunk),
                                                  loss=loss)
         else:
             outputs, output_grads = self._roots(buffer)
             grads, buffer.split = backward_input(outputs, output_grads, inputs,
                                                  self._weights(chunk))
-        if leaves:
+        if leaves and self._skips is not None:
             self._skips.set_grads(buffer.skips, leaves, grads[count:])
         if chunk != self.first_chunk:
             buffer.input_grads = tuple(grads[:count])
@@ -575,9 +576,13 @@ class StageRuntime:
     def send_skip(self, instruction: isa.SkipInstruction) -> None:
         """``SendSkip`` / ``SendSkipGrad``: what the forward stashed for a later part, or
         the gradients of what an earlier part sent (:mod:`pipekernel.model.skip_routing`)."""
-        state = self._slot(instruction).skips
-        self.transfers.send(self._at, self._skips.payload(instruction, state))
-        self._skips.sent(instruction, state, torch.is_grad_enabled())
+        state, router = self._slot(instruction).skips, self._router(instruction)
+        if state is None:
+            raise PipelineError(f"{instruction} before the forward that stashes its values "
+                                f"(stage {self.stage})",
+                                hint="check the schedule with pipekernel.schedules.simulate")
+        self.transfers.send(self._at, router.payload(instruction, state))
+        router.sent(instruction, state, torch.is_grad_enabled())
 
     def recv_skip(self, instruction: isa.SkipInstruction) -> None:
         """``RecvSkip`` / ``RecvSkipGrad``: keep what arrived for the forward or backward."""
@@ -585,7 +590,21 @@ class StageRuntime:
         buffer = self._fill(instruction)
         if buffer.skips is None:
             buffer.skips = SkipState()
-        self._skips.deliver(instruction, buffer.skips, obj)
+        self._router(instruction).deliver(instruction, buffer.skips, obj)
+
+    def _router(self, instruction: isa.SkipInstruction) -> SkipRouter:
+        """The skip router a skip ``instruction`` needs (error: the stage has none)."""
+        if self._skips is None:
+            raise PipelineError(f"{instruction} on stage {self.stage}, which routes no skip "
+                                "connections", hint="build the program from this model's "
+                                "skip layout (pipekernel.model.skips)")
+        return self._skips
+
+    def _no_loss(self, buffer: Buffer) -> NoReturn:
+        """A backward at the last part before its loss: the error (a call only then)."""
+        raise PipelineError(f"backward of micro-batch {buffer.micro_batch} on stage "
+                            f"{self.stage} before its loss was computed",
+                            hint="check the schedule with pipekernel.schedules.simulate")
 
 
 _EMPTY = Buffer()  # an unfilled slot: matches no micro-batch, never written to
