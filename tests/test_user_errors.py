@@ -211,7 +211,7 @@ def test_an_error_through_pk_launch_starts_with_pipekernels_message_said_once(tm
                           cwd=tmp_path, timeout=240)
     err = proc.stderr
     assert proc.returncode == 1, err
-    assert re.fullmatch(r"pipekernel\.engine\.launch\.RankError: rank [01] failed: unknown "
+    assert re.fullmatch(r"pipekernel\.launcher\.launch\.RankError: rank [01] failed: unknown "
                         r"schedule '1f1bx' \(did you mean '1f1b'\?\)", err.splitlines()[0]), err
     assert err.count("unknown schedule '1f1bx'") == 1, err
     assert "launch.py" not in err  # neither the launcher's frames nor the worker's own

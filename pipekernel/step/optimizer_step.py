@@ -68,7 +68,7 @@ class BatchLosses:
 class BatchStep:
     """Reductions, the optimizer step and the batch loss of one stage of one replica.
 
-    :param module: the stage's :class:`~pipekernel.stage.module.StageModule` (its
+    :param module: the stage's :class:`~pipekernel.model.module.StageModule` (its
         ``tied_modules`` and parameters).
     :param precision: the precision policy (unscaling, master copies, the step).
     :param optimizer: the optimizer over the precision's parameters (``None``: no training).
