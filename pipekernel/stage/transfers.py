@@ -65,9 +65,12 @@ class Transfers:
         channels = tuple(None if number is None else mine[number]
                          for number in program.channel_of)
         stream, spec = program.stream, program.channels
+        # only an activation whose gradient comes back in this program is settled by it;
+        # the others (inference) are freed oldest first like every other send
+        returns = {(i.micro_batch, i.chunk) for i in stream if isinstance(i, isa.RecvGrad)}
         groups = tuple(tuple((index, spec[program.channel_of[index]].send,  # type: ignore[index]
                               channels[index], _WHAT.get(type(stream[index]), "value"),
-                              _key(stream[index])) for index in group)
+                              _key(stream[index], returns)) for index in group)
                        for group in program.posts)
         return channels, groups
 
@@ -197,11 +200,13 @@ class Transfers:
         return total
 
 
-def _key(instruction: Any) -> tuple | None:
-    """What :meth:`Transfers.settle` knows a send by: an activation's
-    ``(micro-batch, chunk)``; ``None`` for the other sends (and receives)."""
+def _key(instruction: Any, returns: set[tuple]) -> tuple | None:
+    """What :meth:`Transfers.settle` knows a send by: the ``(micro-batch, chunk)`` of an
+    activation whose gradient ``returns`` (the program's ``RecvGrad``s); ``None`` for the
+    other sends (and receives)."""
     if isinstance(instruction, isa.SendActivation):
-        return instruction.micro_batch, instruction.chunk
+        key = (instruction.micro_batch, instruction.chunk)
+        return key if key in returns else None
     return None
 
 
