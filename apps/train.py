@@ -81,6 +81,11 @@ def _positive(cfg: TrainConfig) -> None:
                              hint="drop --pack, and see docs/sequences.md for "
                                   "DataCollatorWithFlattening through pipekernel.hf")
     _check_seq_chunks(cfg)
+    if cfg.offload and (not torch.cuda.is_available() or cfg.transport == "gloo"):
+        raise pk.ConfigError("--offload moves saved activations from GPU to host memory, and "
+                             "these stages run on CPU", hint="run on a GPU (--transport "
+                             "nccl or staged), or drop --offload; for less activation "
+                             "memory on CPU, see docs/memory.md")
 
 
 def _check_seq_chunks(cfg: TrainConfig) -> None:

@@ -51,6 +51,15 @@ def test_points_follow_the_forward_to_backward_distance():
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_1f1b_steady_state_distance_is_twice_the_stages_below(p):
+    for s in range(p):
+        distance = offload_points(_program("1f1b", p, s, 4 * p).stream, 1, 0).distance
+        # the steady state: the micro-batches that are neither warm-up nor cool-down
+        assert distance[(2 * p, 0)] == 2 * (p - 1 - s)
+
+
+@pytest.mark.fast
 def test_split_backward_offloads_until_the_input_pass():
     stream = _program("zb-h1", 4, 0, 8).stream
     points = offload_points(stream, 2, 1)
@@ -110,13 +119,12 @@ def test_time_model_overlaps_transfers_and_charges_what_it_cannot_hide():
     # fit in B0 (2 s) and F2 (1 s): no stall, 4 transfers on the side stream
     assert offload_delays(timeline, points, stream,
                           {k: 0.4 for k in points.parts}) == (0.0, pytest.approx(1.6))
-    # 3 s per direction: F1 ends at t1; out [t1, t1+3]; back posted at F2's start
-    # (t1 + 2, the side stream busy until t1+3) -> ready at t1+6; B1 would start at
-    # t1 + 2 + 1 = t1+3: it waits 3 s. Part 2's copies then queue behind: out after F2
-    # (ends t1+3, side free at t1+6) -> t1+9; its back is posted at F3's start...
-    stall, busy = offload_delays(timeline, points, stream, {k: 3.0 for k in points.parts})
-    assert busy == 12.0
-    assert stall >= 3.0
+    # 3 s per direction (timeline F0 0-1, F1 1-2, B0 4-6, F2 6-7, B1 7-9, F3 9-10,
+    # B2 10-12, B3 13-15): out1 [2, 5]; back1 posted at F2 (6) -> [6, 9]; out2 after F2
+    # waits for the side stream -> [9, 12]; B1 waits 7 -> 9 (+2); F3 starts at 11, posts
+    # back2 -> [12, 15]; B2 waits 12 -> 15 (+3): the stage ends 5 s later, 4 x 3 s copied
+    assert offload_delays(timeline, points, stream,
+                          {k: 3.0 for k in points.parts}) == (5.0, 12.0)
 
 
 class Block(nn.Module):
@@ -213,3 +221,19 @@ def test_stage_memory_subtracts_the_offloaded_bytes_at_the_peak():
     # stage 0 holds 4 graphs at its peak: with offload, the far ones sit on the host
     assert moved[0]["saved"] < base[0]["saved"]
     assert moved[3] == base[3]  # the last stage's backwards follow their forwards
+
+
+@pytest.mark.fast
+def test_train_takes_offload_and_refuses_it_on_cpu(monkeypatch):
+    from pipekernel.apps import cli
+    from pipekernel.apps.config import TrainConfig
+    from pipekernel.apps.train import _positive
+
+    seen = []
+    monkeypatch.setattr("pipekernel.apps.train.run", seen.append)
+    assert cli.main(["train", "--offload", "--steps", "2"]) == 0
+    assert seen[0].offload is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pk.ConfigError, match="--offload moves saved activations"):
+        _positive(TrainConfig(offload=True))
+    _positive(TrainConfig())  # off: nothing to refuse
