@@ -1,7 +1,8 @@
 """The GPU check's memory step (issue 46 item 6): each stage's predicted peak against
 ``torch.cuda.max_memory_allocated``, and offload's saving against its step-time cost.
 
-Two stages share one GPU through ``transport="staged"`` (two processes); for each schedule
+``--stages`` stages (default 4) share one GPU through ``transport="staged"`` (a process
+each); for each schedule
 (default ``1f1b zbv v-half``) the residual MLP of ``benchmarks/memory_table.py`` (widened
 by ``--dim`` and ``--batch``) trains ``--steps`` batches of ``--micro-batches``; the last
 step's peak is read from the allocator (reset before that step) beside the memory meter's
@@ -15,7 +16,7 @@ CPU (gloo, the memory meter's storage counts in place of the allocator's, offloa
 :class:`pipekernel.ModelMover`): a check of the script, not a measurement.
 
 Usage: ``python gpu/memory_check.py [--dry-run] [--schedules 1f1b zbv v-half]
-[--micro-batches 8] [--dim 512] [--batch 256] [--steps 4]``
+[--stages 4] [--micro-batches 8] [--dim 512] [--batch 256] [--steps 4]``
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def measure(schedule: str, args: argparse.Namespace, offload: bool) -> dict:
     option = None
     if offload:
         option = True if cuda else pk.Offload(mover=pk.ModelMover())
-    engine = pk.PipelineEngine(table._module(2, chunks, 0),
+    engine = pk.PipelineEngine(table._module(args.stages, chunks, 0),
                                optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
                                micro_batches=args.micro_batches, schedule=schedule,
                                chunks=chunks if chunks > 1 else None,
@@ -92,6 +93,8 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, gloo and the model mover: check the script, measure nothing")
     parser.add_argument("--schedules", nargs="+", default=["1f1b", "zbv", "v-half"])
+    parser.add_argument("--stages", type=int, default=4,
+                        help="stages (processes), all on one GPU")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--batch", type=int, default=256)
@@ -104,28 +107,29 @@ def main() -> int:
         args.schedules.append("1f1b")
     if args.dry_run:
         args.dim, args.batch, args.steps = min(args.dim, 16), min(args.batch, 8), 2
-    ranks = run_ranks(worker, 2, args, timeout=600)
+    ranks = run_ranks(worker, args.stages, args, timeout=600)
     _size(args)
-    what = "allocator" if not args.dry_run else "meter (dry run, CPU)"
-    print(f"{'schedule':<10}{'stage':>6}{'predicted':>12}{'meter':>12}{what:>12}{'pred/meas':>10}")
+    what = "allocator" if not args.dry_run else "meter(CPU)"
+    print(f"{'schedule':<10}{'stage':>6}{'predicted':>12}{'meter':>12}  {what:>10}"
+          f"{'pred/meas':>10}")
     summary = []
     for k, schedule in enumerate(args.schedules):
         got = ranks[0][k]
-        pred = table.predict(schedule, 2, args.micro_batches, 0, got["bounds"],
+        pred = table.predict(schedule, args.stages, args.micro_batches, 0, got["bounds"],
                              got["placement"])
         worst = 0.0
-        for stage in range(2):
+        for stage in range(args.stages):
             row = ranks[stage][k]
             guess = sum(pred[stage].values())
             ratio = guess / row["allocated"]
             worst = max(worst, abs(ratio - 1))
-            print(f"{schedule:<10}{stage:>6}{guess:>12.0f}{row['memory_peak_bytes']:>12}"
-                  f"{row['allocated']:>12}{ratio:>10.3f}")
+            print(f"{schedule:<10}{stage:>6}{guess:>12.0f}{row['memory_peak_bytes']:>12}  "
+                  f"{row['allocated']:>10}{ratio:>10.3f}")
         summary.append(f"{schedule} worst |pred/meas-1| {worst:.3f}")
     base, moved = ranks[0][args.schedules.index("1f1b")], ranks[0][-1]
     saving = 1 - moved["allocated"] / base["allocated"]
     cost = moved["step_s"] / base["step_s"] - 1
-    print(f"offload (1f1b, stage 0): peak {base['allocated']} -> {moved['allocated']} bytes "
+    print(f"offload (1f1b, stage 0, min_distance 2, prefetch 1): peak {base['allocated']} -> {moved['allocated']} bytes "
           f"({saving:+.1%} saved), step {base['step_s'] * 1e3:.2f} -> "
           f"{moved['step_s'] * 1e3:.2f} ms ({cost:+.1%})"
           + (" [dry run: CPU model, not timings]" if args.dry_run else ""))
