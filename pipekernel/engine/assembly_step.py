@@ -26,6 +26,7 @@ from pipekernel.grid import expert_parallel
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import instructions as isa
 from pipekernel.model.module import PipelineModule
+from pipekernel.stage.offload import make_offload
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
 from pipekernel.step.grad_reduce import GradReducer
@@ -181,9 +182,11 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
     ``sharded``)."""
     topology = layout.topology
     tokens = options.loss_reduction == "tokens" and module.loss_fn is not None
+    offload = make_offload(options.offload, transport.device, topology.stage)
     runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
                            chunks=layout.chunks, placement=layout.placement,
-                           skips=stage.skip_router, tokens=tokens, **callbacks)
+                           skips=stage.skip_router, tokens=tokens, offload=offload,
+                           **callbacks)
     batch_step = BatchStep(
         module=stage.module, precision=precision, transport=transport, topology=topology,
         max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite, tokens=tokens,
