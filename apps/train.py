@@ -47,17 +47,14 @@ def _positive(cfg: TrainConfig) -> None:
             flag = "--" + name.replace("_", "-")
             raise pk.ConfigError(f"{flag} must be a positive integer, got {value!r}",
                                  hint=f"pass {flag} 1 or more")
-    if not isinstance(cfg.save_every, int) or cfg.save_every < 0:
-        raise pk.ConfigError(f"--save-every must be 0 or a positive integer, got "
-                             f"{cfg.save_every!r}", hint="pass --save-every 100, or 0 for none")
-    for name in ("check_every", "verify_every"):
+    for name, example in (("save_every", "100, or 0 for none"),
+                          ("keep_last", "3, or 0 to keep all"),
+                          ("check_every", "100, or 0 for never"),
+                          ("verify_every", "100, or 0 for never")):
         value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise pk.ConfigError(f"{flag} must be 0 or a positive integer, got {value!r}",
-                                 hint=f"pass {flag} 100, or 0 for never")
-    if not isinstance(cfg.keep_last, int) or cfg.keep_last < 0:
-        raise pk.ConfigError(f"--keep-last must be 0 or a positive integer, got "
-                             f"{cfg.keep_last!r}", hint="pass --keep-last 3, or 0 to keep all")
+                                 hint=f"pass {flag} {example}")
     tag = cfg.resume
     if isinstance(tag, str) and (not tag or tag.startswith(".") or "/" in tag or os.sep in tag):
         raise pk.ConfigError(f"--resume {tag!r} is not a checkpoint tag (one directory name "

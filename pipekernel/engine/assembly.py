@@ -24,7 +24,7 @@ from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import check_consistency
 from pipekernel.engine.sentinel import check_every_option
 from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
-from pipekernel.errors import ConfigError
+from pipekernel.errors import ConfigError, positive_int
 from pipekernel.extend.manager import resolve_schedule
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.mesh import build_grid
@@ -193,9 +193,7 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
         schedule, chunks = plan.schedule, plan.chunks  # the batch stays the user's
     schedule_cls = sequence_schedule(resolve_schedule(pm, schedule), options.seq_chunks,
                                      module, rank)
-    chosen = schedule_cls.default_chunks if chunks is None else chunks
-    if not isinstance(chosen, int) or isinstance(chosen, bool) or chosen < 1:
-        raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
+    chosen = positive_int("chunks", schedule_cls.default_chunks if chunks is None else chunks,
                           hint="e.g. chunks=2 with schedule='interleaved'")
     placement = schedule_cls.placement
     schedule_cls(num_stages, 0, micro_batches, chosen)  # its own clear errors
@@ -213,9 +211,8 @@ def sequence_schedule(schedule_cls: Any, seq_chunks: Any, module: Any, rank: int
     cannot take a key/value prefix says why in ``module.sequence_chunks_refused``)."""
     if seq_chunks == 1:
         return schedule_cls
-    if not isinstance(seq_chunks, int) or isinstance(seq_chunks, bool) or seq_chunks < 1:
-        raise ConfigError(f"seq_chunks must be a positive int, got {seq_chunks!r}",
-                          hint="e.g. seq_chunks=4 (1: whole sequences)", rank=rank)
+    positive_int("seq_chunks", seq_chunks, hint="e.g. seq_chunks=4 (1: whole sequences)",
+                 rank=rank)
     if schedule_cls.name != OneFOneB.name:
         raise ConfigError(f"seq_chunks={seq_chunks} with schedule {schedule_cls.name!r}: "
                           f"sequence chunks run under 1F1B only (Seq1F1B)", rank=rank,

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipekernel.comm.agreement import check_consistency
-from pipekernel.errors import ConfigError
+from pipekernel.errors import positive_int
 from pipekernel.schedules.program import Program, compile_program
 from pipekernel.model.skip_routing import check_schedules
 from pipekernel.step.grad_reduce import settled_parameters
@@ -20,13 +20,10 @@ __all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batche
 def check_micro_batch_count(micro_batches: Any, rank: int | None,
                             stage: int | None = None) -> None:
     """``ConfigError`` unless ``micro_batches`` is a positive int."""
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
-            or micro_batches < 1:
-        raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
-                          rank=rank, stage=stage,
-                          hint="pass micro_batches=N, the number of micro-batches each "
-                               "train_batch/eval_batch reads from its iterator (e.g. 4; at "
-                               "least the number of stages keeps every stage busy)")
+    positive_int("micro_batches", micro_batches, rank=rank, stage=stage,
+                 hint="pass micro_batches=N, the number of micro-batches each train_batch/"
+                      "eval_batch reads from its iterator (e.g. 4; at least the number of "
+                      "stages keeps every stage busy)")
 
 
 def check_micro_batches(engine: Any, micro_batches: Any) -> None:
