@@ -53,6 +53,8 @@ class EngineFields(Placed):
     schedule_cls, eval_schedule_cls = _read("layout.schedule_cls"), _read("layout.eval_schedule_cls")
     chunks, placement = _read("layout.chunks"), _read("layout.placement")
     plan = _read("layout.plan", "The Plan schedule='auto' chose (else None).")
+    recompute = _read("layout.recompute", "Per stage, its activation checkpoint interval "
+                      "(0: none): the engine's recompute, the plan's or the module's.")
     part_stages = _read("parts.part_stages", "Which stage holds each part.")
     bounds = _read("parts.bounds")
     partition_report = _read("parts.partition_report", "Layers, parameters, cost and memory "
