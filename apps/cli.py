@@ -227,7 +227,9 @@ def plan_for_args(args: argparse.Namespace) -> object:
                         num_stages=args.stages, seed=args.seed)
     g = torch.Generator().manual_seed(args.seed)
     sample = torch.randint(0, 256, (args.micro_batch_size, args.context), generator=g)
+    # the train model's labels: the next byte of every position (int64, as the loader's)
     request = pk.auto(memory_budget=args.memory_budget, sample=sample,
+                      labels=torch.zeros_like(sample),
                       schedules=args.schedules.split(",") if args.schedules else None,
                       chunks=_ints(args.chunks), micro_batches=_ints(args.counts),
                       transfer_s=args.transfer_ms / 1e3, repeats=args.repeats,

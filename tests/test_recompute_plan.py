@@ -199,3 +199,88 @@ def test_recompute_on_one_stage_predicted_as_measured():
     for (name, _, _, intervals), stage, measured, _ in rows:
         if intervals[stage]:
             assert measured["memory_saved_bytes"] < plain[(name, stage)]["memory_saved_bytes"]
+
+
+# -- auto under a budget: recomputation chosen, the measured peak within it ----------------
+
+class SteadyClock:
+    """The profiler's bytes as measured, its seconds replaced by a function of each layer's
+    bytes: every run partitions by time the same way, so a budget computed in one engine
+    binds the next (the bytes are exact either way)."""
+
+    @pk.hookimpl(wrapper=True)
+    def pipekernel_partition(self, method, layers, num_stages, context):
+        from pipekernel.model.partitioning import Profile
+
+        result = yield
+        if isinstance(method, Profile) and context.layer_static_bytes:
+            context.layer_costs = [1e-3 * (1 + b / 1e4) for b in context.layer_static_bytes]
+            context.layer_forward_seconds = [c / 3 for c in context.layer_costs]
+            context.layer_split_backward_seconds = None
+        return result
+
+
+def _auto_budget_worker():
+    from pipekernel.extend.manager import make_plugin_manager, registered_schedules
+    from pipekernel.plugins.memory import MemoryMeter
+
+    torch.set_num_threads(1)
+    sample = torch.randn(table.BATCH, table.IN)
+    labels = torch.randn(table.BATCH, table.OUT)
+    names = ["1f1b", "zbv", "v-half"]
+
+    def engine(budget, plugins=()):
+        return pk.PipelineEngine(
+            table._module(2, 2, 0), optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+            micro_batches=4, transport="gloo", plugins=[SteadyClock(), *plugins], timeout=120,
+            schedule=pk.auto(memory_budget=budget, sample=sample, labels=labels,
+                             schedules=names, repeats=1, warmup=0, measure_link=False))
+
+    free = engine(None)
+    costs, plan = free.plan.costs, free.plan
+    free.close()
+    every = {k: v for k, v in registered_schedules(make_plugin_manager()).items()
+             if k in names}
+
+    def least(recompute):  # the smallest peak of any candidate, as the search prices it
+        found = search(costs, 2, every, balance=balance, recompute=recompute, runs=4)
+        return min(c.peak_bytes for c in found.candidates
+                   if c.peak_bytes and not c.what_if)
+
+    plain, redone = least((0, 0)), least((1, 1))
+    # below every candidate without recomputation, above the least with it on both stages
+    budget = int(redone * (1 + MEMORY_MARGIN)) + 1
+    meter = MemoryMeter()
+    bounded = engine(budget, [meter])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        bounded.train_batch(iter([(torch.randn(table.BATCH, table.IN, generator=g),
+                                   torch.randn(table.BATCH, table.OUT, generator=g))
+                                  for _ in range(4)]))
+    chosen = next(c for c in bounded.plan.candidates if c.key() == bounded.plan.key())
+    out = (plain, redone, budget, bounded.plan.recompute, bounded.recompute,
+           meter.last["memory_peak_bytes"], chosen.stage_bytes[bounded.stage],
+           bounded.plan.format(top=3), plan.recompute)
+    bounded.close()
+    try:
+        engine(1)
+        refusal = ""
+    except ConfigError as err:
+        refusal = str(err)
+    return out + (refusal,)
+
+
+@pytest.mark.multirank
+def test_auto_under_a_budget_recomputes_and_its_measured_peak_fits():
+    results = run_ranks(_auto_budget_worker, 2, timeout=900)
+    plain, redone, budget, chosen, used, _, _, text, free, refusal = results[0]
+    assert redone * (1 + MEMORY_MARGIN) < budget < plain  # only recomputation fits
+    assert free == (0, 0)  # no budget: nothing recomputed
+    assert any(chosen) and used == chosen  # the engine runs what the plan chose
+    for rank, result in enumerate(results):
+        peak, predicted = result[5], result[6]
+        assert peak <= budget, (rank, peak, budget)  # measured, every stage
+        assert abs(predicted / peak - 1) <= MEMORY_MARGIN, (rank, peak, predicted)
+    assert "recompute: stage" in text and "; recompute every 1 layer(s)" in text
+    assert "predicted memory per stage" in text
+    assert "smallest budget that would fit is" in refusal

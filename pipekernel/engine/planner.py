@@ -85,6 +85,8 @@ class Auto:
         divide the batch.
     :param sample: one micro-batch of first-stage inputs at the engine's
         ``micro_batches`` (default: the sample of ``partition=pk.profile(sample)``).
+    :param labels: one micro-batch of labels, the same rows (what the last stage loads and
+        the loss saves, counted in its memory); ``None``: labels are not counted.
     :param transfer_s: seconds one activation or gradient transfer takes, beyond the
         measured link (latency the stages do not spend).
     :param measure_link: time the transport's transfers (message cost and bandwidth)
@@ -101,6 +103,7 @@ class Auto:
     chunks: Sequence[int] = (1, 2)
     micro_batches: Sequence[int] | None = None
     sample: Any = None
+    labels: Any = None
     transfer_s: float = 0.0
     measure_link: bool = True
     split_overhead: float = 1.0
@@ -653,8 +656,11 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     if expert_parallel_size > 1 and topology is not None and transport is not None:
         from pipekernel.engine.all_to_all_cost import planner_group
         ep_group = planner_group(topology, transport, expert_parallel_size)
-    costs = {n: _profile(module, request, _resize(sample, total // n), n, pm,
-                         (transport, device, optimizer, ep_group)) for n in counts}
+    costs = {n: dataclasses.replace(
+        _profile(module, request, _resize(sample, total // n), n, pm,
+                 (transport, device, optimizer, ep_group)),
+        label_bytes=_nbytes(_resize(request.labels, total // n))
+        if request.labels is not None else 0.0) for n in counts}
     schedules = _schedules(request, pm)
     cache: dict[tuple, list[int]] = {}
 
