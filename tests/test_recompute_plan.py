@@ -284,3 +284,24 @@ def test_auto_under_a_budget_recomputes_and_its_measured_peak_fits():
     assert "recompute: stage" in text and "; recompute every 1 layer(s)" in text
     assert "predicted memory per stage" in text
     assert "smallest budget that would fit is" in refusal
+
+
+def test_a_model_with_skips_is_planned_without_recompute_and_says_what_is_not_counted():
+    from models import skips
+
+    from pipekernel.engine.planner import plan_module
+    from pipekernel.extend.manager import make_plugin_manager
+
+    request = pk.auto(sample=torch.randn(4, 8), schedules=["1f1b"], chunks=[1], repeats=1,
+                      warmup=0, micro_batches=[2])
+    free = plan_module(skips(num_stages=2), request, num_stages=2, micro_batches=2,
+                       pm=make_plugin_manager())
+    # a budget that only recomputation could meet is refused, not met by a plan that
+    # cannot run (recomputation with skip connections is refused by the engine)
+    tight = min(c.peak_bytes for c in free.candidates if c.peak_bytes) * 0.8
+    with pytest.raises(ConfigError, match="no candidate"):
+        plan_module(skips(num_stages=2), pk.auto(**{**request.__dict__, "memory_budget": tight}),
+                    num_stages=2, micro_batches=2, pm=make_plugin_manager())
+    assert free.recompute == (0, 0)
+    assert "note: skip connections' stashes (enc, mask, near) are not in the memory model" \
+        in free.format()

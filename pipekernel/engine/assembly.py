@@ -394,9 +394,12 @@ def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: O
                                           lanes=min(chunks, 2))
     positions = parts_of(stage, num_stages, chunks, layout.placement)
     with expert_parallel.context(ep_group):
-        built = module.build_stage(stage, parts.bounds, positions,
-                                   layout.recompute[stage] if layout.recompute else None
-                                   ).to(transport.device)
+        # the engine's interval only where it differs from the module's: a subclass
+        # overriding build_stage without the argument keeps working
+        interval = layout.recompute[stage] if layout.recompute else None
+        extra = {} if interval in (None, module.activation_checkpoint_interval) else \
+            {"activation_checkpoint_interval": interval}
+        built = module.build_stage(stage, parts.bounds, positions, **extra).to(transport.device)
     router = router_for(module, parts.bounds, built, positions, stage)
     edges = router.edges if router is not None else []
     # after the agreement: opening lanes is collective, every rank opens as many

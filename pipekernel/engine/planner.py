@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipekernel.engine.all_to_all_cost import overlaps_same_chunk, pair_table
-from pipekernel.engine.recompute_option import format_recompute
+from pipekernel.engine.recompute_option import format_recompute, resolve_recompute
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
                                      RecvGrad, SendActivation, SendGrad)
@@ -251,6 +251,8 @@ class Plan:
     runs: int | None = None
     #: per stage, its activation checkpoint interval (``0``: none)
     recompute: tuple[int, ...] = ()
+    #: what the prediction leaves out for this model (printed under the plan's header)
+    notes: tuple[str, ...] = ()
 
     def fields(self) -> dict[str, Any]:
         """The choice as plain values (every rank must hold the same)."""
@@ -291,6 +293,7 @@ class Plan:
                  f"micro-batches, partition {self.partition} {list(self.bounds)}: predicted "
                  f"{1e3 * self.predicted_step_s:.2f} ms/step (memory budget per stage: {budget})",
                  f"  recompute: {format_recompute(self.recompute)}",
+                 *(f"  note: {note}" for note in self.notes),
                  *([f"  transfers: {1e6 * self.link.message_s:.0f} us per message + "
                     f"{1e6 * self.link.byte_s * 2 ** 20:.0f} us per MiB, "
                     f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
@@ -371,10 +374,7 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
         ``memory_budget``: then recomputation is searched per stage (:func:`_recompute`).
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
-    fixed = tuple(recompute) if recompute is not None else None
-    if fixed is not None and len(fixed) != num_stages:
-        raise ConfigError(f"recompute={list(fixed)} gives {len(fixed)} stage(s); the "
-                          f"pipeline has {num_stages}", hint="give one interval per stage")
+    fixed = None if recompute is None else resolve_recompute(list(recompute), num_stages, 0)
     found: list[Candidate] = []
     streams: dict[tuple, str] = {}
     for name, cls in sorted(schedules.items()):
@@ -392,16 +392,21 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
                                      memory_budget, (transfer_s, split_overhead, link,
                                                      executor), fixed)
-    if runs is not None:
-        found = [c if c.micro_batches == runs else dataclasses.replace(
-            c, what_if=True, note=f"what-if: the engine runs {runs}"
-                                  + (f"; {c.note}" if c.note else "")) for c in found]
-    ranked = tuple(sorted(found, key=Candidate.rank_key))
+    ranked = tuple(sorted(_what_ifs(found, runs), key=Candidate.rank_key))
     best, seconds = _best(ranked, num_stages, memory_budget, runs)
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
                 seconds, memory_budget, ranked, dict(costs), link,
                 getattr(executor, "__name__", type(executor).__name__) if executor else "",
                 runs, best.recompute)
+
+
+def _what_ifs(found: list[Candidate], runs: int | None) -> list[Candidate]:
+    """``found`` with the candidates at another count than ``runs`` marked what-ifs."""
+    if runs is None:
+        return found
+    return [c if c.micro_batches == runs else dataclasses.replace(
+        c, what_if=True, note=f"what-if: the engine runs {runs}"
+                              + (f"; {c.note}" if c.note else "")) for c in found]
 
 
 def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
@@ -673,16 +678,35 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
                 num_stages=parts, context=ctx))
         return cache[key]
 
-    link = None
-    if request.measure_link and transport is not None and transport.world_size > 1:
-        largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
-                      default=0.0)
-        link = measure_link(transport, largest)
-    return search(costs, num_stages, schedules, balance=balance,
+    notes, recompute = _skip_notes(module, num_stages, recompute)
+    link = _link(request, transport, costs)
+    plan = search(costs, num_stages, schedules, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
                   link=link, executor=getattr(module, "overlapped_forward_backward", None),
                   runs=runs, recompute=recompute)
+    return dataclasses.replace(plan, notes=notes) if notes else plan
+
+
+def _link(request: Auto, transport: Any, costs: Mapping[int, LayerCosts]) -> Link | None:
+    """The transport's measured transfer cost (``None``: not measured)."""
+    if not (request.measure_link and transport is not None and transport.world_size > 1):
+        return None
+    largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
+                  default=0.0)
+    return measure_link(transport, largest)
+
+
+def _skip_notes(module: Any, num_stages: int, recompute: Sequence[int] | None
+                ) -> tuple[tuple[str, ...], Sequence[int] | None]:
+    """What the plan of a model with skip connections says it leaves out, and the
+    recompute to search under (none: a recompute cannot run with skips)."""
+    if not getattr(module, "skip_names", None):
+        return (), recompute
+    notes = (f"skip connections' stashes ({', '.join(sorted(module.skip_names))}) are not "
+             "in the memory model; recomputation is not searched (it cannot run with skip "
+             "connections)",)
+    return notes, (0,) * num_stages if recompute is None else recompute
 
 
 def _schedules(request: Auto, pm: Any) -> dict[str, Any]:
