@@ -12,7 +12,10 @@ buffers (``dyn``).
 Usage::
 
     python benchmarks/memory_table.py [--stages 2 4] [--schedules 1f1b gpipe ...]
-        [--micro-batches 1 2 4] (multiples of the stage count) [--checkpoint 0 1]
+        [--micro-batches 1 2 4] (multiples of the stage count) [--checkpoint 0 1 1,0]
+
+``--checkpoint`` takes the module's interval (``0``, ``1``: every stage) or one interval per
+stage (``1,0``: the engine's ``recompute``, cells of that many stages only).
 """
 from __future__ import annotations
 

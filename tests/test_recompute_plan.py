@@ -47,6 +47,15 @@ def test_recompute_option_resolves_per_stage_and_refuses_by_name():
         resolve_recompute(True, 2, 0)
 
 
+def test_the_command_lines_recompute_reads_as_the_engines():
+    from pipekernel.apps.train import recompute_option
+
+    assert recompute_option("") is None  # the planner's, or the module's
+    assert recompute_option("1") == 1 and recompute_option("all") == "all"
+    assert recompute_option("1,0") == [1, 0]
+    assert resolve_recompute(recompute_option("1, none"), 2, 0) == (1, 0)
+
+
 # -- the model: memory and time -----------------------------------------------------------
 
 def test_a_recomputed_stage_keeps_only_its_layers_inputs():
@@ -193,6 +202,13 @@ def test_recompute_on_one_stage_predicted_as_measured():
         ratio, dynamic = table.ratios(measured, predicted)
         assert abs(ratio - 1) <= MEMORY_MARGIN, (cell, stage, measured, predicted)
         assert abs(dynamic - 1) <= 0.15, (cell, stage, measured, predicted)
+        # parameters, optimizer state and gradients: exact
+        assert measured["memory_params_bytes"] + measured["memory_optimizer_bytes"] == \
+            predicted["static"] and measured["memory_grads_bytes"] == predicted["grads"]
+        if cell[3][stage]:  # a recomputed stage keeps its layers' inputs: to within 1%
+            # (exact but for the last position's loss: 28672 B = 28672 B on 1F1B's stage 0)
+            assert abs(measured["memory_saved_bytes"] - predicted["saved"]) <= \
+                0.01 * measured["memory_saved_bytes"], (cell, stage, measured, predicted)
     # and recomputation is what changed: the recomputed stage saves less than without
     plain = {(c[0], s): m for c, s, m, _ in table.compare(
         [(name, 2, 4, 0) for name, _, _, _ in cells], 2)}
