@@ -42,6 +42,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter)
     _train_parallelism(p.add_argument_group("parallelism"), d)
     _train_run(p, d)
+    _train_memory(p, d)
     p.set_defaults(func=_run_train)
 
 
@@ -79,6 +80,19 @@ def _train_parallelism(g: argparse._ArgumentGroup, d: Any) -> None:
                    help="seconds any wait on a peer may take before an error")
     g.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per local process")
+
+
+def _train_memory(p: argparse.ArgumentParser, d: Any) -> None:
+    """``pipekernel train``'s activation-memory flags (docs/memory.md)."""
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute", default=d.recompute, metavar="K|K,K,...",
+                   help="activation recomputation: a checkpoint interval for every stage or "
+                        "one per stage (0: none, 1: every layer; 'all', 'none'); default: "
+                        "none, or what --schedule auto chooses under a memory budget")
+    g.add_argument("--offload", action="store_true", default=d.offload,
+                   help="on CUDA, move the saved activations of micro-batches whose backward "
+                        "is far away to pinned host memory and fetch them back ahead of it "
+                        "(docs/memory.md; a ConfigError on CPU)")
 
 
 def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
@@ -122,10 +136,6 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
                    help="cut every micro-batch along the sequence into K chunks that flow "
                         "through the stages one after the other (Seq1F1B, --schedule 1f1b; "
                         "docs/sequences.md)")
-    g.add_argument("--recompute", default=d.recompute, metavar="K|K,K,...",
-                   help="activation recomputation: a checkpoint interval for every stage or "
-                        "one per stage (0: none, 1: every layer; 'all', 'none'); default: "
-                        "none, or what --schedule auto chooses under a memory budget")
     g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
                    help="train a Hugging Face causal LM instead: a save_pretrained directory, "
                         "a config (.json or directory) or a model type such as llama (random, "

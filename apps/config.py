@@ -52,6 +52,7 @@ class TrainConfig:
     # activation recomputation: "" (the module's: none), an interval for every stage, or
     # one per stage "1,0" (0: none; 1: every layer); see pipekernel.engine.recompute_option
     recompute: str = ""
+    offload: bool = False  # schedule-aware activation offload to pinned host memory (CUDA)
 
     @property
     def checkpoints(self) -> str:

@@ -71,6 +71,7 @@ class Options:
     seq_chunks: int = 1
     #: the engine's ``recompute`` as given (``None``: the plan's or the module's)
     recompute: Any = None
+    offload: Any = None
 
 
 @dataclass(frozen=True)
