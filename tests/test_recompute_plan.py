@@ -321,3 +321,26 @@ def test_a_model_with_skips_is_planned_without_recompute_and_says_what_is_not_co
     assert free.recompute == (0, 0)
     assert "note: skip connections' stashes (enc, mask, near) are not in the memory model" \
         in free.format()
+
+
+def test_auto_counts_the_labels_it_is_given_on_the_last_stage():
+    from models import mlp
+
+    from pipekernel.engine.planner import plan_module
+    from pipekernel.extend.manager import make_plugin_manager
+
+    def plan(labels):
+        request = pk.auto(sample=torch.randn(4, 8), labels=labels, schedules=["1f1b"],
+                          chunks=[1], repeats=1, warmup=0, micro_batches=[2, 4])
+        return plan_module(mlp(num_stages=2), request, num_stages=2, micro_batches=2,
+                           pm=make_plugin_manager())
+
+    without, given = plan(None), plan(torch.randn(4, 4))
+    # 4 rows of 4 fp32 labels at 2 micro-batches; the batch re-split as 4: 2 rows each
+    assert without.costs[2].label_bytes == 0.0 and given.costs[2].label_bytes == 64.0
+    assert given.costs[4].label_bytes == 32.0
+    last = {c.key(): c.stage_memory[1]["saved"] for c in given.candidates if c.stage_memory}
+    same = [c for c in without.candidates if c.stage_memory and c.key() in last]
+    assert same  # the memory-balanced partitions at least (bytes do not depend on the clock)
+    for c in same:  # the loss saves them: more on the last stage
+        assert last[c.key()] > c.stage_memory[1]["saved"]
