@@ -418,6 +418,16 @@ def lr_change(scheduler: Any, cfg: TrainConfig) -> str | None:
             "To keep the saved run's schedule, pass its --steps and --lr")
 
 
+def recompute_option(text: str) -> Any:
+    """``--recompute``: ``""`` (``None``: the planner's or none), one value for every stage
+    (``1``, ``all``, ``none``) or one per stage (``1,0``)."""
+    values: list[Any] = [int(v) if v.strip().isdigit() else v.strip()
+                         for v in text.split(",") if v.strip()]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
 def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> pk.PipelineEngine:
     return pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
@@ -427,6 +437,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         expert_parallel_size=cfg.expert_parallel, seq_chunks=cfg.seq_chunks,
+        recompute=recompute_option(cfg.recompute),
         offload=cfg.offload or None, loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
         check_every=cfg.check_every or None, verify_every=cfg.verify_every or None,
         # the engine steps it after every step taken and saves it in checkpoints
