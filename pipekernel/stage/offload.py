@@ -206,6 +206,7 @@ class ActivationOffload:
     def __init__(self, mover: Any, min_distance: int = 2, prefetch: int = 1) -> None:
         self.mover, self.min_distance, self.prefetch = mover, min_distance, prefetch
         self._points: dict[int, OffloadPoints] = {}  # id(program stream) -> its points
+        self._streams: list[Any] = []  # those streams, kept alive: their ids stay theirs
         self.points: OffloadPoints | None = None
         self._parts: dict[tuple[int, int], dict[int, _Storage]] = {}
         self._skip: set[int] = set()
@@ -218,7 +219,7 @@ class ActivationOffload:
         if points is None:
             points = self._points[id(stream)] = offload_points(stream, self.min_distance,
                                                                self.prefetch)
-            self._streams = getattr(self, "_streams", []) + [stream]  # keep ids valid
+            self._streams.append(stream)
         self.points, self._parts, self.moved = points, {}, {}
         self._skip = {p.untyped_storage().data_ptr() for p in params}
 
