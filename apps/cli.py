@@ -122,7 +122,7 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
                    help="cut every micro-batch along the sequence into K chunks that flow "
                         "through the stages one after the other (Seq1F1B, --schedule 1f1b; "
                         "docs/sequences.md)")
-    g.add_argument("--offload", action="store_true", default=d.offload,
+    g.add_argument("--offload", action="store_true",
                    help="on CUDA, move the saved activations of micro-batches whose backward "
                         "is far away to pinned host memory and fetch them back ahead of it "
                         "(docs/memory.md; a ConfigError on CPU)")
