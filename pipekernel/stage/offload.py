@@ -232,21 +232,30 @@ class ActivationOffload:
 
     @contextlib.contextmanager
     def _hooks(self, storages: dict[int, _Storage]) -> Iterator[None]:
+        # autograd keeps the pack hook beside every tensor it saved: the hook reaches the
+        # part's entries through ``holder``, emptied after the forward, or each saved
+        # tensor would keep every storage of its part alive until the last is freed
+        holder = [storages]
+
         def pack(tensor: torch.Tensor) -> Any:
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in self._skip or storage.nbytes() == 0:
                 return tensor.detach()
-            entry = storages.get(ptr)
+            entries = holder[0]
+            entry = entries.get(ptr)
             if entry is None:  # the storage's bytes: what moves (no grad_fn: no cycle)
                 data = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-                entry = storages[ptr] = _Storage(data.set_(storage))
+                entry = entries[ptr] = _Storage(data.set_(storage))
                 for observe in KEPT_INPUT_OBSERVERS:  # the memory ledger counts it saved
                     observe(entry.device)
             return _Saved(tensor, entry)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            holder.clear()
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
