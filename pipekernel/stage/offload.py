@@ -18,9 +18,9 @@ for tests and dry runs: the storage is copied to a separate host pool, counted b
 :meth:`Mover.host_bytes` and never by the memory ledger's device categories. Without a
 mover and without CUDA, ``offload=`` is a ``ConfigError``.
 
-What offload does not move: a checkpointed segment's kept input (recomputation already
-keeps only that), parameters, the runtime's buffers (received inputs, outputs held until
-sent), and what a paired ``ForwardBackward`` saves.
+What offload does not move: parameters, the runtime's buffers (received inputs, outputs
+held until sent), what a paired ``ForwardBackward`` saves, and what a checkpointed segment
+saves under torch's checkpoint hooks (innermost: they take those tensors first).
 """
 from __future__ import annotations
 
