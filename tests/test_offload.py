@@ -240,3 +240,16 @@ def test_train_takes_offload_and_refuses_it_on_cpu(monkeypatch):
     with pytest.raises(pk.ConfigError, match="--offload moves saved activations"):
         _positive(TrainConfig(offload=True))
     _positive(TrainConfig())  # off: nothing to refuse
+
+
+@pytest.mark.fast
+def test_offload_step_prices_the_whole_pipeline():
+    costs = {isa.Forward: 1.0, isa.Backward: 2.0}
+    from pipekernel.schedules.offload_plan import offload_step
+
+    cheap = offload_step(SCHEDULES["1f1b"], 2, 4, seconds={(0, 0): 0.4}, costs=costs)
+    assert cheap["stalls"] == [0.0, 0.0] and cheap["step"] == cheap["makespan"]
+    dear = offload_step(SCHEDULES["1f1b"], 2, 4, seconds={(0, 0): 3.0}, costs=costs)
+    assert dear["stalls"] == [5.0, 0.0]  # the hand-worked case above; stage 1 moves nothing
+    assert dear["busy"] == [12.0, 0.0]
+    assert dear["step"] == dear["makespan"] + 5.0

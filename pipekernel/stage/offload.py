@@ -30,7 +30,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.errors import ConfigError
 from pipekernel.model.recompute import KEPT_INPUT_OBSERVERS
 from pipekernel.schedules.offload_plan import OffloadPoints, check_offload_numbers, offload_points
 
@@ -309,10 +309,3 @@ class ActivationOffload:
     def end(self) -> None:
         """The batch is over (or abandoned): forget its parts."""
         self._parts = {}
-
-    def check_done(self) -> None:
-        """``PipelineError`` if a part is still on the host at the batch's end."""
-        for key, storages in self._parts.items():
-            if any(e.host is not None for e in storages.values()):
-                raise PipelineError(f"offloaded activations of part {key} never came back",
-                                    hint="a schedule runs every Forward's backward")
