@@ -252,13 +252,16 @@ class Plan:
             return f"{text}, at {self.micro_batches} micro-batches per step"
         text += (f", for your {self.runs} micro-batches per step (auto never changes the "
                  f"batch: each step trains the {self.runs} micro-batches your iterator gives)")
-        faster = [c for c in self.candidates if c.what_if and c.fits
-                  and c.predicted_step_s is not None
-                  and c.predicted_step_s < self.predicted_step_s]
-        if faster:
-            f = min(faster, key=lambda c: c.predicted_step_s)  # type: ignore[arg-type,return-value]
+        faster: tuple[float, Candidate] | None = None  # the fastest what-if, the first of ties
+        for c in self.candidates:
+            seconds = c.predicted_step_s
+            if c.what_if and c.fits and seconds is not None and seconds < \
+                    self.predicted_step_s and (faster is None or seconds < faster[0]):
+                faster = seconds, c
+        if faster is not None:
+            seconds, f = faster
             text += (f"; {f.micro_batches} micro-batches would be predicted "
-                     f"{1e3 * f.predicted_step_s:.2f} ms/step ({f.schedule}, chunks {f.chunks}): "  # type: ignore[operator]
+                     f"{1e3 * seconds:.2f} ms/step ({f.schedule}, chunks {f.chunks}): "
                      f"give the same batch as {f.micro_batches} micro-batches and "
                      f"micro_batches={f.micro_batches} to use it")
         return text
@@ -344,7 +347,8 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
         listed as what-ifs (``Candidate.what_if``). ``None``: any count may be chosen.
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
-    found, streams = [], {}
+    found: list[Candidate] = []
+    streams: dict[tuple, str] = {}  # what every stage runs -> the first name it was found as
     for name, cls in sorted(schedules.items()):
         for c in sorted({c for c in chunks if cls.min_chunks <= c <= cls.max_chunks}):
             for m, layer_costs in sorted(costs.items()):
@@ -365,17 +369,17 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
             c, what_if=True, note=f"what-if: the engine runs {runs}"
                                   + (f"; {c.note}" if c.note else "")) for c in found]
     ranked = tuple(sorted(found, key=Candidate.rank_key))
-    best = _best(ranked, num_stages, memory_budget, runs)
+    best, step_s = _best(ranked, num_stages, memory_budget, runs)
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
-                best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
-                dict(costs), link,
+                step_s, memory_budget, ranked, dict(costs), link,
                 getattr(executor, "__name__", type(executor).__name__) if executor else "",
                 runs)
 
 
 def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
-          runs: int | None) -> Candidate:
-    """The first of ``ranked`` if it may run (at ``runs`` micro-batches, within ``budget``)."""
+          runs: int | None) -> tuple[Candidate, float]:
+    """The first of ``ranked`` if it may run (at ``runs`` micro-batches, within ``budget``),
+    and its predicted step time."""
     best = ranked[0] if ranked else None
     at = f" at {runs} micro-batches (the engine's count)" if runs is not None else ""
     if best is None or best.predicted_step_s is None or best.what_if:
@@ -398,7 +402,7 @@ def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
                f"{format_bytes(other.peak_bytes)})" if other is not None else ""),
             hint="raise memory_budget, use more stages, activation checkpointing, or give "
                  "the batch as more (smaller) micro-batches")
-    return best
+    return best, best.predicted_step_s
 
 
 def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
@@ -461,8 +465,8 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
         table[(stage, chunk)] = {Forward: f + fa, Backward: b + ba, BackwardInput: i + ba,
                                  BackwardWeight: w}
         static[stage] += sum(costs.static_bytes[lo:hi])
-    transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
-                 RecvGrad: 0.0}
+    transfers: dict[type, float] = {SendActivation: transfer_s, SendGrad: transfer_s,
+                                    RecvActivation: 0.0, RecvGrad: 0.0}
     host: dict[type, float] = {}
     if link is not None:
         # every boundary of a transformer-like model carries the same bytes; where they
@@ -475,7 +479,7 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
             transfers[SendActivation] += seconds
             transfers[SendGrad] += seconds
     if executor is not None:
-        table.update(pair_table(parts, overlaps_same_chunk(executor)))
+        table.update(pair_table(parts, overlaps_same_chunk(executor)).items())
     try:
         result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table,
                           host_costs=host, paired=executor is not None)
