@@ -136,14 +136,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         default; for ``zbv``, its plan without pairs). ``None`` (default): paired exactly
         when ``costs`` or ``stage_costs`` price ``ForwardBackward`` (the overlap you
         model), so the default answer is the engine's default program.
-    :param sharded: the programs of FSDP2-sharded stages (``data_parallel_shard``), with
-        their ``Unshard``/``ReduceShardedGrads``/``Reshard`` instructions
-        (:mod:`pipekernel.schedules.sharded`; priced by ``costs`` like any other class).
-    :param data_parallel: the programs of replicated stages whose gradient reduction
-        overlaps the backward, with its ``ArmGradReduce``/``LaunchGradReduce`` around each
-        stage's last weight-gradient instruction
-        (:mod:`pipekernel.schedules.data_parallel`; priced by ``costs`` like
-        ``ReduceGrads``).
+    :param sharded: the programs of FSDP2-sharded stages (:mod:`~pipekernel.schedules.sharded`);
+        :param data_parallel: of replicated stages overlapping their gradient reduction
+        (:mod:`~pipekernel.schedules.data_parallel`); their instructions priced by ``costs``.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
         producer (or outside the pipeline); then listing every problem found
