@@ -58,23 +58,29 @@ def program_of(engine: Any, cls: Any) -> tuple[Program, Any, Any]:
     key = (cls, engine.micro_batches)
     loaded = engine._programs.get(key)
     if loaded is None:
-        loaded = engine._programs[key] = load_program(engine, compile_program(
-            cls, stage=engine.stage, num_stages=engine.num_stages,
+        # every stage's program: where a send may be waited depends on when its peer posts
+        # the receive (:func:`~pipekernel.schedules.send_release.release_points`)
+        programs = tuple(compile_program(
+            cls, stage=stage, num_stages=engine.num_stages,
             micro_batches=engine.micro_batches, chunks=engine.chunks,
             placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs,
-            sharded=engine.stage_parallel is not None))
+            sharded=engine.stage_parallel is not None) for stage in range(engine.num_stages))
+        loaded = engine._programs[key] = load_program(engine, programs[engine.stage], programs)
     return loaded
 
 
-def load_program(engine: Any, program: Program) -> tuple[Program, Any, Any]:
+def load_program(engine: Any, program: Program,
+                 programs: tuple[Program, ...] = ()) -> tuple[Program, Any, Any]:
     """``(program, handlers, bound)``: ``program`` with the kernel's handler of each
     instruction (``None`` when one has none: the loop reports it there) and the runtime's
     binding (its channels and groups, and the parameters settled before the stage's last
-    weight-gradient instruction, for the reducer to start on)."""
+    weight-gradient instruction, for the reducer to start on). ``programs``: every stage's
+    program of the same pipeline (the sends' release points; ``()``: sends are waited at
+    the step's end, activations' when their gradient arrives)."""
     settled: tuple = ()
     if program.last_weight_chunk is not None:
         module = engine.module
         parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
         settled = tuple(settled_parameters(program.last_weight_chunk, parts))
     return (program, engine.kernel.resolve(program.stream),
-            engine.runtime.bind(program, settled))
+            engine.runtime.bind(program, settled, programs))
