@@ -122,6 +122,10 @@ def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
                    help="cut every micro-batch along the sequence into K chunks that flow "
                         "through the stages one after the other (Seq1F1B, --schedule 1f1b; "
                         "docs/sequences.md)")
+    g.add_argument("--offload", action="store_true", default=d.offload,
+                   help="on CUDA, move the saved activations of micro-batches whose backward "
+                        "is far away to pinned host memory and fetch them back ahead of it "
+                        "(docs/memory.md; a ConfigError on CPU)")
     g.add_argument("--hf", default=d.hf, metavar="PATH_OR_CONFIG",
                    help="train a Hugging Face causal LM instead: a save_pretrained directory, "
                         "a config (.json or directory) or a model type such as llama (random, "

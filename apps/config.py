@@ -49,6 +49,7 @@ class TrainConfig:
     check_every: int = 100  # the sentinel's invariants every N steps (0: off; docs/faults.md)
     verify_every: int = 0  # replay-check every N-th step's batch before training it (0: off)
     seq_chunks: int = 1  # > 1: each micro-batch cut along the sequence (Seq1F1B)
+    offload: bool = False  # schedule-aware activation offload to pinned host memory (CUDA)
 
     @property
     def checkpoints(self) -> str:

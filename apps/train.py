@@ -81,6 +81,11 @@ def _positive(cfg: TrainConfig) -> None:
                              hint="drop --pack, and see docs/sequences.md for "
                                   "DataCollatorWithFlattening through pipekernel.hf")
     _check_seq_chunks(cfg)
+    if cfg.offload and (not torch.cuda.is_available() or cfg.transport == "gloo"):
+        raise pk.ConfigError("--offload moves saved activations from GPU to host memory, and "
+                             "these stages run on CPU", hint="run on a GPU (--transport "
+                             "nccl or staged), or drop --offload; for less activation "
+                             "memory on CPU, see docs/memory.md")
 
 
 def _check_seq_chunks(cfg: TrainConfig) -> None:
@@ -425,7 +430,7 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         expert_parallel_size=cfg.expert_parallel, seq_chunks=cfg.seq_chunks,
-        loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
+        offload=cfg.offload or None, loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
         check_every=cfg.check_every or None, verify_every=cfg.verify_every or None,
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))

@@ -68,6 +68,7 @@ class Options:
     lr_scheduler: Any
     parallel: ParallelConfig
     seq_chunks: int = 1
+    offload: Any = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ runtime, the batch step and the kernel over both's handlers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,13 +19,14 @@ from pipekernel.engine.assembly import (Assembly, Layout, Options, Parts, Stage,
                                         build_stage, check_max_grad_norm, choose_layout,
                                         partition)
 from pipekernel.engine.parallelize import check_stage_parallel
-from pipekernel.extend.views import Placed
+from pipekernel.engine.fields import StageFields
 from pipekernel.errors import ConfigError
 from pipekernel.extend.manager import make_precision
 from pipekernel.grid import expert_parallel
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import instructions as isa
 from pipekernel.model.module import PipelineModule
+from pipekernel.stage.offload import make_offload
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
 from pipekernel.step.grad_reduce import GradReducer
@@ -34,32 +36,13 @@ __all__ = ["assemble", "StageBuild", "build_step", "make_optimizer", "make_lr_sc
 
 
 @dataclass(frozen=True)
-class StageBuild(Placed):
+class StageBuild(StageFields):
     """What the hook ``pipekernel_parallelize_stage`` gets as ``engine``: the engine being
     built once its stage exists (a :class:`pipekernel.plugin.StageView`; the optimizer,
-    the runtime and the counters do not exist yet)."""
+    the runtime and the counters do not exist yet): the engine's own members
+    (:class:`~pipekernel.engine.fields.StageFields`) over the parts built so far."""
 
-    pipeline_module: PipelineModule
-    pm: Any
-    transport: Any
-    topology: Any
-    parallel: Any
-    grid: Any
-    mesh: Any
-    module: Any
-    precision: Any
-    ep_group: Any
-    schedule_cls: Any
-    eval_schedule_cls: Any
-    chunks: int
-    placement: str
-    micro_batches: int
-    bounds: list[int]
-    part_stages: list[int]
-
-    @property
-    def schedule(self) -> str:
-        return self.schedule_cls.name
+    _assembly: SimpleNamespace
 
 
 def assemble(module: PipelineModule, optimizer: Any, micro_batches: int, options: Options,
@@ -83,10 +66,9 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     data_group, data_ranks = stage.grid.data  # replicas x shards
     tied_groups = make_tied_groups(module, parts, topology, transport)
     sync_parameters(stage, tied_groups, topology, transport, data_group, data_ranks)
-    build = StageBuild(module, pm, transport, topology, options.parallel, stage.grid,
-                       stage.mesh, stage.module, precision, stage.ep_group,
-                       layout.schedule_cls, layout.eval_schedule_cls, layout.chunks,
-                       layout.placement, layout.micro_batches, parts.bounds, parts.part_stages)
+    build = StageBuild(SimpleNamespace(pipeline_module=module, pm=pm, transport=transport,
+                                       precision=precision, options=options, layout=layout,
+                                       parts=parts, stage=stage))
     # before the precision and the optimizer see the parameters (FSDP2, DTensor)
     pm.hook.pipekernel_parallelize_stage(module=stage.module, mesh=stage.mesh, engine=build)
     stage_parallel = check_stage_parallel(build)
@@ -200,9 +182,11 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
     ``sharded``)."""
     topology = layout.topology
     tokens = options.loss_reduction == "tokens" and module.loss_fn is not None
+    offload = make_offload(options.offload, transport.device, topology.stage)
     runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
                            chunks=layout.chunks, placement=layout.placement,
-                           skips=stage.skip_router, tokens=tokens, **callbacks)
+                           skips=stage.skip_router, tokens=tokens, offload=offload,
+                           **callbacks)
     batch_step = BatchStep(
         module=stage.module, precision=precision, transport=transport, topology=topology,
         max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite, tokens=tokens,

@@ -74,7 +74,7 @@ from torch import nn
 from pipekernel.engine import checkpoint_dcp
 from pipekernel.engine.checkpoint_layout import (MASTERS, _log, agree, apply_rank_state,
                                                  attempt, check_model, has_state, layout,
-                                                 local_layers, same_layout)
+                                                 loaded, local_layers, same_layout)
 from pipekernel.grid import expert_parallel
 from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
                                                 _fsync_dir, _read_layer, _read_rank,
@@ -386,15 +386,10 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
 
     _, error = attempt(_apply, engine, local, payloads, mine, exact, meta)
     agree(transport, error, rank)
-    tag_name = os.path.basename(directory)
     _log.info("rank %d loaded checkpoint %s (step %d%s)", rank, directory, meta["global_steps"],
               "" if exact else f", reshaped from {meta['topology']['num_stages']} stages x "
                                f"{meta['topology']['data_parallel_size']} replicas")
-    return {"directory": directory, "tag": tag_name, "global_steps": meta["global_steps"],
-            "skipped_steps": meta["skipped_steps"],
-            "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"),
-            "exact": exact, "meta": meta}
+    return loaded(engine, directory, meta, mine, exact)
 
 
 def resume(engine: EngineView, root: str | os.PathLike, *,

@@ -53,7 +53,7 @@ from pipekernel.engine import checkpoint_data
 from pipekernel.engine.checkpoint_files import _read_layer, _read_rank
 from pipekernel.engine.checkpoint_layout import (MASTERS, _log, agree, apply_rank_state,
                                                  attempt, check_model, has_state, layout,
-                                                 local_layers, same_layout)
+                                                 loaded, local_layers, same_layout)
 from pipekernel.errors import ConfigError, DataError, PipelineError
 from pipekernel.grid import expert_parallel
 
@@ -339,10 +339,7 @@ def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict, *,
     agree(transport, error, rank)
     _log.info("rank %d loaded DCP checkpoint %s (step %d%s)", rank, directory,
                     meta["global_steps"], "" if exact else ", another layout")
-    return {"directory": directory, "tag": os.path.basename(directory),
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}
+    return loaded(engine, directory, meta, mine, exact)
 
 
 def _read_error(error: BaseException | None, directory: str) -> BaseException | None:
@@ -400,10 +397,7 @@ def load_layer_files(engine: Any, directory: str, meta: dict, *,
     agree(transport, error, rank)
     _, error = attempt(_apply_counters, engine, mine, exact, meta)
     agree(transport, error, rank)
-    return {"directory": directory, "tag": os.path.basename(directory),
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}
+    return loaded(engine, directory, meta, mine, exact)
 
 
 def _set_full(engine: Any, payloads: dict[int, dict]) -> None:

@@ -6,6 +6,7 @@ file's counters, LR scheduler and RNG states put back."""
 from __future__ import annotations
 
 import logging
+import os
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -130,3 +131,12 @@ def apply_rank_state(engine: Any, mine: dict, exact: bool, meta: dict) -> None:
                                          meta["global_steps"] * engine.micro_batches)))
     if exact:
         restore_rng(engine, mine["rng"])
+
+
+def loaded(engine: Any, directory: str, meta: dict, mine: dict, exact: bool) -> dict[str, Any]:
+    """What ``load_checkpoint`` returns, whichever format was read (the keys:
+    :func:`pipekernel.engine.checkpoint.load_checkpoint`)."""
+    return {"directory": directory, "tag": os.path.basename(directory),
+            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+            "data_position": engine.trained_micro_batches,
+            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}

@@ -55,6 +55,9 @@ class PartBytes:
     :param grads: the part's parameter gradients: absent until its first backward writes
         them (``Backward`` or ``BackwardWeight``; they are dropped before each step), then
         held to the step's end.
+    :param offloaded: of ``saved``, what activation offload moves to the host when the
+        part is offloaded (what the runtime does not hold anyway: not its inputs, not its
+        outputs; :mod:`pipekernel.stage.offload`).
     """
 
     saved: float = 0.0
@@ -63,15 +66,17 @@ class PartBytes:
     weight_state: float = 0.0
     labels: float = 0.0
     grads: float = 0.0
+    offloaded: float = 0.0
 
 
 class _Slot:
-    __slots__ = ("key", "inputs", "outputs", "shared", "grads", "input_grads", "graph", "split")
+    __slots__ = ("key", "inputs", "outputs", "shared", "grads", "input_grads", "graph", "split",
+                 "host")
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key
         self.inputs = self.outputs = self.grads = self.input_grads = 0.0
-        self.graph = self.split = 0.0
+        self.graph = self.split = self.host = 0.0
         self.shared = False  # outputs handed to a chunk of this stage: counted there
 
     def buffers(self) -> float:
@@ -81,21 +86,36 @@ class _Slot:
 
 
 def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
-                 parts: Mapping[tuple[int, int], PartBytes]) -> list[dict[str, float]]:
+                 parts: Mapping[tuple[int, int], PartBytes],
+                 offload: tuple[int, int] | None = None,
+                 trace: list | None = None) -> list[dict[str, float]]:
     """Per stage, ``{"grads": bytes, "saved": bytes, "buffers": bytes}`` at the peak of
     their sum over the step (sampled between instructions, as the meter samples).
-    ``parts``: ``{(stage, chunk): PartBytes}`` for every part."""
+    ``parts``: ``{(stage, chunk): PartBytes}`` for every part. ``offload``:
+    ``(min_distance, prefetch)`` of activation offload
+    (:func:`~pipekernel.schedules.offload_plan.offload_points`): an offloaded part's
+    ``PartBytes.offloaded`` leaves ``saved`` after its forward and comes back at its
+    prefetch point. ``trace``: a list that receives, per stage, the samples
+    ``[(saved, host)]`` taken after each instruction (host: the bytes offloaded then)."""
     placement = getattr(schedule_cls, "placement", "loop")
     programs = [lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
                       num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
                       placement=placement, paired=False) for stage in range(num_stages)]
-    return [_replay(programs[stage], stage, num_stages, chunks, placement, parts,
-                    release_points(programs, stage)) for stage in range(num_stages)]
+    out = []
+    for stage in range(num_stages):
+        samples: list[tuple[float, float]] = []
+        out.append(_replay(programs[stage], stage, num_stages, chunks, placement, parts,
+                           release_points(programs, stage), offload, samples))
+        if trace is not None:
+            trace.append(samples)
+    return out
 
 
 def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
             parts: Mapping[tuple[int, int], PartBytes],
-            release: Mapping[int, tuple[int, ...]]) -> dict[str, float]:
+            release: Mapping[int, tuple[int, ...]], offload=None,
+            samples: list | None = None) -> dict[str, float]:
+    from pipekernel.schedules.offload_plan import offload_points
     from pipekernel.schedules.placement import locate
 
     plan = program
@@ -111,6 +131,7 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
     pending_acts: dict[tuple[int, int], float] = {}
     posted: dict[int, float] = {}
     best = {"grads": 0.0, "saved": 0.0, "buffers": 0.0}
+    points = offload_points(program.stream, *offload) if offload else None
 
     def fill(ins) -> _Slot:
         slot = slots.get(ins.buffer)
@@ -134,6 +155,9 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
                 part = parts[(stage, recv.chunk)]
                 posted[j] = part.inputs if isinstance(recv, isa.RecvActivation) else part.outputs
                 state["posted"] += posted[j]
+        for key in points.prefetch_at.get(i, ()) if points is not None else ():
+            slot = where[key]  # the copy back, posted before stream[i]
+            slot.graph, slot.host = slot.graph + slot.host, 0.0
         sample()
         _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts, posted,
               sends)
@@ -141,7 +165,15 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
             sends.pop(j, None)
         if isinstance(ins, (isa.Backward, isa.BackwardWeight)):
             written.add(ins.chunk)
+        if points is not None and isinstance(ins, isa.Forward) \
+                and (ins.micro_batch, ins.chunk) in points.parts:
+            slot = where[(ins.micro_batch, ins.chunk)]  # moved out after the forward
+            slot.host = parts[(stage, ins.chunk)].offloaded
+            slot.graph -= slot.host
         sample()
+        if samples is not None:
+            samples.append((sum(s.graph for s in slots.values()),
+                            sum(s.host for s in slots.values())))
     return best
 
 

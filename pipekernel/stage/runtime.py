@@ -104,6 +104,8 @@ class StageRuntime:
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
     :param tokens: ``loss_reduction="tokens"`` (see :mod:`pipekernel.stage.loss`).
+    :param offload: the stage's :class:`~pipekernel.stage.offload.ActivationOffload`
+        (``None``: saved activations stay on the device).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
@@ -113,7 +115,7 @@ class StageRuntime:
                  after_last_backward: Callable[[], None] | None = None,
                  skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
-                 tokens: bool = False) -> None:
+                 tokens: bool = False, offload: Any = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.precision = precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -130,6 +132,8 @@ class StageRuntime:
         self._before_last_backward = before_last_backward
         self._after_last_backward = after_last_backward
         self._skips = skips
+        #: schedule-aware activation offload (pipekernel.stage.offload), or None
+        self.offload = offload
         #: labels, losses, token counts, aux losses and fingerprints of the batch
         self.loss_keeper = LossKeeper(loss_fn, precision, tokens=tokens, stage=self.stage)
         #: what travels between stages
@@ -183,6 +187,8 @@ class StageRuntime:
         self._program, self._bound, self._at = program, bound, -1
         self._units = program.micro_batches * seq_chunks
         self.seq_chunks, self._prefixes = seq_chunks, {}
+        if self.offload is not None:
+            self.offload.begin(program.stream, self.module.parameters())
 
     @property
     def micro_batches(self) -> int:
@@ -210,10 +216,14 @@ class StageRuntime:
         group = self._bound.groups[index]
         if group:
             self.transfers.post(group)
+        if self.offload is not None:
+            self.offload.enter(index)
 
     def end(self) -> BatchLosses:
         """Finish the batch (wait for the sends still in flight); its losses."""
         self.transfers.flush()
+        if self.offload is not None:
+            self.offload.end()
         return self.loss_keeper.record
 
     def inputs_of(self, instruction: isa.MicroBatchInstruction) -> Any:
@@ -247,6 +257,8 @@ class StageRuntime:
         more; the process group is destroyed by the transport's ``close()``)."""
         self.transfers.abandon()
         self._prefixes = {}
+        if self.offload is not None:
+            self.offload.end()
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         table: dict[type, Callable[[Any], Any]] = {
@@ -352,7 +364,11 @@ class StageRuntime:
         aux: list[torch.Tensor] = []
         token = AUX_COLLECTOR.set(aux)  # what aux_loss.collecting() does, without its calls
         try:
-            if self.seq_chunks == 1:  # no sequence chunk: no scope to open
+            if self.offload is not None:
+                with self.offload.packing((instruction.micro_batch, chunk)), \
+                        self._sequence_scope(instruction):
+                    outputs = self._forward_part(buffer, chunk, instruction.micro_batch)
+            elif self.seq_chunks == 1:  # no sequence chunk: no scope to open
                 outputs = self._forward_part(buffer, chunk, instruction.micro_batch)
             else:
                 with self._sequence_scope(instruction):
@@ -360,6 +376,8 @@ class StageRuntime:
         finally:
             AUX_COLLECTOR.reset(token)
         self.forward_done(instruction, buffer, outputs, aux)
+        if self.offload is not None:  # what the runtime holds stays on the device
+            self.offload.after_forward((instruction.micro_batch, chunk), self.held_tensors())
 
     def _forward_part(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
         if self._skips is None:
