@@ -614,11 +614,7 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
         ep_group = planner_group(topology, transport, expert_parallel_size)
     costs = {n: _profile(module, request, _resize(sample, total // n), n, pm,
                          (transport, device, optimizer, ep_group)) for n in counts}
-    if optimizer is not None:  # the same for every count: measured once
-        steps, fixed = measure_optimizer(module, optimizer, transport, device,
-                                         repeats=request.repeats, warmup=request.warmup)
-        costs = {n: dataclasses.replace(c, optimizer_s=steps, optimizer_fixed_s=fixed)
-                 for n, c in costs.items()}
+    costs = _with_optimizer(costs, module, optimizer, transport, device, request)
     schedules = _schedules(request, pm)
     cache: dict[tuple, list[int]] = {}
 
@@ -641,6 +637,18 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
                   link=link, executor=getattr(module, "overlapped_forward_backward", None),
                   runs=runs)
+
+
+def _with_optimizer(costs: dict[int, LayerCosts], module: Any, optimizer: Any, transport: Any,
+                    device: Any, request: Auto) -> dict[int, LayerCosts]:
+    """``costs`` with the optimizer's step per layer (:func:`measure_optimizer`: the same
+    for every micro-batch count, measured once); unchanged without an optimizer."""
+    if optimizer is None:
+        return costs
+    steps, fixed = measure_optimizer(module, optimizer, transport, device,
+                                     repeats=request.repeats, warmup=request.warmup)
+    return {n: dataclasses.replace(c, optimizer_s=steps, optimizer_fixed_s=fixed)
+            for n, c in costs.items()}
 
 
 def _schedules(request: Auto, pm: Any) -> dict[str, Any]:

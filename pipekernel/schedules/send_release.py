@@ -35,62 +35,63 @@ def release_points(programs: Sequence[Program], stage: int) -> dict[int, tuple[i
     :param programs: every stage's program of one pipeline, indexed by stage (the same
         schedule, micro-batch count and lowering)."""
     mine = programs[stage]
-    stream, peers, local = mine.stream, mine.peers, mine.local
-    # per peer: its receive of each of my sends (k-th of a kind = k-th, per-lane FIFO),
-    # and when it posted each of its sends to me
-    recv_posted: dict[int, dict[tuple, list[int]]] = {}
-    send_posted: dict[int, dict[tuple, list[int]]] = {}
-    for q in {p[0] for i, p in enumerate(peers) if p is not None and not local[i]}:
-        if not 0 <= q < len(programs):
-            continue
-        theirs = programs[q]
-        post_at = [0] * len(theirs.stream)
-        for at, group in enumerate(theirs.posts):
-            for k in group:
-                post_at[k] = at
-        recvs: dict[tuple, list[int]] = {}
-        sends: dict[tuple, list[int]] = {}
-        for k, ins in enumerate(theirs.stream):
-            peer = theirs.peers[k]
-            if peer is None or theirs.local[k] or peer[0] != stage \
-                    or not isinstance(ins, _RECVS + _SENDS):
-                continue
-            key: tuple = (type(ins), ins.micro_batch, ins.chunk, peer[1])
-            if isinstance(ins, _RECVS):
-                recvs.setdefault(key, []).append(post_at[k])
-            elif isinstance(ins, _SENDS):
-                sends.setdefault(key, []).append(post_at[k])
-        recv_posted[q], send_posted[q] = recvs, sends
+    peers = {p[0] for i, p in enumerate(mine.peers) if p is not None and not mine.local[i]
+             and 0 <= p[0] < len(programs)}
+    # per peer: when it posted its receive of each of my sends, and its send of each of mine
+    posted = {q: _posting_points(programs[q], stage) for q in peers}
     # my receives from each peer, in stream order, with when the peer posted their send
     arrivals: dict[int, list[tuple[int, int]]] = {}
-    taken: dict[tuple, int] = {}
-    for r, ins in enumerate(stream):
-        peer = peers[r]
-        if peer is None or local[r] or not isinstance(ins, _RECVS) or peer[0] not in send_posted:
-            continue
-        key = (_SEND_OF[type(ins)], ins.micro_batch, peer[1], ins.chunk)
-        n = taken.get((peer[0], key), 0)
-        taken[(peer[0], key)] = n + 1
-        posted = send_posted[peer[0]].get(key, [])
-        if n < len(posted):
-            arrivals.setdefault(peer[0], []).append((r, posted[n]))
+    for r, q, n, key in _transfers(mine, peers, _RECVS, _SEND_OF):
+        sent = posted[q][1].get(key, [])
+        if n < len(sent):
+            arrivals.setdefault(q, []).append((r, sent[n]))
     out: dict[int, list[int]] = {}
-    taken.clear()
-    for j, ins in enumerate(stream):
-        peer = peers[j]
-        if peer is None or local[j] or not isinstance(ins, _SENDS) or peer[0] not in recv_posted:
+    for j, q, n, key in _transfers(mine, peers, _SENDS, _RECV_OF):
+        received = posted[q][0].get(key, [])
+        if n >= len(received):
             continue
-        key = (_RECV_OF[type(ins)], ins.micro_batch, peer[1], ins.chunk)
-        n = taken.get((peer[0], key), 0)
-        taken[(peer[0], key)] = n + 1
-        posted = recv_posted[peer[0]].get(key, [])
-        if n >= len(posted):
-            continue
-        point = next((r for r, sent_at in arrivals.get(peer[0], ()) if r > j
-                      and sent_at >= posted[n]), None)
+        point = next((r for r, sent_at in arrivals.get(q, ()) if r > j
+                      and sent_at >= received[n]), None)
         if point is not None:
             out.setdefault(point, []).append(j)
     return {r: tuple(js) for r, js in sorted(out.items())}
+
+
+def _posting_points(theirs: Program, stage: int) -> tuple[dict[tuple, list[int]],
+                                                          dict[tuple, list[int]]]:
+    """``(receives, sends)`` of ``theirs`` with ``stage``: per ``(class, micro-batch, its
+    chunk, stage's chunk)``, the posting point of each in stream order."""
+    post_at = [0] * len(theirs.stream)
+    for at, group in enumerate(theirs.posts):
+        for k in group:
+            post_at[k] = at
+    recvs: dict[tuple, list[int]] = {}
+    sends: dict[tuple, list[int]] = {}
+    for k, ins in enumerate(theirs.stream):
+        peer = theirs.peers[k]
+        if peer is None or theirs.local[k] or peer[0] != stage \
+                or not isinstance(ins, _RECVS + _SENDS):
+            continue
+        key: tuple = (type(ins), ins.micro_batch, ins.chunk, peer[1])
+        (recvs if isinstance(ins, _RECVS) else sends).setdefault(key, []).append(post_at[k])
+    return recvs, sends
+
+
+def _transfers(mine: Program, peers: set[int], kinds: tuple, answer: dict) -> list[tuple]:
+    """``(index, peer stage, n, key)`` of each of ``mine``'s remote ``kinds`` to ``peers``:
+    ``key`` as the peer knows the matching transfer (``answer``: its class), ``n`` how
+    many with that key came before (FIFO per key: the n-th matches the peer's n-th)."""
+    out = []
+    taken: dict[tuple, int] = {}
+    for i, ins in enumerate(mine.stream):
+        peer = mine.peers[i]
+        if peer is None or mine.local[i] or not isinstance(ins, kinds) or peer[0] not in peers:
+            continue
+        key = (answer[type(ins)], ins.micro_batch, peer[1], ins.chunk)
+        n = taken.get((peer[0], key), 0)
+        taken[(peer[0], key)] = n + 1
+        out.append((i, peer[0], n, key))
+    return out
 
 
 _SEND_OF = {recv: send for send, recv in _RECV_OF.items()}

@@ -111,18 +111,13 @@ def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
     return out
 
 
-def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
+def _replay(plan, stage: int, num_stages: int, chunks: int, placement: str,
             parts: Mapping[tuple[int, int], PartBytes],
             release: Mapping[int, tuple[int, ...]], offload=None,
             samples: list | None = None) -> dict[str, float]:
     from pipekernel.schedules.offload_plan import offload_points
-    from pipekernel.schedules.placement import locate
 
-    plan = program
-    first = {c for c in range(chunks)
-             if _position(stage, c, num_stages, placement, locate) == 0}
-    last = {c for c in range(chunks)
-            if _position(stage, c, num_stages, placement, locate) == num_stages * chunks - 1}
+    first, last = _ends(stage, num_stages, chunks, placement)
     slots: dict[int, _Slot] = {}
     where: dict[tuple[int, int], _Slot] = {}
     state = {"posted": 0.0, "labels": 0.0}
@@ -131,7 +126,7 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
     pending_acts: dict[tuple[int, int], float] = {}
     posted: dict[int, float] = {}
     best = {"grads": 0.0, "saved": 0.0, "buffers": 0.0}
-    points = offload_points(program.stream, *offload) if offload else None
+    points = offload_points(plan.stream, *offload) if offload else None
 
     def fill(ins) -> _Slot:
         slot = slots.get(ins.buffer)
@@ -175,6 +170,15 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
             samples.append((sum(s.graph for s in slots.values()),
                             sum(s.host for s in slots.values())))
     return best
+
+
+def _ends(stage: int, num_stages: int, chunks: int, placement: str) -> tuple[set, set]:
+    """The chunks of ``stage`` at the first position and at the last."""
+    from pipekernel.schedules.placement import locate
+
+    at = {c: _position(stage, c, num_stages, placement, locate) for c in range(chunks)}
+    return ({c for c in at if at[c] == 0},
+            {c for c in at if at[c] == num_stages * chunks - 1})
 
 
 def _position(stage, chunk, num_stages, placement, locate) -> int:
