@@ -75,10 +75,12 @@ def measure(schedule: str, args: argparse.Namespace, offload: bool) -> dict:
         if cuda and step == args.steps - 1:
             allocated = torch.cuda.max_memory_allocated(device)
     bounds, cls = list(engine.partition_report.bounds), engine.schedule_cls
+    offloaded = engine.runtime.offload
+    moved = sum(offloaded.moved.values()) if offloaded is not None else 0
     engine.close()
     warm = times[1:] or times
     return {**meter.last, "allocated": allocated or meter.last["memory_peak_bytes"],
-            "step_s": sum(warm) / len(warm), "bounds": bounds,
+            "step_s": sum(warm) / len(warm), "bounds": bounds, "moved": moved,
             "placement": getattr(cls, "placement", "loop")}
 
 
@@ -131,7 +133,8 @@ def main() -> int:
     cost = moved["step_s"] / base["step_s"] - 1
     print(f"offload (1f1b, stage 0, min_distance 2, prefetch 1): peak {base['allocated']} -> {moved['allocated']} bytes "
           f"({saving:+.1%} saved), step {base['step_s'] * 1e3:.2f} -> "
-          f"{moved['step_s'] * 1e3:.2f} ms ({cost:+.1%})"
+          f"{moved['step_s'] * 1e3:.2f} ms ({cost:+.1%}); {moved['moved']} bytes moved out "
+          f"and back per step"
           + (" [dry run: CPU model, not timings]" if args.dry_run else ""))
     summary.append(f"offload saves {saving:.1%} of stage 0's peak for {cost:+.1%} step time")
     print("MEMORY CHECK: " + "; ".join(summary) + (" (dry run)" if args.dry_run else ""))

@@ -78,6 +78,8 @@ class EngineFields(StageFields):
 
     # -- the rest of what it is built of (read-only; the contract is EngineView) --------
     plan = _read("layout.plan", "The Plan schedule='auto' chose (else None).")
+    recompute = _read("layout.recompute", "Per stage, its activation checkpoint interval "
+                      "(0: none): the engine's recompute, the plan's or the module's.")
     partition_report = _read("parts.partition_report", "Layers, parameters, cost and memory "
                              "per stage, and the imbalance (same on every rank).")
     skip_router, skip_edges = _read("stage.skip_router"), _read("stage.skip_edges")

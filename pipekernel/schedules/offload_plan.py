@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pipekernel.errors import ConfigError
 from pipekernel.schedules import instructions as isa
 
-__all__ = ["OffloadPoints", "offload_points", "check_offload_numbers", "offload_delays"]
+__all__ = ["OffloadPoints", "offload_points", "check_offload_numbers", "offload_delays",
+           "offload_step"]
 
 _COMPUTE = (isa.Forward, isa.Backward, isa.BackwardInput, isa.BackwardWeight,
             isa.ForwardBackward)
@@ -134,3 +135,31 @@ def offload_delays(timeline: Sequence[tuple[float, float, isa.Instruction]],
             side = max(side, end) + seconds.get(outs[i], 0.0)
             busy += seconds.get(outs[i], 0.0)
     return shift, busy
+
+
+def offload_step(schedule_cls, num_stages: int, micro_batches: int, chunks: int = 1, *,
+                 seconds: Mapping[tuple[int, int], float], min_distance: int = 2,
+                 prefetch: int = 1, costs: Mapping[type, float] | None = None
+                 ) -> dict[str, object]:
+    """The simulator's step with offload: ``{"makespan": without offload, "stalls": per
+    stage (:func:`offload_delays`), "busy": per stage, "step": makespan + the largest
+    stall}``. ``seconds``: ``{(stage, chunk): one direction's transfer time of one
+    micro-batch's moved bytes}`` (a part not listed moves in no time); ``costs`` as
+    :func:`~pipekernel.schedules.simulator.simulate` takes them."""
+    from pipekernel.schedules.program import lower
+    from pipekernel.schedules.simulator import simulate
+
+    result = simulate(schedule_cls, num_stages, micro_batches, chunks, costs=costs)
+    placement = getattr(schedule_cls, "placement", "loop")
+    stalls, busy = [], []
+    for stage in range(num_stages):
+        stream = lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
+                       num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
+                       placement=placement, paired=False).stream
+        points = offload_points(stream, min_distance, prefetch)
+        per_part = {key: seconds.get((stage, key[1]), 0.0) for key in points.parts}
+        stall, side = offload_delays(result.timeline[stage], points, stream, per_part)
+        stalls.append(stall)
+        busy.append(side)
+    return {"makespan": result.makespan, "stalls": stalls, "busy": busy,
+            "step": result.makespan + max(stalls, default=0.0)}

@@ -30,7 +30,7 @@ skip connections' stashes and a tensor a layer saves that the next part also rec
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,7 +244,8 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
 
 def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, outputs,
              weight_states=None, input_bytes: float = 0.0, label_bytes: float = 0.0,
-             checkpoint_interval: int = 0, grads=None) -> dict[tuple[int, int], PartBytes]:
+             checkpoint_interval: int | Sequence[int] = 0,
+             grads=None) -> dict[tuple[int, int], PartBytes]:
     """``{(stage, chunk): PartBytes}`` of a partition (``bounds``, one more than the parts)
     from per-layer bytes: ``saved`` (saved for backward), ``outputs`` (what each layer
     returns), ``weight_states`` (what its input pass keeps for the weight pass; ``None``:
@@ -253,19 +254,25 @@ def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, o
     runs no node (nothing requires grad below it), so its weight pass keeps the outputs'
     gradient instead. ``checkpoint_interval`` ``k > 0``: a part keeps only the input of
     each run of ``k`` of its layers (what activation checkpointing saves; the recompute's
-    own tensors live inside the backward, where the meter does not see them). ``grads``:
-    per layer, its parameters' gradient bytes (``None``: counted as nothing)."""
+    own tensors live inside the backward, where the meter does not see them); a sequence
+    gives each stage its own interval (the engine's ``recompute``, one per stage; ``0``:
+    that stage keeps everything). ``grads``: per layer, its parameters' gradient bytes
+    (``None``: counted as nothing)."""
     from pipekernel.schedules.placement import locate
 
     count = num_stages * chunks
+    intervals = [checkpoint_interval] * num_stages if isinstance(checkpoint_interval, int) \
+        else list(checkpoint_interval)
     out = {}
     for q in range(count):
         lo, hi = bounds[q], bounds[q + 1]
+        where = locate(q, num_stages, placement)
+        every = intervals[where[0]]
         state = outputs[hi - 1] if q == 0 else sum((weight_states or [0.0] * hi)[lo:hi])
         inputs = outputs[lo - 1] if lo else input_bytes
-        kept = sum(saved[lo:hi]) if not checkpoint_interval else sum(
-            outputs[k - 1] if k else input_bytes for k in range(lo, hi, checkpoint_interval))
-        out[locate(q, num_stages, placement)] = PartBytes(
+        kept = sum(saved[lo:hi]) if not every else sum(
+            outputs[k - 1] if k else input_bytes for k in range(lo, hi, every))
+        out[where] = PartBytes(
             saved=kept, inputs=inputs,
             outputs=outputs[hi - 1], weight_state=state,
             labels=label_bytes if q == count - 1 else 0.0,

@@ -18,9 +18,9 @@ for tests and dry runs: the storage is copied to a separate host pool, counted b
 :meth:`Mover.host_bytes` and never by the memory ledger's device categories. Without a
 mover and without CUDA, ``offload=`` is a ``ConfigError``.
 
-What offload does not move: a checkpointed segment's kept input (recomputation already
-keeps only that), parameters, the runtime's buffers (received inputs, outputs held until
-sent), and what a paired ``ForwardBackward`` saves.
+What offload does not move: parameters, the runtime's buffers (received inputs, outputs
+held until sent), what a paired ``ForwardBackward`` saves, and what a checkpointed segment
+saves under torch's checkpoint hooks (innermost: they take those tensors first).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from pipekernel.errors import ConfigError, PipelineError
+from pipekernel.errors import ConfigError
 from pipekernel.model.recompute import KEPT_INPUT_OBSERVERS
 from pipekernel.schedules.offload_plan import OffloadPoints, check_offload_numbers, offload_points
 
@@ -206,6 +206,7 @@ class ActivationOffload:
     def __init__(self, mover: Any, min_distance: int = 2, prefetch: int = 1) -> None:
         self.mover, self.min_distance, self.prefetch = mover, min_distance, prefetch
         self._points: dict[int, OffloadPoints] = {}  # id(program stream) -> its points
+        self._streams: list[Any] = []  # those streams, kept alive: their ids stay theirs
         self.points: OffloadPoints | None = None
         self._parts: dict[tuple[int, int], dict[int, _Storage]] = {}
         self._skip: set[int] = set()
@@ -218,7 +219,7 @@ class ActivationOffload:
         if points is None:
             points = self._points[id(stream)] = offload_points(stream, self.min_distance,
                                                                self.prefetch)
-            self._streams = getattr(self, "_streams", []) + [stream]  # keep ids valid
+            self._streams.append(stream)
         self.points, self._parts, self.moved = points, {}, {}
         self._skip = {p.untyped_storage().data_ptr() for p in params}
 
@@ -231,21 +232,30 @@ class ActivationOffload:
 
     @contextlib.contextmanager
     def _hooks(self, storages: dict[int, _Storage]) -> Iterator[None]:
+        # autograd keeps the pack hook beside every tensor it saved: the hook reaches the
+        # part's entries through ``holder``, emptied after the forward, or each saved
+        # tensor would keep every storage of its part alive until the last is freed
+        holder = [storages]
+
         def pack(tensor: torch.Tensor) -> Any:
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in self._skip or storage.nbytes() == 0:
                 return tensor.detach()
-            entry = storages.get(ptr)
+            entries = holder[0]
+            entry = entries.get(ptr)
             if entry is None:  # the storage's bytes: what moves (no grad_fn: no cycle)
                 data = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-                entry = storages[ptr] = _Storage(data.set_(storage))
+                entry = entries[ptr] = _Storage(data.set_(storage))
                 for observe in KEPT_INPUT_OBSERVERS:  # the memory ledger counts it saved
                     observe(entry.device)
             return _Saved(tensor, entry)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            holder.clear()
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -299,10 +309,3 @@ class ActivationOffload:
     def end(self) -> None:
         """The batch is over (or abandoned): forget its parts."""
         self._parts = {}
-
-    def check_done(self) -> None:
-        """``PipelineError`` if a part is still on the host at the batch's end."""
-        for key, storages in self._parts.items():
-            if any(e.host is not None for e in storages.values()):
-                raise PipelineError(f"offloaded activations of part {key} never came back",
-                                    hint="a schedule runs every Forward's backward")

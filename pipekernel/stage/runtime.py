@@ -65,13 +65,11 @@ class Bound(NamedTuple):
     """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
     channel of a remote transfer (``channels``) and the group posted there (``groups``, as
     ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`);
-    the parameters whose gradients are final before the program's last weight-gradient
-    instruction (``settled``); per stream index, the sends waited once the receive there
-    arrived (``release``: :func:`~pipekernel.schedules.send_release.release_points`)."""
+    per stream index, the sends waited once the receive there arrived (``release``:
+    :func:`~pipekernel.schedules.send_release.release_points`)."""
 
     channels: tuple[Any, ...]
     groups: tuple[tuple[tuple, ...], ...]
-    settled: tuple = ()
     release: tuple[tuple[int, ...], ...] = ()
 
 
@@ -93,11 +91,6 @@ class StageRuntime:
         loss scaling, gradient accumulation).
     :param chunks: parts per stage; :param placement: which parts
         (:mod:`pipekernel.schedules.placement`).
-    :param before_last_backward: ``before_last_backward(settled)`` is called right before
-        the last instruction of the batch that produces weight gradients on this stage (to
-        start reductions), with the program's ``settled`` parameters.
-    :param after_last_backward: called right after that instruction and the
-        precision's ``after_backward`` (gradients are final there, fp32 masters included).
     :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
@@ -111,8 +104,6 @@ class StageRuntime:
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
                  loss_fn: Callable | None, precision: Any, *, chunks: int = 1,
                  placement: str = "loop",
-                 before_last_backward: Callable[[tuple], None] | None = None,
-                 after_last_backward: Callable[[], None] | None = None,
                  skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
                  tokens: bool = False, offload: Any = None) -> None:
@@ -129,8 +120,6 @@ class StageRuntime:
         self.parts = [part(c) if part is not None else module for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
-        self._before_last_backward = before_last_backward
-        self._after_last_backward = after_last_backward
         self._skips = skips
         #: schedule-aware activation offload (pipekernel.stage.offload), or None
         self.offload = offload
@@ -201,13 +190,11 @@ class StageRuntime:
         """The last position's outputs of the last batch run with ``keep_outputs``."""
         return self.loss_keeper.outputs
 
-    def bind(self, program: Program, settled: tuple = (),
-             programs: Sequence[Program] = ()) -> Bound:
+    def bind(self, program: Program, programs: Sequence[Program] = ()) -> Bound:
         """``program`` bound to this runtime (:class:`Bound`): its transfers' channels and
-        groups, the ``settled`` parameters, and where its sends are waited (from
-        ``programs``, every stage's; ``()``: at the step's end)."""
-        channels, groups, release = self.transfers.bind(program, programs)
-        return Bound(channels, groups, settled, release)
+        groups, and where its sends are waited (from ``programs``, every stage's; ``()``:
+        at the step's end)."""
+        return Bound(*self.transfers.bind(program, programs))
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
@@ -471,14 +458,6 @@ class StageRuntime:
         router.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
         return outputs
 
-    def _before_weights(self, instruction: isa.Instruction) -> None:
-        if self._before_last_backward is not None and self._at == self._program.last_weight:
-            self._before_last_backward(self._bound.settled)
-
-    def _after_weights(self, instruction: isa.Instruction) -> None:
-        if self._after_last_backward is not None and self._at == self._program.last_weight:
-            self._after_last_backward()
-
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self.backward_begin(instruction)
         loss, outputs, grads = self.backward_roots(instruction, buffer)
@@ -497,10 +476,8 @@ class StageRuntime:
         self.backward_done(instruction, buffer)
 
     def backward_begin(self, instruction: isa.Backward) -> Buffer:
-        """The buffer of ``instruction`` (and the reducers told when it is the last)."""
-        buffer = self._slot(instruction)
-        self._before_weights(instruction)
-        return buffer
+        """The buffer of ``instruction`` (the paired executor's part)."""
+        return self._slot(instruction)
 
     def backward_roots(self, instruction: isa.Backward,
                        buffer: Buffer) -> tuple[torch.Tensor | None, list, list]:
@@ -516,7 +493,6 @@ class StageRuntime:
         """What follows a backward: the precision's hook, the inputs' gradients kept."""
         chunk = instruction.chunk
         self.precision.after_backward(self.module)
-        self._after_weights(instruction)
         if chunk != self.first_chunk:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
@@ -571,11 +547,9 @@ class StageRuntime:
         if buffer.split is None:
             raise PipelineError(f"{instruction} before its BackwardInput",
                                 hint="a schedule runs BackwardInput before BackwardWeight")
-        self._before_weights(instruction)
         backward_weight(buffer.split)
         buffer.split = None
         self.precision.after_backward(self.module)
-        self._after_weights(instruction)
 
     def send_activation(self, instruction: isa.SendActivation) -> None:
         buffer = self._slot(instruction)
