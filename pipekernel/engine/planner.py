@@ -696,12 +696,9 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     if expert_parallel_size > 1 and topology is not None and transport is not None:
         from pipekernel.engine.all_to_all_cost import planner_group
         ep_group = planner_group(topology, transport, expert_parallel_size)
-    costs = _with_optimizer({n: dataclasses.replace(
-        _profile(module, request, _resize(sample, total // n), n, pm,
-                 (transport, device, optimizer, ep_group)),
-        label_bytes=_nbytes(_resize(request.labels, total // n))
-        if request.labels is not None else 0.0) for n in counts},
-        module, optimizer, transport, device, request)
+    costs = _with_optimizer(_profiles(module, request, sample, total, counts, pm,
+                                      (transport, device, optimizer, ep_group)),
+                            module, optimizer, transport, device, request)
     schedules = _schedules(request, pm)
     cache: dict[tuple, list[int]] = {}
 
@@ -743,6 +740,16 @@ def _skip_notes(module: Any, num_stages: int, recompute: Sequence[int] | None
              "in the memory model; recomputation is not searched (it cannot run with skip "
              "connections)",)
     return notes, (0,) * num_stages if recompute is None else recompute
+
+
+def _profiles(module: Any, request: Auto, sample: Any, total: int, counts: list[int], pm: Any,
+              where: tuple) -> dict[int, LayerCosts]:
+    """Per micro-batch count, the layers' costs at that size (:func:`_profile`), with the
+    request's labels' bytes."""
+    return {n: dataclasses.replace(
+        _profile(module, request, _resize(sample, total // n), n, pm, where),
+        label_bytes=_nbytes(_resize(request.labels, total // n))
+        if request.labels is not None else 0.0) for n in counts}
 
 
 def _with_optimizer(costs: dict[int, LayerCosts], module: Any, optimizer: Any, transport: Any,
