@@ -8,7 +8,10 @@ layers, times the link and the runtime's own costs, and predicts), then ``--step
 steps after two warm-up steps; "measured" is the median step (rank 0's wall clock around
 ``train_batch``). ``pred`` is the planner's prediction (``plan.predicted_step_s``), the sum
 of its terms (``plan.breakdown``); ``pipeline`` the simulated makespan alone (without the
-optimizer step, as the planner predicted before).
+optimizer step). Each cell also builds an engine with ``pk.auto(measure_runtime=False)``
+(no steps run): ``before`` is its prediction, without the runtime's per-instruction costs
+(the kernel's dispatch, the loss with labels, the wire's Channel: ``runtime`` column, per
+instruction, in microseconds), the prediction before issue 46's time half.
 
     python benchmarks/step_time_prediction.py [--steps 10] [--models train tutorial]
         [--schedules 1f1b gpipe zb-h1 interleaved zbv]
@@ -16,6 +19,8 @@ optimizer step, as the planner predicted before).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import statistics
 import time
 
@@ -60,7 +65,7 @@ def _model(name: str, chunks: int):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, vocab, (m, rows, ctx + 1), generator=g)
         return [(x[:, :-1], x[:, 1:]) for x in ids]
-    return module, data, data(10 ** 6)[0][0], m
+    return module, data, data(10 ** 6)[0], m
 
 
 def worker(cells: list, steps: int) -> list:
@@ -68,12 +73,19 @@ def worker(cells: list, steps: int) -> list:
     out = []
     for model, schedule in cells:
         chunks = CHUNKS.get(schedule, 1)
-        module, data, sample, m = _model(model, chunks)
         try:
-            engine = pk.PipelineEngine(
-                module, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), micro_batches=m,
-                schedule=pk.auto(sample=sample, schedules=[schedule], chunks=[chunks]),
-                transport="gloo", check_data_steps=0, timeout=300)
+            before = {}
+            for measure in (False, True):
+                module, data, (sample, labels), m = _model(model, chunks)
+                engine = pk.PipelineEngine(
+                    module, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                    micro_batches=m, schedule=pk.auto(
+                        sample=sample, labels=labels, schedules=[schedule], chunks=[chunks],
+                        measure_runtime=measure),
+                    transport="gloo", check_data_steps=0, timeout=300)
+                if not measure:
+                    before = {"before": engine.plan.predicted_step_s}
+                    engine.close()
         except pk.ConfigError as err:
             out.append({"refused": str(err).splitlines()[0]})
             continue
@@ -87,7 +99,8 @@ def worker(cells: list, steps: int) -> list:
         engine.close()
         out.append({"measured": statistics.median(times[2:]), "predicted":
                     plan.predicted_step_s, "breakdown": dict(plan.breakdown),
-                    "bounds": list(plan.bounds)})
+                    "bounds": list(plan.bounds), **before,
+                    "runtime": dataclasses.astuple(plan.runtime) if plan.runtime else ()})
     return out
 
 
@@ -100,21 +113,27 @@ def main() -> None:
     args = parser.parse_args()
     cells = [(model, s) for model in args.models for s in args.schedules]
     ranks = run_ranks(worker, 2, cells, args.steps, timeout=3600)
-    print(f"{'model':<9} {'schedule':<12} {'pred ms':>8} {'meas ms':>8} {'meas/pred':>9} "
-          f"{'pipeline':>9} {'meas/pipe':>9}  terms (ms)")
-    worst = 1.0
+    print(f"load average before: {os.getloadavg()}")
+    print(f"{'model':<9} {'schedule':<12} {'before':>7} {'m/before':>8} {'pred ms':>8} "
+          f"{'meas ms':>8} {'meas/pred':>9}  terms (ms); runtime (us: dispatch, loss F, "
+          f"loss B, wire)")
+    worst = worst_before = 1.0
     for k, (model, schedule) in enumerate(cells):
         row = ranks[0][k]
         if "refused" in row:
             print(f"{model:<9} {schedule:<12} refused: {row['refused']}")
             continue
         pred, meas, parts = row["predicted"], row["measured"], row["breakdown"]
-        ratio = meas / pred
+        ratio, old = meas / pred, meas / row["before"]
         worst = max(worst, ratio, 1 / ratio)
+        worst_before = max(worst_before, old, 1 / old)
         terms = ", ".join(f"{k} {1e3 * v:.1f}" for k, v in parts.items())
-        print(f"{model:<9} {schedule:<12} {1e3 * pred:8.1f} {1e3 * meas:8.1f} {ratio:9.2f} "
-              f"{1e3 * parts['pipeline']:9.1f} {meas / parts['pipeline']:9.2f}  {terms}")
-    print(f"worst factor between predicted and measured: {worst:.2f}x")
+        runtime = " ".join(f"{1e6 * v:.0f}" for v in row["runtime"])
+        print(f"{model:<9} {schedule:<12} {1e3 * row['before']:7.1f} {old:8.2f} "
+              f"{1e3 * pred:8.1f} {1e3 * meas:8.1f} {ratio:9.2f}  {terms}; {runtime}")
+    print(f"worst factor between predicted and measured: {worst:.2f}x "
+          f"(before, without the runtime's costs: {worst_before:.2f}x)")
+    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from typing import Any
 
 from pipekernel.engine.all_to_all_cost import overlaps_same_chunk, pair_table
 from pipekernel.engine.recompute_option import format_recompute, resolve_recompute
+from pipekernel.engine.runtime_cost import RuntimeCosts, price
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
                                      RecvGrad, SendActivation, SendGrad)
@@ -98,6 +99,10 @@ class Auto:
         ``BackwardWeight``) takes than one full backward, where the profile did not time
         the split itself (the built-in profiler does).
     :param repeats: timed repetitions per layer (median); :param warmup: untimed ones.
+    :param measure_runtime: time the runtime's own per-instruction costs (the kernel's
+        dispatch, the loss with ``labels``, a transfer through the wire's Channel; see
+        :mod:`pipekernel.engine.runtime_cost`) and add them to the simulation (default);
+        ``False`` leaves them out.
     """
 
     memory_budget: float | None = None
@@ -111,6 +116,7 @@ class Auto:
     split_overhead: float = 1.0
     repeats: int = 3
     warmup: int = 1
+    measure_runtime: bool = True
 
 
 def auto(memory_budget: float | None = None, **options: Any) -> Auto:
@@ -263,6 +269,8 @@ class Plan:
     recompute: tuple[int, ...] = ()
     #: what the prediction leaves out for this model (printed under the plan's header)
     notes: tuple[str, ...] = ()
+    #: the runtime's per-instruction costs the search added (``None``: not measured)
+    runtime: RuntimeCosts | None = None
 
     @property
     def breakdown(self) -> Mapping[str, float]:
@@ -366,7 +374,8 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
            memory_budget: float | None = None, transfer_s: float = 0.0,
            split_overhead: float = 1.0, link: Link | None = None,
            executor: Callable[..., Any] | None = None, runs: int | None = None,
-           recompute: Sequence[int] | None = None) -> Plan:
+           recompute: Sequence[int] | None = None,
+           runtime: RuntimeCosts | None = None) -> Plan:
     """Simulate every candidate under ``costs`` and pick the fastest that fits.
 
     :param costs: ``{micro-batch count: per-layer costs of one such micro-batch}``.
@@ -390,6 +399,9 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
         ``recompute``). ``None``: every stage at the module's interval
         (``costs[m].checkpoint_interval``), unless that candidate is over
         ``memory_budget``: then recomputation is searched per stage (:func:`_recompute`).
+    :param runtime: the runtime's own costs per instruction (dispatch, loss, wire),
+        added to every candidate's simulation (:func:`~pipekernel.engine.runtime_cost.price`);
+        ``None``: none.
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
     fixed = None if recompute is None else resolve_recompute(list(recompute), num_stages, 0)
@@ -409,13 +421,13 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                     streams[key] = f"{name} (chunks {c})"
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
                                      memory_budget, (transfer_s, split_overhead, link,
-                                                     executor), fixed)
+                                                     executor, runtime), fixed)
     ranked = tuple(sorted(_what_ifs(found, runs), key=Candidate.rank_key))
     best, seconds = _best(ranked, num_stages, memory_budget, runs)
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
                 seconds, memory_budget, ranked, dict(costs), link,
                 getattr(executor, "__name__", type(executor).__name__) if executor else "",
-                runs, best.recompute)
+                runs, best.recompute, runtime=runtime)
 
 
 def _what_ifs(found: list[Candidate], runs: int | None) -> list[Candidate]:
@@ -538,7 +550,7 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
     stage, its checkpoint interval): a recomputed part's ``Backward`` and
     ``BackwardInput`` cost one more forward, and so does its ``BackwardWeight`` (a
     separate autograd call, which recomputes the segments again)."""
-    transfer_s, split, link, executor = model
+    transfer_s, split, link, executor, runtime = model
     placement = getattr(cls, "placement", "loop")
     table: dict[tuple[int, ...], dict[type, float]] = {}
     parts: dict[tuple[int, int], tuple[float, float, float, float]] = {}
@@ -574,6 +586,7 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
     if executor is not None:
         for key, prices in pair_table(parts, overlaps_same_chunk(executor)).items():
             table[key] = prices
+    price(table, host, runtime, locate(num_stages * chunks - 1, num_stages, placement))
     try:
         result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table,
                           host_costs=host, paired=executor is not None)
@@ -713,12 +726,27 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
 
     notes, recompute = _skip_notes(module, num_stages, recompute)
     link = _link(request, transport, costs)
+    runtime = _runtime(module, request, sample, transport, device, link, costs)
     plan = search(costs, num_stages, schedules, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
                   link=link, executor=getattr(module, "overlapped_forward_backward", None),
-                  runs=runs, recompute=recompute)
+                  runs=runs, recompute=recompute, runtime=runtime)
     return dataclasses.replace(plan, notes=notes) if notes else plan
+
+
+def _runtime(module: Any, request: Auto, sample: Any, transport: Any, device: Any,
+             link: Link | None, costs: Mapping[int, LayerCosts]) -> RuntimeCosts | None:
+    """The runtime's per-instruction costs (:func:`~pipekernel.engine.runtime_cost.measure_runtime`;
+    ``None`` when the request leaves them out). Collective, like the link."""
+    if not request.measure_runtime:
+        return None
+    from pipekernel.engine.runtime_cost import measure_runtime
+    largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
+                  default=0.0)
+    return measure_runtime(module, sample, request.labels, transport, device, link=link,
+                           nbytes=largest, repeats=max(request.repeats, 3),
+                           warmup=request.warmup)
 
 
 def _link(request: Auto, transport: Any, costs: Mapping[int, LayerCosts]) -> Link | None:
