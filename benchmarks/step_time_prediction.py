@@ -112,8 +112,9 @@ def main() -> None:
                         default=["1f1b", "gpipe", "zb-h1", "interleaved", "zbv"])
     args = parser.parse_args()
     cells = [(model, s) for model in args.models for s in args.schedules]
+    load = os.getloadavg()
     ranks = run_ranks(worker, 2, cells, args.steps, timeout=3600)
-    print(f"load average before: {os.getloadavg()}")
+    print(f"load average at the start: {load}")
     print(f"{'model':<9} {'schedule':<12} {'before':>7} {'m/before':>8} {'pred ms':>8} "
           f"{'meas ms':>8} {'meas/pred':>9}  terms (ms); runtime (us: dispatch, loss F, "
           f"loss B, wire)")
@@ -133,7 +134,7 @@ def main() -> None:
               f"{1e3 * pred:8.1f} {1e3 * meas:8.1f} {ratio:9.2f}  {terms}; {runtime}")
     print(f"worst factor between predicted and measured: {worst:.2f}x "
           f"(before, without the runtime's costs: {worst_before:.2f}x)")
-    print(f"load average after: {os.getloadavg()}")
+    print(f"load average at the end: {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ def test_the_prediction_is_the_makespan_under_the_runtimes_costs_plus_the_optimi
     plan = search(costs, 2, ONE_F_ONE_B, balance=balance, chunks=(1,), link=link,
                   runtime=runtime)
     assert plan.runtime == runtime
+    assert "runtime per instruction: dispatch 100000.0 us, loss 300000 + 700000 us" in \
+        plan.format()
     b = plan.bounds
     # every instruction pays the dispatch; the last stage's forward and backward the
     # loss; each transfer its link and wire seconds, half on each side, and a dispatch
@@ -95,25 +97,48 @@ def test_measure_runtime_times_the_loss_with_labels_on_the_models_outputs():
     assert unlossy.loss_backward_s == 0.0
 
 
+class _PatternClock:
+    """1 s per reading for the first ``plain`` readings, then per reading the next of
+    ``cycle`` (a raw round trip then a Channel one read the clock 4 times)."""
+
+    def __init__(self, plain, cycle):
+        self.t, self.k, self.plain, self.cycle = 0.0, 0, plain, cycle
+
+    def __call__(self):
+        step = 1.0 if self.k < self.plain else self.cycle[(self.k - self.plain) % len(self.cycle)]
+        self.k += 1
+        self.t += step
+        return self.t
+
+
 def _wire_worker():
     from pipekernel.extend.manager import make_plugin_manager, make_transport
     transport = make_transport(make_plugin_manager(), "gloo", {"timeout": 30})
     try:
         module = mlp(2)
         sample, labels = mlp_data(0, 0, 1)[0]
-        costs = measure_runtime(module, sample, labels, transport, link=Link(message_s=0.1),
-                                nbytes=4096, repeats=3, warmup=1, clock=_ticks())
-        return dataclasses.astuple(costs)
+        # rank 0 reads the clock 6 times for the dispatch (3 runs) and 12 for the loss
+        # (4 runs x 3) before the wire; rank 1 times only the wire (its numbers unused)
+        out = []
+        for work in (0.0, 0.01):  # each side computes 10 ms (real time) before it sends
+            clock = _PatternClock(18 if transport.rank == 0 else 0, (1.0, 1.0, 1.0, 3.0))
+            costs = measure_runtime(module, sample, labels, transport,
+                                    link=Link(message_s=0.1), nbytes=4096, work_s=work,
+                                    repeats=3, warmup=1, clock=clock)
+            out.append(dataclasses.astuple(costs))
+        return out
     finally:
         transport.close()
 
 
 def test_measure_runtime_sends_through_the_channel_and_every_rank_gets_rank_0s_numbers():
     results = run_ranks(_wire_worker, 3)
-    # rank 0's ping-pong reads the clock twice per round trip on a clock that already
-    # moved (dispatch, loss) but always by 1 per reading: one way is 0.5 s, less the
-    # link's 0.1 s; rank 2 takes no part in it but gets the same numbers
+    # each round: the raw round trip lasts 1 s (0.5 one way), the Channel's 3 s (1.5):
+    # the wire adds 1 s per transfer; rank 2 takes no part in it but gets the same numbers
     assert results[0] == results[1] == results[2]
-    dispatch, loss_f, loss_b, wire = results[0]
+    (dispatch, loss_f, loss_b, wire), worked = results[0]
     assert (dispatch, loss_f, loss_b) == (1.0 / 64, 1.0, 1.0)
-    assert wire == pytest.approx(0.4)
+    assert wire == pytest.approx(1.0)
+    # the work before each send is the stage's, not the wire's: taken off (the fake clock
+    # does not see it, so 10 ms less)
+    assert worked[3] == pytest.approx(1.0 - 0.01)

@@ -24,6 +24,11 @@ The model behind a prediction (see ``docs/planning.md``):
   half on the sender (packing, writing) and half on the receiver (reading, unpacking):
   many small micro-batches pay for it. On a device transport they are latency, which
   the stages do not wait for unless they need the data;
+* the runtime's own costs per instruction (:mod:`pipekernel.engine.runtime_cost`, measured
+  on the real pieces unless ``pk.auto(measure_runtime=False)``): the kernel's dispatch on
+  every instruction, the loss with the request's labels on the last part's forward and
+  backward, and a transfer's trip through the wire's Channel beyond the raw link, half on
+  each side;
 * with ``expert_parallel_size > 1``, each layer's expert all-to-alls (dispatch and
   combine, and their backward) are timed apart on every rank in an expert-parallel
   group like the engine's (:mod:`pipekernel.engine.all_to_all_cost`; the profile itself
@@ -324,6 +329,10 @@ class Plan:
                     f"{1e6 * self.link.byte_s * 2 ** 20:.0f} us per MiB, "
                     f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
                    if self.link is not None else []),
+                 *([f"  runtime per instruction: dispatch {1e6 * r.dispatch_s:.1f} us, loss "
+                    f"{1e6 * r.loss_forward_s:.0f} + {1e6 * r.loss_backward_s:.0f} us "
+                    f"(forward + backward, last part), wire {1e6 * r.wire_s:.0f} us per "
+                    f"transfer"] if (r := self.runtime) is not None else []),
                  *self._all_to_all_line(),
                  *self._memory_lines(),
                  f"  {'#':>3} {'schedule':<12} {'chunks':>6} {'micro':>5} {'partition':<9} "
@@ -726,7 +735,9 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
 
     notes, recompute = _skip_notes(module, num_stages, recompute)
     link = _link(request, transport, costs)
-    runtime = _runtime(module, request, sample, transport, device, link, costs)
+    runtime = _runtime(module, request, sample, transport, device, link,
+                       costs.get(runs or micro_batches) or next(iter(costs.values())),
+                       num_stages, _largest_output(costs))
     plan = search(costs, num_stages, schedules, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
@@ -735,27 +746,31 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     return dataclasses.replace(plan, notes=notes) if notes else plan
 
 
+def _largest_output(costs: Mapping[int, LayerCosts]) -> float:
+    """The largest bytes any layer returns, over every micro-batch count profiled."""
+    return max((max(c.output_bytes) for c in costs.values() if c.output_bytes), default=0.0)
+
+
 def _runtime(module: Any, request: Auto, sample: Any, transport: Any, device: Any,
-             link: Link | None, costs: Mapping[int, LayerCosts]) -> RuntimeCosts | None:
+             link: Link | None, costs: LayerCosts, num_stages: int,
+             largest: float) -> RuntimeCosts | None:
     """The runtime's per-instruction costs (:func:`~pipekernel.engine.runtime_cost.measure_runtime`;
-    ``None`` when the request leaves them out). Collective, like the link."""
+    ``None`` when the request leaves them out), the wire timed with a stage's mean
+    instruction (its share of a forward and a backward) between transfers. Collective."""
     if not request.measure_runtime:
         return None
     from pipekernel.engine.runtime_cost import measure_runtime
-    largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
-                  default=0.0)
+    work = (sum(costs.forward_s) + sum(costs.backward_s)) / (2 * max(num_stages, 1))
     return measure_runtime(module, sample, request.labels, transport, device, link=link,
-                           nbytes=largest, repeats=max(request.repeats, 3),
-                           warmup=request.warmup)
+                           nbytes=largest, work_s=work, repeats=max(3 * request.repeats, 9),
+                           warmup=max(request.warmup, 2))  # small and cheap: more rounds
 
 
 def _link(request: Auto, transport: Any, costs: Mapping[int, LayerCosts]) -> Link | None:
     """The transport's measured transfer cost (``None``: not measured)."""
     if not (request.measure_link and transport is not None and transport.world_size > 1):
         return None
-    largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
-                  default=0.0)
-    return measure_link(transport, largest)
+    return measure_link(transport, _largest_output(costs))
 
 
 def _skip_notes(module: Any, num_stages: int, recompute: Sequence[int] | None

@@ -32,7 +32,8 @@ class RuntimeCosts:
         part's ``Forward`` pays it); :param loss_backward_s: its backward (the last part's
         ``Backward`` / ``BackwardInput``).
     :param wire_s: one transfer's trip through the wire beyond the raw message (packing on
-        the sender, unpacking on the receiver: half on each, like a host link).
+        the sender, unpacking on the receiver, waking a peer that has waited: half on each
+        side, like a host link).
     """
 
     dispatch_s: float = 0.0
@@ -136,20 +137,35 @@ def _to(value: Any, device: Any) -> Any:
     return value
 
 
-def _wire_s(transport: Any, nbytes: float, raw_s: float, repeats: int, warmup: int,
-            now: Callable[[], float]) -> float:
-    """One-way seconds of a Channel transfer of ``nbytes`` (a float tensor) between ranks 0
-    and 1, less ``raw_s`` (the link's raw message of that size); ranks 0 and 1 call it."""
+def _busy(seconds: float) -> None:
+    """Keep the core for ``seconds`` (real time), as an instruction's compute does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _wire_s(transport: Any, nbytes: float, repeats: int, warmup: int,
+            now: Callable[[], float], work_s: float = 0.0) -> float:
+    """What one transfer of ``nbytes`` (a float tensor) through the wire's Channel takes
+    beyond a raw message of its bytes, one way, between ranks 0 and 1 (both call it): each
+    round a raw ping-pong, back to back, then a Channel one in which each side first
+    computes for ``work_s`` (as a stage runs an instruction before it sends: the peer has
+    been waiting, and on a busy host waking it costs time a tight ping-pong never sees),
+    less that work; the mean of the rounds' differences after ``warmup`` (a step pays
+    every transfer, not the median one)."""
     import torch
 
+    from pipekernel.comm.transport import P2POp
     from pipekernel.comm.wire import Channel
 
     peer = 1 - transport.rank
     out, back = Channel(transport, peer), Channel(transport, peer)
     value = torch.zeros(max(int(nbytes) // 4, 1), device=transport.device)
+    raw = torch.zeros(value.numel() * 4, dtype=torch.uint8, device=transport.device)
     cuda = getattr(transport.device, "type", str(transport.device)) == "cuda"
 
     def send() -> None:
+        _busy(work_s)
         data, control = out.send_ops(value)
         handles = [*transport.control.batch_isend_irecv(control)] if control else []
         handles += transport.batch_isend_irecv(data) if data else []
@@ -165,30 +181,43 @@ def _wire_s(transport: Any, nbytes: float, raw_s: float, repeats: int, warmup: i
             pending.handles = list(transport.batch_isend_irecv(pending.ops))
         back.finish(pending)
 
-    times = []
-    for _ in range(warmup + repeats):
+    def raw_op(op: str) -> Callable[[], None]:
+        def run() -> None:
+            for handle in transport.batch_isend_irecv([P2POp(op, raw, peer)]):
+                handle.wait()
+        return run
+
+    def round_trip(ops: tuple[Callable[[], None], Callable[[], None]]) -> float:
         if cuda:
             torch.cuda.synchronize(transport.device)
         start = now()
-        for op in ((send, recv) if transport.rank == 0 else (recv, send)):
+        for op in (ops if transport.rank == 0 else ops[::-1]):
             op()
         if cuda:
             torch.cuda.synchronize(transport.device)
-        times.append((now() - start) / 2)
-    return max(sorted(times[warmup:])[repeats // 2] - raw_s, 0.0)
+        return (now() - start) / 2
+
+    extra = []
+    for _ in range(warmup + repeats):
+        bare = round_trip((raw_op("send"), raw_op("recv")))
+        extra.append(round_trip((send, recv)) - work_s - bare)
+    return max(statistics.fmean(extra[warmup:]), 0.0)
 
 
 def measure_runtime(module: Any, sample: Any, labels: Any = None, transport: Any = None,
                     device: Any = None, *, link: Any = None, nbytes: float = 0.0,
+                    work_s: float = 0.0,
                     repeats: int = 5, warmup: int = 2,
                     clock: Callable[[], float] | None = None) -> RuntimeCosts:
     """The runtime's costs per instruction (:class:`RuntimeCosts`), the same on every rank.
 
     Global rank 0 times the kernel's dispatch (:func:`measure_dispatch`) and the module's
     loss on ``sample``'s outputs with ``labels`` (none: no loss term); with a ``link``
-    (the measured :class:`~pipekernel.engine.planner.Link`) and two or more ranks, ranks 0
-    and 1 time a transfer of ``nbytes`` through the wire's Channel and keep what it takes
-    beyond ``link.seconds(nbytes)``. Rank 0 broadcasts. Collective: every rank of
+    (the measured :class:`~pipekernel.engine.planner.Link`: the raw message, which the
+    wire adds to) and two or more ranks, ranks 0 and 1 time a transfer of ``nbytes``
+    through the wire's Channel, each side computing ``work_s`` before it sends (a typical
+    instruction's seconds), beside a raw message of those bytes, and keep the difference
+    (the wire and the peer's wake-up). Rank 0 broadcasts. Collective: every rank of
     ``transport`` calls it at the same point.
     """
     import torch
@@ -201,7 +230,7 @@ def measure_runtime(module: Any, sample: Any, labels: Any = None, transport: Any
         values[1], values[2] = _loss_times(module, sample, labels, device, repeats, warmup, now)
     many = transport is not None and getattr(transport, "world_size", 1) > 1
     if many and link is not None and rank in (0, 1):
-        values[3] = _wire_s(transport, nbytes, link.seconds(nbytes), repeats, warmup, now)
+        values[3] = _wire_s(transport, nbytes, repeats, warmup, now, work_s)
     if many:
         moved = values.to(transport.device)
         transport.broadcast(moved, 0)
