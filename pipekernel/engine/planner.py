@@ -735,9 +735,8 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
 
     notes, recompute = _skip_notes(module, num_stages, recompute)
     link = _link(request, transport, costs)
-    runtime = _runtime(module, request, sample, transport, device, link,
-                       costs.get(runs or micro_batches) or next(iter(costs.values())),
-                       num_stages, _largest_output(costs))
+    runtime = _runtime(module, request, sample, (transport, device, link), costs,
+                       (num_stages, runs or micro_batches))
     plan = search(costs, num_stages, schedules, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
@@ -751,18 +750,22 @@ def _largest_output(costs: Mapping[int, LayerCosts]) -> float:
     return max((max(c.output_bytes) for c in costs.values() if c.output_bytes), default=0.0)
 
 
-def _runtime(module: Any, request: Auto, sample: Any, transport: Any, device: Any,
-             link: Link | None, costs: LayerCosts, num_stages: int,
-             largest: float) -> RuntimeCosts | None:
+def _runtime(module: Any, request: Auto, sample: Any, where: tuple,
+             costs: Mapping[int, LayerCosts], shape: tuple[int, int]) -> RuntimeCosts | None:
     """The runtime's per-instruction costs (:func:`~pipekernel.engine.runtime_cost.measure_runtime`;
     ``None`` when the request leaves them out), the wire timed with a stage's mean
-    instruction (its share of a forward and a backward) between transfers. Collective."""
+    instruction at the count that runs (its share of a forward and a backward) between
+    transfers. ``where``: ``(transport, device, link)``; ``shape``: ``(stages, count)``.
+    Collective."""
     if not request.measure_runtime:
         return None
     from pipekernel.engine.runtime_cost import measure_runtime
-    work = (sum(costs.forward_s) + sum(costs.backward_s)) / (2 * max(num_stages, 1))
+    transport, device, link = where
+    num_stages, count = shape
+    mine = costs.get(count) or next(iter(costs.values()))
+    work = (sum(mine.forward_s) + sum(mine.backward_s)) / (2 * max(num_stages, 1))
     return measure_runtime(module, sample, request.labels, transport, device, link=link,
-                           nbytes=largest, work_s=work, repeats=max(3 * request.repeats, 9),
+                           nbytes=_largest_output(costs), work_s=work, repeats=max(3 * request.repeats, 9),
                            warmup=max(request.warmup, 2))  # small and cheap: more rounds
 
 

@@ -151,8 +151,8 @@ def _wire_s(transport: Any, nbytes: float, repeats: int, warmup: int,
     round a raw ping-pong, back to back, then a Channel one in which each side first
     computes for ``work_s`` (as a stage runs an instruction before it sends: the peer has
     been waiting, and on a busy host waking it costs time a tight ping-pong never sees),
-    less that work; the mean of the rounds' differences after ``warmup`` (a step pays
-    every transfer, not the median one)."""
+    less that work; the median of the rounds' differences after ``warmup`` (on a loaded
+    host the mean is one descheduled round's)."""
     import torch
 
     from pipekernel.comm.transport import P2POp
@@ -201,7 +201,7 @@ def _wire_s(transport: Any, nbytes: float, repeats: int, warmup: int,
     for _ in range(warmup + repeats):
         bare = round_trip((raw_op("send"), raw_op("recv")))
         extra.append(round_trip((send, recv)) - work_s - bare)
-    return max(statistics.fmean(extra[warmup:]), 0.0)
+    return max(statistics.median(extra[warmup:]), 0.0)
 
 
 def measure_runtime(module: Any, sample: Any, labels: Any = None, transport: Any = None,
