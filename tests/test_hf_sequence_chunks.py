@@ -59,11 +59,13 @@ def one_process(model, data, evaluate):
         opt.step()
         opt.zero_grad()
         losses.append(loss_sum / total)
-    model.eval()
-    with torch.no_grad():
-        total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in evaluate)
-        ev = sum(model(**b).loss.item() * int((b["labels"][:, 1:] != -100).sum())
-                 for b in evaluate) / total
+    ev = None
+    if evaluate:
+        model.eval()
+        with torch.no_grad():
+            total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in evaluate)
+            ev = sum(model(**b).loss.item() * int((b["labels"][:, 1:] != -100).sum())
+                     for b in evaluate) / total
     return losses, ev, model.state_dict()
 
 
@@ -210,7 +212,12 @@ def test_the_probe_finds_an_attention_that_ignores_the_prefix(monkeypatch):
 def test_a_loss_of_your_own_or_a_router_loss_is_refused():
     model, _ = F.build("llama")
     module = hf.pipeline_module(model, num_stages=2, loss_fn=hf.causal_lm_loss)
-    assert "a loss_fn of your own" in module.sequence_chunks_refused
+    assert module.sequence_chunks_refused.startswith("LlamaForCausalLM: a loss_fn of your own")
+    moe, why = F.build("mixtral", output_router_logits=True)
+    assert moe is not None, why
+    module = hf.pipeline_module(moe, num_stages=2)
+    assert module.router_aux is not None
+    assert module.sequence_chunks_refused.startswith("MixtralForCausalLM: its router auxiliary")
 
 
 def test_packed_rows_and_flash_keys_are_refused_with_chunks():
