@@ -154,7 +154,8 @@ def probe_chunks(name: str, hidden_size: int, layers: Iterator[tuple[str, nn.Mod
 
     Each layer runs on a random ``(2, length)`` batch (the second row right-padded) whole and
     in 2 and 4 chunks, the backward of the chunks in reverse as Seq1F1B runs them; outputs,
-    input gradients and parameter gradients must agree (fp32: 1e-6 of the largest value). A
+    input gradients and parameter gradients must agree (fp32: 1e-6 of the largest value on
+    the CPU, 1e-4 on an accelerator, whose kernels may differ with a mask; 16-bit: 3e-2). A
     configured attention window is narrowed to 3 tokens for the probe, so that windows
     across chunk boundaries are checked.
     """
@@ -280,7 +281,12 @@ def _differ(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> str | N
         return f"have shape {tuple(got.shape)}, whole {tuple(ref.shape)}"
     scale = max(1.0, ref.abs().max().item())
     diff = (ref.float() - got.float()).abs().max().item()
-    tolerance = 1e-6 if dtype == torch.float32 else 3e-2
+    # fp32 on the CPU: the same kernels whole and chunked, ~1e-7 apart. Elsewhere the chunks
+    # may take other kernels than the whole sequence (a fused attention with a mask and
+    # without, TF32 matmuls): a mismatch of structure (a prefix ignored, positions not
+    # offset) is still far above these (0.04 for Llama's positions not offset, fp32)
+    tolerance = (1e-6 if ref.device.type == "cpu" else 1e-4) if dtype == torch.float32 \
+        else 3e-2
     if not diff <= tolerance * scale:  # NaN differs too
         return f"differ by {diff:.3g} (largest {scale:.3g})"
     return None
