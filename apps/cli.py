@@ -42,6 +42,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter)
     _train_parallelism(p.add_argument_group("parallelism"), d)
     _train_run(p, d)
+    _train_memory(p, d)
     p.set_defaults(func=_run_train)
 
 
@@ -79,6 +80,19 @@ def _train_parallelism(g: argparse._ArgumentGroup, d: Any) -> None:
                    help="seconds any wait on a peer may take before an error")
     g.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per local process")
+
+
+def _train_memory(p: argparse.ArgumentParser, d: Any) -> None:
+    """``pipekernel train``'s activation-memory flags (docs/memory.md)."""
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute", default=d.recompute, metavar="K|K,K,...",
+                   help="activation recomputation: a checkpoint interval for every stage or "
+                        "one per stage (0: none, 1: every layer; 'all', 'none'); default: "
+                        "none, or what --schedule auto chooses under a memory budget")
+    g.add_argument("--offload", action="store_true",
+                   help="on CUDA, move the saved activations of micro-batches whose backward "
+                        "is far away to pinned host memory and fetch them back ahead of it "
+                        "(docs/memory.md; a ConfigError on CPU)")
 
 
 def _train_run(p: argparse.ArgumentParser, d: Any) -> None:
@@ -174,7 +188,12 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    help="schedules to consider (default: every training schedule)")
     p.add_argument("--chunks", default="1,2", metavar="C,C,...", help="chunks per stage")
     p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
-                   help="bytes per stage (suffixes KiB, MiB, GiB); default: no limit")
+                   help="bytes per stage (suffixes KiB, MiB, GiB); default: no limit. Over "
+                        "it, recomputation is searched per stage (unless --recompute fixes "
+                        "it)")
+    p.add_argument("--recompute", default="", metavar="K|K,K,...",
+                   help="fix activation recomputation: an interval for every stage or one "
+                        "per stage (0: none, 1: every layer); default: the planner chooses")
     p.add_argument("--transfer-ms", type=float, default=0.0,
                    help="milliseconds one activation/gradient transfer takes")
     p.add_argument("--split-overhead", type=float, default=1.0,
@@ -218,13 +237,21 @@ def plan_for_args(args: argparse.Namespace) -> object:
                         num_stages=args.stages, seed=args.seed)
     g = torch.Generator().manual_seed(args.seed)
     sample = torch.randint(0, 256, (args.micro_batch_size, args.context), generator=g)
+    # the train model's labels: the next byte of every position (int64, as the loader's)
     request = pk.auto(memory_budget=args.memory_budget, sample=sample,
+                      labels=torch.zeros_like(sample),
                       schedules=args.schedules.split(",") if args.schedules else None,
                       chunks=_ints(args.chunks), micro_batches=_ints(args.counts),
                       transfer_s=args.transfer_ms / 1e3, repeats=args.repeats,
                       split_overhead=args.split_overhead)
+    from pipekernel.apps.train import recompute_option
+    from pipekernel.engine.recompute_option import resolve_recompute
+
+    given = recompute_option(args.recompute)
+    fixed = None if given is None else resolve_recompute(given, args.stages, 0)
     return plan_module(module, request, num_stages=args.stages,
-                       micro_batches=args.micro_batches, pm=make_plugin_manager())
+                       micro_batches=args.micro_batches, pm=make_plugin_manager(),
+                       recompute=fixed)
 
 
 def train_command(args: argparse.Namespace, plan: object) -> str:
@@ -243,6 +270,8 @@ def train_command(args: argparse.Namespace, plan: object) -> str:
             "--partition", ",".join(str(b) for b in p.bounds),
             "--dim", str(args.dim), "--layers", str(args.layers), "--heads", str(args.heads),
             "--context", str(args.context)]
+    if any(p.recompute):
+        argv += ["--recompute", ",".join(str(k) for k in p.recompute)]
     d = TrainConfig()
     for flag in ("seed", "threads"):  # the rest as train's defaults: said only when not
         if getattr(args, flag) != getattr(d, flag):

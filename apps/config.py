@@ -49,6 +49,10 @@ class TrainConfig:
     check_every: int = 100  # the sentinel's invariants every N steps (0: off; docs/faults.md)
     verify_every: int = 0  # replay-check every N-th step's batch before training it (0: off)
     seq_chunks: int = 1  # > 1: each micro-batch cut along the sequence (Seq1F1B)
+    # activation recomputation: "" (the module's: none), an interval for every stage, or
+    # one per stage "1,0" (0: none; 1: every layer); see pipekernel.engine.recompute_option
+    recompute: str = ""
+    offload: bool = False  # schedule-aware activation offload to pinned host memory (CUDA)
 
     @property
     def checkpoints(self) -> str:

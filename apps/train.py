@@ -47,17 +47,14 @@ def _positive(cfg: TrainConfig) -> None:
             flag = "--" + name.replace("_", "-")
             raise pk.ConfigError(f"{flag} must be a positive integer, got {value!r}",
                                  hint=f"pass {flag} 1 or more")
-    if not isinstance(cfg.save_every, int) or cfg.save_every < 0:
-        raise pk.ConfigError(f"--save-every must be 0 or a positive integer, got "
-                             f"{cfg.save_every!r}", hint="pass --save-every 100, or 0 for none")
-    for name in ("check_every", "verify_every"):
+    for name, example in (("save_every", "100, or 0 for none"),
+                          ("keep_last", "3, or 0 to keep all"),
+                          ("check_every", "100, or 0 for never"),
+                          ("verify_every", "100, or 0 for never")):
         value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise pk.ConfigError(f"{flag} must be 0 or a positive integer, got {value!r}",
-                                 hint=f"pass {flag} 100, or 0 for never")
-    if not isinstance(cfg.keep_last, int) or cfg.keep_last < 0:
-        raise pk.ConfigError(f"--keep-last must be 0 or a positive integer, got "
-                             f"{cfg.keep_last!r}", hint="pass --keep-last 3, or 0 to keep all")
+                                 hint=f"pass {flag} {example}")
     tag = cfg.resume
     if isinstance(tag, str) and (not tag or tag.startswith(".") or "/" in tag or os.sep in tag):
         raise pk.ConfigError(f"--resume {tag!r} is not a checkpoint tag (one directory name "
@@ -81,6 +78,11 @@ def _positive(cfg: TrainConfig) -> None:
                              hint="drop --pack, and see docs/sequences.md for "
                                   "DataCollatorWithFlattening through pipekernel.hf")
     _check_seq_chunks(cfg)
+    if cfg.offload and (not torch.cuda.is_available() or cfg.transport == "gloo"):
+        raise pk.ConfigError("--offload moves saved activations from GPU to host memory, and "
+                             "these stages run on CPU", hint="run on a GPU (--transport "
+                             "nccl or staged), or drop --offload; for less activation "
+                             "memory on CPU, see docs/memory.md")
 
 
 def _check_seq_chunks(cfg: TrainConfig) -> None:
@@ -416,6 +418,16 @@ def lr_change(scheduler: Any, cfg: TrainConfig) -> str | None:
             "To keep the saved run's schedule, pass its --steps and --lr")
 
 
+def recompute_option(text: str) -> Any:
+    """``--recompute``: ``""`` (``None``: the planner's or none), one value for every stage
+    (``1``, ``all``, ``none``) or one per stage (``1,0``)."""
+    values: list[Any] = [int(v) if v.strip().isdigit() else v.strip()
+                         for v in text.split(",") if v.strip()]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
 def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> pk.PipelineEngine:
     return pk.PipelineEngine(
         module, optimizer=lambda params: torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
@@ -425,7 +437,8 @@ def _make_engine(cfg: TrainConfig, module: pk.PipelineModule, monitor: Any) -> p
         precision=cfg.precision, data_parallel_size=cfg.data_parallel, plugins=[monitor],
         timeout=cfg.timeout, rank_order=cfg.rank_order, zero_stage=cfg.zero_stage,
         expert_parallel_size=cfg.expert_parallel, seq_chunks=cfg.seq_chunks,
-        loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
+        recompute=recompute_option(cfg.recompute),
+        offload=cfg.offload or None, loss_reduction="tokens" if cfg.hf or cfg.pack else "mean",
         check_every=cfg.check_every or None, verify_every=cfg.verify_every or None,
         # the engine steps it after every step taken and saves it in checkpoints
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg)))

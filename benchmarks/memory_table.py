@@ -12,7 +12,10 @@ buffers (``dyn``).
 Usage::
 
     python benchmarks/memory_table.py [--stages 2 4] [--schedules 1f1b gpipe ...]
-        [--micro-batches 1 2 4] (multiples of the stage count) [--checkpoint 0 1]
+        [--micro-batches 1 2 4] (multiples of the stage count) [--checkpoint 0 1 1,0]
+
+``--checkpoint`` takes the module's interval (``0``, ``1``: every stage) or one interval per
+stage (``1,0``: the engine's ``recompute``, cells of that many stages only).
 """
 from __future__ import annotations
 
@@ -43,16 +46,19 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
-def _module(stages: int, chunks: int, interval: int) -> pk.PipelineModule:
+def _module(stages: int, chunks: int, interval: int | tuple) -> pk.PipelineModule:
     layers = [pk.LayerSpec(nn.Linear, IN, DIM),
               *[pk.LayerSpec(Block, DIM) for _ in range(3 * stages * chunks + 1)],
               pk.LayerSpec(nn.Linear, DIM, OUT)]
     return pk.PipelineModule(layers, loss_fn=nn.MSELoss(), partition="uniform", seed=3,
-                             activation_checkpoint_interval=interval, num_stages=stages)
+                             activation_checkpoint_interval=interval
+                             if isinstance(interval, int) else 0, num_stages=stages)
 
 
-def measure(schedule: str, stages: int, m: int, interval: int) -> dict:
-    """One cell on this rank: the meter's metrics and the partition's bounds."""
+def measure(schedule: str, stages: int, m: int, interval: int | tuple) -> dict:
+    """One cell on this rank: the meter's metrics and the partition's bounds. ``interval``:
+    the module's checkpoint interval, or a tuple, one per stage (the engine's
+    ``recompute``)."""
     chunks = CHUNKS.get(schedule, 1)
     meter = MemoryMeter()
     try:
@@ -60,7 +66,8 @@ def measure(schedule: str, stages: int, m: int, interval: int) -> dict:
                                    optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
                                    micro_batches=m, schedule=schedule,
                                    chunks=chunks if chunks > 1 else None, transport="gloo",
-                                   plugins=[meter], timeout=120)
+                                   plugins=[meter], timeout=120,
+                                   recompute=None if isinstance(interval, int) else interval)
     except pk.ConfigError as err:  # e.g. too few micro-batches for the schedule
         return {"refused": str(err).splitlines()[0]}
     g = torch.Generator().manual_seed(0)
@@ -73,7 +80,7 @@ def measure(schedule: str, stages: int, m: int, interval: int) -> dict:
     return {**meter.last, "bounds": bounds, "placement": getattr(cls, "placement", "loop")}
 
 
-def predict(schedule: str, stages: int, m: int, interval: int, bounds: list,
+def predict(schedule: str, stages: int, m: int, interval: int | tuple, bounds: list,
             placement: str) -> list[dict]:
     """Per stage ``{"static", "grads", "saved", "buffers"}``: the planner's model of the
     cell (static: parameters and optimizer state)."""
@@ -133,17 +140,21 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4],
                         help="multiples of the stage count")
-    parser.add_argument("--checkpoint", nargs="+", type=int, default=[0, 1])
+    parser.add_argument("--checkpoint", nargs="+", default=["0", "1"],
+                        help="intervals: one for every stage (0, 1) or one per stage (1,0)")
     args = parser.parse_args()
     print(f"{'schedule':<12}{'p':>2}{'m':>3}{'ckpt':>5}{'stage':>6}"
           + "".join(f"{c:>10}" for c in CATEGORIES) + f"{'peak':>10}{'pred':>10}"
           + f"{'ratio':>7}{'dyn':>7}")
     worst = 0.0
     for p in args.stages:
+        intervals = [int(i) if "," not in i else tuple(int(v) for v in i.split(","))
+                     for i in args.checkpoint]
         cells = [(s, p, k * p, i) for s in args.schedules for k in args.micro_batches
-                 for i in args.checkpoint]
+                 for i in intervals if isinstance(i, int) or len(i) == p]
         for (schedule, _, m, interval), stage, got, pred in compare(cells, p):
-            head = f"{schedule:<12}{p:>2}{m:>3}{interval:>5}{stage:>6}"
+            shown = interval if isinstance(interval, int) else ",".join(map(str, interval))
+            head = f"{schedule:<12}{p:>2}{m:>3}{shown:>5}{stage:>6}"
             if pred is None:
                 print(f"{head}  refused: {got['refused']}")
                 continue

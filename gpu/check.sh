@@ -14,6 +14,10 @@
 #   other        every remaining CUDA test (pytest -m cuda)
 #   benchmark    the GPU column of benchmarks/activation_checkpoint.py (small size)
 #   watch        the cost of the device watch (benchmarks/device_watch.py)
+#   memory       issue 46: per stage, the planner's predicted peak against
+#                torch.cuda.max_memory_allocated for 1f1b, zbv and v-half on the staged
+#                transport, and activation offload's peak saving against its step-time
+#                cost (gpu/memory_check.py; its own line "MEMORY CHECK: ..." in memory.log)
 # Every step has its own time limit, all within one overall budget (BUDGET seconds,
 # default 380; on an H200 the whole check took 198-206 s, and collecting the suite for
 # 'other' alone takes 15 s there). Last line: "GPU CHECK: N passed, M failed, K skipped ...".
@@ -117,6 +121,8 @@ pytest_step other 120 tests --ignore=tests/test_transports.py \
 run_step benchmark 60 "$PY" benchmarks/activation_checkpoint.py --devices cuda --blocks 16 \
     --batch 8 --seq 512 --dim 512 --intervals 0 1 2 4 8 --repeats 3
 run_step watch 20 "$PY" benchmarks/device_watch.py
+run_step memory 90 "$PY" gpu/memory_check.py --schedules 1f1b zbv v-half
+grep -h "^MEMORY CHECK" "$DEST/memory.log" 2>/dev/null
 
 join() {  # join ITEMS... with ", "
     local out="" item

@@ -21,6 +21,7 @@ from pipekernel.model.partitioning import PartitionContext, PartitionReport, bal
 from pipekernel.engine.planner import Plan, auto
 from pipekernel.model.skips import Skip, pop, skippable, stash
 from pipekernel.model.aux_loss import add_aux_loss, aux_losses
+from pipekernel.stage.offload import ModelMover, Offload
 from pipekernel.stage.packing import document_ids, document_mask, pack
 from pipekernel.stage.sequence import prefix_causal_mask, sequence_chunk
 
@@ -38,6 +39,7 @@ __all__ = [
     "pack", "document_ids", "document_mask", "sequence_chunk", "prefix_causal_mask",
     # training
     "PipelineEngine", "auto", "Plan", "launch", "load_sequential", "hookimpl",
+    "Offload", "ModelMover",
     # errors
     "PipelineError", "ConfigError", "UnknownNameError", "DataError", "ScheduleError",
     "InstructionError", "TransportError", "TransportTimeout", "PeerAbort", "NonFiniteLossError",

@@ -14,6 +14,7 @@ __all__ = [
     "UntrustedCheckpointError",
     "TransportError", "TransportTimeout", "UnknownNameError", "PeerAbort",
     "NonFiniteLossError", "ConsistencyError", "describe_where", "did_you_mean", "shorten",
+    "positive_int",
 ]
 
 #: location fields, in the order the bracket names them, with the words it uses
@@ -138,6 +139,14 @@ class ScheduleError(PipelineError):
 
 class InstructionError(PipelineError):
     """An instruction had no handler or its handler failed."""
+
+
+def positive_int(name: str, value: object, hint: str, **where: int | None) -> int:
+    """``value`` if it is an int >= 1 (not a bool), else ``ConfigError`` "``name`` must be
+    a positive int, got ``value``" with ``hint`` and the location ``where`` (rank, stage)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}", hint=hint, **where)
+    return value
 
 
 class DataError(PipelineError, ValueError):

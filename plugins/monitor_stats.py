@@ -18,7 +18,9 @@ WAITS = ("RecvActivation", "RecvGrad", "RecvSkip", "RecvSkipGrad")
 GROUPS = {
     "forward_s": ("Forward",), "backward_s": ("Backward", "BackwardInput", "BackwardWeight"),
     "wait_s": WAITS, "send_s": ("SendActivation", "SendGrad", "SendSkip", "SendSkipGrad"), "load_s": ("LoadMicroBatch",),
-    "reduce_s": ("ReduceTiedGrads", "ReduceGrads"), "optimizer_s": ("OptimizerStep",),
+    # the data-parallel reducer's arm and launch points start its buckets: reduction time
+    "reduce_s": ("ReduceTiedGrads", "ArmGradReduce", "LaunchGradReduce", "ReduceGrads"),
+    "optimizer_s": ("OptimizerStep",),
     "paired_s": ("ForwardBackward",),  # a forward and a backward overlapped: one span
 }
 #: Per-rank numbers carried by the per-step all-reduce, before the per-class seconds.

@@ -12,7 +12,7 @@ from typing import Any
 from pipekernel.engine import checkpoint as ckpt
 from pipekernel.engine import checkpoint_dcp
 from pipekernel.engine.checkpoint_files import FORMAT_VERSION, _write_file, rank_file
-from pipekernel.engine.checkpoint_layout import agree, attempt, layout
+from pipekernel.engine.checkpoint_layout import layout, on_every_rank
 
 __all__ = ["save_dcp"]
 
@@ -42,14 +42,13 @@ def save_dcp(engine: Any, root: str, tag: str, client_state: Any = None) -> str:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, checkpoint_dcp.DCP_DIR))
-    agree(transport, None, rank)
+    on_every_rank(transport, lambda: None)  # a barrier
     if meta is not None:
         _write_file(os.path.join(tmp, "meta.json"), meta)
     _write_file(os.path.join(tmp, rank_file(rank)), mine)
-    _, error = attempt(lambda: dcp.save(state, checkpoint_id=os.path.join(
+    on_every_rank(transport, lambda: dcp.save(state, checkpoint_id=os.path.join(
         tmp, checkpoint_dcp.DCP_DIR)))
-    agree(transport, error, rank)
     if rank == 0:
         ckpt._publish(root, tag, tmp, final)
-    agree(transport, None, rank)
+    on_every_rank(transport, lambda: None)  # a barrier
     return final

@@ -12,6 +12,8 @@ own process): nothing in the engine is switched or checked when no test injects.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -168,9 +170,10 @@ def normalised_after_backward(engine, step):
     if step == BUG_STEP and engine.stage == engine.num_stages - 1:
         runtime, begin = engine.runtime, engine.runtime.begin
 
-        def undivided(*args, **kwargs):
-            begin(*args, **kwargs)
-            runtime._units = 1  # what the losses divide by
+        def undivided(data_iter, program, *args, **kwargs):
+            # what the losses divide by is the program's count: the runtime is handed one
+            # of a single micro-batch (the same stream)
+            begin(data_iter, dataclasses.replace(program, micro_batches=1), *args, **kwargs)
         runtime.begin = undivided
 
 

@@ -292,15 +292,25 @@ def test_plan_prints_the_ranked_candidates(capsys):
     out = capsys.readouterr().out.splitlines()
     plan_line = next(line for line in out if line.startswith("plan: "))
     table = [line for line in out if line[:1] in ("*", " ") and line[1:5].strip().isdigit()]
-    rows = [line[2:].split() for line in table]  # #, schedule, chunks, micro, partition, ms
+    # #, schedule, chunks, micro, partition, recompute, ms
+    rows = [line[2:].split() for line in table]
     assert table[0].startswith("*") and f"plan: {rows[0][1]}, chunks {rows[0][2]}, " \
         f"{rows[0][3]} micro-batches" in plan_line  # the choice is ranked first
-    predicted = [float(r[5]) for r in rows if r[5] != "-"]
+    predicted = [float(r[6]) for r in rows if r[6] != "-"]
     # 3 schedules x 3 counts, each simulated or listed as another's twin (gpipe with one
     # micro-batch runs 1f1b's streams)
     twins = [line for line in table if "the same instruction streams as" in line]
     assert predicted == sorted(predicted) and len(predicted) + len(twins) >= 9
     assert {r[1] for r in rows} == {"1f1b", "gpipe", "zbv"}
+
+
+def test_plan_with_recompute_fixed_prints_it_and_trains_with_it(capsys):
+    assert cli.main(["plan", *PLAN_SMALL, "--stages", "2", "--recompute", "1,0"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute: stage 0: every 1 layer(s), stage 1: none" in out
+    assert "--recompute 1,0" in out  # the train command line carries it
+    assert cli.main(["plan", *PLAN_SMALL, "--recompute", "1,0,1"]) == 1
+    assert "recompute=[1, 0, 1] gives 3 stage(s)" in capsys.readouterr().err
 
 
 def test_plan_with_a_budget_nothing_fits_is_a_clean_error(capsys):

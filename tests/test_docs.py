@@ -239,7 +239,7 @@ def _flag_table():
 
 #: how the table writes a default that is no literal value
 _PROSE = {"--chunks": "the schedule's", "--data": "stdlib", "--checkpoint-dir": "`<out>/checkpoints`",
-          "--hf": "off", "--pack": "off", "--resume": "off", "--no-progress": "", "--corpus-bytes": "2 MB"}
+          "--hf": "off", "--pack": "off", "--offload": "off", "--resume": "off", "--no-progress": "", "--corpus-bytes": "2 MB"}
 
 
 def test_the_train_flag_table_has_every_flag_with_the_parsers_default():

@@ -149,6 +149,7 @@ class LaunchCounter:
     def __init__(self):
         self.started = self.in_backward = 0
         self.at_reduce_grads = []
+        self.points = []  # (the reducer's point, buckets started before it) per batch
 
     @pk.hookimpl
     def pipekernel_make_transport(self, name, options):
@@ -171,6 +172,8 @@ class LaunchCounter:
     def pipekernel_before_instruction(self, instruction):
         if isinstance(instruction, isa.ReduceGrads):
             self.at_reduce_grads.append(self.started)
+        elif isinstance(instruction, (isa.ArmGradReduce, isa.LaunchGradReduce)):
+            self.points.append((type(instruction).__name__, self.started))
 
 
 def train_worker(model, stages, dp, micro_batches, optimizer, precision="fp32",
@@ -190,7 +193,8 @@ def train_worker(model, stages, dp, micro_batches, optimizer, precision="fp32",
     return {"losses": losses, "state": state, "stage": engine.stage,
             "replica": engine.data_parallel_rank,
             "launches": reducer.last_launches, "buckets": len(reducer.buckets),
-            "at_reduce_grads": counter.at_reduce_grads, "started": counter.started,
+            "at_reduce_grads": counter.at_reduce_grads, "points": counter.points,
+            "started": counter.started,
             "in_backward": counter.in_backward}
 
 
@@ -242,9 +246,20 @@ def test_buckets_are_on_the_wire_before_reduce_grads():
         assert r["in_backward"] == r["started"] == 2 * r["buckets"]
 
 
+def test_the_reducers_points_are_instructions_every_hook_sees():
+    """Arming and launching are instructions of the program (what the monitor times): the
+    kernel's hooks see ArmGradReduce before the last backward starts any bucket and
+    LaunchGradReduce once it started them all, once per batch."""
+    for r in SWEEP.results(ON_THE_WIRE):
+        b = r["buckets"]
+        assert r["points"] == [("ArmGradReduce", 0), ("LaunchGradReduce", b),
+                               ("ArmGradReduce", b), ("LaunchGradReduce", 2 * b)], r["points"]
+
+
 def test_no_overlap_option_gives_the_same_training():
     for r in check_parity(NO_OVERLAP):
         assert r["launches"] == ["finish"] and r["at_reduce_grads"] == list(range(STEPS))
+        assert r["points"] == []  # nothing overlaps: the programs hold no such points
 
 
 def test_bf16_masters_start_after_backward_parity():

@@ -470,3 +470,27 @@ def test_skipped_steps_and_precision_metrics_are_reported(tmp_path):
     assert sum(skipped) == count == engine_count
     scales = [r["loss_scale"] for r in records]  # extra metrics of the step are kept
     assert scales[1] < scales[0]
+
+
+def replicated_worker(out_dir):
+    mon = Monitor(out_dir=out_dir, sinks=(), every=1, warmup_steps=0)
+    engine = pk.PipelineEngine(mlp(num_stages=2), optimizer=sgd, micro_batches=MICRO,
+                               data_parallel_size=2, plugins=[mon],
+                               timeout=60)
+    for step in range(2):
+        engine.train_batch(iter(mlp_data(step, engine.data_parallel_rank, MICRO)))
+    summary = mon.stage_summary()
+    engine.close()
+    return summary
+
+
+def test_the_monitor_times_the_data_parallel_reducers_instructions(tmp_path):
+    """Under data parallelism the reducer's arm and launch points are instructions: the
+    monitor times each (per class, on every rank) and counts them in ``reduce_s``."""
+    for summary in run_ranks(replicated_worker, 4, str(tmp_path), timeout=240):
+        spent = summary["instructions"]
+        assert {"ArmGradReduce", "LaunchGradReduce", "ReduceGrads"} <= set(spent)
+        assert spent["ArmGradReduce"] > 0 and spent["LaunchGradReduce"] > 0
+        assert summary["reduce_s"] == pytest.approx(
+            sum(spent[k] for k in ("ReduceTiedGrads", "ArmGradReduce", "LaunchGradReduce",
+                                   "ReduceGrads") if k in spent))

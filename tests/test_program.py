@@ -150,6 +150,66 @@ def test_simulate_proves_and_times_the_sharded_program():
     assert slow.makespan == plain.makespan + 5.0
 
 
+@pytest.mark.parametrize("name,stages,chunks", [("1f1b", 2, 1), ("interleaved", 2, 2),
+                                                ("zb-h1", 2, 1), ("zbv", 2, 2),
+                                                ("dualpipev", 2, 2)])
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_replicated_program_holds_the_reducers_points_as_instructions(name, stages, chunks,
+                                                                        paired):
+    """The data-parallel reducer's overlap is instructions: ArmGradReduce(chunk of the last
+    weight-gradient instruction) right before it, LaunchGradReduce right after it, in its
+    step; ReduceGrads stays where it was. Nothing else moves; with FSDP2's too, they stand
+    next to the weight-gradient instruction (after the shards' instructions are added)."""
+    cls = BUILTIN_SCHEDULES[name]
+    kw = dict(num_stages=stages, micro_batches=4, chunks=chunks, paired=paired,
+              placement=getattr(cls, "placement", "loop"))
+    points = (isa.ArmGradReduce, isa.LaunchGradReduce)
+    for stage in range(stages):
+        for sharded in (False, True):
+            plain = compile_program(cls, stage=stage, sharded=sharded, **kw)
+            dp = compile_program(cls, stage=stage, sharded=sharded, data_parallel=True, **kw)
+            stream = dp.stream
+            assert [i for i in stream if not isinstance(i, points)] == list(plain.stream)
+            last = dp.last_weight
+            half = stream[last]
+            half = half.backward if isinstance(half, isa.ForwardBackward) else half
+            assert stream[last - 1] == isa.ArmGradReduce(half.chunk)
+            assert stream[last + 1] == isa.LaunchGradReduce()
+            assert sum(isinstance(i, points) for i in stream) == 2
+            assert dp.step_of[last - 1] == dp.step_of[last] == dp.step_of[last + 1]
+            assert stream.index(isa.ReduceGrads()) > last + 1
+            assert dp.step_of[-1] == plain.step_of[-1]
+    evaluation = compile_program(BUILTIN_SCHEDULES["inference"], stage=0, num_stages=2,
+                                 micro_batches=2, data_parallel=True)
+    assert not any(isinstance(i, points) for i in evaluation.stream)
+    assert str(isa.ArmGradReduce(1)) == "ARM_REDUCEc1" and str(isa.ArmGradReduce()) == \
+        "ARM_REDUCE"
+    assert isa.parse("ARM_REDUCEc1") == isa.ArmGradReduce(1)
+    assert isa.parse("LAUNCH_REDUCE") == isa.LaunchGradReduce()
+
+
+def test_simulate_proves_and_times_the_replicated_program():
+    """The simulator runs the programs the engine runs under data parallelism: the
+    reducer's points are in its steps, free by default, and their costs delay the stage."""
+    cls = BUILTIN_SCHEDULES["1f1b"]
+    plain = simulate(cls, 2, 4)
+    dp = simulate(cls, 2, 4, data_parallel=True)
+    assert dp.makespan == plain.makespan
+    for stage, steps in enumerate(dp.steps):
+        assert [ins for step in steps for ins in step] == list(compile_program(
+            cls, stage=stage, num_stages=2, micro_batches=4, data_parallel=True).stream)
+    # the launch stands where the runtime ran it before it was an instruction, right after
+    # the last backward: stage 1's holds up its last SEND_B, so stage 0's last backward
+    # starts 3 later, and stage 0's own launch adds 3 to the batch's end
+    slow = simulate(cls, 2, 4, data_parallel=True, costs={isa.LaunchGradReduce: 3.0})
+    assert slow.makespan == plain.makespan + 6.0
+    armed = simulate(cls, 2, 4, data_parallel=True, costs={isa.ArmGradReduce: 1.0})
+    assert armed.makespan == plain.makespan + 2.0
+    both = simulate(cls, 2, 4, data_parallel=True, sharded=True,
+                    costs={isa.LaunchGradReduce: 3.0, isa.ReduceShardedGrads: 5.0})
+    assert both.makespan > slow.makespan
+
+
 def test_a_local_hand_off_names_the_receive_it_fills():
     """At the turn of a V (zbv: stage 0 holds positions 0 and 3 of 4) each local send fills
     the local receive of the same micro-batch, on the chunk it goes to."""

@@ -47,7 +47,7 @@ import torch
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm import P2POp, attempt_prefix
 from pipekernel.transports.connections import check_max_connections
-from pipekernel.transports.device_watch import DeviceWatch, end_process
+from pipekernel.transports.device_watch import DeviceWatch, Watched, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
@@ -282,7 +282,7 @@ class _Ops:
 _bytes = TorchDistributedTransport._bytes
 
 
-class CupyNcclTransport:
+class CupyNcclTransport(Watched):
     """GPU transport over ``cupy.cuda.nccl.NcclCommunicator`` (see the module docstring).
 
     :param timeout: seconds for every wait.
@@ -457,18 +457,6 @@ class CupyNcclTransport:
             if self.rank not in ranks:
                 self._comms.append(None)  # type: ignore[arg-type]  # same index everywhere
         return self._groups[key]
-
-    @property
-    def failure(self) -> Any:
-        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
-        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
-        watch = getattr(self, "_watch", None)
-        return watch.error if watch is not None else None
-
-    def synchronize(self) -> None:
-        """Block the host until every waited-on operation finished (bounded); see
-        :meth:`pipekernel.transports.nccl.NcclTransport.synchronize`."""
-        self._watch.synchronize(abort_check=self.abort_check)
 
     # -- tear-down -----------------------------------------------------------------------
     def _abort(self) -> None:

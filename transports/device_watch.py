@@ -234,3 +234,24 @@ class DeviceWatch:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+
+class Watched:
+    """What a transport whose device transfers a :class:`DeviceWatch` (``self._watch``)
+    guards has from it (nccl, cupy-nccl): ``failure`` and ``synchronize``."""
+
+    _watch: DeviceWatch
+
+    @property
+    def failure(self) -> TransportTimeout | None:
+        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
+        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
+        watch = getattr(self, "_watch", None)
+        return watch.error if watch is not None else None
+
+    def synchronize(self) -> None:
+        """Block the host until every transfer waited on so far finished on the GPU, each
+        within ``timeout`` of its wait; ``TransportTimeout`` naming the peer otherwise.
+        Off the hot path: for the end of a run, tests, and before reading results on
+        the host without the stream."""
+        self._watch.synchronize(abort_check=getattr(self, "abort_check", None))

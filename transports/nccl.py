@@ -62,7 +62,7 @@ import torch.distributed as dist
 from pipekernel.errors import ConfigError, TransportError
 from pipekernel.comm import Handle, P2POp, TORCH_REDUCE_OPS
 from pipekernel.transports.connections import check_max_connections
-from pipekernel.transports.device_watch import DeviceWatch, end_process
+from pipekernel.transports.device_watch import DeviceWatch, Watched, end_process
 from pipekernel.transports.gloo import TorchDistributedTransport
 from pipekernel.transports.lanes import split_by_lane
 
@@ -117,7 +117,7 @@ class _DeviceHandle:
         self._done = True
 
 
-class NcclTransport(TorchDistributedTransport):
+class NcclTransport(Watched, TorchDistributedTransport):
     """GPU transport over NCCL (see the module docstring; options of
     :class:`TorchDistributedTransport` plus these).
 
@@ -280,20 +280,6 @@ class NcclTransport(TorchDistributedTransport):
         handle = self._start("barrier", group, dist.all_reduce, flag)
         self._watch.wait_for(handle._work, self.timeout, "finish a barrier with", None,
                              abort_check=getattr(self, "abort_check", None))
-
-    @property
-    def failure(self) -> Any:
-        """The device watch's ``TransportTimeout`` once a transfer was overdue, else
-        ``None`` (see :mod:`pipekernel.comm.transport`, optional members)."""
-        watch = getattr(self, "_watch", None)
-        return watch.error if watch is not None else None
-
-    def synchronize(self) -> None:
-        """Block the host until every transfer waited on so far finished on the GPU, each
-        within ``timeout`` of its wait; ``TransportTimeout`` naming the peer otherwise.
-        Off the hot path: for the end of a run, tests, and before reading results on
-        the host without the stream."""
-        self._watch.synchronize(abort_check=getattr(self, "abort_check", None))
 
     def close(self) -> None:
         """As for gloo; after a timeout the communicators are aborted first (destroying one

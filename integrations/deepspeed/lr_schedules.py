@@ -65,13 +65,10 @@ class _Stepped:
         self.last_batch_iteration = state["last_batch_iteration"]
 
 
-class WarmupLR(_Stepped):
-    """From ``warmup_min_lr`` to ``warmup_max_lr`` (default: the optimizer's lr) over
-    ``warmup_num_steps`` steps (at least 2), ``log`` or ``linear``, then flat."""
+class _Warmup(_Stepped):
+    """What the warm-up schedules share: the checked warm-up and its ratio."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: Any = 0.0,
-                 warmup_max_lr: Any = None, warmup_num_steps: int = 1000,
-                 warmup_type: str = _LOG, last_batch_iteration: int = -1) -> None:
+    def _set_warmup(self, warmup_num_steps: int, warmup_type: str) -> None:
         if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
             raise ConfigError(f"warmup_num_steps must be a positive integer, got "
                               f"{warmup_num_steps}",
@@ -80,15 +77,30 @@ class WarmupLR(_Stepped):
         if warmup_type not in (_LOG, _LINEAR):
             raise ConfigError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}",
                               hint="DeepSpeed falls back to 'log' with a warning; say 'log'")
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+
+    def _warmup_gamma(self) -> float:
+        if self.warmup_type == _LOG:
+            return self.inverse_log_warm_up * math.log(self.last_batch_iteration + 1)
+        return self.last_batch_iteration / self.warmup_num_steps
+
+
+class WarmupLR(_Warmup):
+    """From ``warmup_min_lr`` to ``warmup_max_lr`` (default: the optimizer's lr) over
+    ``warmup_num_steps`` steps (at least 2), ``log`` or ``linear``, then flat."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_min_lr: Any = 0.0,
+                 warmup_max_lr: Any = None, warmup_num_steps: int = 1000,
+                 warmup_type: str = _LOG, last_batch_iteration: int = -1) -> None:
+        self._set_warmup(warmup_num_steps, warmup_type)
         self.optimizer = optimizer
         if warmup_max_lr is None:
             warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "max_lr")
         self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs)]
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = warmup_type
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self.last_batch_iteration = last_batch_iteration
         if last_batch_iteration == -1:
             self._last_lr = _set_lr(optimizer, self.get_lr())
@@ -98,11 +110,6 @@ class WarmupLR(_Stepped):
             return self.min_lrs
         gamma = self._get_gamma()
         return [low + delta * gamma for low, delta in zip(self.min_lrs, self.delta_lrs)]
-
-    def _warmup_gamma(self) -> float:
-        if self.warmup_type == _LOG:
-            return self.inverse_log_warm_up * math.log(self.last_batch_iteration + 1)
-        return self.last_batch_iteration / self.warmup_num_steps
 
     def _get_gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -128,7 +135,7 @@ class WarmupDecayLR(WarmupLR):
                    / float(max(1.0, self.total_num_steps - self.warmup_num_steps)))
 
 
-class OneCycle:
+class OneCycle(_Stepped):
     """DeepSpeed's 1Cycle: lr from ``cycle_min_lr`` up to ``cycle_max_lr`` over
     ``cycle_first_step_size`` steps and back over ``cycle_second_step_size`` (optionally
     in stairs), then decayed by ``decay_lr_rate`` every ``decay_step_size`` steps;
@@ -217,26 +224,14 @@ class OneCycle:
         interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
         return [(b0 * (1 + self.decay_mom_rate * interval), b1) for b0, b1 in self.max_moms]
 
-    def get_last_lr(self) -> list:
-        return self._last_lr
-
     def step(self, batch_iteration: int | None = None) -> None:
-        if batch_iteration is None:
-            batch_iteration = self.last_batch_iteration + 1
-        self.last_batch_iteration = batch_iteration
-        self._last_lr = _set_lr(self.optimizer, self.get_lr())
+        super().step(batch_iteration)
         if self.cycle_momentum:
             for group, betas in zip(self.optimizer.param_groups, self.get_mom()):
                 group["betas"] = betas
 
-    def state_dict(self) -> dict:
-        return {"last_batch_iteration": self.last_batch_iteration}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.last_batch_iteration = state["last_batch_iteration"]
-
-
-class WarmupCosineLR(_Stepped):
+class WarmupCosineLR(_Warmup):
     """Each group's lr times a ratio: from ``warmup_min_ratio`` to 1 over
     ``warmup_num_steps`` steps (at least 2; ``log`` or ``linear``), then a cosine from 1
     down to ``cos_min_ratio`` at ``total_num_steps``, where it stays. Before the first
@@ -246,17 +241,10 @@ class WarmupCosineLR(_Stepped):
                  warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
                  cos_min_ratio: float = 0.0001, warmup_type: str = _LOG,
                  last_batch_iteration: int = -1) -> None:
-        if not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-            raise ConfigError(f"warmup_num_steps must be a positive integer, got "
-                              f"{warmup_num_steps}", hint="e.g. warmup_num_steps=1000")
-        if warmup_type not in (_LOG, _LINEAR):
-            raise ConfigError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}",
-                              hint="DeepSpeed falls back to 'log' with a warning; say 'log'")
+        self._set_warmup(warmup_num_steps, warmup_type)
         self.optimizer, self.total_num_steps = optimizer, total_num_steps
         self.last_batch_iteration, self.cos_min_ratio = last_batch_iteration, cos_min_ratio
-        self.warmup_type, self.warmup_min_ratio = warmup_type, warmup_min_ratio
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        self.warmup_min_ratio = warmup_min_ratio
         self.org_lrs = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"]
                         for g in optimizer.param_groups]
         if last_batch_iteration == -1:
@@ -267,9 +255,7 @@ class WarmupCosineLR(_Stepped):
         if step < 0:
             return 0.0
         if step < self.warmup_num_steps:
-            ratio = (self.inverse_log_warm_up * math.log(step + 1) if self.warmup_type == _LOG
-                     else step / self.warmup_num_steps)
-            return self.warmup_min_ratio + ratio * (1. - self.warmup_min_ratio)
+            return self.warmup_min_ratio + self._warmup_gamma() * (1. - self.warmup_min_ratio)
         real_last_step = step - self.warmup_num_steps + 1
         real_total_steps = max(1, self.total_num_steps - self.warmup_num_steps)
         progress = min(1.0, real_last_step / real_total_steps)

@@ -414,10 +414,17 @@ class _Prebuilt(pk.PipelineModule):
         self.ds = ds
 
     def build_stage(self, stage: int, bounds: Sequence[int],
-                    positions: Sequence[int] | None = None) -> StageModule:
+                    positions: Sequence[int] | None = None,
+                    activation_checkpoint_interval: int | None = None) -> StageModule:
         """This rank's stage (the modules ``PipelineModule`` built); the whole model,
         freshly built, when asked for it (checkpoint metadata on the meta device,
         ``load_sequential``) without touching the RNG the training draws from."""
+        if activation_checkpoint_interval:
+            raise ConfigError(f"recompute={activation_checkpoint_interval} on stage {stage}: "
+                              "a DeepSpeed PipelineModule checkpoints its own stage",
+                              hint="set activation_checkpoint_interval on the DeepSpeed "
+                                   "PipelineModule (or in the config's pipeline section) and "
+                                   "leave the engine's recompute unset")
         whole = [0, len(self.layers)]
         if list(bounds) == whole and stage == 0 and list(positions or [0]) == [0] \
                 and list(self.ds.parts) != whole:

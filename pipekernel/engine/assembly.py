@@ -24,7 +24,8 @@ from pipekernel.comm.transport import require_lanes
 from pipekernel.engine.faults import check_consistency
 from pipekernel.engine.sentinel import check_every_option
 from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
-from pipekernel.errors import ConfigError
+from pipekernel.engine.recompute_option import resolve_recompute
+from pipekernel.errors import ConfigError, positive_int
 from pipekernel.extend.manager import resolve_schedule
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.mesh import build_grid
@@ -41,7 +42,7 @@ from pipekernel.model.partitioning import PartitionContext, PartitionReport
 from pipekernel.model.skip_routing import check_schedules, router_for
 
 __all__ = ["Options", "Layout", "Parts", "Stage", "Assembly", "check_options",
-           "choose_layout", "agree", "partition", "build_stage", "require_layout_lanes"]
+           "choose_layout", "check_recompute", "agree", "partition", "build_stage", "require_layout_lanes"]
 
 _partition_log = logging.getLogger("pipekernel.partition")
 _plan_log = logging.getLogger("pipekernel.plan")
@@ -68,6 +69,9 @@ class Options:
     lr_scheduler: Any
     parallel: ParallelConfig
     seq_chunks: int = 1
+    #: the engine's ``recompute`` as given (``None``: the plan's or the module's)
+    recompute: Any = None
+    offload: Any = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,9 @@ class Layout:
     placement: str
     micro_batches: int
     plan: Plan | None
+    #: per stage, its activation checkpoint interval (``0``: none; see
+    #: :mod:`pipekernel.engine.recompute_option`)
+    recompute: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,11 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
                                  tensor_parallel_size=tp, zero_stage=parallel.zero_stage,
                                  rank=rank)
     plan = None
+    # the engine's recompute wins; else the plan's; else the module's interval everywhere
+    fixed = None if options.recompute is None else resolve_recompute(
+        options.recompute, num_stages, module.activation_checkpoint_interval)
+    recompute = fixed or resolve_recompute(None, num_stages,
+                                           module.activation_checkpoint_interval)
     if is_auto(schedule):
         if options.seq_chunks != 1:
             raise ConfigError(f"seq_chunks={options.seq_chunks!r} with schedule='auto': "
@@ -188,13 +200,13 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
                               "chooses the chunks", hint="give the chunks to try as "
                               "schedule=pk.auto(chunks=[1, 2])", rank=rank)
         plan = _auto_plan(module, schedule, num_stages, micro_batches, optimizer, pm, transport,
-                          parallel.expert_parallel_size, topology)
+                          parallel.expert_parallel_size, topology, fixed)
         schedule, chunks = plan.schedule, plan.chunks  # the batch stays the user's
+        recompute = plan.recompute or recompute
+    check_recompute(module, recompute, options.seq_chunks, rank)
     schedule_cls = sequence_schedule(resolve_schedule(pm, schedule), options.seq_chunks,
                                      module, rank)
-    chosen = schedule_cls.default_chunks if chunks is None else chunks
-    if not isinstance(chosen, int) or isinstance(chosen, bool) or chosen < 1:
-        raise ConfigError(f"chunks must be a positive int, got {chunks!r}",
+    chosen = positive_int("chunks", schedule_cls.default_chunks if chunks is None else chunks,
                           hint="e.g. chunks=2 with schedule='interleaved'")
     placement = schedule_cls.placement
     schedule_cls(num_stages, 0, micro_batches, chosen)  # its own clear errors
@@ -203,7 +215,28 @@ def choose_layout(module: PipelineModule, optimizer: Any, micro_batches: int,
     if not hasattr(transport, "open_lanes"):  # fail before partitioning
         require_layout_lanes(transport, options.transport, num_stages, chosen, placement, [])
     eval_cls = eval_schedule_for(resolve_schedule(pm, options.eval_schedule), placement, chosen)
-    return Layout(topology, schedule_cls, eval_cls, chosen, placement, micro_batches, plan)
+    return Layout(topology, schedule_cls, eval_cls, chosen, placement, micro_batches, plan,
+                  recompute)
+
+
+def check_recompute(module: Any, recompute: tuple[int, ...], seq_chunks: int,
+                    rank: int) -> None:
+    """Refuse recomputation where it cannot run: with skip connections (a recompute would
+    stash again) and with sequence chunks (it runs without the key/value prefix)."""
+    if not any(recompute):
+        return
+    if getattr(module, "activation_checkpoint_interval", 0):
+        return  # the module's own interval is checked where it is set
+    on = [s for s, k in enumerate(recompute) if k]
+    if getattr(module, "skip_names", None):
+        raise ConfigError(f"recompute on stage(s) {on} with skip connections "
+                          f"({sorted(module.skip_names)}): a recompute would stash again",
+                          rank=rank, hint="use recompute=None/0 with pk.stash/pk.pop")
+    if seq_chunks != 1:
+        raise ConfigError(f"recompute on stage(s) {on} with seq_chunks={seq_chunks}: the "
+                          "recompute runs outside its chunk, without the key/value prefix",
+                          rank=rank, hint="pass recompute=0 with seq_chunks (the chunks cut "
+                                          "the activations instead), or seq_chunks=1")
 
 
 def sequence_schedule(schedule_cls: Any, seq_chunks: Any, module: Any, rank: int) -> Any:
@@ -212,9 +245,8 @@ def sequence_schedule(schedule_cls: Any, seq_chunks: Any, module: Any, rank: int
     cannot take a key/value prefix says why in ``module.sequence_chunks_refused``)."""
     if seq_chunks == 1:
         return schedule_cls
-    if not isinstance(seq_chunks, int) or isinstance(seq_chunks, bool) or seq_chunks < 1:
-        raise ConfigError(f"seq_chunks must be a positive int, got {seq_chunks!r}",
-                          hint="e.g. seq_chunks=4 (1: whole sequences)", rank=rank)
+    positive_int("seq_chunks", seq_chunks, hint="e.g. seq_chunks=4 (1: whole sequences)",
+                 rank=rank)
     if schedule_cls.name != OneFOneB.name:
         raise ConfigError(f"seq_chunks={seq_chunks} with schedule {schedule_cls.name!r}: "
                           f"sequence chunks run under 1F1B only (Seq1F1B)", rank=rank,
@@ -233,14 +265,14 @@ def sequence_schedule(schedule_cls: Any, seq_chunks: Any, module: Any, rank: int
 
 def _auto_plan(module: PipelineModule, request: Any, num_stages: int, micro_batches: int,
                optimizer: Any, pm: Any, transport: Any, expert_parallel_size: int,
-               topology: Topology) -> Plan:
+               topology: Topology, recompute: tuple[int, ...] | None) -> Plan:
     """Profile and search (every rank, the same plan; see :mod:`pipekernel.engine.planner`)."""
     plan = plan_module(module, request if isinstance(request, Auto) else Auto(),
                        num_stages=num_stages, micro_batches=micro_batches, pm=pm,
                        transport=transport, device=transport.device,
                        optimizer=_factory(optimizer),
                        expert_parallel_size=expert_parallel_size, topology=topology,
-                       runs=micro_batches)
+                       runs=micro_batches, recompute=recompute)
     check_consistency(transport, plan.fields(), "plan (schedule='auto')")
     if transport.rank == 0:
         print(plan.announce(), file=sys.stderr, flush=True)
@@ -292,6 +324,7 @@ def agree(module: PipelineModule, layout: Layout, options: Options, transport: A
               "nonfinite": options.nonfinite, "check_data_steps": options.check_data_steps,
               "check_every": options.check_every, "verify_every": options.verify_every,
               "loss_reduction": options.loss_reduction, **options.parallel.fields(),
+              "recompute": list(layout.recompute),
               "skip connections": sorted(module.skip_names.items())}
     check_consistency(transport, fields)
 
@@ -359,7 +392,12 @@ def build_stage(module: PipelineModule, layout: Layout, parts: Parts, options: O
                                           lanes=min(chunks, 2))
     positions = parts_of(stage, num_stages, chunks, layout.placement)
     with expert_parallel.context(ep_group):
-        built = module.build_stage(stage, parts.bounds, positions).to(transport.device)
+        # the engine's interval only where it differs from the module's: a subclass
+        # overriding build_stage without the argument keeps working
+        interval = layout.recompute[stage] if layout.recompute else None
+        extra = {} if interval in (None, module.activation_checkpoint_interval) else \
+            {"activation_checkpoint_interval": interval}
+        built = module.build_stage(stage, parts.bounds, positions, **extra).to(transport.device)
     router = router_for(module, parts.bounds, built, positions, stage)
     edges = router.edges if router is not None else []
     # after the agreement: opening lanes is collective, every rank opens as many

@@ -10,6 +10,7 @@ runtime, the batch step and the kernel over both's handlers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,48 +19,30 @@ from pipekernel.engine.assembly import (Assembly, Layout, Options, Parts, Stage,
                                         build_stage, check_max_grad_norm, choose_layout,
                                         partition)
 from pipekernel.engine.parallelize import check_stage_parallel
-from pipekernel.extend.views import Placed
+from pipekernel.engine.fields import StageFields
 from pipekernel.errors import ConfigError
 from pipekernel.extend.manager import make_precision
 from pipekernel.grid import expert_parallel
 from pipekernel.kernel.loop import Kernel
 from pipekernel.schedules import instructions as isa
 from pipekernel.model.module import PipelineModule
+from pipekernel.stage.offload import make_offload
 from pipekernel.stage.runtime import StageRuntime
 from pipekernel.step.expert_reduce import ExpertGradReducer, ReducerPair
-from pipekernel.step.grad_reduce import GradReducer
+from pipekernel.step.grad_reduce import GradReducer, settled_parameters
 from pipekernel.step.optimizer_step import BatchStep
 
 __all__ = ["assemble", "StageBuild", "build_step", "make_optimizer", "make_lr_scheduler"]
 
 
 @dataclass(frozen=True)
-class StageBuild(Placed):
+class StageBuild(StageFields):
     """What the hook ``pipekernel_parallelize_stage`` gets as ``engine``: the engine being
     built once its stage exists (a :class:`pipekernel.plugin.StageView`; the optimizer,
-    the runtime and the counters do not exist yet)."""
+    the runtime and the counters do not exist yet): the engine's own members
+    (:class:`~pipekernel.engine.fields.StageFields`) over the parts built so far."""
 
-    pipeline_module: PipelineModule
-    pm: Any
-    transport: Any
-    topology: Any
-    parallel: Any
-    grid: Any
-    mesh: Any
-    module: Any
-    precision: Any
-    ep_group: Any
-    schedule_cls: Any
-    eval_schedule_cls: Any
-    chunks: int
-    placement: str
-    micro_batches: int
-    bounds: list[int]
-    part_stages: list[int]
-
-    @property
-    def schedule(self) -> str:
-        return self.schedule_cls.name
+    _assembly: SimpleNamespace
 
 
 def assemble(module: PipelineModule, optimizer: Any, micro_batches: int, options: Options,
@@ -83,10 +66,9 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     data_group, data_ranks = stage.grid.data  # replicas x shards
     tied_groups = make_tied_groups(module, parts, topology, transport)
     sync_parameters(stage, tied_groups, topology, transport, data_group, data_ranks)
-    build = StageBuild(module, pm, transport, topology, options.parallel, stage.grid,
-                       stage.mesh, stage.module, precision, stage.ep_group,
-                       layout.schedule_cls, layout.eval_schedule_cls, layout.chunks,
-                       layout.placement, layout.micro_batches, parts.bounds, parts.part_stages)
+    build = StageBuild(SimpleNamespace(pipeline_module=module, pm=pm, transport=transport,
+                                       precision=precision, options=options, layout=layout,
+                                       parts=parts, stage=stage))
     # before the precision and the optimizer see the parameters (FSDP2, DTensor)
     pm.hook.pipekernel_parallelize_stage(module=stage.module, mesh=stage.mesh, engine=build)
     stage_parallel = check_stage_parallel(build)
@@ -101,8 +83,7 @@ def build_step(module: PipelineModule, optimizer: Any, options: Options, pm: Any
     built = make_optimizer(optimizer, build, data_group)
     scheduler = make_lr_scheduler(options.lr_scheduler, built)
     runtime, batch_step, kernel = build_kernel(
-        module, options, layout, stage, precision, transport, pm,
-        backward_callbacks(grad_reducer, stage_parallel), stage_parallel,
+        module, options, layout, stage, precision, transport, pm, stage_parallel,
         dict(optimizer=built, lr_scheduler=scheduler, tied_groups=tied_groups,
              tied_reducers=tied_reducers, grad_reducer=grad_reducer))
     return Assembly(module, pm, transport, options, layout, parts, stage, precision,
@@ -179,30 +160,19 @@ def make_reducers(stage: Stage, precision: Any, tied_groups: dict, topology: Any
     return tied_reducers, reducer
 
 
-def backward_callbacks(reducer: Any, sharded: Any) -> dict[str, Any]:
-    """What the runtime calls around the stage's last backward of the batch (the
-    data-parallel reducer's overlap; FSDP2's timing is instructions of the program) and
-    the parameters autograd holds under FSDP2."""
-    callbacks: dict[str, Any] = {}
-    if sharded is not None:
-        callbacks["params_of"] = sharded.autograd_params
-    if reducer is not None and reducer.bucket_bytes > 0:
-        callbacks["after_last_backward"] = reducer.backward_done
-        callbacks["before_last_backward"] = lambda settled: reducer.arm(final=settled)
-    return callbacks
-
-
 def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage: Stage,
-                 precision: Any, transport: Any, pm: Any, callbacks: dict[str, Any],
-                 sharded: Any, step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
+                 precision: Any, transport: Any, pm: Any, sharded: Any,
+                 step: dict[str, Any]) -> tuple[StageRuntime, BatchStep, Kernel]:
     """The stage runtime (which records the batch's losses and token counts), the batch
-    step (which reads them) and the kernel over both's handlers (and FSDP2's,
-    ``sharded``)."""
+    step (which reads them) and the kernel over both's handlers, FSDP2's (``sharded``) and
+    the data-parallel reducer's (``step["grad_reducer"]``)."""
     topology = layout.topology
     tokens = options.loss_reduction == "tokens" and module.loss_fn is not None
+    offload = make_offload(options.offload, transport.device, topology.stage)
     runtime = StageRuntime(stage.module, topology, transport, module.loss_fn, precision,
                            chunks=layout.chunks, placement=layout.placement,
-                           skips=stage.skip_router, tokens=tokens, **callbacks)
+                           skips=stage.skip_router, tokens=tokens, offload=offload,
+                           params_of=sharded.autograd_params if sharded is not None else None)
     batch_step = BatchStep(
         module=stage.module, precision=precision, transport=transport, topology=topology,
         max_grad_norm=options.max_grad_norm, nonfinite=options.nonfinite, tokens=tokens,
@@ -210,6 +180,8 @@ def build_kernel(module: PipelineModule, options: Options, layout: Layout, stage
         losses=runtime.loss_keeper.recorded, **step)
     handlers = {**runtime.handlers(), **batch_step.handlers(),
                 **(sharded_handlers(sharded) if sharded is not None else {}),
+                **(reducer_handlers(step["grad_reducer"], stage.module)
+                   if topology.data_size > 1 else {}),
                 **plugin_handlers(pm, runtime)}
     kernel = Kernel(handlers, hook=pm.hook, rank=transport.rank, stage=topology.stage,
                     enter=runtime.enter)
@@ -220,6 +192,33 @@ def sharded_handlers(sharded: Any) -> dict[type, Any]:
     """The handlers of FSDP2's instructions (:mod:`pipekernel.schedules.sharded`)."""
     return {isa.Unshard: sharded.unshard, isa.Reshard: lambda _: sharded.reshard(),
             isa.ReduceShardedGrads: lambda _: sharded.reduce_grads()}
+
+
+def reducer_handlers(reducer: Any, module: Any) -> dict[type, Any]:
+    """The handlers of the data-parallel reducer's arm and launch points
+    (:mod:`pipekernel.schedules.data_parallel`), on every replicated stage so that every
+    rank dispatches the same classes (the monitor adds their times up over ranks); a stage
+    with nothing to reduce (``None``) has none in its programs. Arming for the last
+    backward of ``chunk`` counts the parameters of the stage's other chunks as final
+    (:func:`~pipekernel.step.grad_reduce.settled_parameters`, worked out once per chunk)."""
+    if reducer is None:
+        return {isa.ArmGradReduce: _nothing, isa.LaunchGradReduce: _nothing}
+    settled: dict[int, list] = {}
+
+    def arm(instruction: isa.ArmGradReduce) -> None:
+        final = settled.get(instruction.chunk)
+        if final is None:
+            part = getattr(module, "part", None)  # a chunked module's parts; else itself
+            parts = [list(part(c).parameters()) if part is not None else
+                     list(module.parameters()) for c in range(getattr(module, "num_parts", 1))]
+            final = settled[instruction.chunk] = settled_parameters(instruction.chunk, parts)
+        reducer.arm(final=final)
+
+    return {isa.ArmGradReduce: arm, isa.LaunchGradReduce: lambda _: reducer.backward_done()}
+
+
+def _nothing(instruction: isa.Instruction) -> None:
+    """A handler that does nothing (a class this stage never runs)."""
 
 
 def plugin_handlers(pm: Any, runtime: Any) -> dict[type, Any]:

@@ -66,15 +66,16 @@ import os
 import random
 import shutil
 import uuid
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipekernel.engine import checkpoint_dcp
-from pipekernel.engine.checkpoint_layout import (MASTERS, _log, agree, apply_rank_state,
-                                                 attempt, check_model, has_state, layout,
-                                                 local_layers, same_layout)
+from pipekernel.engine.checkpoint_layout import (MASTERS, _log, apply_rank_state,
+                                                 on_every_rank, check_model, has_state, layout,
+                                                 loaded, local_layers, same_layout)
 from pipekernel.grid import expert_parallel
 from pipekernel.engine.checkpoint_files import (FORMAT_VERSION, LAYER_FORMAT_VERSION,
                                                 _fsync_dir, _read_layer, _read_rank,
@@ -296,9 +297,7 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
             os.mkdir(tmp)
         return layers, mine, meta
 
-    prepared, error = attempt(prepare)
-    agree(transport, _wrap(error, root, "prepare"), rank)
-    layers, mine, meta = prepared
+    layers, mine, meta = on_every_rank(transport, prepare, wrap=partial(_wrap, root, "prepare"))
 
     def write() -> None:
         if meta is not None:
@@ -307,17 +306,15 @@ def save(engine: EngineView, root: str | os.PathLike, tag: str | None = None,
             _write_file(os.path.join(tmp, layer_file(index)), payload)
         _write_file(os.path.join(tmp, rank_file(rank)), mine)
 
-    _, error = attempt(write)
-    agree(transport, _wrap(error, root, "write"), rank)
-
-    _, error = attempt(lambda: _publish(root, tag, tmp, final) if rank == 0 else None)
-    agree(transport, _wrap(error, root, "publish"), rank)
+    on_every_rank(transport, write, wrap=partial(_wrap, root, "write"))
+    on_every_rank(transport, lambda: _publish(root, tag, tmp, final) if rank == 0 else None,
+                  wrap=partial(_wrap, root, "publish"))
     return final
 
 
-def _wrap(error: BaseException | None, root: str, phase: str) -> BaseException | None:
+def _wrap(root: str, phase: str, error: BaseException) -> BaseException:
     """An ``OSError`` becomes a ``ConfigError`` saying what could not be written and why."""
-    if error is None or isinstance(error, PipelineError):
+    if isinstance(error, PipelineError):
         return error
     if isinstance(error, OSError):
         reason = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
@@ -356,8 +353,7 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
     """
     root = os.fspath(root)
     rank, transport, trust = engine.rank, engine.transport, bool(trust_checkpoint)
-    found, error = attempt(read_meta, root, tag)
-    agree(transport, error, rank)
+    found = on_every_rank(transport, read_meta, root, tag)
     if checkpoint_dcp.is_dcp(found[1]):  # a DCP directory (written before issue 45)
         return checkpoint_dcp.load(engine, root, tag, *found, trust=trust)
     if checkpoint_dcp.sharded(engine):  # DTensor stages: shards cut from whole tensors
@@ -380,21 +376,12 @@ def load(engine: EngineView, root: str | os.PathLike, tag: str | None = None, *,
         mine = _read_rank(directory, rank if exact else 0, trust)
         return directory, meta, payloads, mine, exact
 
-    result, error = attempt(read)
-    agree(transport, error, rank)
-    directory, meta, payloads, mine, exact = result
-
-    _, error = attempt(_apply, engine, local, payloads, mine, exact, meta)
-    agree(transport, error, rank)
-    tag_name = os.path.basename(directory)
+    directory, meta, payloads, mine, exact = on_every_rank(transport, read)
+    on_every_rank(transport, _apply, engine, local, payloads, mine, exact, meta)
     _log.info("rank %d loaded checkpoint %s (step %d%s)", rank, directory, meta["global_steps"],
               "" if exact else f", reshaped from {meta['topology']['num_stages']} stages x "
                                f"{meta['topology']['data_parallel_size']} replicas")
-    return {"directory": directory, "tag": tag_name, "global_steps": meta["global_steps"],
-            "skipped_steps": meta["skipped_steps"],
-            "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"),
-            "exact": exact, "meta": meta}
+    return loaded(engine, directory, meta, mine, exact)
 
 
 def resume(engine: EngineView, root: str | os.PathLike, *,
@@ -413,9 +400,8 @@ def resume(engine: EngineView, root: str | os.PathLike, *,
     :raises DataError: ``latest`` names a missing or truncated checkpoint.
     """
     root = os.fspath(root)
-    tag, error = attempt(lambda: latest_tag(root)
-                          if os.path.exists(os.path.join(root, "latest")) else None)
-    agree(engine.transport, error, engine.rank)
+    tag = on_every_rank(engine.transport, lambda: latest_tag(root) if os.path.exists(
+        os.path.join(root, "latest")) else None)
     try:
         check_consistency(engine.transport, {"latest": tag},
                           f"view of the checkpoints under {root}")

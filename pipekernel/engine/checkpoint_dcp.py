@@ -45,15 +45,16 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 
 from pipekernel.engine import checkpoint_data
 from pipekernel.engine.checkpoint_files import _read_layer, _read_rank
-from pipekernel.engine.checkpoint_layout import (MASTERS, _log, agree, apply_rank_state,
-                                                 attempt, check_model, has_state, layout,
-                                                 local_layers, same_layout)
+from pipekernel.engine.checkpoint_layout import (MASTERS, _log, apply_rank_state,
+                                                 on_every_rank, check_model, has_state, layout,
+                                                 loaded, local_layers, same_layout)
 from pipekernel.errors import ConfigError, DataError, PipelineError
 from pipekernel.grid import expert_parallel
 
@@ -329,24 +330,18 @@ def load(engine: Any, root: str, tag: str | None, directory: str, meta: dict, *,
         check_engine(engine, "load_checkpoint")
         return _read(engine, directory, meta, trust)
 
-    result, error = attempt(read)
-    agree(transport, error, rank)
-    mine, exact = result
+    mine, exact = on_every_rank(transport, read)
     # collective (DCP agrees on its read plan and raises on every rank itself)
-    _, error = attempt(_load_tensors, engine, directory, trust)
-    agree(transport, _read_error(error, directory), rank)
-    _, error = attempt(_apply_counters, engine, mine, exact, meta)
-    agree(transport, error, rank)
+    on_every_rank(transport, _load_tensors, engine, directory, trust,
+                  wrap=partial(_read_error, directory))
+    on_every_rank(transport, _apply_counters, engine, mine, exact, meta)
     _log.info("rank %d loaded DCP checkpoint %s (step %d%s)", rank, directory,
                     meta["global_steps"], "" if exact else ", another layout")
-    return {"directory": directory, "tag": os.path.basename(directory),
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}
+    return loaded(engine, directory, meta, mine, exact)
 
 
-def _read_error(error: BaseException | None, directory: str) -> BaseException | None:
-    if error is None or isinstance(error, (ConfigError, DataError)):
+def _read_error(directory: str, error: BaseException) -> BaseException:
+    if isinstance(error, (ConfigError, DataError)):
         return error
     return DataError(f"cannot read the DCP checkpoint {directory}/{DCP_DIR}: "
                      f"{type(error).__name__}: {error}",
@@ -384,7 +379,7 @@ def load_layer_files(engine: Any, directory: str, meta: dict, *,
     (:func:`_set_full`); at the layout saved (the same stages, replicas, shards, tp, chunks
     and bounds) every rank reads its own rank file and RNG states, so the resume is
     bit-exact, as for unsharded stages."""
-    rank, transport = engine.rank, engine.transport
+    transport = engine.transport
 
     def read() -> tuple[dict, bool, dict]:
         check_engine(engine, "load_checkpoint")
@@ -393,17 +388,10 @@ def load_layer_files(engine: Any, directory: str, meta: dict, *,
         needed = sorted({index for _, index, layer in local if has_state(layer)})
         return mine, exact, {i: _read_layer(directory, meta, i, trust) for i in needed}
 
-    result, error = attempt(read)
-    agree(transport, error, rank)
-    mine, exact, payloads = result
-    _, error = attempt(_set_full, engine, payloads)
-    agree(transport, error, rank)
-    _, error = attempt(_apply_counters, engine, mine, exact, meta)
-    agree(transport, error, rank)
-    return {"directory": directory, "tag": os.path.basename(directory),
-            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
-            "data_position": engine.trained_micro_batches,
-            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}
+    mine, exact, payloads = on_every_rank(transport, read)
+    on_every_rank(transport, _set_full, engine, payloads)
+    on_every_rank(transport, _apply_counters, engine, mine, exact, meta)
+    return loaded(engine, directory, meta, mine, exact)
 
 
 def _set_full(engine: Any, payloads: dict[int, dict]) -> None:
@@ -445,7 +433,7 @@ def load_sequential(directory: str, meta: dict, module: Any, *,
             _dcp(checkpoint_data.dcp_load, state, os.path.join(directory, DCP_DIR), trust,
                  no_dist=True)
     except Exception as err:  # noqa: BLE001 - DCP raises many types for a bad directory
-        raise (_read_error(err, directory) or err) from err
+        raise _read_error(directory, err) from err
     with torch.no_grad():
         for index, layer in layers:
             prefix = f"model.{index}."

@@ -111,22 +111,27 @@ def read_meta(root: str, tag: str | None = None) -> tuple[str, dict[str, Any]]:
     return directory, meta
 
 
-def _read_layer(directory: str, meta: dict, index: int, trust: bool = False) -> dict[str, Any]:
-    """Layer ``index``'s file, as data only unless ``trust``
-    (:mod:`pipekernel.engine.checkpoint_data`)."""
-    name = layer_file(index)
-    path = os.path.join(directory, name)
-    what = meta["layers"][index]["type"]
+def _load(directory: str, path: str, what: str, trust: bool) -> Any:
+    """The file ``path`` of the checkpoint ``directory``, as data only unless ``trust``
+    (:mod:`pipekernel.engine.checkpoint_data`); missing, truncated or corrupt: a
+    ``DataError`` naming it and ``what`` it holds."""
     try:
-        payload = load_file(path, path, trust=trust)
+        return load_file(path, path, trust=trust)
     except PipelineError:
         raise
     except FileNotFoundError:
-        raise DataError(f"checkpoint file {path} for layer {index} ({what}) is missing",
+        raise DataError(f"checkpoint file {path} {what} is missing",
                         hint=_older(directory, incomplete=True)) from None
     except Exception as err:  # noqa: BLE001 - torch raises many types for a bad zip
-        raise DataError(f"checkpoint file {path} for layer {index} ({what}) is truncated "
-                        f"or corrupt: {err}", hint=_older(directory)) from err
+        raise DataError(f"checkpoint file {path} {what} is truncated or corrupt: {err}",
+                        hint=_older(directory)) from err
+
+
+def _read_layer(directory: str, meta: dict, index: int, trust: bool = False) -> dict[str, Any]:
+    """Layer ``index``'s file, as data only unless ``trust``."""
+    path = os.path.join(directory, layer_file(index))
+    payload = _load(directory, path, f"for layer {index} ({meta['layers'][index]['type']})",
+                    trust)
     if not isinstance(payload, dict) or payload.get("layer") != index:
         raise DataError(f"checkpoint file {path} does not hold layer {index}",
                         hint="the checkpoint directory was modified by hand")
@@ -161,17 +166,8 @@ def _check_layer_payload(path: str, payload: dict, shapes: dict | None) -> None:
 def _read_rank(directory: str, rank: int, trust: bool = False) -> dict[str, Any]:
     """Rank ``rank``'s file, as data only unless ``trust``."""
     path = os.path.join(directory, rank_file(rank))
-    try:
-        payload = load_file(path, path, trust=trust)
-    except PipelineError:
-        raise
-    except FileNotFoundError:
-        raise DataError(f"checkpoint file {path} (rank {rank}'s RNG, precision and "
-                        f"scheduler state) is missing",
-                        hint=_older(directory, incomplete=True)) from None
-    except Exception as err:  # noqa: BLE001
-        raise DataError(f"checkpoint file {path} (rank {rank}'s state) is truncated or "
-                        f"corrupt: {err}", hint=_older(directory)) from err
+    payload = _load(directory, path, f"(rank {rank}'s RNG, precision and scheduler state)",
+                    trust)
     _check_rank_payload(path, rank, payload)
     return payload
 

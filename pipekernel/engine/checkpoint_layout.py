@@ -6,8 +6,9 @@ file's counters, LR scheduler and RNG states put back."""
 from __future__ import annotations
 
 import logging
+import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from pipekernel.comm.agreement import raise_on_every_rank
 from pipekernel.errors import ConfigError
 
-__all__ = ["MASTERS", "local_layers", "has_state", "agree", "attempt", "layout",
+__all__ = ["MASTERS", "local_layers", "has_state", "on_every_rank", "layout",
            "same_layout", "check_model", "restore_rng", "apply_rank_state"]
 
 _log = logging.getLogger("pipekernel.engine.checkpoint")
@@ -43,19 +44,18 @@ def has_state(layer: nn.Module) -> bool:
     return len(layer.state_dict()) > 0
 
 
-def agree(transport: Any, error: BaseException | None, rank: int) -> None:
-    """Raise on every rank if any rank has ``error`` (the lowest failing rank's error,
-    with its rank); return normally when all succeeded
-    (:func:`pipekernel.comm.agreement.raise_on_every_rank`)."""
+def on_every_rank(transport: Any, fn: Any, *args: Any,
+                  wrap: Callable[[BaseException], BaseException | None] | None = None) -> Any:
+    """``fn(*args)`` here, then agreement: if any rank's ``fn`` failed, every rank raises
+    the lowest failing rank's error (through ``wrap``, where given), with its rank
+    (:func:`pipekernel.comm.agreement.raise_on_every_rank`); else ``fn``'s result."""
+    try:
+        result, error = fn(*args), None
+    except Exception as err:  # noqa: BLE001 - every error travels to every rank
+        result, error = None, wrap(err) if wrap is not None else err
     raise_on_every_rank(transport, error, hint="look at this rank's traceback above: its "
                         "checkpoint step failed there; every rank stopped with it")
-
-
-def attempt(fn: Any, *args: Any) -> tuple[Any, BaseException | None]:
-    try:
-        return fn(*args), None
-    except Exception as err:  # noqa: BLE001 - every error travels to every rank
-        return None, err
+    return result
 
 
 def layout(engine: Any) -> dict[str, Any]:
@@ -130,3 +130,12 @@ def apply_rank_state(engine: Any, mine: dict, exact: bool, meta: dict) -> None:
                                          meta["global_steps"] * engine.micro_batches)))
     if exact:
         restore_rng(engine, mine["rng"])
+
+
+def loaded(engine: Any, directory: str, meta: dict, mine: dict, exact: bool) -> dict[str, Any]:
+    """What ``load_checkpoint`` returns, whichever format was read (the keys:
+    :func:`pipekernel.engine.checkpoint.load_checkpoint`)."""
+    return {"directory": directory, "tag": os.path.basename(directory),
+            "global_steps": meta["global_steps"], "skipped_steps": meta["skipped_steps"],
+            "data_position": engine.trained_micro_batches,
+            "client_state": mine.get("client_state"), "exact": exact, "meta": meta}

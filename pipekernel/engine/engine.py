@@ -148,6 +148,19 @@ class PipelineEngine(EngineFields):
         (:func:`pipekernel.sequence_chunk`): less activation memory and a smaller bubble
         for long sequences. The model's attention must read the prefix
         (``docs/sequences.md``); ``eval_batch`` runs whole sequences. Default 1.
+    :param recompute: activation recomputation per stage: an int ``k >= 0`` for every
+        stage or one per stage (``0``: keep every activation; ``1``: recompute every layer
+        from its input; ``k``: every run of ``k`` layers), or ``"none"`` / ``"all"``. It
+        wins over the module's ``activation_checkpoint_interval``, which is the default
+        (``None``) on every stage; under ``schedule=pk.auto(memory_budget=...)`` without it,
+        the planner chooses per stage (:mod:`pipekernel.engine.recompute_option`,
+        ``docs/memory.md``). ``engine.recompute`` holds what each stage runs.
+    :param offload: schedule-aware activation offload on CUDA (``True``, or
+        :class:`pipekernel.Offload` with ``min_distance`` and ``prefetch``): the saved
+        activations of micro-batches whose backward is far away in the program move to
+        pinned host memory after their forward and come back ahead of their backward
+        (:mod:`pipekernel.stage.offload`, ``docs/memory.md``). ``None`` (default): off. On
+        a CPU stage a ``ConfigError``, unless ``Offload(mover=...)`` brings its own mover.
 
     ``engine.mesh`` is the :class:`~torch.distributed.device_mesh.DeviceMesh` with the dims
     ``("pp", "dp_replicate", "dp_shard", "tp")`` (:mod:`pipekernel.grid.mesh`; ``None``
@@ -174,7 +187,7 @@ class PipelineEngine(EngineFields):
                  partition_activations: Any = None, zero_stage: int = 0,
                  data_parallel_shard: int = 1, reshard_after_forward: bool = False,
                  expert_parallel_size: int = 1, tensor_parallel_plan: Any = None,
-                 seq_chunks: int = 1) -> None:
+                 seq_chunks: int = 1, recompute: Any = None, offload: Any = None) -> None:
         if not isinstance(module, PipelineModule):
             raise ConfigError(f"module must be a PipelineModule, got {type(module).__name__}",
                               hint="wrap your layers: PipelineModule([LayerSpec(...), ...])")
@@ -203,7 +216,7 @@ class PipelineEngine(EngineFields):
                 check_every=check_every, verify_every=verify_every,
                 loss_reduction=loss_reduction, grad_bucket_mb=grad_bucket_mb,
                 max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
-                seq_chunks=seq_chunks,
+                seq_chunks=seq_chunks, recompute=recompute, offload=offload,
                 parallel=ParallelConfig.make(tensor_parallel_size, rank_order,
                                              partition_activations, zero_stage,
                                              data_parallel_shard, reshard_after_forward,

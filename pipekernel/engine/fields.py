@@ -1,7 +1,8 @@
 """The engine's attributes: read-only properties over its frozen
 :class:`~pipekernel.engine.assembly.Assembly` and read-write ones over its
 :class:`~pipekernel.engine.state.RunState` (what :class:`pipekernel.plugin.EngineView`
-documents, and the internals the engine's own modules read)."""
+documents, and the internals the engine's own modules read); the stage's part also serves
+the :class:`~pipekernel.engine.assembly_step.StageBuild` the stage-parallel hook sees."""
 from __future__ import annotations
 
 from operator import attrgetter
@@ -9,7 +10,7 @@ from typing import Any
 
 from pipekernel.extend.views import Placed
 
-__all__ = ["EngineFields"]
+__all__ = ["StageFields", "EngineFields"]
 
 
 def _read(path: str, doc: str | None = None) -> property:
@@ -37,14 +38,13 @@ def _run_state(name: str, doc: str | None = None) -> property:
                     lambda self, value: setattr(self.state, name, value), doc=doc)
 
 
-class EngineFields(Placed):
-    """What an engine is built of (``self._assembly``) and what changes as it runs
-    (``self.state``), as attributes; the place (``rank``, ``stage``, ...) from ``topology``."""
+class StageFields(Placed):
+    """The members of :class:`pipekernel.plugin.StageView`, read from ``self._assembly``
+    (an Assembly, or a StageBuild's parts so far); the place from ``topology``."""
 
     _assembly: Any
-    state: Any
 
-    # -- what it is built of (read-only; the contract is pipekernel.plugin.EngineView) ---
+    # read-only; the contract is pipekernel.plugin.StageView
     pipeline_module = _read("pipeline_module", "The user's PipelineModule.")
     pm = _read("pm", "The engine's plugin manager (its own plugins).")
     transport = _read("transport")
@@ -52,11 +52,9 @@ class EngineFields(Placed):
     topology = _read("layout.topology", "This rank's Topology.")
     schedule_cls, eval_schedule_cls = _read("layout.schedule_cls"), _read("layout.eval_schedule_cls")
     chunks, placement = _read("layout.chunks"), _read("layout.placement")
-    plan = _read("layout.plan", "The Plan schedule='auto' chose (else None).")
+    micro_batches = _read("layout.micro_batches", "Micro-batches at construction.")
     part_stages = _read("parts.part_stages", "Which stage holds each part.")
     bounds = _read("parts.bounds")
-    partition_report = _read("parts.partition_report", "Layers, parameters, cost and memory "
-                             "per stage, and the imbalance (same on every rank).")
     grid = _read("stage.grid", "This rank's groups and the mesh (pipekernel.grid.mesh).")
     mesh = property(lambda self: _open_mesh(self._assembly),
                     doc="The DeviceMesh (dims ('pp', 'dp_replicate', 'dp_shard', 'tp')), or "
@@ -64,8 +62,27 @@ class EngineFields(Placed):
                         "close() a ConfigError (its groups are destroyed).")
     ep_group = _read("stage.ep_group")
     module = _read("stage.module", "This stage's layers (a StageModule).")
-    skip_router, skip_edges = _read("stage.skip_router"), _read("stage.skip_edges")
     parallel = _read("options.parallel")
+
+    @property
+    def schedule(self) -> str:
+        """The training schedule's name."""
+        return self.schedule_cls.name
+
+
+class EngineFields(StageFields):
+    """What an engine is built of (``self._assembly``) and what changes as it runs
+    (``self.state``), as attributes."""
+
+    state: Any
+
+    # -- the rest of what it is built of (read-only; the contract is EngineView) --------
+    plan = _read("layout.plan", "The Plan schedule='auto' chose (else None).")
+    recompute = _read("layout.recompute", "Per stage, its activation checkpoint interval "
+                      "(0: none): the engine's recompute, the plan's or the module's.")
+    partition_report = _read("parts.partition_report", "Layers, parameters, cost and memory "
+                             "per stage, and the imbalance (same on every rank).")
+    skip_router, skip_edges = _read("stage.skip_router"), _read("stage.skip_edges")
     nonfinite, check_data_steps = _read("options.nonfinite"), _read("options.check_data_steps")
     loss_reduction, max_grad_norm = _read("options.loss_reduction"), _read("options.max_grad_norm")
     grad_bucket_mb = _read("options.grad_bucket_mb")
@@ -98,11 +115,6 @@ class EngineFields(Placed):
         state = self.state
         state.global_steps, state.skipped_steps = global_steps, skipped_steps
         state.trained_micro_batches = trained_micro_batches
-
-    @property
-    def schedule(self) -> str:
-        """The training schedule's name."""
-        return self.schedule_cls.name
 
     @property
     def instruction_types(self) -> tuple[type, ...]:

@@ -49,11 +49,13 @@ through the plugin manager, never by importing a plugin.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipekernel.engine.all_to_all_cost import overlaps_same_chunk, pair_table
+from pipekernel.engine.recompute_option import format_recompute, resolve_recompute
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
                                      RecvGrad, SendActivation, SendGrad)
@@ -83,6 +85,8 @@ class Auto:
         divide the batch.
     :param sample: one micro-batch of first-stage inputs at the engine's
         ``micro_batches`` (default: the sample of ``partition=pk.profile(sample)``).
+    :param labels: one micro-batch of labels, the same rows (what the last stage loads and
+        the loss saves, counted in its memory); ``None``: labels are not counted.
     :param transfer_s: seconds one activation or gradient transfer takes, beyond the
         measured link (latency the stages do not spend).
     :param measure_link: time the transport's transfers (message cost and bandwidth)
@@ -99,6 +103,7 @@ class Auto:
     chunks: Sequence[int] = (1, 2)
     micro_batches: Sequence[int] | None = None
     sample: Any = None
+    labels: Any = None
     transfer_s: float = 0.0
     measure_link: bool = True
     split_overhead: float = 1.0
@@ -199,6 +204,9 @@ class Candidate:
     #: gradients, optimizer state), ``saved`` and ``buffers`` (see
     #: :mod:`pipekernel.schedules.sim_memory`)
     stage_memory: tuple[Mapping[str, float], ...] = ()
+    #: per stage, its activation checkpoint interval (``0``: none; see
+    #: :mod:`pipekernel.engine.recompute_option`)
+    recompute: tuple[int, ...] = ()
 
     @property
     def peak_bytes(self) -> float | None:
@@ -211,7 +219,12 @@ class Candidate:
         runnable = self.predicted_step_s is not None
         return (not runnable, self.what_if, not self.fits,
                 self.predicted_step_s if runnable else 0.0,
-                self.schedule, self.chunks, self.micro_batches, self.partition)
+                self.schedule, self.chunks, self.micro_batches, self.partition,
+                sum(self.recompute), self.recompute)
+
+    def key(self) -> tuple:
+        """What identifies the pipeline it would run (the plan's choice)."""
+        return self.schedule, self.chunks, self.micro_batches, self.bounds, self.recompute
 
 
 @dataclass(frozen=True)
@@ -236,29 +249,39 @@ class Plan:
     #: the micro-batch count an engine trains (its own; the plan was chosen at it), or
     #: ``None`` where any count could be chosen (``pipekernel plan``)
     runs: int | None = None
+    #: per stage, its activation checkpoint interval (``0``: none)
+    recompute: tuple[int, ...] = ()
+    #: what the prediction leaves out for this model (printed under the plan's header)
+    notes: tuple[str, ...] = ()
 
     def fields(self) -> dict[str, Any]:
         """The choice as plain values (every rank must hold the same)."""
         return {"schedule": self.schedule, "chunks": self.chunks,
-                "micro_batches": self.micro_batches, "bounds": list(self.bounds)}
+                "micro_batches": self.micro_batches, "bounds": list(self.bounds),
+                "recompute": list(self.recompute)}
+
+    def key(self) -> tuple:
+        """What identifies the chosen pipeline (as :meth:`Candidate.key`)."""
+        return self.schedule, self.chunks, self.micro_batches, self.bounds, self.recompute
 
     def announce(self) -> str:
         """One line for the start of a run: what was chosen, and that the batch is the
         user's (with the fastest what-if count, when one is predicted faster)."""
         text = (f"pipekernel: schedule 'auto' chose {self.schedule}, chunks {self.chunks}, "
-                f"partition {self.partition} {list(self.bounds)}, predicted "
+                f"partition {self.partition} {list(self.bounds)}, recompute "
+                f"{format_recompute(self.recompute)}, predicted "
                 f"{1e3 * self.predicted_step_s:.2f} ms/step")
         if self.runs is None:
             return f"{text}, at {self.micro_batches} micro-batches per step"
         text += (f", for your {self.runs} micro-batches per step (auto never changes the "
                  f"batch: each step trains the {self.runs} micro-batches your iterator gives)")
-        faster = [c for c in self.candidates if c.what_if and c.fits
+        faster = [(c.predicted_step_s, c) for c in self.candidates if c.what_if and c.fits
                   and c.predicted_step_s is not None
                   and c.predicted_step_s < self.predicted_step_s]
         if faster:
-            f = min(faster, key=lambda c: c.predicted_step_s)  # type: ignore[arg-type,return-value]
+            seconds, f = min(faster, key=lambda pair: pair[0])
             text += (f"; {f.micro_batches} micro-batches would be predicted "
-                     f"{1e3 * f.predicted_step_s:.2f} ms/step ({f.schedule}, chunks {f.chunks}): "  # type: ignore[operator]
+                     f"{1e3 * seconds:.2f} ms/step ({f.schedule}, chunks {f.chunks}): "
                      f"give the same batch as {f.micro_batches} micro-batches and "
                      f"micro_batches={f.micro_batches} to use it")
         return text
@@ -269,6 +292,8 @@ class Plan:
         lines = [f"plan: {self.schedule}, chunks {self.chunks}, {self.micro_batches} "
                  f"micro-batches, partition {self.partition} {list(self.bounds)}: predicted "
                  f"{1e3 * self.predicted_step_s:.2f} ms/step (memory budget per stage: {budget})",
+                 f"  recompute: {format_recompute(self.recompute)}",
+                 *(f"  note: {note}" for note in self.notes),
                  *([f"  transfers: {1e6 * self.link.message_s:.0f} us per message + "
                     f"{1e6 * self.link.byte_s * 2 ** 20:.0f} us per MiB, "
                     f"{'on the stages (host transport)' if self.link.on_host else 'latency'}"]
@@ -276,32 +301,32 @@ class Plan:
                  *self._all_to_all_line(),
                  *self._memory_lines(),
                  f"  {'#':>3} {'schedule':<12} {'chunks':>6} {'micro':>5} {'partition':<9} "
-                 f"{'pred ms':>9} {'peak mem':>10}  note"]
+                 f"{'recompute':<10} {'pred ms':>9} {'peak mem':>10}  note"]
         shown = self.candidates if top is None else self.candidates[:top]
         for i, c in enumerate(shown, 1):
-            mark = "*" if (c.schedule, c.chunks, c.micro_batches, c.bounds) == (
-                self.schedule, self.chunks, self.micro_batches, self.bounds) else " "
+            mark = "*" if c.key() == self.key() else " "
             pred = f"{1e3 * c.predicted_step_s:9.2f}" if c.predicted_step_s is not None \
                 else f"{'-':>9}"
             peak = format_bytes(c.peak_bytes) if c.peak_bytes is not None else "-"
             note = c.note or ("" if c.fits else "over budget")
+            redo = ",".join(str(k) for k in c.recompute) if any(c.recompute) else "-"
             lines.append(f"{mark} {i:>3} {c.schedule:<12} {c.chunks:>6} {c.micro_batches:>5} "
-                         f"{c.partition:<9} {pred} {peak:>10}  {note}".rstrip())
+                         f"{c.partition:<9} {redo:<10} {pred} {peak:>10}  {note}".rstrip())
         return "\n".join(lines)
 
     def _memory_lines(self) -> list[str]:
         """The chosen plan's predicted bytes per stage by category (at the stage's peak)."""
-        chosen = next((c for c in self.candidates if (c.schedule, c.chunks, c.micro_batches,
-                       c.bounds) == (self.schedule, self.chunks, self.micro_batches,
-                                     self.bounds)), None)
+        chosen = next((c for c in self.candidates if c.key() == self.key()), None)
         if chosen is None or not chosen.stage_memory:
             return []
         lines = ["  predicted memory per stage at its peak (static = parameters + optimizer "
                  "state; saved = activations saved for backward; buffers = the runtime's):"]
         for s, row in enumerate(chosen.stage_memory):
+            every = chosen.recompute[s] if s < len(chosen.recompute) else 0
             lines.append(f"    stage {s}: " + ", ".join(
                 f"{k} {format_bytes(v)}" for k, v in row.items())
-                + f", peak {format_bytes(sum(row.values()))}")
+                + f", peak {format_bytes(sum(row.values()))}; recompute "
+                + (f"every {every} layer(s)" if every else "none"))
         return lines
 
     def _all_to_all_line(self) -> list[str]:
@@ -322,7 +347,8 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
            balance: Balancer, chunks: Sequence[int] = (1, 2),
            memory_budget: float | None = None, transfer_s: float = 0.0,
            split_overhead: float = 1.0, link: Link | None = None,
-           executor: Callable[..., Any] | None = None, runs: int | None = None) -> Plan:
+           executor: Callable[..., Any] | None = None, runs: int | None = None,
+           recompute: Sequence[int] | None = None) -> Plan:
     """Simulate every candidate under ``costs`` and pick the fastest that fits.
 
     :param costs: ``{micro-batch count: per-layer costs of one such micro-batch}``.
@@ -342,9 +368,15 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
     :param runs: the micro-batch count that will run (an engine's: the batch its iterator
         gives); the plan is chosen among the candidates at it, the other counts are
         listed as what-ifs (``Candidate.what_if``). ``None``: any count may be chosen.
+    :param recompute: per stage, its activation checkpoint interval, fixed (the engine's
+        ``recompute``). ``None``: every stage at the module's interval
+        (``costs[m].checkpoint_interval``), unless that candidate is over
+        ``memory_budget``: then recomputation is searched per stage (:func:`_recompute`).
     :raises ConfigError: nothing runnable, or nothing within ``memory_budget``.
     """
-    found, streams = [], {}
+    fixed = None if recompute is None else resolve_recompute(list(recompute), num_stages, 0)
+    found: list[Candidate] = []
+    streams: dict[tuple, str] = {}
     for name, cls in sorted(schedules.items()):
         for c in sorted({c for c in chunks if cls.min_chunks <= c <= cls.max_chunks}):
             for m, layer_costs in sorted(costs.items()):
@@ -359,23 +391,28 @@ def search(costs: Mapping[int, LayerCosts], num_stages: int, schedules: Mapping[
                     streams[key] = f"{name} (chunks {c})"
                 found += _candidates(name, cls, c, m, layer_costs, num_stages, balance,
                                      memory_budget, (transfer_s, split_overhead, link,
-                                                     executor))
-    if runs is not None:
-        found = [c if c.micro_batches == runs else dataclasses.replace(
-            c, what_if=True, note=f"what-if: the engine runs {runs}"
-                                  + (f"; {c.note}" if c.note else "")) for c in found]
-    ranked = tuple(sorted(found, key=Candidate.rank_key))
-    best = _best(ranked, num_stages, memory_budget, runs)
+                                                     executor), fixed)
+    ranked = tuple(sorted(_what_ifs(found, runs), key=Candidate.rank_key))
+    best, seconds = _best(ranked, num_stages, memory_budget, runs)
     return Plan(best.schedule, best.chunks, best.micro_batches, best.partition, best.bounds,
-                best.predicted_step_s, memory_budget, ranked,  # type: ignore[arg-type]
-                dict(costs), link,
+                seconds, memory_budget, ranked, dict(costs), link,
                 getattr(executor, "__name__", type(executor).__name__) if executor else "",
-                runs)
+                runs, best.recompute)
+
+
+def _what_ifs(found: list[Candidate], runs: int | None) -> list[Candidate]:
+    """``found`` with the candidates at another count than ``runs`` marked what-ifs."""
+    if runs is None:
+        return found
+    return [c if c.micro_batches == runs else dataclasses.replace(
+        c, what_if=True, note=f"what-if: the engine runs {runs}"
+                              + (f"; {c.note}" if c.note else "")) for c in found]
 
 
 def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
-          runs: int | None) -> Candidate:
-    """The first of ``ranked`` if it may run (at ``runs`` micro-batches, within ``budget``)."""
+          runs: int | None) -> tuple[Candidate, float]:
+    """The first of ``ranked`` and its predicted seconds, if it may run (at ``runs``
+    micro-batches, within ``budget``)."""
     best = ranked[0] if ranked else None
     at = f" at {runs} micro-batches (the engine's count)" if runs is not None else ""
     if best is None or best.predicted_step_s is None or best.what_if:
@@ -386,6 +423,8 @@ def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
                           hint="widen pk.auto(schedules=..., chunks=...)" if runs is not None
                           else "widen pk.auto(schedules=..., chunks=..., micro_batches=...)")
     if not best.fits:
+        # recomputation on every stage included: the search adds that candidate wherever
+        # nothing less fits, so the smallest budget is true with it
         sizes = [c.peak_bytes for c in ranked if c.peak_bytes and not c.what_if]
         other = next((c for c in ranked if c.what_if and c.fits
                       and c.predicted_step_s is not None), None)
@@ -396,9 +435,10 @@ def _best(ranked: tuple[Candidate, ...], num_stages: int, budget: float | None,
             f"at {format_bytes(min(sizes))}, plus the model's {MEMORY_MARGIN:.0%} margin)"
             + (f" ({other.micro_batches} micro-batches would fit: {other.schedule}, "
                f"{format_bytes(other.peak_bytes)})" if other is not None else ""),
-            hint="raise memory_budget, use more stages, activation checkpointing, or give "
-                 "the batch as more (smaller) micro-batches")
-    return best
+            hint="raise memory_budget, use more stages, or give the batch as more "
+                 "(smaller) micro-batches (recomputation on every stage is already counted"
+                 " where the engine's recompute leaves it to the planner)")
+    return best, best.predicted_step_s
 
 
 def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
@@ -413,8 +453,10 @@ def _streams(cls: Any, num_stages: int, m: int, chunks: int) -> tuple | None:
 
 def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num_stages: int,
                 balance: Balancer, budget: float | None,
-                model: tuple) -> list[Candidate]:
-    """The candidates of one (schedule, chunks, micro-batches): one per distinct partition."""
+                model: tuple, fixed: tuple[int, ...] | None = None) -> list[Candidate]:
+    """The candidates of one (schedule, chunks, micro-batches): one per distinct partition,
+    and per partition over ``budget``, the least recomputation that fits
+    (:func:`_recompute`)."""
     parts = num_stages * chunks
     if parts > len(costs.forward_s):
         return [Candidate(name, chunks, m, "-", note=f"{parts} parts > "
@@ -428,20 +470,56 @@ def _candidates(name: str, cls: Any, chunks: int, m: int, costs: LayerCosts, num
     mean_in_flight = sum(live.values()) / len(live)
     memory_w = [s + mean_in_flight * a for s, a in zip(costs.static_bytes,
                                                          costs.activation_bytes)]
-    out, seen = [], set()
+    # under a budget the planner chooses from none up (the fastest that fits); without
+    # one every stage keeps the module's interval
+    base = fixed or ((0,) if budget is not None else (costs.checkpoint_interval,)) * num_stages
+    out: list[Candidate] = []
+    seen: set[tuple[int, ...]] = set()
     for label, weights in (("time", time_w), ("memory", memory_w)):
         bounds = tuple(int(b) for b in balance(weights, parts))
         if bounds in seen:
             continue
         seen.add(bounds)
-        out.append(_evaluate(name, cls, chunks, m, label, bounds, costs, num_stages, budget,
-                             model))
+        evaluate = functools.partial(_evaluate, name, cls, chunks, m, label, bounds, costs,
+                                     num_stages, budget, model)
+        first = evaluate(base)
+        out.append(first)
+        if fixed is None and not first.fits and first.predicted_step_s is not None:
+            out += _recompute(evaluate, first, num_stages, costs.checkpoint_interval)
     return out
+
+
+def _recompute(evaluate: Callable[[tuple[int, ...]], Candidate], over: Candidate,
+               num_stages: int, interval: int) -> list[Candidate]:
+    """The candidate ``evaluate`` prices with the least recomputation that fits its budget
+    (else with recomputation on every stage, the least memory the search can offer).
+
+    Stages switch recomputation on one at a time, those whose saved activations are the
+    most at their peak first (under 1F1B the early stages, which hold more micro-batches),
+    each at the module's interval, or every layer (``1``) where the module has none. Each
+    stage switched on only adds a forward to its backward, so the first that fits is the
+    fastest of the sequence. A larger interval keeps less between forward and backward
+    but recomputes a whole run inside one backward, where the meter (and the model) do
+    not see it, so the search never goes past the module's interval."""
+    every = interval or 1
+    order = sorted(range(num_stages), key=lambda s: (-over.stage_memory[s].get("saved", 0.0), s))
+    intervals = [0] * num_stages
+    last = None
+    for stage in order:
+        intervals[stage] = every
+        last = evaluate(tuple(intervals))
+        if last.fits:
+            return [last]
+    return [last] if last is not None else []
 
 
 def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tuple[int, ...],
               costs: LayerCosts, num_stages: int, budget: float | None,
-              model: tuple) -> Candidate:
+              model: tuple, recompute: tuple[int, ...]) -> Candidate:
+    """Simulate one candidate: its step time and per-stage memory, with ``recompute`` (per
+    stage, its checkpoint interval): a recomputed part's ``Backward`` and
+    ``BackwardInput`` cost one more forward, and so does its ``BackwardWeight`` (a
+    separate autograd call, which recomputes the segments again)."""
     transfer_s, split, link, executor = model
     placement = getattr(cls, "placement", "loop")
     table: dict[tuple[int, ...], dict[type, float]] = {}
@@ -457,12 +535,13 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
             i = w = split * b / 2
         # the all-to-alls add to the compute; their backward is on the input-gradient path
         fa, ba = (sum(pair[k] for pair in (costs.all_to_all_s or ())[lo:hi]) for k in (0, 1))
-        parts[(stage, chunk)] = (f, fa, b, ba)
-        table[(stage, chunk)] = {Forward: f + fa, Backward: b + ba, BackwardInput: i + ba,
-                                 BackwardWeight: w}
+        redo = f + fa if recompute[stage] else 0.0
+        parts[(stage, chunk)] = (f, fa, b + redo, ba)
+        table[(stage, chunk)] = {Forward: f + fa, Backward: b + ba + redo,
+                                 BackwardInput: i + ba + redo, BackwardWeight: w + redo}
         static[stage] += sum(costs.static_bytes[lo:hi])
-    transfers = {SendActivation: transfer_s, SendGrad: transfer_s, RecvActivation: 0.0,
-                 RecvGrad: 0.0}
+    transfers: dict[type, float] = {SendActivation: transfer_s, SendGrad: transfer_s,
+                                    RecvActivation: 0.0, RecvGrad: 0.0}
     host: dict[type, float] = {}
     if link is not None:
         # every boundary of a transformer-like model carries the same bytes; where they
@@ -475,17 +554,19 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
             transfers[SendActivation] += seconds
             transfers[SendGrad] += seconds
     if executor is not None:
-        table.update(pair_table(parts, overlaps_same_chunk(executor)))
+        for key, prices in pair_table(parts, overlaps_same_chunk(executor)).items():
+            table[key] = prices
     try:
         result = simulate(cls, num_stages, m, chunks, costs=transfers, stage_costs=table,
                           host_costs=host, paired=executor is not None)
     except PipelineError as err:
-        return Candidate(name, chunks, m, label, bounds, note=err.message.split("\n")[0])
-    memory = _stage_memory(cls, num_stages, m, chunks, bounds, costs, static)
+        return Candidate(name, chunks, m, label, bounds, note=err.message.split("\n")[0],
+                         recompute=recompute)
+    memory = _stage_memory(cls, num_stages, m, chunks, bounds, costs, static, recompute)
     stage_bytes = tuple(sum(row.values()) for row in memory)
     fits = budget is None or max(stage_bytes) * (1 + MEMORY_MARGIN) <= budget
     return Candidate(name, chunks, m, label, bounds, result.makespan, stage_bytes, fits,
-                     stage_memory=memory)
+                     stage_memory=memory, recompute=recompute)
 
 
 #: a plan fits a budget when its largest stage's prediction, plus this share, does: the
@@ -495,7 +576,8 @@ MEMORY_MARGIN = 0.05
 
 
 def _stage_memory(cls: Any, num_stages: int, m: int, chunks: int, bounds: tuple[int, ...],
-                  costs: LayerCosts, static: list[float]) -> tuple[dict[str, float], ...]:
+                  costs: LayerCosts, static: list[float],
+                  recompute: tuple[int, ...]) -> tuple[dict[str, float], ...]:
     """Per stage ``{"static", "grads", "saved", "buffers"}`` bytes at its predicted peak: the
     parameters and optimizer state plus the replay of its program (:func:`~pipekernel.schedules.sim_memory.stage_memory`)."""
     outputs = costs.output_bytes or [0.0] * len(costs.activation_bytes)
@@ -503,7 +585,7 @@ def _stage_memory(cls: Any, num_stages: int, m: int, chunks: int, bounds: tuple[
                        saved=costs.activation_bytes, outputs=outputs,
                        weight_states=costs.weight_state_bytes, input_bytes=costs.input_bytes,
                        label_bytes=costs.label_bytes,
-                       checkpoint_interval=costs.checkpoint_interval, grads=costs.grad_bytes)
+                       checkpoint_interval=recompute, grads=costs.grad_bytes)
     peaks = stage_memory(cls, num_stages, m, chunks, parts)
     fixed = list(static)  # less the gradients, which the replay places in time
     for (stage, _), part in parts.items():
@@ -547,7 +629,7 @@ def _counts(request: Auto, micro_batches: int, rows: int, runs: int | None) -> l
 def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: int, pm: Any,
                 transport: Any = None, device: Any = None, optimizer: Any = None,
                 expert_parallel_size: int = 1, topology: Any = None,
-                runs: int | None = None) -> Plan:
+                runs: int | None = None, recompute: Sequence[int] | None = None) -> Plan:
     """Profile ``module``'s layers for each candidate micro-batch size and :func:`search`.
 
     Every rank of ``transport`` must call it at the same point (the profile is measured
@@ -562,6 +644,8 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
         engine's), every rank also times its expert-parallel layers' all-to-alls
         (:func:`~pipekernel.engine.all_to_all_cost.measure_all_to_all`) into
         ``LayerCosts.all_to_all_s``.
+    :param recompute: per stage, a fixed checkpoint interval (the engine's ``recompute``);
+        ``None``: the planner chooses (see :func:`search`).
     """
     from pipekernel.model.partitioning import Balance, PartitionContext, Profile
 
@@ -577,8 +661,11 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     if expert_parallel_size > 1 and topology is not None and transport is not None:
         from pipekernel.engine.all_to_all_cost import planner_group
         ep_group = planner_group(topology, transport, expert_parallel_size)
-    costs = {n: _profile(module, request, _resize(sample, total // n), n, pm,
-                         (transport, device, optimizer, ep_group)) for n in counts}
+    costs = {n: dataclasses.replace(
+        _profile(module, request, _resize(sample, total // n), n, pm,
+                 (transport, device, optimizer, ep_group)),
+        label_bytes=_nbytes(_resize(request.labels, total // n))
+        if request.labels is not None else 0.0) for n in counts}
     schedules = _schedules(request, pm)
     cache: dict[tuple, list[int]] = {}
 
@@ -591,16 +678,35 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
                 num_stages=parts, context=ctx))
         return cache[key]
 
-    link = None
-    if request.measure_link and transport is not None and transport.world_size > 1:
-        largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
-                      default=0.0)
-        link = measure_link(transport, largest)
-    return search(costs, num_stages, schedules, balance=balance,
+    notes, recompute = _skip_notes(module, num_stages, recompute)
+    link = _link(request, transport, costs)
+    plan = search(costs, num_stages, schedules, balance=balance,
                   chunks=request.chunks, memory_budget=request.memory_budget,
                   transfer_s=request.transfer_s, split_overhead=request.split_overhead,
                   link=link, executor=getattr(module, "overlapped_forward_backward", None),
-                  runs=runs)
+                  runs=runs, recompute=recompute)
+    return dataclasses.replace(plan, notes=notes) if notes else plan
+
+
+def _link(request: Auto, transport: Any, costs: Mapping[int, LayerCosts]) -> Link | None:
+    """The transport's measured transfer cost (``None``: not measured)."""
+    if not (request.measure_link and transport is not None and transport.world_size > 1):
+        return None
+    largest = max((max(c.output_bytes) for c in costs.values() if c.output_bytes),
+                  default=0.0)
+    return measure_link(transport, largest)
+
+
+def _skip_notes(module: Any, num_stages: int, recompute: Sequence[int] | None
+                ) -> tuple[tuple[str, ...], Sequence[int] | None]:
+    """What the plan of a model with skip connections says it leaves out, and the
+    recompute to search under (none: a recompute cannot run with skips)."""
+    if not getattr(module, "skip_names", None):
+        return (), recompute
+    notes = (f"skip connections' stashes ({', '.join(sorted(module.skip_names))}) are not "
+             "in the memory model; recomputation is not searched (it cannot run with skip "
+             "connections)",)
+    return notes, (0,) * num_stages if recompute is None else recompute
 
 
 def _schedules(request: Auto, pm: Any) -> dict[str, Any]:

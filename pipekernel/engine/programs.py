@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from pipekernel.comm.agreement import check_consistency
-from pipekernel.errors import ConfigError
+from pipekernel.errors import positive_int
 from pipekernel.schedules.program import Program, compile_program
 from pipekernel.model.skip_routing import check_schedules
-from pipekernel.step.grad_reduce import settled_parameters
 
 __all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batches",
            "program_of", "load_program"]
@@ -20,13 +19,10 @@ __all__ = ["check_micro_batch_count", "check_micro_batches", "agree_micro_batche
 def check_micro_batch_count(micro_batches: Any, rank: int | None,
                             stage: int | None = None) -> None:
     """``ConfigError`` unless ``micro_batches`` is a positive int."""
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) \
-            or micro_batches < 1:
-        raise ConfigError(f"micro_batches must be a positive int, got {micro_batches!r}",
-                          rank=rank, stage=stage,
-                          hint="pass micro_batches=N, the number of micro-batches each "
-                               "train_batch/eval_batch reads from its iterator (e.g. 4; at "
-                               "least the number of stages keeps every stage busy)")
+    positive_int("micro_batches", micro_batches, rank=rank, stage=stage,
+                 hint="pass micro_batches=N, the number of micro-batches each train_batch/"
+                      "eval_batch reads from its iterator (e.g. 4; at least the number of "
+                      "stages keeps every stage busy)")
 
 
 def check_micro_batches(engine: Any, micro_batches: Any) -> None:
@@ -62,19 +58,19 @@ def program_of(engine: Any, cls: Any) -> tuple[Program, Any, Any]:
             cls, stage=engine.stage, num_stages=engine.num_stages,
             micro_batches=engine.micro_batches, chunks=engine.chunks,
             placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs,
-            sharded=engine.stage_parallel is not None))
+            sharded=engine.stage_parallel is not None,
+            data_parallel=overlaps_reduction(engine.grad_reducer)))
     return loaded
+
+
+def overlaps_reduction(reducer: Any) -> bool:
+    """Whether the data-parallel ``reducer`` (``None``: none) overlaps the backward, so the
+    programs hold its arm and launch points (:mod:`pipekernel.schedules.data_parallel`)."""
+    return reducer is not None and reducer.bucket_bytes > 0
 
 
 def load_program(engine: Any, program: Program) -> tuple[Program, Any, Any]:
     """``(program, handlers, bound)``: ``program`` with the kernel's handler of each
     instruction (``None`` when one has none: the loop reports it there) and the runtime's
-    binding (its channels and groups, and the parameters settled before the stage's last
-    weight-gradient instruction, for the reducer to start on)."""
-    settled: tuple = ()
-    if program.last_weight_chunk is not None:
-        module = engine.module
-        parts = [module.part(c).parameters() for c in range(getattr(module, "num_parts", 1))]
-        settled = tuple(settled_parameters(program.last_weight_chunk, parts))
-    return (program, engine.kernel.resolve(program.stream),
-            engine.runtime.bind(program, settled))
+    binding (its channels and groups)."""
+    return program, engine.kernel.resolve(program.stream), engine.runtime.bind(program)

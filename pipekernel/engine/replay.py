@@ -165,7 +165,7 @@ class Recorder:
         and its reductions and optimizer step left out."""
         handlers = list(handlers)
         for index, ins in enumerate(program.stream):
-            if isinstance(ins, (isa.ReduceTiedGrads, isa.ReduceGrads, isa.OptimizerStep)):
+            if isinstance(ins, _NOT_REPLAYED):
                 handlers[index] = _nothing
             elif isinstance(ins, isa.Forward):
                 handlers[index] = self._forward(handlers[index])
@@ -202,19 +202,13 @@ class Recorder:
         return run
 
 
+#: a verified batch's reductions (the data-parallel reducer's points among them) and step
+_NOT_REPLAYED = (isa.ReduceTiedGrads, isa.ArmGradReduce, isa.LaunchGradReduce, isa.ReduceGrads,
+                 isa.OptimizerStep)
+
+
 def _nothing(ins: Any) -> None:
     """The reductions and the optimizer step of a verified batch: not run."""
-
-
-@contextlib.contextmanager
-def _no_reducer_cues(runtime: Any) -> Iterator[None]:
-    """The data-parallel reducer's cues around the last backward, off for the batch."""
-    saved = runtime._before_last_backward, runtime._after_last_backward
-    runtime._before_last_backward = runtime._after_last_backward = None
-    try:
-        yield
-    finally:
-        runtime._before_last_backward, runtime._after_last_backward = saved
 
 
 def verify(engine: Any, data_iter: Any) -> torch.Tensor:
@@ -224,7 +218,7 @@ def verify(engine: Any, data_iter: Any) -> torch.Tensor:
     engine.module.train()
     pending = take_grads(engine)  # gradients accumulated before (a host's accumulation)
     try:
-        with recorder.hooked(), _no_reducer_cues(engine.runtime):
+        with recorder.hooked():
             loss = engine._run(engine.schedule_cls, data_iter, True, False,
                                wrap=recorder.wrap)
             scheduled = take_grads(engine)

@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from pipekernel.errors import ConfigError
+from pipekernel.errors import ConfigError, positive_int
 
 __all__ = ["ExpertParallelGroup", "AllToAllClock", "timing", "group", "context", "lane", "LANE", "make_group", "expert_groups", "mark",
            "is_expert", "check_config", "broadcast_experts", "gather_slices",
@@ -247,10 +247,8 @@ def check_config(size: Any, data_size: int, *, tensor_parallel_size: int = 1,
                  zero_stage: int = 0, rank: int | None = None) -> int:
     """``size`` if ``expert_parallel_size`` fits the data-parallel size, else
     ``ConfigError`` naming what to change (on ``rank``)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"expert_parallel_size must be a positive int, got {size!r}",
-                          hint="e.g. expert_parallel_size=2 (it must divide the "
-                               "data-parallel size)")
+    positive_int("expert_parallel_size", size,
+                 hint="e.g. expert_parallel_size=2 (it must divide the data-parallel size)")
     if size == 1:
         return size
     if data_size % size:

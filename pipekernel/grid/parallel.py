@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipekernel.errors import ConfigError
+from pipekernel.errors import ConfigError, positive_int
 from pipekernel.grid.topology import DEFAULT_RANK_ORDER, parse_rank_order
 
 __all__ = ["ParallelConfig"]
@@ -33,10 +33,8 @@ class ParallelConfig:
              expert_parallel_size: Any = 1, tensor_parallel_plan: Any = None
              ) -> ParallelConfig:
         """Validate the engine's arguments (``ConfigError`` saying how to fix each)."""
-        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
-                or tensor_parallel_size < 1:
-            raise ConfigError(f"tensor_parallel_size must be a positive int, got "
-                              f"{tensor_parallel_size!r}", hint="e.g. tensor_parallel_size=2")
+        positive_int("tensor_parallel_size", tensor_parallel_size,
+                     hint="e.g. tensor_parallel_size=2")
         order = "-".join(parse_rank_order(rank_order if rank_order is not None
                                           else DEFAULT_RANK_ORDER))
         if partition_activations is not None:
@@ -53,12 +51,9 @@ class ParallelConfig:
             raise ConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}",
                               hint="zero_stage=1 shards the optimizer state over the "
                                    "data-parallel replicas; stages 2 and 3 are not implemented")
-        if isinstance(data_parallel_shard, bool) or not isinstance(data_parallel_shard, int) \
-                or data_parallel_shard < 1:
-            raise ConfigError(f"data_parallel_shard must be a positive int, got "
-                              f"{data_parallel_shard!r}",
-                              hint="e.g. data_parallel_shard=2 shards each stage over 2 ranks "
-                                   "with FSDP2 (1: no sharding)")
+        positive_int("data_parallel_shard", data_parallel_shard,
+                     hint="e.g. data_parallel_shard=2 shards each stage over 2 ranks with "
+                          "FSDP2 (1: no sharding)")
         if not isinstance(reshard_after_forward, bool):
             raise ConfigError(f"reshard_after_forward must be True or False, got "
                               f"{reshard_after_forward!r}",
@@ -69,10 +64,8 @@ class ParallelConfig:
                               "the optimizer state (and parameters and gradients)",
                               hint="drop zero_stage, or use data_parallel_shard=1")
         _check_plan(tensor_parallel_plan, tensor_parallel_size)
-        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
-                or expert_parallel_size < 1:
-            raise ConfigError(f"expert_parallel_size must be a positive int, got "
-                              f"{expert_parallel_size!r}", hint="e.g. expert_parallel_size=2")
+        positive_int("expert_parallel_size", expert_parallel_size,
+                     hint="e.g. expert_parallel_size=2")
         if expert_parallel_size > 1 and data_parallel_shard > 1:
             raise ConfigError("expert_parallel_size > 1 with data_parallel_shard > 1: experts "
                               "spread over FSDP2-sharded ranks are not supported yet",

@@ -419,12 +419,15 @@ class PipelineModule:
         return bounds
 
     def build_stage(self, stage: int, bounds: Sequence[int],
-                    positions: Sequence[int] | None = None) -> StageModule:
+                    positions: Sequence[int] | None = None,
+                    activation_checkpoint_interval: int | None = None) -> StageModule:
         """Construct only the layers of ``stage``.
 
         :param bounds: part boundaries ``[0, ..., len(layers)]``.
         :param positions: the parts (pipeline positions) this stage holds, by chunk
             (:func:`pipekernel.schedules.placement.parts_of`); default ``[stage]``.
+        :param activation_checkpoint_interval: this stage's interval (the engine's
+            per-stage ``recompute``), in place of the module's; ``None``: the module's.
         """
         tied: dict[str, nn.Module] = {}
         built, sizes = [], []
@@ -440,7 +443,9 @@ class PipelineModule:
                     else:
                         built.append((index, self.build_layer(index), None))
         mine = {index for index, _, _ in built}
-        module = StageModule(built, tied, stage, self.activation_checkpoint_interval,
+        interval = self.activation_checkpoint_interval if activation_checkpoint_interval \
+            is None else activation_checkpoint_interval
+        module = StageModule(built, tied, stage, interval,
                              parts=sizes, skip_declarations={
                                  i: d for i, d in self.skip_declarations.items() if i in mine})
         module.overlapped_forward_backward = self.overlapped_forward_backward

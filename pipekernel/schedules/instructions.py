@@ -27,7 +27,7 @@ __all__ = [
     "BackwardInput", "BackwardWeight", "SendActivation", "RecvActivation", "SendGrad",
     "RecvGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "SkipInstruction",
     "SendSkip", "RecvSkip", "SendSkipGrad", "RecvSkipGrad", "ForwardBackward", "Unshard",
-    "Reshard", "ReduceShardedGrads", "parse",
+    "Reshard", "ReduceShardedGrads", "ArmGradReduce", "LaunchGradReduce", "parse",
 ]
 
 
@@ -221,7 +221,8 @@ class ReduceTiedGrads(Instruction):
 
 @dataclass(frozen=True, slots=True)
 class ReduceGrads(Instruction):
-    """Average gradients across data-parallel replicas."""
+    """Average gradients across data-parallel replicas: start what is not on the wire yet,
+    then wait for every bucket (:mod:`pipekernel.schedules.data_parallel`)."""
 
     short: ClassVar[str] = "REDUCE"
 
@@ -263,10 +264,34 @@ class ReduceShardedGrads(Instruction):
     short: ClassVar[str] = "REDUCE_SHARDED"
 
 
+@dataclass(frozen=True, slots=True)
+class ArmGradReduce(Instruction):
+    """Data parallelism (:mod:`pipekernel.schedules.data_parallel`): right before the
+    stage's last weight-gradient instruction of the batch, arm the reducer, whose buckets
+    then start from gradient hooks during that backward. ``chunk``: that instruction's
+    chunk (the other chunks' gradients are final already)."""
+
+    short: ClassVar[str] = "ARM_REDUCE"
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.short}c{self.chunk}" if self.chunk else self.short
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchGradReduce(Instruction):
+    """Data parallelism: right after the stage's last weight-gradient instruction, start
+    every bucket not started yet but those of tied weights (fp32 masters' gradients are
+    final only there)."""
+
+    short: ClassVar[str] = "LAUNCH_REDUCE"
+
+
 _BY_SHORT: dict[str, type[Instruction]] = {cls.short: cls for cls in (
     LoadMicroBatch, Forward, Backward, BackwardInput, BackwardWeight, SendActivation,
     RecvActivation, SendGrad, RecvGrad, ReduceTiedGrads, ReduceGrads, OptimizerStep,
-    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad, Reshard, ReduceShardedGrads)}
+    SendSkip, RecvSkip, SendSkipGrad, RecvSkipGrad, Reshard, ReduceShardedGrads, ArmGradReduce,
+    LaunchGradReduce)}
 _PATTERN = re.compile(r"^([A-Z_]+?)(\d+)?(?:c(\d+))?(?:@(\d+))?$")
 
 
@@ -295,6 +320,8 @@ def parse(text: str, buffer: int = 0) -> Instruction:
             return cls(int(match.group(2)), buffer, int(match.group(3) or 0),
                        int(match.group(4) or 0))
         return cls(int(match.group(2)), buffer, int(match.group(3) or 0))
+    if cls is ArmGradReduce:
+        return ArmGradReduce(int(match.group(3) or 0))
     return cls()
 
 

@@ -2,13 +2,13 @@
 
 A :class:`Program` is built once per (schedule, micro-batch count, skip edges) by
 :func:`compile_program` (or :func:`plan_communication`, from steps you have) and only read
-afterwards: the kernel walks its stream by index, the stage runtime posts its groups, finds
-each transfer's channel and each hand-off's receive by index, and the data-parallel reducer
-learns from it which backward is the batch's last; :func:`~pipekernel.schedules.simulator.simulate`
-proves and times the same objects. Every answer is a stream index or a number — nothing is
+afterwards: the kernel walks its stream by index, the stage runtime posts its groups and
+finds each transfer's channel and each hand-off's receive by index;
+:func:`~pipekernel.schedules.simulator.simulate` proves and times the same objects. Every answer is a stream index or a number — nothing is
 found again by comparing instruction objects (equal instructions may stand at several places
 of one stream). A sharded stage's program also holds FSDP2's gathers and reductions
-(:mod:`pipekernel.schedules.sharded`).
+(:mod:`pipekernel.schedules.sharded`), a replicated stage's the points of its overlapped
+gradient reduction (:mod:`pipekernel.schedules.data_parallel`).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.comm import RECVS, SENDS, plan_posts
+from pipekernel.schedules.data_parallel import add_reduce_instructions
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight,
                                                ForwardBackward, Instruction,
                                                MicroBatchInstruction)
@@ -154,7 +155,8 @@ class Program:
 def compile_program(schedule_cls: Any, *, stage: int, num_stages: int, micro_batches: int,
                     chunks: int = 1, placement: str = "loop",
                     skips: tuple[tuple[int, int], ...] | list = (),
-                    paired: bool = True, sharded: bool = False) -> Program:
+                    paired: bool = True, sharded: bool = False,
+                    data_parallel: bool = False) -> Program:
     """The :class:`Program` of ``stage`` for ``schedule_cls`` with ``micro_batches``
     micro-batches: the schedule's steps with the skip transfers of ``skips`` (sorted
     ``(producer, consumer)`` positions) added, and their communication plan.
@@ -162,15 +164,18 @@ def compile_program(schedule_cls: Any, *, stage: int, num_stages: int, micro_bat
     (:func:`~pipekernel.schedules.ordered.unpaired_steps`: each ``ForwardBackward`` step
     split back into its two steps, or, for ``zbv``, its plan without pairs), for a stage
     that runs pairs one half after the other anyway. ``sharded``: with FSDP2's instructions
-    (:func:`~pipekernel.schedules.sharded.add_shard_instructions`)."""
+    (:func:`~pipekernel.schedules.sharded.add_shard_instructions`). ``data_parallel``: with
+    the overlapped gradient reduction's instructions
+    (:func:`~pipekernel.schedules.data_parallel.add_reduce_instructions`)."""
     return lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
                  num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
-                 placement=placement, skips=skips, paired=paired, sharded=sharded)
+                 placement=placement, skips=skips, paired=paired, sharded=sharded,
+                 data_parallel=data_parallel)
 
 
 def lower(schedule: Any, *, stage: int, num_stages: int, micro_batches: int, chunks: int = 1,
           placement: str = "loop", skips: tuple[tuple[int, int], ...] | list = (),
-          paired: bool = True, sharded: bool = False) -> Program:
+          paired: bool = True, sharded: bool = False, data_parallel: bool = False) -> Program:
     """:func:`compile_program` of a schedule object already made (the one lowering the engine
     runs and :func:`~pipekernel.schedules.simulator.simulate` proves): any object with
     ``steps()``; without ``trains``, it trains if its steps hold a backward; without
@@ -192,6 +197,8 @@ def lower(schedule: Any, *, stage: int, num_stages: int, micro_batches: int, chu
         first = [c for c in range(chunks) if position(stage, c, num_stages, placement) == 0]
         steps = add_shard_instructions(steps, trains=trains,
                                        first_chunk=first[0] if first else None)
+    if data_parallel and trains:  # after FSDP2's: next to the weight-gradient instruction
+        steps = add_reduce_instructions(steps)
     num_buffers = getattr(schedule, "num_buffers", None)
     return plan_communication(steps, stage=stage, num_stages=num_stages, chunks=chunks,
                               placement=placement, trains=trains, skips=skips,

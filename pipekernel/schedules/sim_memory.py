@@ -28,7 +28,7 @@ skip connections' stashes and a tensor a layer saves that the next part also rec
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,9 @@ class PartBytes:
     :param grads: the part's parameter gradients: absent until its first backward writes
         them (``Backward`` or ``BackwardWeight``; they are dropped before each step), then
         held to the step's end.
+    :param offloaded: of ``saved``, what activation offload moves to the host when the
+        part is offloaded (what the runtime does not hold anyway: not its inputs, not its
+        outputs; :mod:`pipekernel.stage.offload`).
     """
 
     saved: float = 0.0
@@ -60,15 +63,17 @@ class PartBytes:
     weight_state: float = 0.0
     labels: float = 0.0
     grads: float = 0.0
+    offloaded: float = 0.0
 
 
 class _Slot:
-    __slots__ = ("key", "inputs", "outputs", "shared", "grads", "input_grads", "graph", "split")
+    __slots__ = ("key", "inputs", "outputs", "shared", "grads", "input_grads", "graph", "split",
+                 "host")
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key
         self.inputs = self.outputs = self.grads = self.input_grads = 0.0
-        self.graph = self.split = 0.0
+        self.graph = self.split = self.host = 0.0
         self.shared = False  # outputs handed to a chunk of this stage: counted there
 
     def buffers(self) -> float:
@@ -78,22 +83,35 @@ class _Slot:
 
 
 def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
-                 parts: Mapping[tuple[int, int], PartBytes]) -> list[dict[str, float]]:
+                 parts: Mapping[tuple[int, int], PartBytes],
+                 offload: tuple[int, int] | None = None,
+                 trace: list | None = None) -> list[dict[str, float]]:
     """Per stage, ``{"grads": bytes, "saved": bytes, "buffers": bytes}`` at the peak of
     their sum over the step (sampled between instructions, as the meter samples).
-    ``parts``: ``{(stage, chunk): PartBytes}`` for every part."""
+    ``parts``: ``{(stage, chunk): PartBytes}`` for every part. ``offload``:
+    ``(min_distance, prefetch)`` of activation offload
+    (:func:`~pipekernel.schedules.offload_plan.offload_points`): an offloaded part's
+    ``PartBytes.offloaded`` leaves ``saved`` after its forward and comes back at its
+    prefetch point. ``trace``: a list that receives, per stage, the samples
+    ``[(saved, host)]`` taken after each instruction (host: the bytes offloaded then)."""
     placement = getattr(schedule_cls, "placement", "loop")
     out = []
     for stage in range(num_stages):
         program = lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
                         num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
                         placement=placement, paired=False)
-        out.append(_replay(program, stage, num_stages, chunks, placement, parts))
+        samples: list[tuple[float, float]] = []
+        out.append(_replay(program, stage, num_stages, chunks, placement, parts, offload,
+                           samples))
+        if trace is not None:
+            trace.append(samples)
     return out
 
 
 def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
-            parts: Mapping[tuple[int, int], PartBytes]) -> dict[str, float]:
+            parts: Mapping[tuple[int, int], PartBytes], offload=None,
+            samples: list | None = None) -> dict[str, float]:
+    from pipekernel.schedules.offload_plan import offload_points
     from pipekernel.schedules.placement import locate
 
     plan = program
@@ -108,6 +126,7 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
     pending_acts: dict[tuple[int, int], float] = {}
     posted: dict[int, float] = {}
     best = {"grads": 0.0, "saved": 0.0, "buffers": 0.0}
+    points = offload_points(program.stream, *offload) if offload else None
 
     def fill(ins) -> _Slot:
         slot = slots.get(ins.buffer)
@@ -131,11 +150,22 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
                 part = parts[(stage, recv.chunk)]
                 posted[j] = part.inputs if isinstance(recv, isa.RecvActivation) else part.outputs
                 state["posted"] += posted[j]
+        for key in points.prefetch_at.get(i, ()) if points is not None else ():
+            slot = where[key]  # the copy back, posted before stream[i]
+            slot.graph, slot.host = slot.graph + slot.host, 0.0
         sample()
         _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts, posted)
         if isinstance(ins, (isa.Backward, isa.BackwardWeight)):
             written.add(ins.chunk)
+        if points is not None and isinstance(ins, isa.Forward) \
+                and (ins.micro_batch, ins.chunk) in points.parts:
+            slot = where[(ins.micro_batch, ins.chunk)]  # moved out after the forward
+            slot.host = parts[(stage, ins.chunk)].offloaded
+            slot.graph -= slot.host
         sample()
+        if samples is not None:
+            samples.append((sum(s.graph for s in slots.values()),
+                            sum(s.host for s in slots.values())))
     return best
 
 
@@ -202,7 +232,8 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
 
 def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, outputs,
              weight_states=None, input_bytes: float = 0.0, label_bytes: float = 0.0,
-             checkpoint_interval: int = 0, grads=None) -> dict[tuple[int, int], PartBytes]:
+             checkpoint_interval: int | Sequence[int] = 0,
+             grads=None) -> dict[tuple[int, int], PartBytes]:
     """``{(stage, chunk): PartBytes}`` of a partition (``bounds``, one more than the parts)
     from per-layer bytes: ``saved`` (saved for backward), ``outputs`` (what each layer
     returns), ``weight_states`` (what its input pass keeps for the weight pass; ``None``:
@@ -211,19 +242,25 @@ def part_bytes(bounds, num_stages: int, chunks: int, placement: str, *, saved, o
     runs no node (nothing requires grad below it), so its weight pass keeps the outputs'
     gradient instead. ``checkpoint_interval`` ``k > 0``: a part keeps only the input of
     each run of ``k`` of its layers (what activation checkpointing saves; the recompute's
-    own tensors live inside the backward, where the meter does not see them). ``grads``:
-    per layer, its parameters' gradient bytes (``None``: counted as nothing)."""
+    own tensors live inside the backward, where the meter does not see them); a sequence
+    gives each stage its own interval (the engine's ``recompute``, one per stage; ``0``:
+    that stage keeps everything). ``grads``: per layer, its parameters' gradient bytes
+    (``None``: counted as nothing)."""
     from pipekernel.schedules.placement import locate
 
     count = num_stages * chunks
+    intervals = [checkpoint_interval] * num_stages if isinstance(checkpoint_interval, int) \
+        else list(checkpoint_interval)
     out = {}
     for q in range(count):
         lo, hi = bounds[q], bounds[q + 1]
+        where = locate(q, num_stages, placement)
+        every = intervals[where[0]]
         state = outputs[hi - 1] if q == 0 else sum((weight_states or [0.0] * hi)[lo:hi])
         inputs = outputs[lo - 1] if lo else input_bytes
-        kept = sum(saved[lo:hi]) if not checkpoint_interval else sum(
-            outputs[k - 1] if k else input_bytes for k in range(lo, hi, checkpoint_interval))
-        out[locate(q, num_stages, placement)] = PartBytes(
+        kept = sum(saved[lo:hi]) if not every else sum(
+            outputs[k - 1] if k else input_bytes for k in range(lo, hi, every))
+        out[where] = PartBytes(
             saved=kept, inputs=inputs,
             outputs=outputs[hi - 1], weight_state=state,
             labels=label_bytes if q == count - 1 else 0.0,

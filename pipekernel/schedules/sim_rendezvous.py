@@ -4,7 +4,7 @@ where it went wrong (see :mod:`pipekernel.schedules.simulator`). Layer 0: no tor
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from pipekernel.errors import ScheduleError
 from pipekernel.schedules.instructions import Instruction, MicroBatchInstruction
@@ -29,6 +29,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
+        # (stage, channel) -> the local hand-offs waiting there
         self.local: dict[tuple[int, object], deque] = {}
         self.world = _World(self.S, self.costs, self._mismatched_collective)
 
@@ -47,8 +48,9 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self.finished = [False] * n_stages
         self.posted_upto = [-1] * n_stages
         self.end_time = [0.0] * n_stages
-        sends: dict[tuple[int, int], list[_Op]] = {}
-        recvs: dict[tuple[int, int], list[_Op]] = {}
+        # (sender, receiver, lane) -> its ops, in posting order
+        sends: dict[tuple[int, int, int | None], list[_Op]] = {}
+        recvs: dict[tuple[int, int, int | None], list[_Op]] = {}
         for s, st in enumerate(self.stages):
             plan = self._plan(s)
             self.plans.append(plan)
@@ -82,7 +84,8 @@ class _Rendezvous(_DeadlockReport, _Simulation):
     def _match(self, sends: dict[tuple, list[_Op]], recvs: dict[tuple, list[_Op]]) -> None:
         """Pair each (sender, receiver, lane)'s sends and receives in posting order, each
         pair given its cost, and report what does not match."""
-        costs, targets = self.costs, {}  # (stage, class, chunk, skip peer) -> peer chunk
+        costs = self.costs
+        targets: dict[tuple, int | None] = {}  # (stage, class, chunk, skip peer) -> peer chunk
         for key in sorted(set(sends) | set(recvs), key=repr):
             out, into = sends.get(key, []), recvs.get(key, [])
             for send, recv in zip(out, into):
@@ -94,7 +97,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 where = (send.rank, cs, si.chunk, getattr(si, "peer", None))
                 target = targets.get(where)
                 if target is None:
-                    target = targets[where] = self._peer_of(send.rank, si)[1]
+                    target = targets[where] = self._peer_chunk(send.rank, si)
                 if not (si.micro_batch == ri.micro_batch and target == ri.chunk
                         and role(cs).kind == role(cr).kind):
                     self._check_pair(send, recv)  # reports the mismatch
@@ -102,7 +105,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 self.problems.append(
                     f"{send.where()}: the {_kind(send.ins)} of micro-batch "
                     f"{send.ins.micro_batch} sent to stage {send.peer} chunk "
-                    f"{self._peer_of(send.rank, send.ins)[1]} is never received "
+                    f"{self._peer_chunk(send.rank, send.ins)} is never received "
                     f"(stage {send.peer} posts only {len(into)} receive(s) from stage "
                     f"{send.rank})")
             for recv in into[len(out):]:
@@ -121,41 +124,42 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                                 hint="a posting= function must plan the steps it is given",
                                 stage=stage)
         peers, local, chunks = plan.peers, plan.local, self.C
-        remote = [i for i, ((_, ins), peer, here) in enumerate(zip(stream, peers, local))
-                  if peer is not None and not here  # most are None: tested first
-                  and role(type(ins)).p2p and 0 <= ins.chunk < chunks]
+        # stream index of each transfer to another stage -> (its peer stage, the transfer)
+        remote: dict[int, tuple[int, MicroBatchInstruction]] = {
+            i: (peer[0], ins) for i, ((_, ins), peer, here) in enumerate(zip(stream, peers, local))
+            if peer is not None and not here  # most are None: tested first
+            and isinstance(ins, MicroBatchInstruction) and role(type(ins)).p2p
+            and 0 <= ins.chunk < chunks}
         lanes = tuple(getattr(plan, "lanes", ()) or ())
         if len(lanes) != n:
             lanes = (None,) * n
-        is_remote = set(remote)
         groups: dict[int, list[_Op]] = {}
         op_at: dict[int, _Op] = {}
         for g, group in enumerate(plan.posts):
             for at in group:
-                if isinstance(at, int) and at >= g and at in is_remote and at not in op_at:
-                    step, ins = stream[at]  # a well-formed post (nearly all of them)
+                if isinstance(at, int) and at >= g and at in remote and at not in op_at:
+                    step, (peer, ins) = stream[at][0], remote[at]  # a well-formed post
                     send = role(type(ins)).send
                     if send and at != g:
                         self.problems.append(f"{self._where(stage, step, ins)}: the posting "
                                              "plan posts a send before its data exists")
-                    op = op_at[at] = _Op(stage, peers[at][0], lanes[at], at, step, ins, send)
+                    op = op_at[at] = _Op(stage, peer, lanes[at], at, step, ins, send)
                     if g in groups:
                         groups[g].append(op)
                     else:
                         groups[g] = [op]
                 else:
-                    self._bad_post(stage, g, at, is_remote, op_at)
-        for i in remote:
+                    self._bad_post(stage, g, at, remote, op_at)
+        for i, (peer, ins) in remote.items():
             if i not in op_at:  # a plan that forgot it: post it at its index
-                step, ins = stream[i]
+                step = stream[i][0]
                 self.problems.append(f"{self._where(stage, step, ins)}: the posting "
                                      "plan never posts it")
-                op = op_at[i] = _Op(stage, peers[i][0], lanes[i], i, step, ins,
-                                    role(type(ins)).send)
+                op = op_at[i] = _Op(stage, peer, lanes[i], i, step, ins, role(type(ins)).send)
                 groups.setdefault(i, []).append(op)
         return groups, op_at
 
-    def _bad_post(self, stage: int, g: int, at: object, is_remote: set[int],
+    def _bad_post(self, stage: int, g: int, at: object, is_remote: Container[int],
                   op_at: dict[int, _Op]) -> None:
         """Report a post of the plan at stream index ``g`` that is not a remote transfer's
         first post at or after its place (it is then left out)."""
@@ -172,18 +176,23 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     def _check_pair(self, send: _Op, recv: _Op) -> None:
         s, r = send.ins, recv.ins
-        target = self._peer_of(send.rank, s)
+        target = self._peer_chunk(send.rank, s)
         same_kind = role(type(s)).kind == role(type(r)).kind
-        if same_kind and s.micro_batch == r.micro_batch and target[1] == r.chunk:
+        if same_kind and s.micro_batch == r.micro_batch and target == r.chunk:
             return
-        source = self._peer_of(recv.rank, r)
+        source = self._peer_chunk(recv.rank, r)
         self.problems.append(
             f"{recv.where()}: mismatched {_kind(r)}: transfers from stage {send.rank} to stage "
             f"{recv.rank} match in posting order on their lane, whatever they say, and this "
             f"receive "
-            f"(of micro-batch {r.micro_batch} chunk {r.chunk}, from chunk {source[1]}) "
+            f"(of micro-batch {r.micro_batch} chunk {r.chunk}, from chunk {source}) "
             f"meets {send.where()}, which sends the {_kind(s)} of micro-batch "
-            f"{s.micro_batch} chunk {target[1]}")
+            f"{s.micro_batch} chunk {target}")
+
+    def _peer_chunk(self, stage: int, i: MicroBatchInstruction) -> int | None:
+        """The chunk at the other end of ``stage``'s transfer ``i`` (``None``: no peer)."""
+        peer = self._peer_of(stage, i)
+        return None if peer is None else peer[1]
 
     # -- transfers ---------------------------------------------------------------------
 
@@ -217,7 +226,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
             if op.done is not None or mate is None:
                 continue
             unit, other = op.unit, mate.unit
-            if other is None or not (unit.active and other.active):
+            if unit is None or other is None or not (unit.active and other.active):
                 continue
             a, b = unit.start, other.start
             t = (a if a >= b else b) + op.cost_send + op.cost_recv
@@ -263,7 +272,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                 op.mate = op.unit = None
         for heads in self.heads:  # a unit still heading its lane (a deadlock) and its list
             heads.clear()
-        self.groups = self.code = self.heads = []
+        self.groups, self.code, self.heads = [], [], []
 
     def _compile(self, stage: int) -> list[tuple]:
         """Per stream index, how :meth:`_advance` runs the instruction: ``(_RUN, index,
@@ -286,7 +295,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         for pc, (index, i) in enumerate(self.stages[stage].stream):
             cls = type(i)
             r = role(cls)
-            if not r.micro_batch:
+            if not isinstance(i, MicroBatchInstruction):  # r.micro_batch, which mypy sees
                 out.append((_SLOW, index, i) if r.world or r.paired
                            else (_TICK, index, i, self._compute_cost(stage, i)))
                 continue
@@ -295,15 +304,15 @@ class _Rendezvous(_DeadlockReport, _Simulation):
                     and 0 <= i.buffer < limit):  # _in_range would report it
                 out.append((_SLOW, index, i))
                 continue
-            key = (stage, chunk, i.micro_batch)  # what _run looks up (_prepared)
-            p = progress.get(key)
+            at = (stage, chunk, i.micro_batch)  # what _run looks up (_prepared)
+            p = progress.get(at)
             if p is None:
-                p = progress[key] = _Progress()
+                p = progress[at] = _Progress()
             if not r.p2p:
-                key = (cls, chunk)
-                cost = costs.get(key)
+                priced = (cls, chunk)
+                cost = costs.get(priced)
                 if cost is None:
-                    cost = costs[key] = self._compute_cost(stage, i)
+                    cost = costs[priced] = self._compute_cost(stage, i)
                 out.append((_RUN, index, i, p, r.writes, r.handler, cost, r.compute))
                 continue
             key = (cls, chunk, getattr(i, "peer", None))
@@ -442,7 +451,7 @@ class _Rendezvous(_DeadlockReport, _Simulation):
         self._run(stage, where, i)
         return True
 
-    def _collective(self, stage: int, where: _Where, i: object) -> bool:
+    def _collective(self, stage: int, where: _Where | str, i: object) -> bool:
         """Enter (or keep waiting in) the next world collective; ``True`` once it is done."""
         st = self.stages[stage]
         when = self.world.enter(stage, st.clock, i, where)
@@ -477,8 +486,9 @@ class _Rendezvous(_DeadlockReport, _Simulation):
 
     def _check_complete(self) -> None:
         for (stage, channel), queue in self.local.items():
-            kind = channel if isinstance(channel, str) else \
-                f"{channel[0]} {channel[1][0]}->{channel[1][1]}"
+            # a kind, or a skip's (kind, (producer, consumer)) (_channel)
+            kind = f"{channel[0]} {channel[1][0]}->{channel[1][1]}" \
+                if isinstance(channel, tuple) else str(channel)
             for micro_batch, chunk, _, sender in queue:
                 self.problems.append(f"{sender}: the {kind} of micro-batch {micro_batch} handed "
                                      f"to chunk {chunk} of the same stage is never received")

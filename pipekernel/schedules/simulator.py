@@ -98,7 +98,8 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
              stage_costs: Mapping[tuple[int, ...], Mapping[type, float]] | None = None,
              skips: Sequence[Sequence[int]] = (),
              host_costs: Mapping[type, float] | None = None,
-             paired: bool | None = None, sharded: bool = False) -> SimulationResult:
+             paired: bool | None = None, sharded: bool = False,
+             data_parallel: bool = False) -> SimulationResult:
     """Simulate ``schedule`` on every stage of a pipeline and check it.
 
     :param schedule: a :class:`~pipekernel.schedules.base.Schedule` subclass, or
@@ -135,9 +136,9 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
         default; for ``zbv``, its plan without pairs). ``None`` (default): paired exactly
         when ``costs`` or ``stage_costs`` price ``ForwardBackward`` (the overlap you
         model), so the default answer is the engine's default program.
-    :param sharded: the programs of FSDP2-sharded stages (``data_parallel_shard``), with
-        their ``Unshard``/``ReduceShardedGrads``/``Reshard`` instructions
-        (:mod:`pipekernel.schedules.sharded`; priced by ``costs`` like any other class).
+    :param sharded: the programs of FSDP2-sharded stages (:mod:`~pipekernel.schedules.sharded`);
+        :param data_parallel: of replicated stages overlapping their gradient reduction
+        (:mod:`~pipekernel.schedules.data_parallel`); their instructions priced by ``costs``.
     :raises ConfigError: for invalid sizes, costs, semantics or placement.
     :raises ScheduleError: for a skip edge whose consumer does not come after its
         producer (or outside the pipeline); then listing every problem found
@@ -148,11 +149,12 @@ def simulate(schedule: Callable[..., object], num_stages: int, micro_batches: in
     _check_semantics(semantics)
     paired = _priced_pairs(costs, stage_costs) if paired is None else paired
     return _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
-                    stage_costs, skips, host_costs, paired, sharded)
+                    stage_costs, skips, host_costs, paired, sharded, data_parallel)
 
 
 def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
-             stage_costs, skips, host_costs, paired=False, sharded=False) -> SimulationResult:
+             stage_costs, skips, host_costs, paired=False, sharded=False,
+             data_parallel=False) -> SimulationResult:
     """:func:`simulate` once its arguments are checked: the programs (:func:`_programs`),
     then the simulation, with the collector off throughout. The schedule objects are made and
     dropped inside it: what they cache (their built steps) is garbage once the programs are
@@ -163,13 +165,14 @@ def _checked(schedule, num_stages, micro_batches, chunks, costs, posting,
     with _no_cyclic_gc():
         return _simulate(schedule,
                          *_programs(schedule, num_stages, micro_batches, chunks, skips, paired,
-                                    sharded),
+                                    sharded, data_parallel),
                          costs, posting, stage_costs, host_costs,
                          (num_stages, units, chunks))
 
 
 def _programs(schedule, num_stages, micro_batches, chunks, skips, paired,
-              sharded) -> tuple[tuple[Program, ...], str, list[tuple[int, int]]]:
+              sharded, data_parallel=False
+              ) -> tuple[tuple[Program, ...], str, list[tuple[int, int]]]:
     """``(programs, placement, edges)``: each stage's
     :class:`~pipekernel.schedules.program.Program`, lowered as the engine lowers it
     (:func:`~pipekernel.schedules.program.lower`, unpaired and with the skip transfers as
@@ -180,7 +183,7 @@ def _programs(schedule, num_stages, micro_batches, chunks, skips, paired,
     edges = check_skip_edges(skips, num_stages * chunks)
     programs = tuple(lower(obj, stage=s, num_stages=num_stages, micro_batches=micro_batches,
                            chunks=chunks, placement=placement, skips=edges, paired=paired,
-                           sharded=sharded)
+                           sharded=sharded, data_parallel=data_parallel)
                      for s, obj in enumerate(objects))
     return programs, placement, edges
 

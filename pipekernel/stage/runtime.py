@@ -64,13 +64,10 @@ def _to(obj: Any, device: torch.device) -> Any:
 class Bound(NamedTuple):
     """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
     channel of a remote transfer (``channels``) and the group posted there (``groups``, as
-    ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`);
-    the parameters whose gradients are final before the program's last weight-gradient
-    instruction (``settled``)."""
+    ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`)."""
 
     channels: tuple[Any, ...]
     groups: tuple[tuple[tuple, ...], ...]
-    settled: tuple = ()
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -91,27 +88,22 @@ class StageRuntime:
         loss scaling, gradient accumulation).
     :param chunks: parts per stage; :param placement: which parts
         (:mod:`pipekernel.schedules.placement`).
-    :param before_last_backward: ``before_last_backward(settled)`` is called right before
-        the last instruction of the batch that produces weight gradients on this stage (to
-        start reductions), with the program's ``settled`` parameters.
-    :param after_last_backward: called right after that instruction and the
-        precision's ``after_backward`` (gradients are final there, fp32 masters included).
     :param skips: the :class:`~pipekernel.model.skip_routing.SkipRouter` of a model with skip
         connections between parts (``None``: none).
     :param params_of: ``params -> the tensors autograd holds for them`` at a split
         backward (FSDP2's unsharded parameters: :mod:`pipekernel.grid.stage_parallel`);
         ``None``: the parameters themselves.
     :param tokens: ``loss_reduction="tokens"`` (see :mod:`pipekernel.stage.loss`).
+    :param offload: the stage's :class:`~pipekernel.stage.offload.ActivationOffload`
+        (``None``: saved activations stay on the device).
     """
 
     def __init__(self, module: torch.nn.Module, topology: Topology, transport: Any,
                  loss_fn: Callable | None, precision: Any, *, chunks: int = 1,
                  placement: str = "loop",
-                 before_last_backward: Callable[[tuple], None] | None = None,
-                 after_last_backward: Callable[[], None] | None = None,
                  skips: SkipRouter | None = None,
                  params_of: Callable[[list], list] | None = None,
-                 tokens: bool = False) -> None:
+                 tokens: bool = False, offload: Any = None) -> None:
         self.module, self.topology, self.transport = module, topology, transport
         self.precision = precision
         self.stage, self.chunks, self.placement = topology.stage, chunks, placement
@@ -125,9 +117,9 @@ class StageRuntime:
         self.parts = [part(c) if part is not None else module for c in range(chunks)]
         self._part_params = [list(part.parameters()) for part in self.parts]
         self._params_of = params_of
-        self._before_last_backward = before_last_backward
-        self._after_last_backward = after_last_backward
         self._skips = skips
+        #: schedule-aware activation offload (pipekernel.stage.offload), or None
+        self.offload = offload
         #: labels, losses, token counts, aux losses and fingerprints of the batch
         self.loss_keeper = LossKeeper(loss_fn, precision, tokens=tokens, stage=self.stage)
         #: what travels between stages
@@ -180,6 +172,8 @@ class StageRuntime:
         self._program, self._bound, self._at = program, bound, -1
         self._units = program.micro_batches * seq_chunks
         self.seq_chunks, self._prefixes = seq_chunks, {}
+        if self.offload is not None:
+            self.offload.begin(program.stream, self.module.parameters())
 
     @property
     def micro_batches(self) -> int:
@@ -192,10 +186,10 @@ class StageRuntime:
         """The last position's outputs of the last batch run with ``keep_outputs``."""
         return self.loss_keeper.outputs
 
-    def bind(self, program: Program, settled: tuple = ()) -> Bound:
+    def bind(self, program: Program) -> Bound:
         """``program`` bound to this runtime (:class:`Bound`): its transfers' channels and
-        groups, and the ``settled`` parameters."""
-        return Bound(*self.transfers.bind(program), settled)
+        groups."""
+        return Bound(*self.transfers.bind(program))
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.
@@ -204,10 +198,14 @@ class StageRuntime:
         group = self._bound.groups[index]
         if group:
             self.transfers.post(group)
+        if self.offload is not None:
+            self.offload.enter(index)
 
     def end(self) -> BatchLosses:
         """Finish the batch (wait for the sends still in flight); its losses."""
         self.transfers.flush()
+        if self.offload is not None:
+            self.offload.end()
         return self.loss_keeper.record
 
     def inputs_of(self, instruction: isa.MicroBatchInstruction) -> Any:
@@ -241,6 +239,8 @@ class StageRuntime:
         more; the process group is destroyed by the transport's ``close()``)."""
         self.transfers.abandon()
         self._prefixes = {}
+        if self.offload is not None:
+            self.offload.end()
 
     def handlers(self) -> dict[type, Callable[[Any], Any]]:
         table: dict[type, Callable[[Any], Any]] = {
@@ -346,7 +346,11 @@ class StageRuntime:
         aux: list[torch.Tensor] = []
         token = AUX_COLLECTOR.set(aux)  # what aux_loss.collecting() does, without its calls
         try:
-            if self.seq_chunks == 1:  # no sequence chunk: no scope to open
+            if self.offload is not None:
+                with self.offload.packing((instruction.micro_batch, chunk)), \
+                        self._sequence_scope(instruction):
+                    outputs = self._forward_part(buffer, chunk, instruction.micro_batch)
+            elif self.seq_chunks == 1:  # no sequence chunk: no scope to open
                 outputs = self._forward_part(buffer, chunk, instruction.micro_batch)
             else:
                 with self._sequence_scope(instruction):
@@ -354,6 +358,8 @@ class StageRuntime:
         finally:
             AUX_COLLECTOR.reset(token)
         self.forward_done(instruction, buffer, outputs, aux)
+        if self.offload is not None:  # what the runtime holds stays on the device
+            self.offload.after_forward((instruction.micro_batch, chunk), self.held_tensors())
 
     def _forward_part(self, buffer: Buffer, chunk: int, micro_batch: int) -> Any:
         if self._skips is None:
@@ -447,14 +453,6 @@ class StageRuntime:
         router.after_forward(scope, buffer.skips, chunk, torch.is_grad_enabled())
         return outputs
 
-    def _before_weights(self, instruction: isa.Instruction) -> None:
-        if self._before_last_backward is not None and self._at == self._program.last_weight:
-            self._before_last_backward(self._bound.settled)
-
-    def _after_weights(self, instruction: isa.Instruction) -> None:
-        if self._after_last_backward is not None and self._at == self._program.last_weight:
-            self._after_last_backward()
-
     def backward(self, instruction: isa.Backward) -> None:
         buffer = self.backward_begin(instruction)
         loss, outputs, grads = self.backward_roots(instruction, buffer)
@@ -473,10 +471,8 @@ class StageRuntime:
         self.backward_done(instruction, buffer)
 
     def backward_begin(self, instruction: isa.Backward) -> Buffer:
-        """The buffer of ``instruction`` (and the reducers told when it is the last)."""
-        buffer = self._slot(instruction)
-        self._before_weights(instruction)
-        return buffer
+        """The buffer of ``instruction`` (the paired executor's part)."""
+        return self._slot(instruction)
 
     def backward_roots(self, instruction: isa.Backward,
                        buffer: Buffer) -> tuple[torch.Tensor | None, list, list]:
@@ -492,7 +488,6 @@ class StageRuntime:
         """What follows a backward: the precision's hook, the inputs' gradients kept."""
         chunk = instruction.chunk
         self.precision.after_backward(self.module)
-        self._after_weights(instruction)
         if chunk != self.first_chunk:
             inputs = _grad_tensors(buffer.inputs)
             buffer.input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
@@ -547,11 +542,9 @@ class StageRuntime:
         if buffer.split is None:
             raise PipelineError(f"{instruction} before its BackwardInput",
                                 hint="a schedule runs BackwardInput before BackwardWeight")
-        self._before_weights(instruction)
         backward_weight(buffer.split)
         buffer.split = None
         self.precision.after_backward(self.module)
-        self._after_weights(instruction)
 
     def send_activation(self, instruction: isa.SendActivation) -> None:
         buffer = self._slot(instruction)

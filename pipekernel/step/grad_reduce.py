@@ -17,18 +17,19 @@ the way ``torch.nn.parallel.DistributedDataParallel`` does:
 * **When buckets start** (``transport.iall_reduce``), always in bucket order
   so every replica starts the same collectives in the same order:
 
-  1. ``arm()`` — called right before the stage's last backward of the batch —
+  1. ``arm()`` — the ``ArmGradReduce`` instruction, right before the stage's last
+     backward of the batch (:mod:`pipekernel.schedules.data_parallel`) —
      registers ``register_post_accumulate_grad_hook`` hooks on the parameters
      whose gradient lives on the parameter itself (the optimizer's tensor, as
      under fp32 and ``amp-bf16``). A bucket starts, *during* that backward, as
      soon as all its gradients are final and every earlier bucket started.
      Earlier micro-batches run no hook at all.
-  2. ``backward_done()`` — called after the precision's ``after_backward`` of
-     that last backward — starts every bucket not started yet except the late
-     ones. This is where gradients held on fp32 **master copies** (``bf16``,
-     ``fp16``) start: the precision writes them in ``after_backward``, after
-     autograd finished, so no autograd hook can see them final. It also starts
-     buckets held back by a parameter unused on this replica.
+  2. ``backward_done()`` — the ``LaunchGradReduce`` instruction, after that last
+     backward and the precision's ``after_backward`` in it — starts every bucket not
+     started yet except the late ones. This is where gradients held on fp32
+     **master copies** (``bf16``, ``fp16``) start: the precision writes them in
+     ``after_backward``, after autograd finished, so no autograd hook can see them
+     final. It also starts buckets held back by a parameter unused on this replica.
   3. ``finish()`` — called by the ``ReduceGrads`` instruction — starts what is
      left: the **late** parameters (tied weights, whose gradients are still
      summed across stages by ``ReduceTiedGrads`` after the backward), and
@@ -162,8 +163,9 @@ class GradReducer:
 
     # -- the three calls --------------------------------------------------------
     def arm(self, final: Iterable[torch.Tensor] = ()) -> None:
-        """Call right before the last backward of the batch: buckets of parameters
-        whose gradient lives on the parameter start from gradient hooks as they fill.
+        """Call right before the last backward of the batch (``ArmGradReduce``): buckets
+        of parameters whose gradient lives on the parameter start from gradient hooks as
+        they fill.
 
         :param final: parameters whose gradients are final already (e.g. those of a
             model chunk whose last backward ran earlier): they count as ready now,
@@ -182,7 +184,8 @@ class GradReducer:
                 self._on_grad(i, self.params[i])
 
     def backward_done(self) -> None:
-        """Call after the last backward (and the precision's ``after_backward``): start
+        """Call after the last backward (and the precision's ``after_backward``;
+        ``LaunchGradReduce``): start
         every bucket but the late ones."""
         self._disarm()
         self._launch_while(lambda b: b.kind != _LATE, "after_backward")
