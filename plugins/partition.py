@@ -615,19 +615,25 @@ def _by_memory(method: Memory, context: PartitionContext, num_stages: int) -> li
     in_flight = context.in_flight
 
     def compute() -> tuple:
+        outputs: list | None = None
+        states: list | None = None
         if method.sample is None:
             static, act = _meta_static_bytes(module, DEFAULT_OPTIMIZER_STATES if
                                              method.optimizer_states is None
                                              else method.optimizer_states), None
-        else:
-            _, static, act = measure_layers(
+        else:  # what crosses each boundary and a split backward keeps: the memory model's
+            outputs, states = [], []
+            _, _, static, act = measure_layer_times(
                 module, method.sample, context.device, time_it=False,
-                optimizer=context.optimizer, optimizer_states=method.optimizer_states)
+                optimizer=context.optimizer, optimizer_states=method.optimizer_states,
+                outputs=outputs, weight_states=states)
         bounds = balance(static, num_stages, act, in_flight)
-        return bounds, stage_layer_costs(static, act, bounds, in_flight), static, act, None
-    bounds, costs, static, act, _ = _agree(context, compute)
+        return (bounds, stage_layer_costs(static, act, bounds, in_flight), static, act,
+                outputs, states)
+    bounds, costs, static, act, outputs, states = _agree(context, compute)
     context.layer_costs, context.cost_unit = costs, "bytes"
     context.layer_static_bytes, context.layer_activation_bytes = static, act
+    context.layer_output_bytes, context.layer_weight_state_bytes = outputs, states
     context.notes.append("memory = params + grads + optimizer state + buffers"
                          + (f" + activations x in-flight micro-batches {in_flight}"
                             if act is not None else " (no sample: activations not counted)"))

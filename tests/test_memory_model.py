@@ -56,15 +56,66 @@ def _unit_parts(stages: int, chunks: int, placement: str = "loop") -> dict:
             for q in range(stages * chunks)}
 
 
-def test_under_1f1b_only_gradient_sends_grow_with_micro_batches():
+def test_under_1f1b_nothing_grows_with_micro_batches():
     rows = {m: stage_memory(SCHEDULES["1f1b"], 4, m, 1, _unit_parts(4, 1)) for m in (4, 8, 16)}
-    # stage 0 sends activations only, waited when their gradient arrives: flat in m
-    assert rows[4][0] == rows[8][0] == rows[16][0]
-    for s in range(4):  # stage s holds p - s micro-batches' activations at its peak
+    # activation sends are waited when their gradient arrives, gradient sends at their
+    # release point (the peer's next message posted after its receive): flat in m
+    for s in range(4):
+        assert rows[4][s] == rows[8][s] == rows[16][s], s
+        # stage s holds p - s micro-batches' activations at its peak
         assert [round(rows[m][s]["saved"] / 1000) for m in (4, 8, 16)] == [4 - s] * 3
-    # a gradient send (a host transport's copy) counts until the step's end: one more
-    # per micro-batch on every later stage (what is left of the issue: no causal signal)
-    assert rows[16][1]["buffers"] - rows[8][1]["buffers"] == 8 * 10.0
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "zb-h1", "zbv", "dualpipev",
+                                  "v-half", "v-min"])
+def test_no_schedule_but_gpipe_holds_more_buffers_at_more_micro_batches(name):
+    cls = SCHEDULES[name]
+    chunks = 2 if name in table.CHUNKS else 1
+    parts = _unit_parts(4, chunks, getattr(cls, "placement", "loop"))
+    rows = {m: stage_memory(cls, 4, m, chunks, parts) for m in (8, 16, 32)}
+    assert [r["buffers"] for r in rows[8]] == [r["buffers"] for r in rows[32]]
+
+
+def test_release_points_wait_a_gradient_send_once_the_peer_posted_its_receive():
+    from pipekernel.schedules import instructions as isa
+    from pipekernel.schedules.program import compile_program
+    from pipekernel.schedules.send_release import release_points
+
+    programs = [compile_program(SCHEDULES["1f1b"], stage=s, num_stages=2, micro_batches=8)
+                for s in range(2)]
+    last, first = programs[1], programs[0]
+    release = release_points(programs, 1)
+    grads = [j for j, ins in enumerate(last.stream) if isinstance(ins, isa.SendGrad)]
+    released = {j: r for r, js in release.items() for j in js}
+    # every gradient send but the ones after the last activation arrives is released,
+    # at an activation receive that comes after it
+    last_recv = max(r for r, ins in enumerate(last.stream)
+                    if isinstance(ins, isa.RecvActivation))
+    assert set(released) == {j for j in grads if j < last_recv}
+    for j, r in released.items():
+        assert r > j and isinstance(last.stream[r], isa.RecvActivation)
+        # the peer posted that activation's send at or after its receive of the gradient
+        mb = last.stream[j].micro_batch
+        post_at = {k: at for at, group in enumerate(first.posts) for k in group}
+        recv = next(k for k, ins in enumerate(first.stream)
+                    if isinstance(ins, isa.RecvGrad) and ins.micro_batch == mb)
+        send = next(k for k, ins in enumerate(first.stream)
+                    if isinstance(ins, isa.SendActivation)
+                    and ins.micro_batch == last.stream[r].micro_batch)
+        assert post_at[send] >= post_at[recv]
+    # on the first stage, a release point is always a receive after the send
+    assert all(r > j and isinstance(first.stream[r], isa.RecvGrad)
+               for r, js in release_points(programs, 0).items() for j in js)
+
+
+@pytest.mark.multirank
+def test_under_1f1b_the_last_stage_holds_the_same_buffers_at_4_and_16_micro_batches():
+    rows = table.compare([("1f1b", 2, 4, 0), ("1f1b", 2, 16, 0)], 2)
+    last = {cell[2]: (measured, predicted) for cell, stage, measured, predicted in rows
+            if stage == 1}
+    assert last[4][0]["memory_buffers_bytes"] == last[16][0]["memory_buffers_bytes"]
+    assert last[4][0]["memory_peak_bytes"] == last[16][0]["memory_peak_bytes"]
+    assert last[4][1] == last[16][1]  # and the model says so
 
 
 def test_a_deferred_weight_pass_holds_the_graph_and_its_state():
@@ -145,3 +196,47 @@ def test_auto_under_a_budget_fits_it_measured():
         assert peak <= budget  # measured, every stage
     assert "predicted memory per stage" in text and "saved" in text
     assert "smallest budget that would fit is" in refusal
+
+
+def _report_worker(schedule: str, m: int) -> tuple:
+    import torch
+
+    import pipekernel as pk
+    from pipekernel.plugins.memory import MemoryMeter
+
+    torch.set_num_threads(1)
+    chunks = table.CHUNKS.get(schedule, 1)
+    module = table._module(2, chunks, 0)
+    module.partition_method = pk.memory(torch.randn(table.BATCH, table.IN))
+    meter = MemoryMeter()
+    engine = pk.PipelineEngine(module, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+                               micro_batches=m, schedule=schedule,
+                               chunks=chunks if chunks > 1 else None, transport="gloo",
+                               plugins=[meter], timeout=120)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        engine.train_batch(iter([(torch.randn(table.BATCH, table.IN, generator=g),
+                                  torch.randn(table.BATCH, table.OUT, generator=g))
+                                 for _ in range(m)]))
+    report = engine.partition_report
+    engine.close()
+    return report.stage_memory, report.format(), meter.last
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("schedule,m", [("1f1b", 4), ("zbv", 4)])
+def test_partition_report_predicts_each_stage_by_category(schedule, m):
+    from pipekernel.testing import run_ranks
+
+    ranks = run_ranks(_report_worker, 2, schedule, m, timeout=600)
+    predicted, text, _ = ranks[0]
+    assert "predicted memory per pipeline stage" in text
+    for stage, (rows, _, measured) in enumerate(ranks):
+        assert rows == predicted  # the same report on every rank
+        row = predicted[stage]
+        assert set(row) == {"params", "grads", "optimizer", "saved", "buffers"}
+        # parameters and optimizer state are exact; the peak within the model's 5%
+        assert row["params"] == measured["memory_params_bytes"], (stage, row, measured)
+        assert row["optimizer"] == measured["memory_optimizer_bytes"], (stage, row, measured)
+        assert abs(sum(row.values()) / measured["memory_peak_bytes"] - 1) <= 0.05, \
+            (stage, row, measured)

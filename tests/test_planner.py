@@ -369,3 +369,39 @@ def test_auto_preferring_another_count_still_trains_the_users(tutorial_runs):
     assert best.micro_batches == 2 and best.what_if  # the planner alone would have taken 2
     assert "2 micro-batches would be predicted" in plan.announce()
     assert prefers == pytest.approx(auto, rel=1e-6, abs=1e-6)
+
+
+def test_the_prediction_is_the_makespan_plus_the_slowest_stages_optimizer_step():
+    # injected costs: 8 layers, 1f1b on 2 stages, the optimizer measured per layer
+    steps = [0.0, 0.3, 0.3, 0.3, 0.5, 0.5, 0.5, 0.0]  # layers 0 and 7 hold no parameters
+    base = fixed_batch_costs(counts=(4,))
+    costs = {4: dataclasses.replace(base[4], optimizer_s=steps, optimizer_fixed_s=0.1)}
+    plan = search(costs, 2, {"1f1b": TRAINING["1f1b"]}, balance=balance, chunks=(1,))
+    bounds = plan.bounds
+    layer = costs[4].forward_s[0]
+    table = {(s, 0): {Forward: (bounds[s + 1] - bounds[s]) * layer,
+                      Backward: 2 * (bounds[s + 1] - bounds[s]) * layer} for s in range(2)}
+    makespan = simulate(TRAINING["1f1b"], 2, 4, 1, stage_costs=table).makespan
+    # one step per stage over all its layers: their steps less the fixed part of all but one
+    per_stage = []
+    for s in range(2):
+        mine = [t for t in steps[bounds[s]:bounds[s + 1]] if t > 0]
+        per_stage.append(max(sum(mine) - (len(mine) - 1) * 0.1, max(mine)))
+    assert plan.breakdown == pytest.approx({"pipeline": makespan, "optimizer": max(per_stage)})
+    assert plan.predicted_step_s == pytest.approx(makespan + max(per_stage))
+    # without a measured step the prediction is the makespan alone, as before
+    bare = search(base, 2, {"1f1b": TRAINING["1f1b"]}, balance=balance, chunks=(1,))
+    assert bare.breakdown["optimizer"] == 0.0
+    assert bare.predicted_step_s == pytest.approx(makespan)
+
+
+def test_measure_optimizer_times_each_layer_with_the_given_clock():
+    from pipekernel.engine.planner import measure_optimizer
+
+    module = mlp(4)
+    ticks = iter(range(10 ** 6))
+    steps, fixed = measure_optimizer(module, sgd, clock=lambda: float(next(ticks)),
+                                     repeats=3, warmup=1)
+    # every read of the clock advances it by 1: each timed step is 1 "second"
+    assert steps == [1.0 if n else 0.0 for n in module.parameter_counts()]
+    assert fixed == 1.0  # 1 + 1 - 1, at most the cheaper step

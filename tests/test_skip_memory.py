@@ -33,8 +33,8 @@ def test_a_stash_is_the_producers_until_its_backward_and_its_sends_until_the_ste
     assert skip[0]["buffers"] >= plain[0]["buffers"] + 100.0 + 116.0
     # consumer: the graph keeps the received message instead of the profiled pops
     assert skip[1]["saved"] == plain[1]["saved"] + 16.0
-    # the skip sends are kept to the step's end (gloo completes a send when waited): under
-    # 1F1B they grow with the micro-batches, as gradient sends do
+    # the skip sends are kept to the step's end (gloo completes a send when waited, and a
+    # skip's sends have no release point, send_release): under 1F1B they grow with m
     grown = [stage_memory(SCHEDULES["1f1b"], 2, m, 1, PARTS, skips={(0, 1): edge})[0]
              ["buffers"] - stage_memory(SCHEDULES["1f1b"], 2, m, 1, PARTS)[0]["buffers"]
              for m in (2, 4)]

@@ -25,7 +25,7 @@ from pipekernel.engine.faults import check_consistency
 from pipekernel.engine.sentinel import check_every_option
 from pipekernel.engine.planner import Auto, Plan, is_auto, plan_module
 from pipekernel.engine.recompute_option import resolve_recompute
-from pipekernel.errors import ConfigError, positive_int
+from pipekernel.errors import ConfigError, PipelineError, positive_int
 from pipekernel.extend.manager import resolve_schedule
 from pipekernel.grid import expert_parallel
 from pipekernel.grid.mesh import build_grid
@@ -37,7 +37,7 @@ from pipekernel.schedules.placement import check_placement, locate, parts_of
 from pipekernel.schedules.sequence import Seq1F1B
 from pipekernel.stage.loss import check_loss_reduction
 from pipekernel.model.module import PipelineModule
-from pipekernel.schedules.sim_memory import live_graphs
+from pipekernel.schedules.sim_memory import live_graphs, part_bytes, stage_memory
 from pipekernel.model.partitioning import PartitionContext, PartitionReport
 from pipekernel.model.skip_routing import check_schedules, router_for
 
@@ -361,10 +361,70 @@ def partition(module: PipelineModule, optimizer: Any, layout: Layout, pm: Any,
     check_consistency(transport, {"partition bounds": list(bounds)},
                       "partition (a method that measures, e.g. profile, must "
                       "broadcast its result)")
-    report = PartitionReport.build(module, bounds, context)
+    report = PartitionReport.build(module, bounds, context, predicted_memory(
+        module, bounds, context, layout.schedule_cls, num_stages, chunks, layout.placement))
     if transport.rank == 0:
         _partition_log.info("%s", report.format())
     return Parts(part_stages, bounds, report)
+
+
+def predicted_memory(module: PipelineModule, bounds: list[int], context: PartitionContext,
+                     schedule_cls: Any, num_stages: int, chunks: int,
+                     placement: str) -> list[dict[str, float]] | None:
+    """Per pipeline stage, the memory model's bytes at its peak by category (params, grads,
+    optimizer, saved, buffers: :func:`~pipekernel.schedules.sim_memory.stage_memory`, the
+    model of ``pk.auto`` and ``pipekernel plan``), from the bytes the partition plugin
+    measured per layer; ``None`` where it measured none (or the schedule cannot be
+    replayed). The loss's labels are not counted (the profile sees inputs only)."""
+    static, saved = context.layer_static_bytes, context.layer_activation_bytes
+    if static is None or saved is None:
+        return None
+    params, trainable = _parameter_bytes(module)
+    sample = getattr(module.partition_method, "sample", None)
+    parts = part_bytes(bounds, num_stages, chunks, placement, saved=saved,
+                       outputs=context.layer_output_bytes or [0.0] * len(saved),
+                       weight_states=context.layer_weight_state_bytes,
+                       input_bytes=_nbytes(sample) if sample is not None else 0.0,
+                       checkpoint_interval=module.activation_checkpoint_interval or 0,
+                       grads=trainable)
+    try:
+        peaks = stage_memory(schedule_cls, num_stages, context.micro_batches, chunks, parts)
+    except PipelineError:
+        return None
+    out = []
+    for s in range(num_stages):
+        mine = [i for q in range(num_stages * chunks) if locate(q, num_stages, placement)[0] == s
+                for i in range(bounds[q], bounds[q + 1])]
+        own = sum(params[i] for i in mine)
+        state = sum(static[i] for i in mine) - own - sum(trainable[i] for i in mine)
+        out.append({"params": own, "grads": peaks[s]["grads"], "optimizer": max(state, 0.0),
+                    "saved": peaks[s]["saved"], "buffers": peaks[s]["buffers"]})
+    return out
+
+
+def _parameter_bytes(module: PipelineModule) -> tuple[list[float], list[float]]:
+    """Per layer, its parameters' bytes and its trainable ones' (their gradients' bytes),
+    counted on the meta device (nothing is allocated)."""
+    from pipekernel.model.module import LayerSpec
+
+    params, trainable = [], []
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        for layer in module.layers:
+            built = layer.build() if isinstance(layer, LayerSpec) else layer
+            found = list(built.parameters()) if isinstance(built, torch.nn.Module) else []
+            params.append(float(sum(p.numel() * p.element_size() for p in found)))
+            trainable.append(float(sum(p.numel() * p.element_size() for p in found
+                                       if p.requires_grad)))
+    return params, trainable
+
+
+def _nbytes(sample: Any) -> float:
+    """Bytes of the tensors in ``sample`` (one micro-batch of first-stage inputs)."""
+    tensors = [sample] if isinstance(sample, torch.Tensor) else list(
+        sample.values() if isinstance(sample, dict) else
+        sample if isinstance(sample, (tuple, list)) else ())
+    return float(sum(_nbytes(t) if not isinstance(t, torch.Tensor)
+                     else t.numel() * t.element_size() for t in tensors))
 
 
 def mesh_unwanted(parallel: ParallelConfig, pm: Any) -> str:

@@ -13,8 +13,10 @@ The model behind a prediction (see ``docs/planning.md``):
 * a micro-batch's forward on a part costs the sum of its layers' measured forward
   seconds, its backward the sum of the rest of the measured forward + backward;
   a split backward spends half of it (times ``split_overhead``) in ``BackwardInput``
-  and half in ``BackwardWeight``; the optimizer step is not counted (it is the same for
-  every candidate);
+  and half in ``BackwardWeight``;
+* the optimizer step adds the slowest stage's step once the pipeline drains: each layer's
+  step measured alone (:func:`measure_optimizer`), summed over the stage, less the fixed
+  per-step cost its layers would each pay if stepped apart;
 * a transfer across a stage boundary costs ``transfer_s`` plus the :class:`Link`'s
   ``message_s + byte_s × bytes`` (the boundary layer's measured output; under
   ``pk.launch``/torchrun the link is measured by a ping-pong between ranks 0 and 1 of
@@ -65,7 +67,7 @@ from pipekernel.schedules.simulator import simulate
 from pipekernel.model.partitioning import format_bytes
 
 __all__ = ["Auto", "auto", "LayerCosts", "Link", "Candidate", "Plan", "search", "plan_module",
-           "measure_link", "is_auto"]
+           "measure_link", "measure_optimizer", "is_auto"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,11 @@ class LayerCosts:
     #: per layer, its parameters' gradient bytes (part of ``static_bytes``, but absent
     #: until a stage's first backward writes them); ``None``: counted as always there
     grad_bytes: Sequence[float] | None = None
+    #: per layer, the seconds of one optimizer step on its parameters alone (measured,
+    #: state already made), and the fixed part of any step (a step over two layers costs
+    #: the sum of theirs less it); ``None``: the step is not counted
+    optimizer_s: Sequence[float] | None = None
+    optimizer_fixed_s: float = 0.0
 
     def all_to_all_share(self) -> tuple[float, float]:
         """``(all-to-all seconds, all seconds)`` of one micro-batch's forward + backward."""
@@ -200,6 +207,9 @@ class Candidate:
     #: priced at a micro-batch count the engine does not run (it trains the user's
     #: count): listed for comparison, never chosen
     what_if: bool = False
+    #: what ``predicted_step_s`` adds up, in seconds: ``pipeline`` (the simulated
+    #: makespan) and ``optimizer`` (the slowest stage's measured optimizer step)
+    terms: Mapping[str, float] = field(default_factory=dict)
     #: per stage, the predicted bytes at its peak by category: ``static`` (parameters,
     #: gradients, optimizer state), ``saved`` and ``buffers`` (see
     #: :mod:`pipekernel.schedules.sim_memory`)
@@ -253,6 +263,14 @@ class Plan:
     recompute: tuple[int, ...] = ()
     #: what the prediction leaves out for this model (printed under the plan's header)
     notes: tuple[str, ...] = ()
+
+    @property
+    def breakdown(self) -> Mapping[str, float]:
+        """The chosen candidate's terms of ``predicted_step_s`` (:attr:`Candidate.terms`)."""
+        chosen = next((c for c in self.candidates if (c.schedule, c.chunks, c.micro_batches,
+                       c.bounds) == (self.schedule, self.chunks, self.micro_batches,
+                                     self.bounds)), None)
+        return dict(chosen.terms) if chosen is not None else {}
 
     def fields(self) -> dict[str, Any]:
         """The choice as plain values (every rank must hold the same)."""
@@ -565,8 +583,25 @@ def _evaluate(name: str, cls: Any, chunks: int, m: int, label: str, bounds: tupl
     memory = _stage_memory(cls, num_stages, m, chunks, bounds, costs, static, recompute)
     stage_bytes = tuple(sum(row.values()) for row in memory)
     fits = budget is None or max(stage_bytes) * (1 + MEMORY_MARGIN) <= budget
-    return Candidate(name, chunks, m, label, bounds, result.makespan, stage_bytes, fits,
-                     stage_memory=memory, recompute=recompute)
+    terms = {"pipeline": result.makespan, "optimizer": _optimizer_s(costs, bounds, num_stages,
+                                                                    chunks, placement)}
+    return Candidate(name, chunks, m, label, bounds, sum(terms.values()), stage_bytes, fits,
+                     stage_memory=memory, terms=terms, recompute=recompute)
+
+
+def _optimizer_s(costs: LayerCosts, bounds: tuple[int, ...], num_stages: int, chunks: int,
+                 placement: str) -> float:
+    """The slowest stage's optimizer step: the sum of its layers' measured steps, less the
+    fixed cost of every step but one (one step runs over all of a stage's parameters), and
+    never less than its dearest layer's."""
+    if costs.optimizer_s is None:
+        return 0.0
+    steps: list[list[float]] = [[] for _ in range(num_stages)]
+    for p in range(num_stages * chunks):
+        stage = locate(p, num_stages, placement)[0]
+        steps[stage] += [t for t in costs.optimizer_s[bounds[p]:bounds[p + 1]] if t > 0]
+    return max((max(sum(t) - (len(t) - 1) * costs.optimizer_fixed_s, max(t))
+                for t in steps if t), default=0.0)
 
 
 #: a plan fits a budget when its largest stage's prediction, plus this share, does: the
@@ -661,11 +696,9 @@ def plan_module(module: Any, request: Auto, *, num_stages: int, micro_batches: i
     if expert_parallel_size > 1 and topology is not None and transport is not None:
         from pipekernel.engine.all_to_all_cost import planner_group
         ep_group = planner_group(topology, transport, expert_parallel_size)
-    costs = {n: dataclasses.replace(
-        _profile(module, request, _resize(sample, total // n), n, pm,
-                 (transport, device, optimizer, ep_group)),
-        label_bytes=_nbytes(_resize(request.labels, total // n))
-        if request.labels is not None else 0.0) for n in counts}
+    costs = _with_optimizer(_profiles(module, request, sample, total, counts, pm,
+                                      (transport, device, optimizer, ep_group)),
+                            module, optimizer, transport, device, request)
     schedules = _schedules(request, pm)
     cache: dict[tuple, list[int]] = {}
 
@@ -707,6 +740,28 @@ def _skip_notes(module: Any, num_stages: int, recompute: Sequence[int] | None
              "in the memory model; recomputation is not searched (it cannot run with skip "
              "connections)",)
     return notes, (0,) * num_stages if recompute is None else recompute
+
+
+def _profiles(module: Any, request: Auto, sample: Any, total: int, counts: list[int], pm: Any,
+              where: tuple) -> dict[int, LayerCosts]:
+    """Per micro-batch count, the layers' costs at that size (:func:`_profile`), with the
+    request's labels' bytes."""
+    return {n: dataclasses.replace(
+        _profile(module, request, _resize(sample, total // n), n, pm, where),
+        label_bytes=_nbytes(_resize(request.labels, total // n))
+        if request.labels is not None else 0.0) for n in counts}
+
+
+def _with_optimizer(costs: dict[int, LayerCosts], module: Any, optimizer: Any, transport: Any,
+                    device: Any, request: Auto) -> dict[int, LayerCosts]:
+    """``costs`` with the optimizer's step per layer (:func:`measure_optimizer`: the same
+    for every micro-batch count, measured once); unchanged without an optimizer."""
+    if optimizer is None:
+        return costs
+    steps, fixed = measure_optimizer(module, optimizer, transport, device,
+                                     repeats=request.repeats, warmup=request.warmup)
+    return {n: dataclasses.replace(c, optimizer_s=steps, optimizer_fixed_s=fixed)
+            for n, c in costs.items()}
 
 
 def _schedules(request: Auto, pm: Any) -> dict[str, Any]:
@@ -767,6 +822,68 @@ def _with_all_to_all(costs: LayerCosts, module: Any, sample: Any, ep_group: Any,
                                   device=device or "cpu", repeats=request.repeats,
                                   warmup=request.warmup)
     return dataclasses.replace(costs, all_to_all_s=measured)
+
+
+def measure_optimizer(module: Any, optimizer: Callable[..., Any], transport: Any = None,
+                      device: Any = None, *, repeats: int = 3, warmup: int = 1,
+                      clock: Callable[[], float] | None = None) -> tuple[list[float], float]:
+    """``(per layer, the seconds of one optimizer step on its parameters; the fixed part of
+    a step)``: each layer built alone (one at a time) and stepped by ``optimizer`` with
+    zero gradients, ``warmup`` untimed steps (the state is made) then the median of
+    ``repeats``; the fixed part is the sum of two layers' steps less one step over both (the
+    per-call cost a stage's single step pays once). Measured on global rank 0 of
+    ``transport`` and broadcast (collective: every rank calls it); a layer without
+    trainable parameters costs 0."""
+    import statistics
+    import time
+
+    import torch
+
+    now = clock or time.perf_counter
+    rank = getattr(transport, "rank", 0)
+    count = len(module.layers)
+    values = torch.zeros(count + 1, dtype=torch.float64)
+    if rank == 0:
+        where = device or "cpu"
+        cuda = torch.device(where).type == "cuda"
+
+        def timed(params: list) -> float:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt = optimizer(params)
+            times = []
+            for i in range(warmup + repeats):
+                if cuda:
+                    torch.cuda.synchronize(where)
+                start = now()
+                opt.step()
+                if cuda:
+                    torch.cuda.synchronize(where)
+                if i >= warmup:
+                    times.append(now() - start)
+            return statistics.median(times)
+
+        kept: list[list] = []  # two layers' parameters, for the fixed part
+        with torch.random.fork_rng(devices=[]):
+            for index in range(count):
+                layer, _ = module.measured_layer(index, where)
+                params = [p for p in layer.parameters() if p.requires_grad] \
+                    if isinstance(layer, torch.nn.Module) else []
+                if params:
+                    values[index] = timed(params)
+                    if len(kept) < 2:
+                        kept.append([p.detach().clone().requires_grad_() for p in params])
+                del layer
+        if len(kept) == 2:  # at most the cheaper step (a noisy pair cannot make it more)
+            pair = timed(kept[0] + kept[1])
+            single = [timed(k) for k in kept]
+            values[count] = min(max(sum(single) - pair, 0.0), min(single))
+    if transport is not None and getattr(transport, "world_size", 1) > 1:
+        moved = values.to(transport.device)
+        transport.broadcast(moved, 0)
+        values = moved.cpu()
+    out = [float(v) for v in values.tolist()]
+    return out[:count], out[count]
 
 
 def measure_link(transport: Any, nbytes: float, *, repeats: int = 10, warmup: int = 2,

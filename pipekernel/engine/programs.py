@@ -54,12 +54,16 @@ def program_of(engine: Any, cls: Any) -> tuple[Program, Any, Any]:
     key = (cls, engine.micro_batches)
     loaded = engine._programs.get(key)
     if loaded is None:
-        loaded = engine._programs[key] = load_program(engine, compile_program(
-            cls, stage=engine.stage, num_stages=engine.num_stages,
+        # every stage's program: where a send may be waited depends on when its peer posts
+        # the receive (:func:`~pipekernel.schedules.send_release.release_points`)
+        programs = tuple(compile_program(
+            cls, stage=stage, num_stages=engine.num_stages,
             micro_batches=engine.micro_batches, chunks=engine.chunks,
             placement=engine.placement, skips=engine.skip_edges, paired=engine.runtime.pairs,
             sharded=engine.stage_parallel is not None,
-            data_parallel=overlaps_reduction(engine.grad_reducer)))
+            data_parallel=overlaps_reduction(engine.grad_reducer))
+            for stage in range(engine.num_stages))
+        loaded = engine._programs[key] = load_program(engine, programs[engine.stage], programs)
     return loaded
 
 
@@ -69,8 +73,12 @@ def overlaps_reduction(reducer: Any) -> bool:
     return reducer is not None and reducer.bucket_bytes > 0
 
 
-def load_program(engine: Any, program: Program) -> tuple[Program, Any, Any]:
+def load_program(engine: Any, program: Program,
+                 programs: tuple[Program, ...] = ()) -> tuple[Program, Any, Any]:
     """``(program, handlers, bound)``: ``program`` with the kernel's handler of each
     instruction (``None`` when one has none: the loop reports it there) and the runtime's
-    binding (its channels and groups)."""
-    return program, engine.kernel.resolve(program.stream), engine.runtime.bind(program)
+    binding (its channels and groups, and where its sends are waited: ``programs``, every
+    stage's program of the same pipeline; ``()``: sends are waited at the step's end,
+    activations' when their gradient arrives)."""
+    return (program, engine.kernel.resolve(program.stream),
+            engine.runtime.bind(program, programs))

@@ -180,6 +180,12 @@ class PartitionReport:
     stages: list[StageReport]
     cost_unit: str
     notes: list[str]
+    #: per pipeline stage, the memory model's predicted bytes at the stage's peak by
+    #: category (``params``, ``grads``, ``optimizer``, ``saved``, ``buffers``: the
+    #: categories the :class:`~pipekernel.plugins.memory.MemoryMeter` measures; see
+    #: :mod:`pipekernel.schedules.sim_memory`); ``None`` where the partition measured no
+    #: bytes (e.g. ``"uniform"``, explicit bounds)
+    stage_memory: list[dict[str, float]] | None = None
 
     @property
     def imbalance(self) -> float | None:
@@ -192,9 +198,10 @@ class PartitionReport:
         return _ratio([s.memory_bytes for s in self.stages])
 
     @classmethod
-    def build(cls, module: Any, bounds: Sequence[int],
-              context: PartitionContext) -> PartitionReport:
-        """The report of ``bounds``, from the estimates a plugin left on ``context``."""
+    def build(cls, module: Any, bounds: Sequence[int], context: PartitionContext,
+              stage_memory: list[dict[str, float]] | None = None) -> PartitionReport:
+        """The report of ``bounds``, from the estimates a plugin left on ``context``
+        (``stage_memory``: the memory model's per-stage categories, :attr:`stage_memory`)."""
         counts = module.parameter_counts()
         costs, unit = context.layer_costs, context.cost_unit
         if costs is None:  # the plugin gave no cost: parameters are the best generic proxy
@@ -210,7 +217,7 @@ class PartitionReport:
                     mem += context.in_flight[s] * sum(act[lo:hi])  # type: ignore[index]
             stages.append(StageReport(s, lo, hi - 1, sum(counts[lo:hi]), sum(costs[lo:hi]), mem))
         return cls(_describe(module.partition_method), list(bounds), stages, unit,
-                   list(context.notes))
+                   list(context.notes), stage_memory)
 
     def format(self) -> str:
         """A small table, one line per stage."""
@@ -225,6 +232,16 @@ class PartitionReport:
         summary = "imbalance (max/mean): cost " + _fmt(self.imbalance)
         summary += ", memory " + _fmt(self.memory_imbalance)
         lines.append(summary)
+        if self.stage_memory:
+            lines.append("predicted memory per pipeline stage at its peak (the schedule's "
+                         "replay; saved = activations saved for backward, buffers = the "
+                         "runtime's):")
+            lines.append(f"{'stage':>5}" + "".join(f"{k:>11}" for k in MEMORY_CATEGORIES)
+                         + f"{'peak':>11}")
+            for number, row in enumerate(self.stage_memory):
+                lines.append(f"{number:>5}" + "".join(f"{format_bytes(row[k]):>11}"
+                                                      for k in MEMORY_CATEGORIES)
+                             + f"{format_bytes(sum(row.values())):>11}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -235,7 +252,12 @@ class PartitionReport:
                 "notes": self.notes,
                 "stages": [{"stage": s.stage, "layers": [s.first_layer, s.last_layer],
                             "parameters": s.parameters, "cost": s.cost,
-                            "memory_bytes": s.memory_bytes} for s in self.stages]}
+                            "memory_bytes": s.memory_bytes} for s in self.stages],
+                "stage_memory": self.stage_memory}
+
+
+#: the partition report's memory categories, in the meter's order
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "saved", "buffers")
 
 
 def _ratio(values: Sequence[float | None]) -> float | None:

@@ -15,9 +15,11 @@ measures beside the static state (parameters, gradients, optimizer):
   gradient is sent (on the first position, until the slot is filled again), outputs from
   the forward until the backward, a received gradient until the backward, the inputs'
   gradients until sent, the gradients a ``BackwardInput`` records for its
-  ``BackwardWeight``, receives from their posting, gradient sends until the step's end
-  (a gloo send completes only when waited) and activation sends until their gradient
-  arrives (the runtime waits them then), labels from the load until the loss. A send is a
+  ``BackwardWeight``, receives from their posting, activation sends until their gradient
+  arrives and gradient sends until their release point (a gloo send completes only when
+  waited; the runtime waits each once it knows the peer posted the receive:
+  :func:`~pipekernel.schedules.send_release.release_points`; the step's last ones until
+  its end), labels from the load until the loss. A send is a
   copy (a host transport packs what it sends into one message); a receive's message
   becomes the tensors received.
 
@@ -45,6 +47,7 @@ from typing import Any
 
 from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.program import lower
+from pipekernel.schedules.send_release import release_points
 
 __all__ = ["PartBytes", "SkipBytes", "stage_memory", "part_bytes", "live_graphs"]
 
@@ -132,38 +135,36 @@ def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
     connections (the engine's ``skip_edges``); the program then holds their transfers."""
     placement = getattr(schedule_cls, "placement", "loop")
     edges = dict(skips or {})
+    programs = [lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
+                      num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
+                      placement=placement, paired=False, skips=tuple(sorted(edges)))
+                for stage in range(num_stages)]
     out = []
     for stage in range(num_stages):
-        program = lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
-                        num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
-                        placement=placement, paired=False, skips=tuple(sorted(edges)))
         samples: list[tuple[float, float]] = []
-        out.append(_replay(program, stage, num_stages, chunks, placement, parts, offload,
-                           samples, edges))
+        out.append(_replay(programs[stage], stage, num_stages, chunks, placement, parts,
+                           release_points(programs, stage), offload, samples, edges))
         if trace is not None:
             trace.append(samples)
     return out
 
 
-def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
-            parts: Mapping[tuple[int, int], PartBytes], offload, samples: list,
+def _replay(plan, stage: int, num_stages: int, chunks: int, placement: str,
+            parts: Mapping[tuple[int, int], PartBytes],
+            release: Mapping[int, tuple[int, ...]], offload, samples: list,
             table: Mapping[tuple[int, int], SkipBytes]) -> dict[str, float]:
     from pipekernel.schedules.offload_plan import offload_points
-    from pipekernel.schedules.placement import locate
 
-    plan = program
-    first = {c for c in range(chunks)
-             if _position(stage, c, num_stages, placement, locate) == 0}
-    last = {c for c in range(chunks)
-            if _position(stage, c, num_stages, placement, locate) == num_stages * chunks - 1}
+    first, last = _ends(stage, num_stages, chunks, placement)
     slots: dict[int, _Slot] = {}
     where: dict[tuple[int, int], _Slot] = {}
-    state = {"posted": 0.0, "sends": 0.0, "labels": 0.0}
+    state = {"posted": 0.0, "labels": 0.0}
+    sends: dict[int, float] = {}  # a gradient's or skip's send copy by stream index, until released
     written: set[int] = set()  # chunks whose gradients exist
     pending_acts: dict[tuple[int, int], float] = {}
     posted: dict[int, float] = {}
     best = {"grads": 0.0, "saved": 0.0, "buffers": 0.0}
-    points = offload_points(program.stream, *offload) if offload else None
+    points = offload_points(plan.stream, *offload) if offload else None
 
     def fill(ins) -> _Slot:
         slot = slots.get(ins.buffer)
@@ -175,7 +176,7 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
     def sample() -> None:
         saved = sum(s.graph for s in slots.values())
         buffers = sum(s.buffers() for s in slots.values()) + sum(state.values())
-        buffers += sum(pending_acts.values())
+        buffers += sum(pending_acts.values()) + sum(sends.values())
         grads = sum(parts[(stage, c)].grads for c in written)
         if grads + saved + buffers > sum(best.values()):
             best.update(grads=grads, saved=saved, buffers=buffers)
@@ -189,11 +190,13 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
         sample()
         if isinstance(ins, isa.SkipInstruction):
             _skip_step(ins, i, table[_edge(ins, stage, num_stages, placement)], fill, state,
-                       posted)
+                       posted, sends)
         else:
             _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts,
-                  posted)
+                  posted, sends)
             _skip_part(ins, where, edge_of)
+        for j in release.get(i, ()):
+            sends.pop(j, None)
         if isinstance(ins, (isa.Backward, isa.BackwardWeight)):
             written.add(ins.chunk)
         if points is not None and isinstance(ins, isa.Forward) \
@@ -203,8 +206,17 @@ def _replay(program, stage: int, num_stages: int, chunks: int, placement: str,
             slot.graph -= slot.host
         sample()
         samples.append((sum(s.graph for s in slots.values()),
-                            sum(s.host for s in slots.values())))
+                        sum(s.host for s in slots.values())))
     return best
+
+
+def _ends(stage: int, num_stages: int, chunks: int, placement: str) -> tuple[set, set]:
+    """The chunks of ``stage`` at the first position and at the last."""
+    from pipekernel.schedules.placement import locate
+
+    at = {c: _position(stage, c, num_stages, placement, locate) for c in range(chunks)}
+    return ({c for c in at if at[c] == 0},
+            {c for c in at if at[c] == num_stages * chunks - 1})
 
 
 def _post(plan, i: int, stage: int, num_stages: int, placement: str, parts, table,
@@ -243,13 +255,14 @@ def _skip_edges(stage: int, num_stages: int, chunks: int, placement: str,
     return out
 
 
-def _skip_step(ins, i, edge: SkipBytes, fill, state, posted) -> None:
+def _skip_step(ins, i, edge: SkipBytes, fill, state, posted, sends) -> None:
     """One skip transfer: a send's buffer kept to the step's end (gloo completes a send only
-    when waited, as gradient sends); a receive's message kept in the slot until used."""
+    when waited; a skip's sends have no release point, :mod:`~pipekernel.schedules.send_release`);
+    a receive's message kept in the slot until used."""
     if isinstance(ins, isa.SendSkip):
-        state["sends"] += edge.values
+        sends[i] = edge.values
     elif isinstance(ins, isa.SendSkipGrad):
-        state["sends"] += edge.grads
+        sends[i] = edge.grads
         fill(ins).skips -= edge.grads  # the gradients computed by the backward: sent, dropped
     else:
         state["posted"] -= posted.pop(i, 0.0)
@@ -283,7 +296,7 @@ def _position(stage, chunk, num_stages, placement, locate) -> int:
 
 
 def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts,
-          posted) -> None:
+          posted, sends) -> None:
     """Apply one instruction to the slots (what the runtime's handler keeps and drops)."""
     key = (getattr(ins, "micro_batch", None), getattr(ins, "chunk", None))
     # every instruction that reads it names a chunk (a part of this stage)
@@ -332,7 +345,7 @@ def _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_a
     elif isinstance(ins, isa.SendGrad):
         slot = where[key]
         if not plan.local[i]:
-            state["sends"] += slot.input_grads
+            sends[i] = slot.input_grads
         slot.inputs = slot.input_grads = 0.0
 
 

@@ -14,7 +14,7 @@ carry and where it goes is :mod:`pipekernel.model.skip_routing`'s business.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import torch
@@ -64,10 +64,13 @@ def _to(obj: Any, device: torch.device) -> Any:
 class Bound(NamedTuple):
     """A program bound to one runtime (:meth:`StageRuntime.bind`): per stream index the
     channel of a remote transfer (``channels``) and the group posted there (``groups``, as
-    ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`)."""
+    ``(index, is_send, channel, what)``) (:meth:`~pipekernel.stage.transfers.Transfers.bind`);
+    per stream index, the sends waited once the receive there arrived (``release``:
+    :func:`~pipekernel.schedules.send_release.release_points`)."""
 
     channels: tuple[Any, ...]
     groups: tuple[tuple[tuple, ...], ...]
+    release: tuple[tuple[int, ...], ...] = ()
 
 
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
@@ -163,7 +166,8 @@ class StageRuntime:
         """
         # a received object is itself unless it carries a fingerprint or is hashed
         self.transfers.begin(program, bound.channels, self._arrived
-                             if check_data or self.transfer_sums is not None else None)
+                             if check_data or self.transfer_sums is not None else None,
+                             bound.release)
         self.loss_keeper.begin(compute_loss=compute_loss, keep_outputs=keep_outputs,
                                check_data=check_data)
         self.data_iter = data_iter
@@ -186,10 +190,11 @@ class StageRuntime:
         """The last position's outputs of the last batch run with ``keep_outputs``."""
         return self.loss_keeper.outputs
 
-    def bind(self, program: Program) -> Bound:
+    def bind(self, program: Program, programs: Sequence[Program] = ()) -> Bound:
         """``program`` bound to this runtime (:class:`Bound`): its transfers' channels and
-        groups."""
-        return Bound(*self.transfers.bind(program))
+        groups, and where its sends are waited (from ``programs``, every stage's; ``()``:
+        at the step's end)."""
+        return Bound(*self.transfers.bind(program, programs))
 
     def enter(self, index: int) -> None:
         """The kernel is about to run ``plan.stream[index]``: post every group due there.

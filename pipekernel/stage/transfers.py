@@ -6,7 +6,10 @@ communication by the :class:`~pipekernel.schedules.program.Program` the engine g
 once per program): each
 posting point's sends and receives go out as one group (``batch_isend_irecv``), receives
 ahead of the compute that needs them, and a receive is waited on only at its own
-instruction. Sends never block compute: their handles are kept until the batch ends.
+instruction. Sends never block compute: a send is waited (its buffer freed) once this stage
+knows its peer posted the matching receive — an activation's when its gradient arrives, the
+others at their release point (:mod:`~pipekernel.schedules.send_release`: a message the peer
+posted after that receive arrived) — else when the batch ends.
 Transfers between two chunks of this stage are hand-offs (no transport). Skip connections
 are transfers like the others.
 
@@ -23,6 +26,7 @@ from pipekernel.comm.wire import Channel
 from pipekernel.errors import PipelineError
 from pipekernel.nested import map_tensors
 from pipekernel.schedules import instructions as isa
+from pipekernel.schedules.send_release import release_points
 from pipekernel.schedules.program import Program
 
 __all__ = ["Transfers"]
@@ -52,15 +56,21 @@ class Transfers:
         self._recvs: dict[int, Any] = {}   # stream index -> PendingRecv
         # sends in flight as (op, handle): an activation's by its (micro-batch, chunk),
         # waited when its gradient arrives (settle()); the others oldest first
-        self._acts: dict[tuple, list[tuple]] = {}
+        self._acts: dict[tuple | int, list[tuple]] = {}
         self._sends: deque[tuple] = deque()
         self._local: dict[int, Any] = {}   # receive's stream index -> hand-off to it
+        # per stream index: the sends (their _acts keys) waited once the receive there arrived
+        self._release: Sequence[tuple[int, ...]] = ()
 
-    def bind(self, program: Program) -> tuple[tuple[Channel | None, ...], tuple[tuple, ...]]:
+    def bind(self, program: Program, programs: Sequence[Program] = ()) -> tuple[
+            tuple[Channel | None, ...], tuple[tuple, ...], tuple[tuple[int, ...], ...]]:
         """``(channels, groups)`` of ``program`` here: per stream index, the channel of a
         remote transfer (one per channel key, made on first use and shared by every program
         of this stage) and the group posted there as ``(index, is_send, channel, what,
-        key)``, ``key`` the ``(micro-batch, chunk)`` of an activation send (else ``None``)."""
+        key)``, ``key`` the ``(micro-batch, chunk)`` of an activation send whose gradient
+        returns, the stream index of another send with a release point, else ``None``; and
+        the release points (per stream index, the sends waited once the receive there
+        arrived) from ``programs``, every stage's (``()``: none)."""
         mine = [self._channel(spec) for spec in program.channels]
         channels = tuple(None if number is None else mine[number]
                          for number in program.channel_of)
@@ -68,20 +78,34 @@ class Transfers:
         # only an activation whose gradient comes back in this program is settled by it;
         # the others (inference) are freed oldest first like every other send
         returns = {(i.micro_batch, i.chunk) for i in stream if isinstance(i, isa.RecvGrad)}
+        points = release_points(programs, program.stage) if programs else {}
+        keys = [[_key(stream[index], returns, index) for index in group]
+                for group in program.posts]
+        # a send settled by its gradient (a tuple key) is not released again
+        released = {k for group in keys for k in group if k.__class__ is int}
+        release = tuple(tuple(j for j in points.get(i, ()) if j in released)
+                        for i in range(len(stream)))
+        waited = {j for js in release for j in js}  # the others: freed oldest first
+        keys = [[k if k.__class__ is not int or k in waited else None for k in group]
+                for group in keys]
         groups = tuple(tuple((index, spec[program.channel_of[index]].send,  # type: ignore[index]
-                              channels[index], _WHAT.get(type(stream[index]), "value"),
-                              _key(stream[index], returns)) for index in group)
-                       for group in program.posts)
-        return channels, groups
+                              channels[index], _WHAT.get(type(stream[index]), "value"), key)
+                             for index, key in zip(group, group_keys))
+                       for group, group_keys in zip(program.posts, keys))
+        return channels, groups, release
 
     def begin(self, program: Program, channels: Sequence[Channel | None],
-              arrived: Callable[[Any, Any], Any] | None = None) -> None:
+              arrived: Callable[[Any, Any], Any] | None = None,
+              release: Sequence[tuple[int, ...]] = ()) -> None:
         """Start a batch running ``program`` with its ``channels`` (:meth:`bind`'s); the
         sends of the last batch waited for. ``arrived(instruction, obj)``: what a received
-        ``obj`` stands for (``None``: itself)."""
+        ``obj`` stands for (``None``: itself). ``release``: per stream index, the sends to
+        wait once the receive there arrived (:meth:`bind`'s; ``()``: none)
+        (:func:`~pipekernel.schedules.send_release.release_points`)."""
         self.flush()
         self._program, self._by_index, self._recvs, self._local = program, channels, {}, {}
         self._arrived = arrived
+        self._release = release or ((),) * len(program.stream)
 
     def _channel(self, spec: Any) -> Channel:
         """The channel of ``spec`` (a :class:`~pipekernel.schedules.program.ChannelSpec`),
@@ -121,6 +145,11 @@ class Transfers:
             sends.popleft()[1].wait()
         for pending, key, ops, ctrl in spans:
             if pending is None:
+                if key.__class__ is int:  # one send per release key: no merging (fewer calls)
+                    entries = self._acts[key] = [*zip(ops, handles)]
+                    if ctrl:
+                        entries += zip(ctrl, control_handles)
+                    continue
                 sink = self._sends if key is None else self._acts.setdefault(key, [])
                 sink.extend(zip(ops, handles))
                 if ctrl:
@@ -139,6 +168,14 @@ class Transfers:
                                     hint="check the schedule with pipekernel.schedules.simulate")
             return self._local.pop(index)
         obj = self._by_index[index].finish(self._recvs.pop(index))
+        released = self._release[index]
+        if released:  # the peer posted their receives before what just arrived: no blocking
+            acts = self._acts
+            for send in released:
+                entries = acts[send]  # held() keeps the key, so it is there
+                del acts[send]
+                for _, handle in entries:
+                    handle.wait()
         return obj if self._arrived is None else self._arrived(instruction, obj)
 
     def send(self, index: int, obj: Any) -> None:
@@ -160,11 +197,12 @@ class Transfers:
             for _, handle in entries:
                 handle.wait()
 
-    def settle(self, what: tuple) -> None:
-        """Wait for the sends of ``what`` (``(micro-batch, chunk)`` of an activation whose
-        gradient just arrived): the peer computed that gradient from them, so they were
-        received and ``wait`` returns at once. A gloo send reports ``is_completed()`` only
-        after ``wait()``, so without this every activation sent stayed in memory until the
+    def settle(self, what: tuple | int) -> None:
+        """Wait for the sends of ``what``: ``(micro-batch, chunk)`` of an activation whose
+        gradient just arrived (the peer computed that gradient from them, so they were
+        received and ``wait`` returns at once), or the stream index of a send whose receive
+        the peer has posted (its release point). A gloo send reports ``is_completed()``
+        only after ``wait()``, so without this every send stayed in memory until the
         step's end (under 1F1B, a stage's memory grew with the micro-batch count)."""
         entries = self._acts.pop(what, None)
         if entries:
@@ -178,7 +216,7 @@ class Transfers:
         self._sends = deque(s for s in self._sends if not s[1].is_completed())
         for key, entries in list(self._acts.items()):
             left = [s for s in entries if not s[1].is_completed()]
-            if left:
+            if left or key.__class__ is int:  # a release point finds its key (receive())
                 self._acts[key] = left
             else:
                 del self._acts[key]
@@ -200,14 +238,16 @@ class Transfers:
         return total
 
 
-def _key(instruction: Any, returns: set[tuple]) -> tuple | None:
-    """What :meth:`Transfers.settle` knows a send by: the ``(micro-batch, chunk)`` of an
-    activation whose gradient ``returns`` (the program's ``RecvGrad``s); ``None`` for the
-    other sends (and receives)."""
+def _key(instruction: Any, returns: set[tuple], index: int) -> tuple | int | None:
+    """What a send is held by: the ``(micro-batch, chunk)`` of an activation whose gradient
+    ``returns`` (the program's ``RecvGrad``s; :meth:`Transfers.settle` waits it); for another
+    send its stream ``index`` (waited at its release point, if it has one, else ``None``:
+    freed oldest first once complete); ``None`` for receives."""
     if isinstance(instruction, isa.SendActivation):
         key = (instruction.micro_batch, instruction.chunk)
-        return key if key in returns else None
-    return None
+        if key in returns:
+            return key
+    return index if isinstance(instruction, (isa.SendActivation, isa.SendGrad)) else None
 
 
 def _detach_like(obj: Any) -> Any:
