@@ -292,8 +292,7 @@ def measure_layer_times(module: PipelineModule, sample: Any, device: Any = "cpu"
     with torch.random.fork_rng(devices=cuda):  # layer seeding and dropout leave no trace
         for index, spec in enumerate(module.layers):
             layer, call = module.measured_layer(index, device, scope)
-            params = ({p.untyped_storage().data_ptr() for p in layer.parameters()}
-                      if isinstance(layer, nn.Module) else set())
+            params = _not_saved(layer, module.skip_declarations.get(index, ((), ())), scope)
             inp = _leaf(x)
             out, saved = _first_forward(call, inp, index, spec)
             nbytes = _new_saved_bytes(saved, params, seen, keep)
@@ -439,10 +438,23 @@ def _time_split(call: Callable, inp: Any, layer: Any, device: torch.device, warm
     return statistics.median(first[warmup:]), statistics.median(second[warmup:])
 
 
+def _not_saved(layer: Any, declaration: tuple, scope: SkipScope | None) -> set[int]:
+    """Storages a layer's saved bytes leave out: its parameters, and what its pops will
+    return (detached views of what was stashed: a popped value is counted once, as the
+    pop, :func:`_skip_bytes`, even where autograd saves it too)."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()} \
+        if isinstance(layer, nn.Module) else set()
+    if scope is None:
+        return params
+    return params | {t.untyped_storage().data_ptr() for name in declaration[1]
+                     for t in _tensors(scope.available.get(name))}
+
+
 def _skip_bytes(declaration: tuple, scope: SkipScope, known: dict[str, int],
                 seen: set[int]) -> int:
     """Bytes one layer holds for skip connections: what it stashes (unless autograd
-    already saved that storage) and what it pops (the received copy)."""
+    already saved that storage) and what it pops (the received copy, once: whether or
+    not autograd saves it too)."""
     stash_names, pop_names = declaration
     total = 0
     for name in stash_names:

@@ -175,7 +175,9 @@ def _parity_worker(schedule, chunks, micro_batches):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("schedule,chunks,micro_batches", [("1f1b", 1, 4), ("zbv", 2, 4)])
+@pytest.mark.parametrize("schedule,chunks,micro_batches", [
+    ("1f1b", 1, 4), ("zbv", 2, 4), ("gpipe", 1, 4), ("interleaved", 2, 4), ("zb-h1", 1, 4),
+    ("zb-h2", 1, 4), ("dualpipev", 2, 4), ("v-half", 2, 4), ("v-min", 2, 4)])
 def test_recompute_on_some_stages_trains_bit_identically(schedule, chunks, micro_batches):
     for rank, results in enumerate(run_ranks(_parity_worker, 2, schedule, chunks,
                                              micro_batches)):

@@ -343,7 +343,10 @@ def test_a_stage_whose_layers_never_read_the_chunk_is_refused():
     assert kind == "DataError" and "the data iterator ran out at micro-batch 1 of 2" in message
 
 
-def test_hugging_face_models_are_refused_by_name():
+def test_hugging_face_families_are_admitted_or_refused_by_name():
+    """A config (random weights, built layer by layer for the probe): Llama's attention
+    takes the prefix through the cache adapter, Mamba's recurrent state cannot
+    (tests/test_hf_sequence_chunks.py trains every family)."""
     transformers = pytest.importorskip("transformers")
     import pipekernel.hf as hf
 
@@ -352,10 +355,14 @@ def test_hugging_face_models_are_refused_by_name():
                                       max_position_embeddings=16)
     module = hf.pipeline_module(config, num_stages=2)
     pm = make_plugin_manager(autoload=False)
-    with pytest.raises(pk.ConfigError, match="seq_chunks=4: LlamaForCausalLM: pipekernel.hf's "
-                                             "decoder layers cannot take the key/value prefix"):
-        sequence_schedule(resolve_schedule(pm, "1f1b"), 4, module, 0)
+    assert sequence_schedule(resolve_schedule(pm, "1f1b"), 4, module, 0).seq_chunks == 4
     assert sequence_schedule(resolve_schedule(pm, "1f1b"), 1, module, 0) is OneFOneB
+    mamba = transformers.MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2,
+                                     state_size=4, expand=2, conv_kernel=2)
+    module = hf.pipeline_module(mamba, num_stages=2)
+    with pytest.raises(pk.ConfigError, match=r"seq_chunks=4: MambaForCausalLM: backbone.layers.0 "
+                                             r".* does not reproduce the whole sequence"):
+        sequence_schedule(resolve_schedule(pm, "1f1b"), 4, module, 0)
 
 
 def test_activation_checkpointing_is_refused_with_chunks():

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipekernel.errors import ConfigError
+from pipekernel.stage.sequence import sequence_chunk
+
 from pipekernel.hf.layers import Mirror
 
 __all__ = ["Head", "TiedHead", "head_shell"]
@@ -113,6 +115,7 @@ def head_shell(model: nn.Module, base: str, lm_head: str, projection: nn.Module
 def run_head(shell: nn.Module, stub: _Hidden, hidden: torch.Tensor, training: bool
              ) -> torch.Tensor:
     """The logits ``shell``'s own forward computes from the last hidden state."""
+    sequence_chunk()  # position-wise: runs on sequence chunks as on whole sequences
     shell.training = training
     stub.value = hidden
     options = shell.__dict__.get("_head_options")

@@ -35,7 +35,9 @@ from torch import nn
 
 from pipekernel.errors import ConfigError
 from pipekernel.model.aux_loss import add_aux_loss
+from pipekernel.stage.sequence import sequence_chunk
 
+from pipekernel.hf import prefix as prefixes
 from pipekernel.hf import router as routing
 
 __all__ = ["Mirror", "Embed", "Prologue", "Decoder", "Epilogue", "Chain", "embed_tokens"]
@@ -84,6 +86,7 @@ def embed_tokens(layer: Embed, inputs: Any) -> dict[str, Any]:
         raise ConfigError(f"the first stage's inputs must be a dict with 'input_ids', got {got}",
                           hint="yield Hugging Face style dicts {'input_ids', 'attention_mask', "
                                "'labels'} (see pipekernel.hf.split_batch)")
+    sequence_chunk()  # position-wise: runs on sequence chunks as on whole sequences
     rest = {k: v for k, v in inputs.items() if k != "input_ids"}
     return {"inputs_embeds": layer.target(inputs["input_ids"]), **rest}
 
@@ -203,6 +206,8 @@ class Prologue(Mirror):
         self.__dict__["shell"] = shell
         self.__dict__["checked"] = False
         self.num_layers = num_layers
+        #: the keyword the base model takes a cache by (``None``: it takes none)
+        self.cache_kwarg = prefixes.cache_kwarg(base.forward)
         self._names = {module: path for path, module in children.items() if path not in tail}
 
     def forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -212,19 +217,39 @@ class Prologue(Mirror):
         hooks = [] if self.checked else self._watch(order)
         partial = None if self.router is None \
             else routing.start(inputs, inputs["inputs_embeds"].device, self.router.masked)
+        inputs, options, cache = self._chunked(inputs)
         try:
             _, partial = routing.routed(self.router, 0, self.first, partial,
-                                        lambda: self.shell(**inputs, **self.options))
+                                        lambda: self.shell(**inputs, **options))
         finally:
             for hook in hooks:
                 hook.remove()
         if not self.checked:
             self._check_order(order)
             self._check_calls()
-        out = _pack(self.log.calls, self.log.hidden)
+        out = _pack(self.log.calls, self.log.hidden, cache)
         if partial is not None:
             out["router"] = partial
         return out
+
+    def _chunked(self, inputs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """Inside a sequence chunk: the inputs with the padding mask of the whole prefix, and
+        the options handing the base model a :class:`~pipekernel.hf.prefix.PrefixCache`, so
+        its positions and mask are offset by the earlier chunks and its layers read their
+        keys and values. Otherwise the inputs and options as they are, no cache."""
+        chunk = sequence_chunk()
+        if chunk is None:
+            return inputs, self.options, None
+        if self.cache_kwarg is None:
+            raise ConfigError(f"{type(self.shell).__name__}.forward takes no cache, so its "
+                              "layers cannot read the key/value prefix of earlier sequence "
+                              "chunks", hint="train with seq_chunks=1 (docs/sequences.md)")
+        past = chunk.index * inputs["inputs_embeds"].shape[1]
+        cache = prefixes.PrefixCache(chunk, self.num_layers, past)
+        options = {**self.options, self.cache_kwarg: cache}
+        if "use_cache" in options:
+            options["use_cache"] = True  # some forwards drop a cache they are not to use
+        return prefixes.with_mask_prefix(chunk, inputs), options, cache
 
     def _watch(self, order: list[Any]) -> list[Any]:
         """Hooks noting the order in which the children and the first layer run (``None``)."""
@@ -265,12 +290,19 @@ class Prologue(Mirror):
         self.__dict__["checked"] = True
 
 
-def _pack(calls: list, hidden: torch.Tensor) -> dict[str, Any]:
-    """The recorded calls as ``{"hidden", "values", "calls"}`` (each distinct value once)."""
+def _pack(calls: list, hidden: torch.Tensor, cache: Any = None) -> dict[str, Any]:
+    """The recorded calls as ``{"hidden", "values", "calls"}`` (each distinct value once).
+    In a sequence chunk, ``cache`` (the :class:`~pipekernel.hf.prefix.PrefixCache` the base
+    model was handed) travels as its prefix length, and ``"caches"`` says, per layer, where
+    each call took it (``{keyword or argument index: slot}``): each stage hands its own
+    layers a cache of its own there."""
     values: list[Any] = []
     slot: dict[int, int] = {}
 
     def place(name: str, value: Any) -> int:
+        if cache is not None and value is cache:
+            values.append(cache.past)
+            return len(values) - 1
         key = id(value)
         if key not in slot or isinstance(value, (bool, int, float)):
             _check_carriable(name, value)
@@ -278,11 +310,19 @@ def _pack(calls: list, hidden: torch.Tensor) -> dict[str, Any]:
             values.append(value)
         return slot[key]
 
-    layout = []
+    layout, caches = [], []
     for args, kwargs, _ in calls:
-        layout.append((tuple(place(f"argument {i + 1}", a) for i, a in enumerate(args)),
-                       {k: place(repr(k), v) for k, v in kwargs.items()}))
-    return {"hidden": hidden, "values": tuple(values), "calls": tuple(layout)}
+        slots = tuple(place(f"argument {i + 1}", a) for i, a in enumerate(args))
+        named = {k: place(repr(k), v) for k, v in kwargs.items()}
+        layout.append((slots, named))
+        if cache is not None:
+            caches.append({**{str(i): s for i, (a, s) in enumerate(zip(args, slots))
+                              if a is cache},
+                           **{k: named[k] for k, v in kwargs.items() if v is cache}})
+    out = {"hidden": hidden, "values": tuple(values), "calls": tuple(layout)}
+    if cache is not None:
+        out["caches"] = tuple(caches)
+    return out
 
 
 def _check_carriable(name: str, value: Any) -> None:
@@ -316,10 +356,24 @@ class Decoder(Mirror):
     def forward(self, x: dict[str, Any]) -> dict[str, Any]:
         slots, named = x["calls"][self.index]
         values = x["values"]
+        args = [values[i] for i in slots]
+        kwargs = {k: values[i] for k, i in named.items()}
+        chunk = sequence_chunk()
+        if chunk is not None:  # where the base model passed its cache: one of this stage's
+            where = x.get("caches", ())[self.index] if "caches" in x else {}
+            if not where:
+                raise ConfigError(f"decoder layer {self.index} got no cache from the base "
+                                  "model in a sequence chunk, so it cannot read the key/value "
+                                  "prefix of earlier chunks", hint="train with seq_chunks=1")
+            for key, i in where.items():
+                cache = prefixes.PrefixCache(chunk, self.index + 1, values[i])
+                if key.isdigit():
+                    args[int(key)] = cache
+                else:
+                    kwargs[key] = cache
         out, partial = routing.routed(
             self.router, self.index, self.target, x.get("router"),
-            lambda: self.target(x["hidden"], *(values[i] for i in slots),
-                                **{k: values[i] for k, i in named.items()}))
+            lambda: self.target(x["hidden"], *args, **kwargs))
         out = {**x, "hidden": out[0] if isinstance(out, (tuple, list)) else out}
         if partial is not None:
             out["router"] = partial
@@ -341,6 +395,7 @@ class Epilogue(Mirror):
             value = routing.aux_value(x["router"], self.router)
             if value is not None:
                 add_aux_loss(self.router.coef * value)
+        sequence_chunk()  # position-wise: runs on sequence chunks as on whole sequences
         hidden = x["hidden"]
         for module in self.steps:
             hidden = module(hidden)

@@ -7,6 +7,9 @@ of the whole batch, whatever the padding (see ``docs/loss.md``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -16,27 +19,36 @@ __all__ = ["IGNORE_INDEX", "causal_lm_loss", "causal_lm_mean_loss"]
 
 #: Labels with this value take no loss (Hugging Face's and PyTorch's convention).
 IGNORE_INDEX = -100
+#: The key of already shifted labels (sequence chunks; :mod:`pipekernel.hf.prefix`).
+SHIFTED = "shifted_labels"
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None
+def causal_lm_loss(logits: torch.Tensor, labels: Any
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum of the shifted token losses, number of labelled tokens)``, in fp32.
 
     :param logits: ``(batch, sequence, vocabulary)``.
-    :param labels: ``(batch, sequence)``, unshifted, ``-100`` where no loss is taken.
+    :param labels: ``(batch, sequence)``, unshifted, ``-100`` where no loss is taken; or
+        ``{"shifted_labels": ...}``, the label each position predicts (already shifted: what
+        a micro-batch cut into sequence chunks carries, so that a chunk's last position
+        predicts the next chunk's first token, :func:`pipekernel.hf.prefix.shift_labels`).
     """
     if labels is None:
         raise DataError("the micro-batch has no 'labels', and training needs them",
                         hint="add 'labels' to each micro-batch dict (usually input_ids with "
                              "-100 where attention_mask is 0)")
-    shifted = labels[..., 1:].reshape(-1)
-    logits = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
+    if isinstance(labels, Mapping) and SHIFTED in labels:
+        shifted = labels[SHIFTED].reshape(-1)
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+    else:
+        shifted = labels[..., 1:].reshape(-1)
+        logits = logits[..., :-1, :].reshape(-1, logits.shape[-1]).float()
     loss_sum = F.cross_entropy(logits, shifted.to(logits.device), ignore_index=IGNORE_INDEX,
                                reduction="sum")
     return loss_sum, (shifted != IGNORE_INDEX).sum()
 
 
-def causal_lm_mean_loss(logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+def causal_lm_mean_loss(logits: torch.Tensor, labels: Any) -> torch.Tensor:
     """The mean of the shifted token losses of one micro-batch (fp32): the ``loss`` a Hugging
     Face causal LM's forward returns, which :func:`pipeline_module` uses with a router
     auxiliary loss (``loss_reduction="mean"``: the mean over micro-batches of the model's

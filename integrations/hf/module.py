@@ -20,6 +20,7 @@ from pipekernel.model.module import LayerSpec, PipelineModule, TiedLayerSpec
 from pipekernel.hf.batches import split_batch
 from pipekernel.hf.experts import check_model, shard_experts
 from pipekernel.hf.head import Head, TiedHead
+from pipekernel.hf import prefix as prefixes
 from pipekernel.hf.layers import Chain, Decoder, Embed, Epilogue, Prologue, embed_tokens
 from pipekernel.hf.loss import causal_lm_loss, causal_lm_mean_loss
 from pipekernel.hf.probe import check_config, probe, probe_packed
@@ -44,10 +45,11 @@ class HFPipelineModule(PipelineModule):
         (:mod:`pipekernel.hf.router`), ``None`` when the model's forward adds none.
     :ivar packing_refused: why packed rows are refused (the build-time probe found that
         the pipeline does not reproduce the model's forward on one), ``None`` when they train.
-    :ivar sequence_chunks_refused: why the engine's ``seq_chunks > 1`` is refused: the
-        decoder layers run with ``use_cache=False`` and no layer reads the key/value prefix
-        of the earlier chunks (:func:`pipekernel.sequence_chunk`), so every family is
-        refused by its class name.
+    :ivar sequence_chunks_refused: why the engine's ``seq_chunks > 1`` is refused, ``None``
+        when the family's layers reproduce the whole sequence in chunks. Decided on first
+        read (the engine reads it only for ``seq_chunks > 1``) by
+        :func:`~pipekernel.hf.prefix.probe_chunks`: the family's own layers, run whole and in
+        chunks through a key/value prefix cache, must give the same outputs and gradients.
     """
 
     config: Any
@@ -55,6 +57,19 @@ class HFPipelineModule(PipelineModule):
     source: Any
     router_aux: RouterAux | None
     packing_refused: str | None
+    _chunks_probe: Callable[[], str | None] | None = None
+    _chunks_refused: str | None = None
+
+    @property  # type: ignore[override]
+    def sequence_chunks_refused(self) -> str | None:
+        if self._chunks_probe is not None:  # once, on first read: every rank alike
+            probe_once, self._chunks_probe = self._chunks_probe, None
+            self._chunks_refused = probe_once()
+        return self._chunks_refused
+
+    @sequence_chunks_refused.setter
+    def sequence_chunks_refused(self, value: str | None) -> None:
+        self._chunks_probe, self._chunks_refused = None, value
 
 
 def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
@@ -91,6 +106,7 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     The layers: ``[embeddings, prologue + decoder 0, decoder 1, ..., decoder N-1 + epilogue,
     head]`` (every layer holds parameters; see :mod:`pipekernel.hf.layers`).
     """
+    given = dict(options)
     source = make_source(model_or_path)
     structure = find_structure(source.model, layers=layers, tail=tail)
     check_config(source.model)
@@ -112,11 +128,40 @@ def pipeline_module(model_or_path: Any, *, num_stages: int | None = None,
     module = HFPipelineModule(specs, num_stages=num_stages, partition=partition, **options)
     module.config, module.structure, module.source = source.config, structure, source
     module.router_aux, module.packing_refused = router, refused
-    module.sequence_chunks_refused = (
-        f"{type(source.model).__name__}: pipekernel.hf's decoder layers cannot take the "
-        f"key/value prefix of earlier sequence chunks (each chunk would attend to itself "
-        f"alone); sequence chunking runs pipekernel's own attention (docs/sequences.md)")
+    module._chunks_probe = functools.partial(_chunks_verdict, source, structure, router,
+                                             custom_loss="loss_fn" in given)
+    module.sequence_chunk_fn = prefixes.prepare_chunks
     return module
+
+
+def _chunks_verdict(source: Any, s: Structure, router: RouterAux | None,
+                    custom_loss: bool) -> str | None:
+    """Why ``seq_chunks > 1`` is refused for this model, or ``None``
+    (:func:`~pipekernel.hf.prefix.probe_chunks` on its own layers)."""
+    name = type(source.model).__name__
+    if custom_loss:
+        return (f"{name}: a loss_fn of your own gets each chunk's logits and labels alone, "
+                f"and Hugging Face style labels are shifted inside the loss, so the "
+                f"prediction across every cut would be lost; the default causal_lm_loss "
+                f"takes the labels shifted before the cut")
+    if router is not None:
+        return (f"{name}: its router auxiliary loss is a mean over the micro-batch's tokens, "
+                f"which each chunk would take over its own tokens alone")
+    param = next(iter(source.model.parameters()), None)
+    lender = source if param is None or param.device.type == "meta" \
+        else _Borrowed(source.model)
+
+    def layers() -> Any:
+        base = source.model.get_submodule(s.base) if s.base else source.model
+        yield (f"{s.layers}.0 (with {type(base).__name__}.forward)",
+               Prologue(base, s.base, {p: lender.build(p) for p in s.prologue}, s.layers,
+                        s.num_layers, s.embed, s.tail, lender.build(f"{s.layers}.0")))
+        for j in range(1, s.num_layers):
+            path = f"{s.layers}.{j}"
+            yield path, Decoder(path, lender.build(path), j)
+
+    hidden = source.model.get_input_embeddings().weight.shape[1]
+    return prefixes.probe_chunks(name, hidden, layers(), source.config)
 
 
 def _layer_specs(source: Any, s: Structure, router: RouterAux | None) -> list[LayerSpec]:

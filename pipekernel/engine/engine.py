@@ -279,6 +279,9 @@ class PipelineEngine(EngineFields):
             data_iter = map(batch_fn, data_iter)  # read lazily, inside LoadMicroBatch
         seq_chunks = getattr(cls, "seq_chunks", 1)  # Seq1F1B: a unit per sequence chunk
         if seq_chunks > 1 and isinstance(data_iter, Iterator):
+            prepare = getattr(self.pipeline_module, "sequence_chunk_fn", None)
+            if prepare is not None:
+                data_iter = map(prepare, data_iter)
             data_iter = split_sequences(data_iter, seq_chunks,
                                         mean_loss=self.loss_reduction == "mean")
         units = self.micro_batches * seq_chunks

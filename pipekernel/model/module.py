@@ -275,6 +275,10 @@ class PipelineModule:
     #: Why the engine's ``seq_chunks > 1`` is refused for this model (its attention cannot
     #: read the key/value prefix of earlier sequence chunks); ``None``: not known to be.
     sequence_chunks_refused: str | None = None
+    #: Applied to each ``(inputs, labels)`` before it is cut into sequence chunks
+    #: (``seq_chunks > 1``), e.g. to shift unshifted labels so that no prediction crosses a
+    #: cut; ``None``: cut as they are.
+    sequence_chunk_fn: Callable[[Any], Any] | None = None
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable[[Any, Any], Any] | None = None,
                  num_stages: int | None = None, partition: Any = "parameters",

@@ -25,8 +25,19 @@ measures beside the static state (parameters, gradients, optimizer):
 
 While a part's graph is alive its input is counted as saved (a part's first layer saves
 what it receives), so the input counts in ``buffers`` only once the graph is gone; a local
-hand-off (two chunks of one stage) shares the sender's storage. What the model ignores:
-skip connections' stashes and a tensor a layer saves that the next part also receives.
+hand-off (two chunks of one stage) shares the sender's storage.
+
+Skip connections (``skips``: :class:`SkipBytes` per edge, :mod:`pipekernel.schedules.skips`)
+add, per micro-batch: at the producer, the stash from its ``Forward`` until its
+``Backward`` / ``BackwardInput`` (the runtime's skip state; the part of it the profiler
+counted as the producer's saved bytes, ``SkipBytes.held``, moves from ``saved`` to
+``buffers``), the received gradients from ``RecvSkipGrad``'s posting until that backward,
+and ``SendSkip``'s buffer until the step's end; at the consumer, the values' message from
+``RecvSkip``'s posting until its ``Forward`` (buffers), then in the graph until the backward
+(``saved``: the popping layers save views of it; ``SkipBytes.popped`` of the part's
+profiled bytes replaced by it), their gradients from the backward until ``SendSkipGrad``,
+and its buffer until the step's end. What the model ignores: a tensor a layer saves that
+the next part also receives.
 """
 from __future__ import annotations
 
@@ -38,7 +49,7 @@ from pipekernel.schedules import instructions as isa
 from pipekernel.schedules.program import lower
 from pipekernel.schedules.send_release import release_points
 
-__all__ = ["PartBytes", "stage_memory", "part_bytes", "live_graphs"]
+__all__ = ["PartBytes", "SkipBytes", "stage_memory", "part_bytes", "live_graphs"]
 
 
 @dataclass(frozen=True)
@@ -69,18 +80,39 @@ class PartBytes:
     offloaded: float = 0.0
 
 
+@dataclass(frozen=True)
+class SkipBytes:
+    """Bytes of one micro-batch on one skip edge (producer position -> consumer position).
+
+    :param values: the stashed tensors (what ``SendSkip`` sends, ``RecvSkip`` receives).
+    :param grads: their gradients (of those that require grad: what ``SendSkipGrad`` sends).
+    :param held: of ``values``, what the producer's ``PartBytes.saved`` already counts (the
+        profiler counts a stash autograd does not save as the stashing layer's): held by
+        the runtime's skip state, so counted in ``buffers`` instead, until the backward.
+    :param popped: what the consumer's ``PartBytes.saved`` counts for the pops (the
+        profiler: each popped value's bytes, once): the consumer's graph keeps the received
+        message (``values``, one storage that its popped views share) instead.
+    """
+
+    values: float = 0.0
+    grads: float = 0.0
+    held: float = 0.0
+    popped: float = 0.0
+
+
 class _Slot:
     __slots__ = ("key", "inputs", "outputs", "shared", "grads", "input_grads", "graph", "split",
-                 "host")
+                 "host", "skips")
 
     def __init__(self, key: tuple[int, int]) -> None:
         self.key = key
         self.inputs = self.outputs = self.grads = self.input_grads = 0.0
         self.graph = self.split = self.host = 0.0
+        self.skips = 0.0  # stashes kept for a backward, skip values and gradients received
         self.shared = False  # outputs handed to a chunk of this stage: counted there
 
     def buffers(self) -> float:
-        held = self.grads + self.input_grads + self.split
+        held = self.grads + self.input_grads + self.split + self.skips
         held += 0.0 if self.shared else self.outputs
         return held + (0.0 if self.graph else self.inputs)
 
@@ -88,7 +120,9 @@ class _Slot:
 def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
                  parts: Mapping[tuple[int, int], PartBytes],
                  offload: tuple[int, int] | None = None,
-                 trace: list | None = None) -> list[dict[str, float]]:
+                 trace: list | None = None,
+                 skips: Mapping[tuple[int, int], SkipBytes] | None = None
+                 ) -> list[dict[str, float]]:
     """Per stage, ``{"grads": bytes, "saved": bytes, "buffers": bytes}`` at the peak of
     their sum over the step (sampled between instructions, as the meter samples).
     ``parts``: ``{(stage, chunk): PartBytes}`` for every part. ``offload``:
@@ -96,16 +130,20 @@ def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
     (:func:`~pipekernel.schedules.offload_plan.offload_points`): an offloaded part's
     ``PartBytes.offloaded`` leaves ``saved`` after its forward and comes back at its
     prefetch point. ``trace``: a list that receives, per stage, the samples
-    ``[(saved, host)]`` taken after each instruction (host: the bytes offloaded then)."""
+    ``[(saved, host)]`` taken after each instruction (host: the bytes offloaded then).
+    ``skips``: ``{(producer position, consumer position): SkipBytes}`` of a model with skip
+    connections (the engine's ``skip_edges``); the program then holds their transfers."""
     placement = getattr(schedule_cls, "placement", "loop")
+    edges = dict(skips or {})
     programs = [lower(schedule_cls(num_stages, stage, micro_batches, chunks), stage=stage,
                       num_stages=num_stages, micro_batches=micro_batches, chunks=chunks,
-                      placement=placement, paired=False) for stage in range(num_stages)]
+                      placement=placement, paired=False, skips=tuple(sorted(edges)))
+                for stage in range(num_stages)]
     out = []
     for stage in range(num_stages):
         samples: list[tuple[float, float]] = []
         out.append(_replay(programs[stage], stage, num_stages, chunks, placement, parts,
-                           release_points(programs, stage), offload, samples))
+                           release_points(programs, stage), offload, samples, edges))
         if trace is not None:
             trace.append(samples)
     return out
@@ -113,15 +151,15 @@ def stage_memory(schedule_cls, num_stages: int, micro_batches: int, chunks: int,
 
 def _replay(plan, stage: int, num_stages: int, chunks: int, placement: str,
             parts: Mapping[tuple[int, int], PartBytes],
-            release: Mapping[int, tuple[int, ...]], offload=None,
-            samples: list | None = None) -> dict[str, float]:
+            release: Mapping[int, tuple[int, ...]], offload, samples: list,
+            table: Mapping[tuple[int, int], SkipBytes]) -> dict[str, float]:
     from pipekernel.schedules.offload_plan import offload_points
 
     first, last = _ends(stage, num_stages, chunks, placement)
     slots: dict[int, _Slot] = {}
     where: dict[tuple[int, int], _Slot] = {}
     state = {"posted": 0.0, "labels": 0.0}
-    sends: dict[int, float] = {}  # a gradient send's copy by stream index, until released
+    sends: dict[int, float] = {}  # a gradient's or skip's send copy by stream index, until released
     written: set[int] = set()  # chunks whose gradients exist
     pending_acts: dict[tuple[int, int], float] = {}
     posted: dict[int, float] = {}
@@ -143,19 +181,20 @@ def _replay(plan, stage: int, num_stages: int, chunks: int, placement: str,
         if grads + saved + buffers > sum(best.values()):
             best.update(grads=grads, saved=saved, buffers=buffers)
 
+    edge_of = _skip_edges(stage, num_stages, chunks, placement, table)
     for i, ins in enumerate(plan.stream):
-        for j in plan.posts[i]:
-            recv = plan.stream[j]
-            if isinstance(recv, (isa.RecvActivation, isa.RecvGrad)):
-                part = parts[(stage, recv.chunk)]
-                posted[j] = part.inputs if isinstance(recv, isa.RecvActivation) else part.outputs
-                state["posted"] += posted[j]
+        state["posted"] += _post(plan, i, stage, num_stages, placement, parts, table, posted)
         for key in points.prefetch_at.get(i, ()) if points is not None else ():
             slot = where[key]  # the copy back, posted before stream[i]
             slot.graph, slot.host = slot.graph + slot.host, 0.0
         sample()
-        _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts, posted,
-              sends)
+        if isinstance(ins, isa.SkipInstruction):
+            _skip_step(ins, i, table[_edge(ins, stage, num_stages, placement)], fill, state,
+                       posted, sends)
+        else:
+            _step(ins, i, plan, parts, stage, first, last, fill, where, state, pending_acts,
+                  posted, sends)
+            _skip_part(ins, where, edge_of)
         for j in release.get(i, ()):
             sends.pop(j, None)
         if isinstance(ins, (isa.Backward, isa.BackwardWeight)):
@@ -166,9 +205,8 @@ def _replay(plan, stage: int, num_stages: int, chunks: int, placement: str,
             slot.host = parts[(stage, ins.chunk)].offloaded
             slot.graph -= slot.host
         sample()
-        if samples is not None:
-            samples.append((sum(s.graph for s in slots.values()),
-                            sum(s.host for s in slots.values())))
+        samples.append((sum(s.graph for s in slots.values()),
+                        sum(s.host for s in slots.values())))
     return best
 
 
@@ -179,6 +217,75 @@ def _ends(stage: int, num_stages: int, chunks: int, placement: str) -> tuple[set
     at = {c: _position(stage, c, num_stages, placement, locate) for c in range(chunks)}
     return ({c for c in at if at[c] == 0},
             {c for c in at if at[c] == num_stages * chunks - 1})
+
+
+def _post(plan, i: int, stage: int, num_stages: int, placement: str, parts, table,
+          posted: dict[int, float]) -> float:
+    """The receives posted before ``stream[i]``: their bytes (kept in ``posted`` by index)."""
+    total = 0.0
+    for j in plan.posts[i]:
+        recv = plan.stream[j]
+        if isinstance(recv, (isa.RecvSkip, isa.RecvSkipGrad)):
+            edge = table[_edge(recv, stage, num_stages, placement)]
+            posted[j] = edge.values if isinstance(recv, isa.RecvSkip) else edge.grads
+        elif isinstance(recv, (isa.RecvActivation, isa.RecvGrad)):
+            part = parts[(stage, recv.chunk)]
+            posted[j] = part.inputs if isinstance(recv, isa.RecvActivation) else part.outputs
+        else:
+            continue
+        total += posted[j]
+    return total
+
+
+def _edge(ins, stage: int, num_stages: int, placement: str) -> tuple[int, int]:
+    from pipekernel.schedules.skips import skip_edge_of
+    return skip_edge_of(ins, stage, num_stages, placement)
+
+
+def _skip_edges(stage: int, num_stages: int, chunks: int, placement: str,
+                skips: Mapping[tuple[int, int], SkipBytes]
+                ) -> dict[int, tuple[list[SkipBytes], list[SkipBytes]]]:
+    """``{chunk: ([SkipBytes of every edge it produces], [... it consumes])}`` on ``stage``."""
+    from pipekernel.schedules.placement import position
+    out = {}
+    for c in range(chunks):
+        pos = position(stage, c, num_stages, placement)
+        out[c] = ([b for (producer, _), b in sorted(skips.items()) if producer == pos],
+                  [b for (_, consumer), b in sorted(skips.items()) if consumer == pos])
+    return out
+
+
+def _skip_step(ins, i, edge: SkipBytes, fill, state, posted, sends) -> None:
+    """One skip transfer: a send's buffer kept to the step's end (gloo completes a send only
+    when waited; a skip's sends have no release point, :mod:`~pipekernel.schedules.send_release`);
+    a receive's message kept in the slot until used."""
+    if isinstance(ins, isa.SendSkip):
+        sends[i] = edge.values
+    elif isinstance(ins, isa.SendSkipGrad):
+        sends[i] = edge.grads
+        fill(ins).skips -= edge.grads  # the gradients computed by the backward: sent, dropped
+    else:
+        state["posted"] -= posted.pop(i, 0.0)
+        fill(ins).skips += edge.values if isinstance(ins, isa.RecvSkip) else edge.grads
+
+
+def _skip_part(ins, where,
+               edge_of: Mapping[int, tuple[list[SkipBytes], list[SkipBytes]]]) -> None:
+    """What a part's forward and backward do to its skip state (runtime: skip_routing)."""
+    if not isinstance(ins, (isa.Forward, isa.Backward, isa.BackwardInput)):
+        return
+    slot = where.get((ins.micro_batch, ins.chunk))
+    if slot is None:
+        return
+    produced, consumed = edge_of.get(ins.chunk, ([], []))
+    if isinstance(ins, isa.Forward):
+        # received values: popped into the graph, which keeps their whole message; the
+        # stash the part produced: the skip state's, not the graph's
+        slot.skips = sum(b.held for b in produced)
+        slot.graph += sum(b.values - b.popped for b in consumed) - slot.skips
+    else:  # the backward takes the stash and its gradients as roots and drops them; the
+        # received values' gradients wait for their SendSkipGrad
+        slot.skips = sum(b.grads for b in consumed)
 
 
 def _position(stage, chunk, num_stages, placement, locate) -> int:
