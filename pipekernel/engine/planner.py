@@ -63,7 +63,7 @@ from typing import Any
 
 from pipekernel.engine.all_to_all_cost import overlaps_same_chunk, pair_table
 from pipekernel.engine.recompute_option import format_recompute, resolve_recompute
-from pipekernel.engine.runtime_cost import RuntimeCosts, price
+from pipekernel.engine.runtime_cost import RuntimeCosts, device_clock, price
 from pipekernel.errors import ConfigError, PipelineError
 from pipekernel.schedules.instructions import (Backward, BackwardInput, BackwardWeight, Forward, RecvActivation,
                                      RecvGrad, SendActivation, SendGrad)
@@ -891,7 +891,7 @@ def measure_optimizer(module: Any, optimizer: Callable[..., Any], transport: Any
     values = torch.zeros(count + 1, dtype=torch.float64)
     if rank == 0:
         where = device or "cpu"
-        cuda = torch.device(where).type == "cuda"
+        now = device_clock(where, now)
 
         def timed(params: list) -> float:
             for p in params:
@@ -899,12 +899,8 @@ def measure_optimizer(module: Any, optimizer: Callable[..., Any], transport: Any
             opt = optimizer(params)
             times = []
             for i in range(warmup + repeats):
-                if cuda:
-                    torch.cuda.synchronize(where)
                 start = now()
                 opt.step()
-                if cuda:
-                    torch.cuda.synchronize(where)
                 if i >= warmup:
                     times.append(now() - start)
             return statistics.median(times)
@@ -949,6 +945,7 @@ def measure_link(transport: Any, nbytes: float, *, repeats: int = 10, warmup: in
     now = clock or time.perf_counter
     device = transport.device
     cuda = getattr(device, "type", str(device)) == "cuda"
+    now = device_clock(device, now)
     sizes = (64, max(int(nbytes), 1 << 16))
     one_way = []
     if transport.rank in (0, 1):
@@ -957,14 +954,10 @@ def measure_link(transport: Any, nbytes: float, *, repeats: int = 10, warmup: in
             buf = torch.zeros(size, dtype=torch.uint8, device=device)
             times = []
             for _ in range(warmup + repeats):
-                if cuda:
-                    torch.cuda.synchronize(device)
                 start = now()
                 for op in (("send", "recv") if transport.rank == 0 else ("recv", "send")):
                     for handle in transport.batch_isend_irecv([P2POp(op, buf, peer)]):
                         handle.wait()
-                if cuda:
-                    torch.cuda.synchronize(device)
                 times.append((now() - start) / 2)
             one_way.append(sorted(times[warmup:])[repeats // 2])
     result = torch.zeros(2, dtype=torch.float64, device=device)

@@ -65,6 +65,22 @@ def price(table: dict[tuple[int, ...], dict[type, float]], host: dict[type, floa
         host[cls] = host.get(cls, 0.0) + runtime.dispatch_s + runtime.wire_s / 2
 
 
+def device_clock(device: Any, clock: Callable[[], float] | None = None) -> Callable[[], float]:
+    """``clock`` (default ``time.perf_counter``) that, on a CUDA ``device``, first waits for
+    the device's queued work, so that a reading is when the work is done, not when the host
+    queued it; elsewhere ``clock`` itself. Every plan-time measurement reads time through it."""
+    import torch
+
+    now = clock or time.perf_counter
+    if torch.device(device or "cpu").type != "cuda":
+        return now
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return now()
+    return synced
+
+
 def measure_dispatch(*, instructions: int = 64, repeats: int = 5,
                      clock: Callable[[], float] | None = None) -> float:
     """Seconds the :class:`~pipekernel.kernel.loop.Kernel` spends per instruction: a
@@ -104,20 +120,14 @@ def _loss_times(module: Any, sample: Any, labels: Any, device: Any, repeats: int
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return 0.0, 0.0
     labels = _to(labels, where)
-    cuda = torch.device(where).type == "cuda"
+    now = device_clock(where, now)
     forward, backward = [], []
     for i in range(warmup + repeats):
         out = value.detach().requires_grad_()
-        if cuda:
-            torch.cuda.synchronize(where)
         start = now()
         loss = loss_fn(out, labels)
-        if cuda:
-            torch.cuda.synchronize(where)
         middle = now()
         loss.backward()
-        if cuda:
-            torch.cuda.synchronize(where)
         end = now()
         if i >= warmup:
             forward.append(middle - start)
@@ -162,7 +172,7 @@ def _wire_s(transport: Any, nbytes: float, repeats: int, warmup: int,
     out, back = Channel(transport, peer), Channel(transport, peer)
     value = torch.zeros(max(int(nbytes) // 4, 1), device=transport.device)
     raw = torch.zeros(value.numel() * 4, dtype=torch.uint8, device=transport.device)
-    cuda = getattr(transport.device, "type", str(transport.device)) == "cuda"
+    now = device_clock(transport.device, now)
 
     def send() -> None:
         _busy(work_s)
@@ -188,13 +198,9 @@ def _wire_s(transport: Any, nbytes: float, repeats: int, warmup: int,
         return run
 
     def round_trip(ops: tuple[Callable[[], None], Callable[[], None]]) -> float:
-        if cuda:
-            torch.cuda.synchronize(transport.device)
         start = now()
         for op in (ops if transport.rank == 0 else ops[::-1]):
             op()
-        if cuda:
-            torch.cuda.synchronize(transport.device)
         return (now() - start) / 2
 
     extra = []
